@@ -1,0 +1,820 @@
+//! `flagcx-host`: a real flagcx-rs vendor whose "device" memory is shareable host memory.
+//!
+//! It is how CPU worker processes (say, a KV-cache server) join a job next to GPU ranks, and how
+//! CI exercises every layer end to end without a GPU. Nothing here is a mock:
+//!
+//! - device memory is a `memfd` mapped shared, so IPC handles really map the same pages in
+//!   another process — by fd ([`DeviceAdaptor::ipc_export_fd`]) or by a 64-byte handle that
+//!   names the exporter's descriptor, opened through `/proc/<pid>/fd` and checked by inode;
+//! - each stream is a worker thread that runs its operations asynchronously and in order;
+//!   events, host functions and stream wait/write value operations keep stream order;
+//! - it presents several devices (`FLAGCX_HOST_DEVICES`, default 8) so that several ranks on one
+//!   machine look like a node; all of them share the host's memory, so peers can always reach
+//!   each other.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod memory;
+mod stream;
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use flagcx_adaptor::{
+    AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceProperties, DevicePtr,
+    EventHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor, WaitCondition,
+    IPC_HANDLE_BYTES,
+};
+
+use memory::{registry, Range, RangeKind};
+use stream::{EventState, HostStream, Op};
+
+/// Environment variable: how many host devices to present (default [`DEFAULT_DEVICES`]).
+pub const DEVICES_ENV: &str = "FLAGCX_HOST_DEVICES";
+/// Host devices presented when [`DEVICES_ENV`] is unset.
+pub const DEFAULT_DEVICES: usize = 8;
+const HANDLE_MAGIC: &[u8; 4] = b"FXH1";
+const VENDOR: Vendor = Vendor::Host;
+
+thread_local! {
+    static CAPTURE_MODE: Cell<CaptureMode> = const { Cell::new(CaptureMode::Global) };
+}
+
+/// Stream and event ids are process-unique, so a handle from one adaptor is never mistaken for
+/// another's.
+static NEXT_HANDLE: AtomicU64 = AtomicU64::new(0x4000);
+
+/// One host device. Cheap to clone; clones share streams and events.
+#[derive(Clone)]
+pub struct HostAdaptor {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    device: usize,
+    count: usize,
+    total_memory: u64,
+    streams: Mutex<HashMap<u64, Arc<HostStream>>>,
+    events: Mutex<HashMap<u64, Arc<EventState>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let streams: Vec<_> = self
+            .streams
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .collect();
+        for (_, s) in streams {
+            s.join(true);
+        }
+    }
+}
+
+impl std::fmt::Debug for HostAdaptor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostAdaptor")
+            .field("device", &self.inner.device)
+            .field("count", &self.inner.count)
+            .finish()
+    }
+}
+
+impl HostAdaptor {
+    /// Opens host device `device`, presenting as many devices as `FLAGCX_HOST_DEVICES` says.
+    pub fn open(device: usize) -> Result<Self> {
+        let count = match std::env::var(DEVICES_ENV) {
+            Err(_) => DEFAULT_DEVICES,
+            Ok(v) => v
+                .trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| n >= 1)
+                .ok_or_else(|| {
+                    AdaptorError::invalid(
+                        "HostAdaptor::open",
+                        format!("{DEVICES_ENV}={v:?} is not a device count ≥ 1"),
+                    )
+                })?,
+        };
+        Self::with_devices(device, count)
+    }
+
+    /// Opens host device `device` of `count` presented devices.
+    pub fn with_devices(device: usize, count: usize) -> Result<Self> {
+        if device >= count {
+            return Err(AdaptorError::InvalidDevice {
+                vendor: VENDOR,
+                index: device,
+                count,
+            });
+        }
+        Ok(HostAdaptor {
+            inner: Arc::new(Inner {
+                device,
+                count,
+                total_memory: memory::physical_memory(),
+                streams: Mutex::default(),
+                events: Mutex::default(),
+            }),
+        })
+    }
+
+    fn stream(&self, s: StreamHandle) -> Result<Arc<HostStream>> {
+        self.inner
+            .streams
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&s.0)
+            .cloned()
+            .ok_or(AdaptorError::InvalidHandle {
+                kind: "stream",
+                value: s.0,
+            })
+    }
+
+    fn event(&self, e: EventHandle) -> Result<Arc<EventState>> {
+        self.inner
+            .events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&e.0)
+            .cloned()
+            .ok_or(AdaptorError::InvalidHandle {
+                kind: "event",
+                value: e.0,
+            })
+    }
+
+    fn push(&self, op: &'static str, s: &HostStream, work: Op) -> Result<()> {
+        if s.push(work) {
+            Ok(())
+        } else {
+            Err(AdaptorError::StreamFault {
+                vendor: VENDOR,
+                op,
+                reason: "stream is shutting down".into(),
+            })
+        }
+    }
+
+    fn check_device_index(&self, index: usize) -> Result<()> {
+        if index < self.inner.count {
+            Ok(())
+        } else {
+            Err(AdaptorError::InvalidDevice {
+                vendor: VENDOR,
+                index,
+                count: self.inner.count,
+            })
+        }
+    }
+
+    fn alloc_device(&self, op: &'static str, size: usize) -> Result<DevicePtr> {
+        if size == 0 {
+            return Err(AdaptorError::invalid(op, "zero-byte allocation"));
+        }
+        if size as u64 > self.inner.total_memory {
+            return Err(AdaptorError::OutOfMemory {
+                vendor: VENDOR,
+                device: self.inner.device,
+                requested: size,
+                code: None,
+            });
+        }
+        let fd = memory::memfd(size)?;
+        let base = memory::map_shared(&fd, size).map_err(|e| match e {
+            AdaptorError::Os { ref source, .. } if source.raw_os_error() == Some(libc::ENOMEM) => {
+                AdaptorError::OutOfMemory {
+                    vendor: VENDOR,
+                    device: self.inner.device,
+                    requested: size,
+                    code: Some(libc::ENOMEM as i64),
+                }
+            }
+            other => other,
+        })?;
+        let kind = RangeKind::Device {
+            device: self.inner.device,
+            fd,
+        };
+        registry().insert(op, base, Range { len: size, kind })?;
+        Ok(DevicePtr(base))
+    }
+
+    /// Validates a stream memory operation's address: device-visible, aligned, in bounds.
+    fn check_value_addr(&self, op: &'static str, addr: DevicePtr, wide: bool) -> Result<()> {
+        let width = if wide { 8 } else { 4 };
+        if addr.0 % width != 0 {
+            return Err(AdaptorError::invalid(
+                op,
+                format!("{addr} is not {width}-byte aligned"),
+            ));
+        }
+        registry().check(op, addr.0, width as usize)
+    }
+
+    fn enqueue_value_op(&self, op: &'static str, stream: StreamHandle, work: Op) -> Result<()> {
+        let s = self.stream(stream)?;
+        self.push(op, &s, work)
+    }
+}
+
+/// Encodes a byte-form handle naming descriptor `fd` of this process.
+fn encode_handle(fd: &OwnedFd, size: usize) -> Result<IpcMemHandle> {
+    let (ino, dev) = memory::fd_identity(fd)?;
+    let mut b = [0u8; IPC_HANDLE_BYTES];
+    b[0..4].copy_from_slice(HANDLE_MAGIC);
+    b[4..8].copy_from_slice(&std::process::id().to_le_bytes());
+    b[8..12].copy_from_slice(&fd.as_raw_fd().to_le_bytes());
+    b[16..24].copy_from_slice(&(size as u64).to_le_bytes());
+    b[24..32].copy_from_slice(&ino.to_le_bytes());
+    b[32..40].copy_from_slice(&dev.to_le_bytes());
+    Ok(IpcMemHandle {
+        vendor: VENDOR,
+        bytes: b,
+    })
+}
+
+struct DecodedHandle {
+    pid: u32,
+    fd: i32,
+    size: usize,
+    ino: u64,
+    dev: u64,
+}
+
+fn decode_handle(h: &IpcMemHandle) -> Result<DecodedHandle> {
+    const OP: &str = "ipc_open_handle";
+    if h.vendor != VENDOR {
+        return Err(AdaptorError::invalid(
+            OP,
+            format!("a {} handle cannot be opened by the host vendor", h.vendor),
+        ));
+    }
+    let b = &h.bytes;
+    if &b[0..4] != HANDLE_MAGIC || b[40..].iter().any(|&x| x != 0) {
+        return Err(AdaptorError::invalid(OP, "not a host-vendor IPC handle"));
+    }
+    let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+    let d = DecodedHandle {
+        pid: u32::from_le_bytes(b[4..8].try_into().expect("4 bytes")),
+        fd: i32::from_le_bytes(b[8..12].try_into().expect("4 bytes")),
+        size: usize::try_from(u64_at(16))
+            .map_err(|_| AdaptorError::invalid(OP, "size does not fit this platform"))?,
+        ino: u64_at(24),
+        dev: u64_at(32),
+    };
+    if d.fd < 0 || d.size == 0 || d.pid == 0 {
+        return Err(AdaptorError::invalid(
+            OP,
+            "malformed host-vendor IPC handle",
+        ));
+    }
+    Ok(d)
+}
+
+fn dup_cloexec(op: &'static str, fd: &OwnedFd) -> Result<OwnedFd> {
+    // SAFETY: duplicating a valid descriptor; the result is checked and owned.
+    let raw = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 3) };
+    if raw < 0 {
+        return Err(AdaptorError::last_os(op));
+    }
+    // SAFETY: `raw` is a new descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+fn map_opened(op: &'static str, fd: OwnedFd, size: usize) -> Result<DevicePtr> {
+    let base = memory::map_shared(&fd, size)?;
+    let kind = RangeKind::IpcOpened { fd };
+    if let Err(e) = registry().insert(op, base, Range { len: size, kind }) {
+        // SAFETY: the mapping was made just above and is not yet published.
+        unsafe { memory::unmap(base, size) };
+        return Err(e);
+    }
+    Ok(DevicePtr(base))
+}
+
+impl DeviceAdaptor for HostAdaptor {
+    fn vendor(&self) -> Vendor {
+        VENDOR
+    }
+
+    fn device(&self) -> usize {
+        self.inner.device
+    }
+
+    fn device_count(&self) -> Result<usize> {
+        Ok(self.inner.count)
+    }
+
+    fn properties(&self, index: usize) -> Result<DeviceProperties> {
+        self.check_device_index(index)?;
+        Ok(DeviceProperties {
+            vendor: VENDOR,
+            index,
+            name: format!("host device {index}"),
+            pci_bus_id: None,
+            total_memory: self.inner.total_memory,
+        })
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            ipc_bytes: true,
+            ipc_fd: true,
+            host_register: true,
+            peer_access: true,
+            host_functions: true,
+            stream_mem_ops: true,
+            stream_mem_ops_64: true,
+            capture_mode: true,
+        }
+    }
+
+    fn mem_alloc(&self, size: usize) -> Result<DevicePtr> {
+        self.alloc_device("mem_alloc", size)
+    }
+
+    fn mem_alloc_shareable(&self, size: usize) -> Result<DevicePtr> {
+        // Every host-vendor allocation is a memfd, exportable in both forms.
+        self.alloc_device("mem_alloc_shareable", size)
+    }
+
+    unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
+        let me = self.inner.device;
+        let r = registry().remove_if(
+            "mem_free",
+            ptr.0,
+            |k| matches!(k, RangeKind::Device { device, .. } if *device == me),
+        )?;
+        // SAFETY: the range was our mapping; the caller guarantees no work still uses it.
+        unsafe { memory::unmap(ptr.0, r.len) };
+        Ok(())
+    }
+
+    fn mem_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+        let reg = registry();
+        match reg.find(ptr.0) {
+            Some((base, r)) if ptr.0 != 0 => Ok((DevicePtr(base), r.len)),
+            _ => Err(AdaptorError::InvalidHandle {
+                kind: "device pointer",
+                value: ptr.0,
+            }),
+        }
+    }
+
+    fn host_alloc(&self, size: usize) -> Result<*mut u8> {
+        if size == 0 {
+            return Err(AdaptorError::invalid("host_alloc", "zero-byte allocation"));
+        }
+        let base = memory::map_anonymous(size)?;
+        registry().insert(
+            "host_alloc",
+            base,
+            Range {
+                len: size,
+                kind: RangeKind::Pinned,
+            },
+        )?;
+        Ok(base as *mut u8)
+    }
+
+    unsafe fn host_free(&self, ptr: *mut u8) -> Result<()> {
+        let r =
+            registry().remove_if("host_free", ptr as u64, |k| matches!(k, RangeKind::Pinned))?;
+        // SAFETY: our anonymous mapping; the caller guarantees it is unused.
+        unsafe { memory::unmap(ptr as u64, r.len) };
+        Ok(())
+    }
+
+    unsafe fn host_register(&self, ptr: *mut u8, size: usize) -> Result<DevicePtr> {
+        if ptr.is_null() || size == 0 {
+            return Err(AdaptorError::invalid(
+                "host_register",
+                "null pointer or zero size",
+            ));
+        }
+        registry().insert(
+            "host_register",
+            ptr as u64,
+            Range {
+                len: size,
+                kind: RangeKind::Registered,
+            },
+        )?;
+        Ok(DevicePtr(ptr as u64))
+    }
+
+    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        registry().remove_if("host_unregister", ptr as u64, |k| {
+            matches!(k, RangeKind::Registered)
+        })?;
+        Ok(())
+    }
+
+    unsafe fn memcpy_h2d_async(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const OP: &str = "memcpy_h2d_async";
+        let s = self.stream(stream)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if src.is_null() {
+            return Err(AdaptorError::invalid(OP, "null host source"));
+        }
+        registry().check(OP, dst.0, n)?;
+        let src = src as u64;
+        self.push(OP, &s, Op::Copy { dst: dst.0, src, n })
+    }
+
+    unsafe fn memcpy_d2h_async(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const OP: &str = "memcpy_d2h_async";
+        let s = self.stream(stream)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if dst.is_null() {
+            return Err(AdaptorError::invalid(OP, "null host destination"));
+        }
+        registry().check(OP, src.0, n)?;
+        let dst = dst as u64;
+        self.push(OP, &s, Op::Copy { dst, src: src.0, n })
+    }
+
+    unsafe fn memcpy_d2d_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const OP: &str = "memcpy_d2d_async";
+        let s = self.stream(stream)?;
+        if n == 0 {
+            return Ok(());
+        }
+        {
+            let reg = registry();
+            reg.check(OP, dst.0, n)?;
+            reg.check(OP, src.0, n)?;
+        }
+        self.push(
+            OP,
+            &s,
+            Op::Copy {
+                dst: dst.0,
+                src: src.0,
+                n,
+            },
+        )
+    }
+
+    unsafe fn memset_async(
+        &self,
+        dst: DevicePtr,
+        value: u8,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const OP: &str = "memset_async";
+        let s = self.stream(stream)?;
+        if n == 0 {
+            return Ok(());
+        }
+        registry().check(OP, dst.0, n)?;
+        self.push(
+            OP,
+            &s,
+            Op::Memset {
+                dst: dst.0,
+                value,
+                n,
+            },
+        )
+    }
+
+    fn stream_create(&self) -> Result<StreamHandle> {
+        let id = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
+        let s = HostStream::spawn(format!("flagcx-host-stream-{id:x}")).map_err(|source| {
+            AdaptorError::Os {
+                op: "spawn stream worker",
+                source,
+            }
+        })?;
+        self.inner
+            .streams
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, Arc::new(s));
+        Ok(StreamHandle(id))
+    }
+
+    fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
+        let s = self
+            .inner
+            .streams
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&stream.0)
+            .ok_or(AdaptorError::InvalidHandle {
+                kind: "stream",
+                value: stream.0,
+            })?;
+        // Enqueued work still completes, as on a GPU; the worker exits when its queue drains.
+        s.close(false);
+        Ok(())
+    }
+
+    fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
+        match self.stream(stream)?.synchronize() {
+            None => Ok(()),
+            Some(reason) => Err(AdaptorError::StreamFault {
+                vendor: VENDOR,
+                op: "stream_synchronize",
+                reason,
+            }),
+        }
+    }
+
+    fn stream_query(&self, stream: StreamHandle) -> Result<bool> {
+        Ok(self.stream(stream)?.idle())
+    }
+
+    fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
+        let s = self.stream(stream)?;
+        let ev = self.event(event)?;
+        let gen = ev.last_recorded();
+        if gen == 0 {
+            return Ok(()); // never recorded: nothing to wait for
+        }
+        self.push("stream_wait_event", &s, Op::WaitEvent { event: ev, gen })
+    }
+
+    fn event_create(&self, timing: bool) -> Result<EventHandle> {
+        let id = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
+        self.inner
+            .events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, Arc::new(EventState::new(timing)));
+        Ok(EventHandle(id))
+    }
+
+    fn event_destroy(&self, event: EventHandle) -> Result<()> {
+        self.inner
+            .events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&event.0)
+            .map(|_| ())
+            .ok_or(AdaptorError::InvalidHandle {
+                kind: "event",
+                value: event.0,
+            })
+    }
+
+    fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
+        let s = self.stream(stream)?;
+        let ev = self.event(event)?;
+        let gen = ev.begin_record();
+        self.push("event_record", &s, Op::Record { event: ev, gen })
+    }
+
+    fn event_query(&self, event: EventHandle) -> Result<bool> {
+        Ok(self.event(event)?.done())
+    }
+
+    fn event_synchronize(&self, event: EventHandle) -> Result<()> {
+        let ev = self.event(event)?;
+        ev.wait(ev.last_recorded());
+        Ok(())
+    }
+
+    fn event_elapsed_ms(&self, start: EventHandle, end: EventHandle) -> Result<f32> {
+        const OP: &str = "event_elapsed_ms";
+        let (s, e) = (self.event(start)?, self.event(end)?);
+        if !s.timing || !e.timing {
+            return Err(AdaptorError::invalid(
+                OP,
+                "events were created without timing",
+            ));
+        }
+        match (s.completed_at(), e.completed_at()) {
+            (Some(a), Some(b)) => Ok(b.saturating_duration_since(a).as_secs_f32() * 1e3),
+            _ => Err(AdaptorError::invalid(
+                OP,
+                "both events must be recorded and complete",
+            )),
+        }
+    }
+
+    fn ipc_get_handle(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
+        const OP: &str = "ipc_get_handle";
+        let reg = registry();
+        match reg.find(ptr.0) {
+            Some((_, r)) if ptr.0 != 0 => match &r.kind {
+                RangeKind::Device { fd, .. } | RangeKind::IpcOpened { fd } => {
+                    encode_handle(fd, r.len)
+                }
+                _ => Err(AdaptorError::invalid(
+                    OP,
+                    format!("{ptr} is not device memory"),
+                )),
+            },
+            _ => Err(AdaptorError::InvalidHandle {
+                kind: "device pointer",
+                value: ptr.0,
+            }),
+        }
+    }
+
+    fn ipc_open_handle(&self, handle: &IpcMemHandle) -> Result<DevicePtr> {
+        const OP: &str = "ipc_open_handle";
+        let d = decode_handle(handle)?;
+        let path = format!("/proc/{}/fd/{}\0", d.pid, d.fd);
+        // SAFETY: `path` is NUL-terminated; the result is checked.
+        let raw = unsafe { libc::open(path.as_ptr().cast(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if raw < 0 {
+            let err = std::io::Error::last_os_error();
+            return Err(AdaptorError::invalid(
+                OP,
+                format!(
+                    "cannot reach the exporter's allocation (pid {}, fd {}): {err}; \
+                     the exporting process or allocation is gone, or the handle is forged",
+                    d.pid, d.fd
+                ),
+            ));
+        }
+        // SAFETY: a new descriptor we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // The fd number may have been reused by the exporter: the inode proves identity.
+        if memory::fd_identity(&fd)? != (d.ino, d.dev) || memory::fd_size(&fd)? < d.size {
+            return Err(AdaptorError::invalid(
+                OP,
+                "the handle's allocation no longer exists (stale handle)",
+            ));
+        }
+        map_opened(OP, fd, d.size)
+    }
+
+    fn ipc_export_fd(&self, ptr: DevicePtr) -> Result<IpcFdHandle> {
+        const OP: &str = "ipc_export_fd";
+        let reg = registry();
+        match reg.find(ptr.0) {
+            Some((_, r)) if ptr.0 != 0 => match &r.kind {
+                RangeKind::Device { fd, .. } | RangeKind::IpcOpened { fd } => Ok(IpcFdHandle {
+                    vendor: VENDOR,
+                    fd: dup_cloexec(OP, fd)?,
+                    size: r.len,
+                }),
+                _ => Err(AdaptorError::invalid(
+                    OP,
+                    format!("{ptr} is not device memory"),
+                )),
+            },
+            _ => Err(AdaptorError::InvalidHandle {
+                kind: "device pointer",
+                value: ptr.0,
+            }),
+        }
+    }
+
+    fn ipc_import_fd(&self, handle: &IpcFdHandle) -> Result<DevicePtr> {
+        const OP: &str = "ipc_import_fd";
+        if handle.vendor != VENDOR {
+            return Err(AdaptorError::invalid(
+                OP,
+                format!(
+                    "a {} handle cannot be imported by the host vendor",
+                    handle.vendor
+                ),
+            ));
+        }
+        if handle.size == 0 {
+            return Err(AdaptorError::invalid(OP, "zero-size handle"));
+        }
+        let fd = dup_cloexec(OP, &handle.fd)?;
+        let have = memory::fd_size(&fd)?;
+        if have < handle.size {
+            return Err(AdaptorError::invalid(
+                OP,
+                format!(
+                    "the descriptor holds {have} bytes, the handle claims {}",
+                    handle.size
+                ),
+            ));
+        }
+        map_opened(OP, fd, handle.size)
+    }
+
+    unsafe fn ipc_close(&self, ptr: DevicePtr) -> Result<()> {
+        let r = registry().remove_if("ipc_close", ptr.0, |k| {
+            matches!(k, RangeKind::IpcOpened { .. })
+        })?;
+        // SAFETY: our mapping of the peer's memory; the caller guarantees it is unused.
+        unsafe { memory::unmap(ptr.0, r.len) };
+        Ok(())
+    }
+
+    fn can_access_peer(&self, peer: usize) -> Result<bool> {
+        self.check_device_index(peer)?;
+        Ok(true) // every host device is the same physical memory
+    }
+
+    fn enable_peer_access(&self, peer: usize) -> Result<()> {
+        self.check_device_index(peer)
+    }
+
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+        Ok(CAPTURE_MODE.with(|m| m.replace(mode)))
+    }
+
+    fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()> {
+        let s = self.stream(stream)?;
+        self.push("launch_host_func", &s, Op::HostFn(f))
+    }
+
+    unsafe fn stream_wait_value32(
+        &self,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u32,
+        cond: WaitCondition,
+    ) -> Result<()> {
+        const OP: &str = "stream_wait_value32";
+        self.check_value_addr(OP, addr, false)?;
+        let work = Op::WaitValue {
+            addr: addr.0,
+            value: value as u64,
+            wide: false,
+            cond,
+        };
+        self.enqueue_value_op(OP, stream, work)
+    }
+
+    unsafe fn stream_wait_value64(
+        &self,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u64,
+        cond: WaitCondition,
+    ) -> Result<()> {
+        const OP: &str = "stream_wait_value64";
+        self.check_value_addr(OP, addr, true)?;
+        let work = Op::WaitValue {
+            addr: addr.0,
+            value,
+            wide: true,
+            cond,
+        };
+        self.enqueue_value_op(OP, stream, work)
+    }
+
+    unsafe fn stream_write_value32(
+        &self,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u32,
+    ) -> Result<()> {
+        const OP: &str = "stream_write_value32";
+        self.check_value_addr(OP, addr, false)?;
+        let work = Op::WriteValue {
+            addr: addr.0,
+            value: value as u64,
+            wide: false,
+        };
+        self.enqueue_value_op(OP, stream, work)
+    }
+
+    unsafe fn stream_write_value64(
+        &self,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u64,
+    ) -> Result<()> {
+        const OP: &str = "stream_write_value64";
+        self.check_value_addr(OP, addr, true)?;
+        let work = Op::WriteValue {
+            addr: addr.0,
+            value,
+            wide: true,
+        };
+        self.enqueue_value_op(OP, stream, work)
+    }
+}

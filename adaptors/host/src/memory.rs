@@ -1,0 +1,215 @@
+//! Host-vendor memory: memfd-backed "device" allocations and a process-wide range registry.
+//!
+//! Device memory is a `memfd` mapped `MAP_SHARED`, so another process can map the very same
+//! pages (through the fd, or through `/proc/<pid>/fd/<n>` for the byte-form handle). The
+//! registry records every range the "device" may touch, which lets the adaptor refuse null,
+//! foreign or out-of-bounds device pointers with a typed error instead of faulting.
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use flagcx_adaptor::{AdaptorError, Result};
+
+/// What a registered range is.
+#[derive(Debug)]
+pub(crate) enum RangeKind {
+    /// A device allocation of device `device`, backed by `fd`.
+    Device { device: usize, fd: OwnedFd },
+    /// Pinned host memory from `host_alloc` (anonymous mapping).
+    Pinned,
+    /// An existing host mapping registered by the user (not owned).
+    Registered,
+    /// A mapping of another allocation opened through IPC, backed by `fd`.
+    IpcOpened { fd: OwnedFd },
+}
+
+#[derive(Debug)]
+pub(crate) struct Range {
+    pub len: usize,
+    pub kind: RangeKind,
+}
+
+/// Every device-visible range of this process, keyed by base address.
+#[derive(Debug, Default)]
+pub(crate) struct Registry {
+    ranges: BTreeMap<u64, Range>,
+}
+
+pub(crate) fn registry() -> MutexGuard<'static, Registry> {
+    static REG: OnceLock<Mutex<Registry>> = OnceLock::new();
+    // A panic while holding the lock cannot leave the map half-updated (each update is one
+    // insert or remove), so a poisoned lock is still consistent.
+    REG.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+impl Registry {
+    /// The range containing `addr`, with its base.
+    pub fn find(&self, addr: u64) -> Option<(u64, &Range)> {
+        let (&base, r) = self.ranges.range(..=addr).next_back()?;
+        (addr < base + r.len as u64).then_some((base, r))
+    }
+
+    /// Checks that `[addr, addr+n)` lies inside one registered range.
+    pub fn check(&self, op: &'static str, addr: u64, n: usize) -> Result<()> {
+        if addr == 0 {
+            return Err(AdaptorError::invalid(op, "null device pointer"));
+        }
+        match self.find(addr) {
+            Some((base, r)) if addr - base + n as u64 <= r.len as u64 => Ok(()),
+            Some((base, r)) => Err(AdaptorError::invalid(
+                op,
+                format!(
+                    "{n} bytes at {addr:#x} run past the {}-byte range at {base:#x}",
+                    r.len
+                ),
+            )),
+            None => Err(AdaptorError::invalid(
+                op,
+                format!("{addr:#x} is not device-visible memory of this process"),
+            )),
+        }
+    }
+
+    /// Records a range; refuses overlap with an existing one.
+    pub fn insert(&mut self, op: &'static str, base: u64, range: Range) -> Result<()> {
+        let end = base + range.len as u64;
+        if let Some((&b, r)) = self.ranges.range(..end).next_back() {
+            if b + r.len as u64 > base {
+                return Err(AdaptorError::invalid(
+                    op,
+                    format!("{base:#x}..{end:#x} overlaps a registered range at {b:#x}"),
+                ));
+            }
+        }
+        self.ranges.insert(base, range);
+        Ok(())
+    }
+
+    /// Removes the range starting exactly at `base` if `accept` agrees with its kind.
+    pub fn remove_if(
+        &mut self,
+        op: &'static str,
+        base: u64,
+        accept: impl FnOnce(&RangeKind) -> bool,
+    ) -> Result<Range> {
+        match self.ranges.get(&base) {
+            Some(r) if accept(&r.kind) => Ok(self.ranges.remove(&base).expect("present")),
+            Some(_) => Err(AdaptorError::invalid(
+                op,
+                format!("{base:#x} is a different kind of memory"),
+            )),
+            None => Err(AdaptorError::InvalidHandle {
+                kind: "memory",
+                value: base,
+            }),
+        }
+    }
+}
+
+/// A fresh memfd of `len` bytes.
+pub(crate) fn memfd(len: usize) -> Result<OwnedFd> {
+    // SAFETY: memfd_create takes a valid C string; the result is checked.
+    let raw = unsafe { libc::memfd_create(c"flagcx-host-device".as_ptr(), libc::MFD_CLOEXEC) };
+    if raw < 0 {
+        return Err(AdaptorError::last_os("memfd_create"));
+    }
+    // SAFETY: `raw` is a new descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let len = libc::off_t::try_from(len)
+        .map_err(|_| AdaptorError::invalid("mem_alloc", format!("{len} bytes is too large")))?;
+    // SAFETY: valid descriptor.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), len) } != 0 {
+        return Err(AdaptorError::last_os("ftruncate"));
+    }
+    Ok(fd)
+}
+
+/// Maps `len` bytes of `fd` shared and read-write.
+pub(crate) fn map_shared(fd: &OwnedFd, len: usize) -> Result<u64> {
+    // SAFETY: a new mapping at an address the kernel picks; result checked.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(AdaptorError::last_os("mmap"));
+    }
+    Ok(p as u64)
+}
+
+/// Maps `len` bytes of private anonymous memory.
+pub(crate) fn map_anonymous(len: usize) -> Result<u64> {
+    // SAFETY: as above.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(AdaptorError::last_os("mmap"));
+    }
+    Ok(p as u64)
+}
+
+/// Unmaps a mapping made by [`map_shared`] or [`map_anonymous`].
+///
+/// # Safety
+/// `base..base+len` is a mapping this module made and nothing uses it any more.
+pub(crate) unsafe fn unmap(base: u64, len: usize) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        libc::munmap(base as *mut libc::c_void, len);
+    }
+}
+
+/// The inode and device of an fd, used to recognise an allocation across processes.
+pub(crate) fn fd_identity(fd: &OwnedFd) -> Result<(u64, u64)> {
+    // SAFETY: fstat fills the zeroed struct for a valid descriptor.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(AdaptorError::last_os("fstat"));
+    }
+    Ok((st.st_ino, st.st_dev))
+}
+
+/// The size of the file behind an fd.
+pub(crate) fn fd_size(fd: &OwnedFd) -> Result<usize> {
+    // SAFETY: as in fd_identity.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        return Err(AdaptorError::last_os("fstat"));
+    }
+    Ok(st.st_size as usize)
+}
+
+/// The system's physical memory, the host device's "total memory".
+pub(crate) fn physical_memory() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let (pages, size) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    if pages > 0 && size > 0 {
+        pages as u64 * size as u64
+    } else {
+        1 << 30
+    }
+}

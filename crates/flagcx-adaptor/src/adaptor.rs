@@ -1,0 +1,252 @@
+//! The [`DeviceAdaptor`] trait: everything flagcx-rs needs from a vendor runtime.
+
+use crate::error::Result;
+use crate::types::{
+    Capabilities, CaptureMode, DeviceProperties, DevicePtr, EventHandle, IpcFdHandle, IpcMemHandle,
+    StreamHandle, Vendor, WaitCondition,
+};
+
+/// A host function enqueued on a stream with [`DeviceAdaptor::launch_host_func`].
+pub type HostFn = Box<dyn FnOnce() + Send + 'static>;
+
+/// One device of one vendor runtime.
+///
+/// An adaptor value is bound to one device (chosen when it is opened); it is cheap to clone and
+/// every clone drives the same device. All methods may be called from any thread: adaptors make
+/// their device current on the calling thread themselves (the proxy thread relies on this).
+///
+/// Operations that take raw addresses are `unsafe fn`; each states its contract. Everything else
+/// validates its arguments and returns a typed [`crate::AdaptorError`] — never a panic.
+pub trait DeviceAdaptor: Clone + Send + Sync + 'static {
+    // ---- device -------------------------------------------------------------------------------
+
+    /// Which vendor this is.
+    fn vendor(&self) -> Vendor;
+
+    /// The device index this adaptor drives.
+    fn device(&self) -> usize;
+
+    /// How many devices of this vendor the process can see.
+    fn device_count(&self) -> Result<usize>;
+
+    /// Properties of device `index` (any visible device, not only this adaptor's).
+    fn properties(&self, index: usize) -> Result<DeviceProperties>;
+
+    /// What this adaptor supports.
+    fn capabilities(&self) -> Capabilities;
+
+    // ---- memory -------------------------------------------------------------------------------
+
+    /// Allocates `size` bytes of device memory. `size == 0` is an invalid argument.
+    ///
+    /// The allocation can be exported in byte form when [`Capabilities::ipc_bytes`] is set.
+    fn mem_alloc(&self, size: usize) -> Result<DevicePtr>;
+
+    /// Allocates `size` bytes (possibly rounded up) of device memory that can also be exported in
+    /// file-descriptor form ([`Capabilities::ipc_fd`]); [`Self::mem_free`] releases it.
+    fn mem_alloc_shareable(&self, size: usize) -> Result<DevicePtr>;
+
+    /// Frees an allocation made by [`Self::mem_alloc`] or [`Self::mem_alloc_shareable`].
+    ///
+    /// # Safety
+    /// No enqueued or future operation may still use the allocation.
+    unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()>;
+
+    /// The base and size of the allocation (device, pinned, registered or IPC-opened) that
+    /// contains `ptr`.
+    fn mem_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)>;
+
+    /// Allocates `size` bytes of page-locked host memory that the device can reach.
+    fn host_alloc(&self, size: usize) -> Result<*mut u8>;
+
+    /// Frees memory from [`Self::host_alloc`].
+    ///
+    /// # Safety
+    /// `ptr` came from `host_alloc` of this adaptor and no operation still uses it.
+    unsafe fn host_free(&self, ptr: *mut u8) -> Result<()>;
+
+    /// Registers an existing host mapping (e.g. a shared-memory segment) with the device so its
+    /// copy engine can reach it; returns the device-visible address of `ptr`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+size` is a live mapping that stays mapped until [`Self::host_unregister`].
+    unsafe fn host_register(&self, ptr: *mut u8, size: usize) -> Result<DevicePtr>;
+
+    /// Undoes [`Self::host_register`].
+    ///
+    /// # Safety
+    /// No enqueued or future operation may still use the device alias of the range.
+    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()>;
+
+    // ---- copies -------------------------------------------------------------------------------
+
+    /// Enqueues a copy of `n` bytes from host memory to device memory on `stream`.
+    ///
+    /// # Safety
+    /// `src..src+n` stays readable and `dst..dst+n` writable until the copy completes on
+    /// `stream`; the ranges do not overlap.
+    unsafe fn memcpy_h2d_async(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()>;
+
+    /// Enqueues a copy of `n` bytes from device memory to host memory on `stream`.
+    ///
+    /// # Safety
+    /// As [`Self::memcpy_h2d_async`], with the roles swapped.
+    unsafe fn memcpy_d2h_async(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()>;
+
+    /// Enqueues a copy of `n` bytes between device addresses (this device, a peer, an
+    /// IPC-opened mapping or registered host memory) on `stream`.
+    ///
+    /// # Safety
+    /// Both ranges stay valid until the copy completes on `stream`.
+    unsafe fn memcpy_d2d_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()>;
+
+    /// Enqueues filling `n` bytes at `dst` with `value` on `stream`.
+    ///
+    /// # Safety
+    /// `dst..dst+n` stays valid device memory until the operation completes.
+    unsafe fn memset_async(
+        &self,
+        dst: DevicePtr,
+        value: u8,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()>;
+
+    // ---- streams and events -------------------------------------------------------------------
+
+    /// Creates a stream that runs its operations in order, asynchronously to the host.
+    fn stream_create(&self) -> Result<StreamHandle>;
+
+    /// Destroys a stream; work already enqueued still completes.
+    fn stream_destroy(&self, stream: StreamHandle) -> Result<()>;
+
+    /// Blocks until everything enqueued on `stream` has completed.
+    fn stream_synchronize(&self, stream: StreamHandle) -> Result<()>;
+
+    /// True when everything enqueued on `stream` has completed.
+    fn stream_query(&self, stream: StreamHandle) -> Result<bool>;
+
+    /// Makes later work on `stream` wait until the last recording of `event` completes.
+    fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()>;
+
+    /// Creates an event; `timing` asks for [`Self::event_elapsed_ms`] support.
+    fn event_create(&self, timing: bool) -> Result<EventHandle>;
+
+    /// Destroys an event.
+    fn event_destroy(&self, event: EventHandle) -> Result<()>;
+
+    /// Records `event` at the current end of `stream`.
+    fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()>;
+
+    /// True when the last recording of `event` has completed (or it was never recorded).
+    fn event_query(&self, event: EventHandle) -> Result<bool>;
+
+    /// Blocks until the last recording of `event` has completed.
+    fn event_synchronize(&self, event: EventHandle) -> Result<()>;
+
+    /// Milliseconds between two completed recordings of timing events.
+    fn event_elapsed_ms(&self, start: EventHandle, end: EventHandle) -> Result<f32>;
+
+    // ---- IPC ----------------------------------------------------------------------------------
+
+    /// Exports the allocation containing `ptr` as a byte-form handle.
+    fn ipc_get_handle(&self, ptr: DevicePtr) -> Result<IpcMemHandle>;
+
+    /// Maps a byte-form handle exported by another process; returns the allocation's base here.
+    fn ipc_open_handle(&self, handle: &IpcMemHandle) -> Result<DevicePtr>;
+
+    /// Exports an allocation from [`Self::mem_alloc_shareable`] as a file descriptor.
+    fn ipc_export_fd(&self, ptr: DevicePtr) -> Result<IpcFdHandle>;
+
+    /// Maps a file-descriptor handle exported by another process; returns the base here.
+    fn ipc_import_fd(&self, handle: &IpcFdHandle) -> Result<DevicePtr>;
+
+    /// Unmaps memory opened by [`Self::ipc_open_handle`] or [`Self::ipc_import_fd`].
+    ///
+    /// # Safety
+    /// No enqueued or future operation may still use the mapping.
+    unsafe fn ipc_close(&self, ptr: DevicePtr) -> Result<()>;
+
+    // ---- peers, capture mode, host functions --------------------------------------------------
+
+    /// Whether this device can access memory of device `peer` directly.
+    fn can_access_peer(&self, peer: usize) -> Result<bool>;
+
+    /// Lets this device access device `peer`'s memory; already enabled is success.
+    fn enable_peer_access(&self, peer: usize) -> Result<()>;
+
+    /// Sets the calling thread's stream-capture mode, returning the previous one. Prefer the
+    /// scoped [`crate::CaptureModeGuard`].
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode>;
+
+    /// Enqueues `f` to run on a host thread once earlier work on `stream` completes; later work
+    /// on `stream` waits for it. `f` must not call back into the adaptor's stream operations.
+    fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()>;
+
+    // ---- stream memory operations -------------------------------------------------------------
+
+    /// Makes `stream` wait until the 32-bit word at `addr` satisfies `cond` against `value`.
+    ///
+    /// # Safety
+    /// `addr` is a 4-byte-aligned device-visible address (device memory or registered host
+    /// memory) that stays valid until the wait completes.
+    unsafe fn stream_wait_value32(
+        &self,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u32,
+        cond: WaitCondition,
+    ) -> Result<()>;
+
+    /// 64-bit form of [`Self::stream_wait_value32`] (8-byte alignment).
+    ///
+    /// # Safety
+    /// As [`Self::stream_wait_value32`].
+    unsafe fn stream_wait_value64(
+        &self,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u64,
+        cond: WaitCondition,
+    ) -> Result<()>;
+
+    /// Makes `stream` write the 32-bit `value` to `addr` once earlier work completes.
+    ///
+    /// # Safety
+    /// As [`Self::stream_wait_value32`].
+    unsafe fn stream_write_value32(
+        &self,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u32,
+    ) -> Result<()>;
+
+    /// 64-bit form of [`Self::stream_write_value32`].
+    ///
+    /// # Safety
+    /// As [`Self::stream_wait_value32`].
+    unsafe fn stream_write_value64(
+        &self,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u64,
+    ) -> Result<()>;
+}

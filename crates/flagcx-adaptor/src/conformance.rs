@@ -1,0 +1,848 @@
+//! The conformance suite every vendor crate runs (feature `conformance`).
+//!
+//! A vendor proves itself by instantiating [`conformance_tests!`](crate::conformance_tests) in
+//! an integration test with an expression that opens its adaptor:
+//!
+//! ```ignore
+//! flagcx_adaptor::conformance_tests!(flagcx_host::HostAdaptor::open(0));
+//! ```
+//!
+//! Each case is one `#[test]`. When opening the adaptor returns
+//! [`AdaptorError::Unavailable`](crate::AdaptorError::Unavailable) (no runtime, no device), the
+//! test prints `skipped: <reason>` and appends a line to the file named by `FLAGCX_SKIP_LOG`,
+//! which `cargo xtask test` reads to report skips: a vendor without a device never counts as a
+//! pass. Any other failure to open the adaptor fails the test.
+//!
+//! The two-process IPC cases re-run the test binary as a child (an `#[ignore]`d test selected
+//! with `--exact`), hand it a handle — as bytes in its environment, or as an inherited file
+//! descriptor — and check data in both directions.
+
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::{
+    AdaptorError, CaptureMode, CaptureModeGuard, DeviceAdaptor, DeviceBuffer, DevicePtr, Event,
+    IpcFdHandle, IpcMapping, IpcMemHandle, PinnedBuffer, Result, Stream, StreamHandle, Vendor,
+    WaitCondition,
+};
+
+/// Environment variable naming the file where skipped tests are logged.
+pub const SKIP_LOG_ENV: &str = "FLAGCX_SKIP_LOG";
+const CHILD_ROLE_ENV: &str = "FLAGCX_CONFORMANCE_CHILD";
+const CHILD_HANDLE_ENV: &str = "FLAGCX_CONFORMANCE_HANDLE";
+const CHILD_FD_ENV: &str = "FLAGCX_CONFORMANCE_FD";
+const CHILD_SIZE_ENV: &str = "FLAGCX_CONFORMANCE_SIZE";
+const IPC_BYTES: usize = (1 << 20) + 37;
+
+/// Runs one case: opens the adaptor, skips visibly if the vendor is unavailable.
+pub fn run_case<A: DeviceAdaptor>(test: &str, open: impl FnOnce() -> Result<A>, case: fn(&A)) {
+    match open() {
+        Ok(adaptor) => case(&adaptor),
+        Err(e @ AdaptorError::Unavailable { .. }) => report_skip(test, &e),
+        Err(e) => panic!("opening the adaptor failed (not an 'unavailable' error): {e}"),
+    }
+}
+
+fn report_skip(test: &str, err: &AdaptorError) {
+    let (vendor, reason) = match err {
+        AdaptorError::Unavailable { vendor, reason } => (vendor.name(), reason.clone()),
+        other => ("?", other.to_string()),
+    };
+    println!("skipped: {reason}");
+    eprintln!("skipped: {test}: {reason}");
+    if let Some(path) = std::env::var_os(SKIP_LOG_ENV) {
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = writeln!(f, "{vendor}\t{test}\t{reason}");
+        }
+    }
+}
+
+fn pattern(i: usize, seed: u8) -> u8 {
+    (i as u8).wrapping_mul(31).wrapping_add(seed) ^ ((i >> 8) as u8)
+}
+
+fn filled(n: usize, seed: u8) -> Vec<u8> {
+    (0..n).map(|i| pattern(i, seed)).collect()
+}
+
+fn first_mismatch(a: &[u8], b: &[u8]) -> Option<usize> {
+    a.iter().zip(b).position(|(x, y)| x != y)
+}
+
+fn assert_same(what: &str, got: &[u8], want: &[u8]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = first_mismatch(got, want) {
+        panic!("{what}: byte {i} is {:#x}, expected {:#x}", got[i], want[i]);
+    }
+}
+
+fn assert_err<T: std::fmt::Debug>(what: &str, r: Result<T>) -> AdaptorError {
+    match r {
+        Ok(v) => panic!("{what}: expected an error, got Ok({v:?})"),
+        Err(e) => e,
+    }
+}
+
+/// Device count, index and properties are consistent; an out-of-range device is typed.
+pub fn device_properties<A: DeviceAdaptor>(a: &A) {
+    let count = a.device_count().expect("device_count");
+    assert!(count >= 1, "an opened adaptor reports {count} devices");
+    assert!(a.device() < count);
+    let p = a.properties(a.device()).expect("properties");
+    assert_eq!(p.vendor, a.vendor());
+    assert_eq!(p.index, a.device());
+    assert!(!p.name.is_empty());
+    assert!(p.total_memory > 0);
+    let e = assert_err("properties(count)", a.properties(count));
+    assert!(
+        matches!(e, AdaptorError::InvalidDevice { index, .. } if index == count),
+        "{e}"
+    );
+}
+
+/// Host→device→device→host round trips of odd sizes at odd offsets, plus memset.
+pub fn memory_round_trip_odd_sizes<A: DeviceAdaptor>(a: &A) {
+    let s = Stream::new(a).expect("stream");
+    for &n in &[1usize, 3, 7, 63, 4095, 4097, 65_537, (1 << 20) + 13] {
+        let src = filled(n, n as u8);
+        let d1 = DeviceBuffer::new(a, n + 5).expect("alloc d1");
+        let d2 = DeviceBuffer::new(a, n + 11).expect("alloc d2");
+        d1.write(5, &src, &s).expect("h2d");
+        // SAFETY: both ranges lie inside live allocations; synchronized before they drop.
+        unsafe {
+            a.memcpy_d2d_async(
+                d2.ptr().checked_add(11).unwrap(),
+                d1.ptr().checked_add(5).unwrap(),
+                n,
+                s.handle(),
+            )
+            .expect("d2d");
+        }
+        let mut out = vec![0u8; n];
+        d2.read(11, &mut out, &s).expect("d2h");
+        assert_same(&format!("round trip of {n} bytes"), &out, &src);
+
+        d2.fill(0xA5, &s).expect("memset");
+        let mut all = vec![0u8; n + 11];
+        d2.read(0, &mut all, &s).expect("d2h after memset");
+        assert!(all.iter().all(|&b| b == 0xA5), "memset of {n} bytes");
+    }
+    // Zero-byte copies and memsets are accepted and do nothing.
+    let d = DeviceBuffer::new(a, 16).expect("alloc");
+    d.write(16, &[], &s).expect("zero-byte write at the end");
+    // SAFETY: zero-byte operations touch no memory.
+    unsafe {
+        a.memcpy_d2d_async(d.ptr(), d.ptr(), 0, s.handle())
+            .expect("zero-byte d2d");
+        a.memset_async(d.ptr(), 1, 0, s.handle())
+            .expect("zero-byte memset");
+    }
+    s.synchronize().expect("sync");
+}
+
+/// Copies through pinned host memory in both directions.
+pub fn pinned_host_copies<A: DeviceAdaptor>(a: &A) {
+    let s = Stream::new(a).expect("stream");
+    let n = 3 * 4096 + 1;
+    let mut pinned = PinnedBuffer::new(a, n).expect("host_alloc");
+    pinned.as_mut_slice().copy_from_slice(&filled(n, 9));
+    let d = DeviceBuffer::new(a, n).expect("alloc");
+    // SAFETY: pinned and device ranges are live until the synchronize below.
+    unsafe {
+        a.memcpy_h2d_async(d.ptr(), pinned.as_ptr(), n, s.handle())
+            .expect("pinned h2d");
+        a.memset_async(d.ptr(), 0x11, 1, s.handle())
+            .expect("memset");
+        a.memcpy_d2h_async(pinned.as_ptr(), d.ptr(), n, s.handle())
+            .expect("pinned d2h");
+    }
+    s.synchronize().expect("sync");
+    let mut want = filled(n, 9);
+    want[0] = 0x11;
+    assert_same("pinned round trip", pinned.as_slice(), &want);
+}
+
+/// Zero and huge sizes give typed errors.
+pub fn zero_and_huge_sizes<A: DeviceAdaptor>(a: &A) {
+    let e = assert_err("mem_alloc(0)", a.mem_alloc(0));
+    assert!(matches!(e, AdaptorError::InvalidArgument { .. }), "{e}");
+    let e = assert_err("host_alloc(0)", a.host_alloc(0));
+    assert!(matches!(e, AdaptorError::InvalidArgument { .. }), "{e}");
+    let huge = 1usize << 62;
+    let e = assert_err("mem_alloc(2^62)", a.mem_alloc(huge));
+    assert!(
+        matches!(
+            e,
+            AdaptorError::OutOfMemory { .. }
+                | AdaptorError::InvalidArgument { .. }
+                | AdaptorError::Vendor { .. }
+        ),
+        "{e}"
+    );
+    let e = assert_err("mem_alloc_shareable(2^62)", a.mem_alloc_shareable(huge));
+    assert!(!matches!(e, AdaptorError::Unavailable { .. }), "{e}");
+    // The adaptor still works after refusing.
+    let d = DeviceBuffer::new(a, 8).expect("alloc after refusals");
+    let s = Stream::new(a).expect("stream");
+    d.write(0, &[1; 8], &s).expect("write");
+}
+
+/// Null and foreign pointers and handles are refused with typed errors, never a crash.
+pub fn null_and_foreign_pointers<A: DeviceAdaptor>(a: &A) {
+    let foreign = DevicePtr(0x7eed_0000_1000);
+    let s = Stream::new(a).expect("stream");
+    // SAFETY (all below): the adaptor must reject these before touching memory.
+    unsafe {
+        assert_err("mem_free(NULL)", a.mem_free(DevicePtr::NULL));
+        assert_err("mem_free(foreign)", a.mem_free(foreign));
+        assert_err("host_free(null)", a.host_free(std::ptr::null_mut()));
+        assert_err(
+            "host_unregister(never registered)",
+            a.host_unregister(0x1000 as *mut u8),
+        );
+        assert_err("ipc_close(foreign)", a.ipc_close(foreign));
+        let d = DeviceBuffer::new(a, 64).expect("alloc");
+        assert_err(
+            "h2d from null",
+            a.memcpy_h2d_async(d.ptr(), std::ptr::null(), 8, s.handle()),
+        );
+        assert_err(
+            "d2h into null",
+            a.memcpy_d2h_async(std::ptr::null_mut(), d.ptr(), 8, s.handle()),
+        );
+        assert_err(
+            "d2d to NULL",
+            a.memcpy_d2d_async(DevicePtr::NULL, d.ptr(), 8, s.handle()),
+        );
+        assert_err(
+            "memset NULL",
+            a.memset_async(DevicePtr::NULL, 0, 8, s.handle()),
+        );
+    }
+    assert_err("mem_get_range(NULL)", a.mem_get_range(DevicePtr::NULL));
+    assert_err("mem_get_range(foreign)", a.mem_get_range(foreign));
+    let bogus = IpcMemHandle {
+        vendor: a.vendor(),
+        bytes: [0x5a; crate::IPC_HANDLE_BYTES],
+    };
+    assert_err("ipc_open_handle(garbage)", a.ipc_open_handle(&bogus));
+    let other = if a.vendor() == Vendor::Host {
+        Vendor::Cuda
+    } else {
+        Vendor::Host
+    };
+    let e = assert_err(
+        "ipc_open_handle(other vendor)",
+        a.ipc_open_handle(&IpcMemHandle {
+            vendor: other,
+            ..bogus
+        }),
+    );
+    assert!(
+        matches!(
+            e,
+            AdaptorError::InvalidArgument { .. } | AdaptorError::Unsupported { .. }
+        ),
+        "{e}"
+    );
+    s.synchronize()
+        .expect("the stream survives refused operations");
+}
+
+/// The range query finds the allocation containing an interior pointer.
+pub fn allocation_range<A: DeviceAdaptor>(a: &A) {
+    let d = DeviceBuffer::new(a, 10_000).expect("alloc");
+    let (base, size) = a
+        .mem_get_range(d.ptr().checked_add(4321).unwrap())
+        .expect("range");
+    assert_eq!(base, d.ptr());
+    assert!(size >= 10_000, "range size {size}");
+}
+
+/// Stream and event handles that were never created, or were destroyed, are typed errors.
+pub fn invalid_handles<A: DeviceAdaptor>(a: &A) {
+    let s = a.stream_create().expect("stream");
+    a.stream_destroy(s).expect("destroy");
+    let e = assert_err("synchronize destroyed stream", a.stream_synchronize(s));
+    assert!(matches!(e, AdaptorError::InvalidHandle { .. }), "{e}");
+    assert_err("destroy twice", a.stream_destroy(s));
+    let ev = a.event_create(false).expect("event");
+    a.event_destroy(ev).expect("destroy event");
+    let e = assert_err("query destroyed event", a.event_query(ev));
+    assert!(matches!(e, AdaptorError::InvalidHandle { .. }), "{e}");
+    let e = assert_err(
+        "query made-up stream",
+        a.stream_query(StreamHandle(0xdead_beef_0000)),
+    );
+    assert!(matches!(e, AdaptorError::InvalidHandle { .. }), "{e}");
+}
+
+/// Many queued operations on one stream complete in order.
+pub fn stream_ordering_many_ops<A: DeviceAdaptor>(a: &A) {
+    const OPS: usize = 512;
+    let s = Stream::new(a).expect("stream");
+    let scratch = DeviceBuffer::new(a, 4096).expect("scratch");
+    let out = DeviceBuffer::new(a, OPS).expect("out");
+    for i in 0..OPS {
+        // SAFETY: both buffers outlive the synchronize below.
+        unsafe {
+            // Each memset overwrites the scratch page; only in-order execution copies value i
+            // into slot i.
+            a.memset_async(scratch.ptr(), i as u8, 4096, s.handle())
+                .expect("memset");
+            a.memcpy_d2d_async(
+                out.ptr().checked_add(i).unwrap(),
+                scratch.ptr().checked_add(i % 4096).unwrap(),
+                1,
+                s.handle(),
+            )
+            .expect("d2d");
+        }
+    }
+    s.synchronize().expect("sync");
+    assert!(s.query().expect("query"), "synchronized stream is idle");
+    let mut host = vec![0u8; OPS];
+    out.read(0, &mut host, &s).expect("read");
+    for (i, &b) in host.iter().enumerate() {
+        assert_eq!(b, i as u8, "slot {i}: stream ran out of order");
+    }
+}
+
+/// Events record, complete, time, and order work across streams.
+pub fn events<A: DeviceAdaptor>(a: &A) {
+    let s1 = Stream::new(a).expect("stream 1");
+    let s2 = Stream::new(a).expect("stream 2");
+    let start = Event::new(a, true).expect("event");
+    let end = Event::new(a, true).expect("event");
+    assert!(
+        start.query().expect("query"),
+        "an unrecorded event is complete"
+    );
+    let n = 16 << 20;
+    let big = DeviceBuffer::new(a, n).expect("alloc");
+    let copy = DeviceBuffer::new(a, n).expect("alloc");
+    start.record(&s1).expect("record");
+    // SAFETY: buffers outlive the synchronizes below.
+    unsafe {
+        for v in 1..=4u8 {
+            a.memset_async(big.ptr(), v, n, s1.handle())
+                .expect("memset");
+        }
+    }
+    end.record(&s1).expect("record");
+    // s2 must see all of s1's memsets before its copy.
+    s2.wait_event(&end).expect("wait event");
+    // SAFETY: as above.
+    unsafe {
+        a.memcpy_d2d_async(copy.ptr(), big.ptr(), n, s2.handle())
+            .expect("d2d");
+    }
+    s2.synchronize().expect("sync s2");
+    end.synchronize().expect("event sync");
+    assert!(end.query().expect("query"));
+    let ms = end.elapsed_ms_since(&start).expect("elapsed");
+    assert!(ms >= 0.0 && ms.is_finite(), "elapsed {ms}");
+    let mut tail = vec![0u8; 4096];
+    copy.read(n - 4096, &mut tail, &s2).expect("read");
+    assert!(
+        tail.iter().all(|&b| b == 4),
+        "s2 ran before the event it waited on"
+    );
+}
+
+/// Host functions run in stream order, or are honestly unsupported.
+pub fn host_functions<A: DeviceAdaptor>(a: &A) {
+    let s = Stream::new(a).expect("stream");
+    if !a.capabilities().host_functions {
+        let e = assert_err(
+            "launch_host_func",
+            a.launch_host_func(s.handle(), Box::new(|| {})),
+        );
+        assert!(e.is_unsupported(), "{e}");
+        return;
+    }
+    let d = DeviceBuffer::new(a, 4).expect("alloc");
+    let mut pinned = PinnedBuffer::new(a, 4).expect("pinned");
+    pinned.as_mut_slice().fill(0);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let addr = pinned.as_ptr() as usize;
+    for round in 1..=3u8 {
+        // SAFETY: buffers outlive the synchronize below.
+        unsafe {
+            a.memset_async(d.ptr(), round, 4, s.handle())
+                .expect("memset");
+            a.memcpy_d2h_async(addr as *mut u8, d.ptr(), 4, s.handle())
+                .expect("d2h");
+        }
+        let seen = seen.clone();
+        a.launch_host_func(
+            s.handle(),
+            Box::new(move || {
+                // SAFETY: the pinned buffer outlives the stream synchronize; stream order makes
+                // the copy above complete before this runs.
+                let v = unsafe { std::ptr::read_volatile(addr as *const u8) };
+                seen.lock().unwrap().push(v);
+            }),
+        )
+        .expect("launch_host_func");
+    }
+    s.synchronize().expect("sync");
+    assert_eq!(*seen.lock().unwrap(), vec![1, 2, 3]);
+}
+
+/// Registers a shared (memfd) mapping; the device writes through its alias and a second
+/// mapping of the same memory sees the bytes.
+pub fn host_register_shared_mapping<A: DeviceAdaptor>(a: &A) {
+    let len = 1 << 20;
+    let map = SharedMapping::new(len);
+    if !a.capabilities().host_register {
+        // SAFETY: refused before touching memory.
+        let e = assert_err("host_register", unsafe { a.host_register(map.ptr, len) });
+        assert!(e.is_unsupported(), "{e}");
+        return;
+    }
+    let s = Stream::new(a).expect("stream");
+    // SAFETY: `map` stays mapped until after unregister below.
+    let alias = unsafe { a.host_register(map.ptr, len) }.expect("host_register");
+    // SAFETY: as above; double registration must be refused.
+    let again = unsafe { a.host_register(map.ptr, len) };
+    assert_err("registering twice", again);
+    let src = filled(len, 77);
+    let d = DeviceBuffer::new(a, len).expect("alloc");
+    d.write(0, &src, &s).expect("write");
+    // SAFETY: alias covers the registered mapping, synchronized below.
+    unsafe {
+        a.memcpy_d2d_async(alias, d.ptr(), len, s.handle())
+            .expect("d2d into registered memory");
+    }
+    s.synchronize().expect("sync");
+    assert_same("second mapping", map.second_view(), &src);
+    // SAFETY: no work uses the alias any more.
+    unsafe { a.host_unregister(map.ptr) }.expect("unregister");
+    // SAFETY: refused: already unregistered.
+    assert_err("unregister twice", unsafe { a.host_unregister(map.ptr) });
+}
+
+/// Stream wait/write value operations really block and release the stream, or are honestly
+/// unsupported.
+pub fn stream_memory_ops<A: DeviceAdaptor>(a: &A) {
+    let caps = a.capabilities();
+    let map = SharedMapping::new(4096);
+    let s = Stream::new(a).expect("stream");
+    let registered = caps.host_register;
+    let alias = if registered {
+        // SAFETY: `map` outlives the unregister at the end.
+        unsafe { a.host_register(map.ptr, 4096) }.expect("host_register")
+    } else {
+        DevicePtr(map.ptr as u64)
+    };
+    let flag32 = alias;
+    let done32 = alias.checked_add(8).unwrap();
+    let flag64 = alias.checked_add(16).unwrap();
+    let done64 = alias.checked_add(24).unwrap();
+    // SAFETY: offsets are inside the page, aligned, and the page outlives the stream.
+    let (f32h, d32h, f64h, d64h) = unsafe {
+        (
+            &*(map.ptr as *const AtomicU32),
+            &*(map.ptr.add(8) as *const AtomicU32),
+            &*(map.ptr.add(16) as *const AtomicU64),
+            &*(map.ptr.add(24) as *const AtomicU64),
+        )
+    };
+    if !caps.stream_mem_ops {
+        // SAFETY: refused before touching memory.
+        unsafe {
+            let e = assert_err(
+                "wait_value32",
+                a.stream_wait_value32(s.handle(), flag32, 1, WaitCondition::Geq),
+            );
+            assert!(e.is_unsupported(), "{e}");
+            let e = assert_err(
+                "write_value32",
+                a.stream_write_value32(s.handle(), done32, 1),
+            );
+            assert!(e.is_unsupported(), "{e}");
+        }
+    } else {
+        // SAFETY: see above.
+        unsafe {
+            a.stream_wait_value32(s.handle(), flag32, 5, WaitCondition::Geq)
+                .expect("wait_value32");
+            a.stream_write_value32(s.handle(), done32, 7)
+                .expect("write_value32");
+        }
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(d32h.load(Ordering::Acquire), 0, "the wait did not block");
+        assert!(!s.query().expect("query"), "a blocked stream reports idle");
+        f32h.store(4, Ordering::Release);
+        std::thread::sleep(Duration::from_millis(10));
+        assert_eq!(d32h.load(Ordering::Acquire), 0, "released below the value");
+        f32h.store(5, Ordering::Release);
+        s.synchronize().expect("sync");
+        assert_eq!(d32h.load(Ordering::Acquire), 7);
+        // SAFETY: misaligned addresses are refused before use.
+        let e = assert_err("misaligned wait", unsafe {
+            a.stream_wait_value32(
+                s.handle(),
+                alias.checked_add(2).unwrap(),
+                1,
+                WaitCondition::Eq,
+            )
+        });
+        assert!(matches!(e, AdaptorError::InvalidArgument { .. }), "{e}");
+    }
+    if !caps.stream_mem_ops_64 {
+        // SAFETY: refused before touching memory.
+        let e = assert_err("wait_value64", unsafe {
+            a.stream_wait_value64(s.handle(), flag64, 1, WaitCondition::Geq)
+        });
+        assert!(e.is_unsupported(), "{e}");
+    } else {
+        // SAFETY: see above.
+        unsafe {
+            a.stream_wait_value64(s.handle(), flag64, 1 << 40, WaitCondition::Eq)
+                .expect("wait_value64");
+            a.stream_write_value64(s.handle(), done64, 1 << 41)
+                .expect("write_value64");
+        }
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(
+            d64h.load(Ordering::Acquire),
+            0,
+            "the 64-bit wait did not block"
+        );
+        f64h.store(1 << 40, Ordering::Release);
+        s.synchronize().expect("sync");
+        assert_eq!(d64h.load(Ordering::Acquire), 1 << 41);
+    }
+    if registered {
+        // SAFETY: the stream is idle.
+        unsafe { a.host_unregister(map.ptr) }.expect("unregister");
+    }
+}
+
+/// Peer access queries and enabling; already-enabled is success; bad peers are typed.
+pub fn peer_access<A: DeviceAdaptor>(a: &A) {
+    let count = a.device_count().expect("count");
+    let e = assert_err("can_access_peer(count)", a.can_access_peer(count));
+    assert!(matches!(e, AdaptorError::InvalidDevice { .. }), "{e}");
+    if !a.capabilities().peer_access {
+        let e = assert_err("enable_peer_access", a.enable_peer_access(0));
+        assert!(e.is_unsupported(), "{e}");
+        return;
+    }
+    for peer in (0..count).filter(|&p| p != a.device()) {
+        if a.can_access_peer(peer).expect("can_access_peer") {
+            a.enable_peer_access(peer).expect("enable");
+            a.enable_peer_access(peer).expect("enable again is success");
+        }
+    }
+}
+
+/// The capture-mode guard relaxes the mode and restores it.
+pub fn capture_mode_guard<A: DeviceAdaptor>(a: &A) {
+    if !a.capabilities().capture_mode {
+        let e = assert_err(
+            "exchange_capture_mode",
+            a.exchange_capture_mode(CaptureMode::Relaxed),
+        );
+        assert!(e.is_unsupported(), "{e}");
+        let _guard = CaptureModeGuard::relaxed(a).expect("guard is a no-op when unsupported");
+        return;
+    }
+    let before = a
+        .exchange_capture_mode(CaptureMode::ThreadLocal)
+        .expect("exchange");
+    {
+        let _guard = CaptureModeGuard::relaxed(a).expect("guard");
+        let inside = a.exchange_capture_mode(CaptureMode::Relaxed).expect("peek");
+        assert_eq!(inside, CaptureMode::Relaxed);
+        let _d = DeviceBuffer::new(a, 4096).expect("alloc under the guard");
+    }
+    let after = a.exchange_capture_mode(before).expect("restore");
+    assert_eq!(after, CaptureMode::ThreadLocal, "guard restored the mode");
+}
+
+/// The file-descriptor IPC path works within one process too where supported: export, import,
+/// see the same bytes.
+pub fn ipc_fd_same_process<A: DeviceAdaptor>(a: &A) {
+    let s = Stream::new(a).expect("stream");
+    let d = match DeviceBuffer::new_shareable(a, 4096) {
+        Ok(d) => d,
+        Err(e) => panic!("mem_alloc_shareable: {e}"),
+    };
+    if !a.capabilities().ipc_fd {
+        let e = assert_err("ipc_export_fd", d.ipc_fd());
+        assert!(e.is_unsupported(), "{e}");
+        return;
+    }
+    let h = d.ipc_fd().expect("export fd");
+    assert_eq!(h.vendor, a.vendor());
+    assert!(h.size >= 4096);
+    // Some vendors refuse to import their own export into the same process; the two-process
+    // case is authoritative. Where it works, the bytes must match.
+    if let Ok(m) = IpcMapping::import_fd(a, &h) {
+        d.write(0, &filled(4096, 3), &s).expect("write");
+        let view = DeviceBuffer::new(a, 4096).expect("alloc");
+        // SAFETY: mapping and buffer live until the read below synchronizes.
+        unsafe {
+            a.memcpy_d2d_async(view.ptr(), m.ptr(), 4096, s.handle())
+                .expect("d2d from import");
+        }
+        let mut out = vec![0u8; 4096];
+        view.read(0, &mut out, &s).expect("read");
+        assert_same("same-process fd import", &out, &filled(4096, 3));
+    }
+}
+
+/// The IPC forms the two-process case exercises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IpcForm {
+    /// Byte-form handle, sent in the child's environment.
+    Bytes,
+    /// File-descriptor handle, inherited by the child.
+    Fd,
+}
+
+/// Parent side of the two-process IPC case: exports a buffer, lets a child process (this test
+/// binary, running `child_test`) check it and write it back, then checks the child's bytes.
+pub fn ipc_two_process<A: DeviceAdaptor>(a: &A, form: IpcForm, child_test: &str) {
+    let caps = a.capabilities();
+    let s = Stream::new(a).expect("stream");
+    let supported = match form {
+        IpcForm::Bytes => caps.ipc_bytes,
+        IpcForm::Fd => caps.ipc_fd,
+    };
+    let d = match form {
+        IpcForm::Bytes => DeviceBuffer::new(a, IPC_BYTES),
+        IpcForm::Fd => DeviceBuffer::new_shareable(a, IPC_BYTES),
+    }
+    .expect("alloc");
+    if !supported {
+        let e = match form {
+            IpcForm::Bytes => assert_err("ipc_get_handle", d.ipc_handle()),
+            IpcForm::Fd => assert_err("ipc_export_fd", d.ipc_fd()),
+        };
+        assert!(e.is_unsupported(), "{e}");
+        return;
+    }
+    d.write(0, &filled(IPC_BYTES, 1), &s).expect("write");
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut cmd = Command::new(exe);
+    cmd.args([
+        "--exact",
+        child_test,
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(CHILD_SIZE_ENV, IPC_BYTES.to_string())
+    .env_remove(SKIP_LOG_ENV);
+    let mut inherited: Option<OwnedFd> = None;
+    match form {
+        IpcForm::Bytes => {
+            let h = d.ipc_handle().expect("ipc_get_handle");
+            cmd.env(CHILD_ROLE_ENV, "bytes")
+                .env(CHILD_HANDLE_ENV, hex(&h.to_wire()));
+        }
+        IpcForm::Fd => {
+            let h = d.ipc_fd().expect("ipc_export_fd");
+            // SAFETY: F_DUPFD returns a new descriptor without FD_CLOEXEC, so the child inherits
+            // it; we own it and close it after spawning.
+            let raw = unsafe { libc::fcntl(h.fd.as_raw_fd(), libc::F_DUPFD, 3) };
+            assert!(raw >= 0, "dup: {}", std::io::Error::last_os_error());
+            // SAFETY: `raw` is a fresh descriptor we own.
+            inherited = Some(unsafe { OwnedFd::from_raw_fd(raw) });
+            cmd.env(CHILD_ROLE_ENV, "fd")
+                .env(CHILD_FD_ENV, raw.to_string());
+        }
+    }
+    let out = cmd.output().expect("spawn child");
+    drop(inherited);
+    let log = format!(
+        "child stdout:\n{}\nchild stderr:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "child failed: {}\n{log}", out.status);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+        "the child did not run its test\n{log}"
+    );
+    let mut back = vec![0u8; IPC_BYTES];
+    d.read(0, &mut back, &s).expect("read back");
+    assert_same("bytes written by the child", &back, &filled(IPC_BYTES, 2));
+}
+
+/// Child side of [`ipc_two_process`]; does nothing unless run by it.
+pub fn ipc_child<A: DeviceAdaptor>(a: &A) {
+    let Ok(role) = std::env::var(CHILD_ROLE_ENV) else {
+        return;
+    };
+    let size: usize = std::env::var(CHILD_SIZE_ENV)
+        .expect("size")
+        .parse()
+        .expect("size");
+    let s = Stream::new(a).expect("stream");
+    let mapping = match role.as_str() {
+        "bytes" => {
+            let wire = unhex(&std::env::var(CHILD_HANDLE_ENV).expect("handle"));
+            let h = IpcMemHandle::from_wire(&wire).expect("decode handle");
+            IpcMapping::open(a, &h).expect("ipc_open_handle in the child")
+        }
+        "fd" => {
+            let raw: i32 = std::env::var(CHILD_FD_ENV)
+                .expect("fd")
+                .parse()
+                .expect("fd");
+            // SAFETY: the parent made this descriptor for us and passed its number.
+            let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+            let h = IpcFdHandle {
+                vendor: a.vendor(),
+                fd,
+                size,
+            };
+            IpcMapping::import_fd(a, &h).expect("ipc_import_fd in the child")
+        }
+        other => panic!("unknown child role {other}"),
+    };
+    let local = DeviceBuffer::new(a, size).expect("alloc");
+    // SAFETY: the mapping and buffer stay alive until the synchronizes below.
+    unsafe {
+        a.memcpy_d2d_async(local.ptr(), mapping.ptr(), size, s.handle())
+            .expect("d2d from the parent's memory");
+    }
+    let mut got = vec![0u8; size];
+    local.read(0, &mut got, &s).expect("read");
+    assert_same("parent's bytes seen by the child", &got, &filled(size, 1));
+    local.write(0, &filled(size, 2), &s).expect("write");
+    // SAFETY: as above.
+    unsafe {
+        a.memcpy_d2d_async(mapping.ptr(), local.ptr(), size, s.handle())
+            .expect("d2d into the parent's memory");
+    }
+    s.synchronize().expect("sync");
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex"))
+        .collect()
+}
+
+/// A memfd mapping mapped twice, to show that writes through one view land in shared memory.
+struct SharedMapping {
+    ptr: *mut u8,
+    second: *mut u8,
+    len: usize,
+}
+
+impl SharedMapping {
+    fn new(len: usize) -> Self {
+        // SAFETY: plain syscalls on a fresh descriptor; results are checked.
+        unsafe {
+            let fd = libc::memfd_create(c"flagcx-conformance".as_ptr(), libc::MFD_CLOEXEC);
+            assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+            let fd = OwnedFd::from_raw_fd(fd);
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), len as libc::off_t), 0);
+            let map = |_: ()| {
+                let p = libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd.as_raw_fd(),
+                    0,
+                );
+                assert_ne!(p, libc::MAP_FAILED, "mmap");
+                p as *mut u8
+            };
+            SharedMapping {
+                ptr: map(()),
+                second: map(()),
+                len,
+            }
+        }
+    }
+
+    fn second_view(&self) -> &[u8] {
+        // SAFETY: a live mapping of `len` bytes owned by self.
+        unsafe { std::slice::from_raw_parts(self.second, self.len) }
+    }
+}
+
+impl Drop for SharedMapping {
+    fn drop(&mut self) {
+        // SAFETY: both mappings were made by `new` with `len` bytes.
+        unsafe {
+            libc::munmap(self.ptr.cast(), self.len);
+            libc::munmap(self.second.cast(), self.len);
+        }
+    }
+}
+
+/// Instantiates the whole conformance suite for one adaptor, as a module `conformance` of
+/// `#[test]`s. `$open` is an expression of type `Result<A, AdaptorError>` evaluated per test.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($open:expr) => {
+        mod conformance {
+            #[allow(unused_imports)]
+            use super::*;
+            use $crate::conformance as c;
+
+            fn child_test_name() -> &'static str {
+                let full = concat!(module_path!(), "::ipc_child");
+                // libtest names tests without the crate name.
+                full.split_once("::").map(|(_, rest)| rest).unwrap_or(full)
+            }
+
+            $crate::conformance_tests!(@cases $open;
+                device_properties, memory_round_trip_odd_sizes, pinned_host_copies,
+                zero_and_huge_sizes, null_and_foreign_pointers, allocation_range,
+                invalid_handles, stream_ordering_many_ops, events, host_functions,
+                host_register_shared_mapping, stream_memory_ops, peer_access,
+                capture_mode_guard, ipc_fd_same_process);
+
+            #[test]
+            fn ipc_bytes_two_process() {
+                c::run_case("ipc_bytes_two_process", || $open, |a| {
+                    c::ipc_two_process(a, c::IpcForm::Bytes, child_test_name())
+                });
+            }
+
+            #[test]
+            fn ipc_fd_two_process() {
+                c::run_case("ipc_fd_two_process", || $open, |a| {
+                    c::ipc_two_process(a, c::IpcForm::Fd, child_test_name())
+                });
+            }
+
+            #[test]
+            #[ignore = "the child half of the two-process IPC cases; they start it"]
+            fn ipc_child() {
+                c::run_case("ipc_child", || $open, c::ipc_child);
+            }
+        }
+    };
+    (@cases $open:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                c::run_case(stringify!($case), || $open, c::$case);
+            }
+        )*
+    };
+}

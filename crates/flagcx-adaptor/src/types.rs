@@ -1,0 +1,306 @@
+//! Vendor-neutral handle and descriptor types: plain data that can cross process boundaries.
+
+use std::fmt;
+use std::os::fd::OwnedFd;
+use std::str::FromStr;
+
+use crate::error::AdaptorError;
+
+/// A device runtime family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum Vendor {
+    /// The host vendor: "device" memory is shareable host memory (crate `flagcx-host`).
+    Host,
+    /// NVIDIA CUDA (crate `flagcx-cuda`).
+    Cuda,
+    /// AMD HIP (crate `flagcx-hip`).
+    Hip,
+    /// OpenCL (crate `flagcx-opencl`).
+    OpenCl,
+}
+
+impl Vendor {
+    /// Every vendor the contract knows, in a stable order.
+    pub const ALL: [Vendor; 4] = [Vendor::Host, Vendor::Cuda, Vendor::Hip, Vendor::OpenCl];
+
+    /// The lower-case name used in `FLAGCX_VENDOR`, logs and the CLI.
+    pub fn name(self) -> &'static str {
+        match self {
+            Vendor::Host => "host",
+            Vendor::Cuda => "cuda",
+            Vendor::Hip => "hip",
+            Vendor::OpenCl => "opencl",
+        }
+    }
+
+    /// A stable one-byte code for wire formats.
+    pub fn code(self) -> u8 {
+        match self {
+            Vendor::Host => 1,
+            Vendor::Cuda => 2,
+            Vendor::Hip => 3,
+            Vendor::OpenCl => 4,
+        }
+    }
+
+    /// The vendor for a [`Vendor::code`], if any.
+    pub fn from_code(code: u8) -> Option<Vendor> {
+        Vendor::ALL.into_iter().find(|v| v.code() == code)
+    }
+}
+
+impl fmt::Display for Vendor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Vendor {
+    type Err = AdaptorError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim().to_ascii_lowercase();
+        Vendor::ALL
+            .into_iter()
+            .find(|v| v.name() == t)
+            .ok_or_else(|| {
+                AdaptorError::invalid(
+                    "Vendor::from_str",
+                    format!("unknown vendor {s:?}; expected one of host, cuda, hip, opencl"),
+                )
+            })
+    }
+}
+
+/// An address in a device's address space (or a device-visible alias of host memory).
+///
+/// It is a plain integer so that it can be logged, compared and sent to a peer; dereferencing it
+/// is only meaningful to the adaptor that produced it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    /// The null device pointer.
+    pub const NULL: DevicePtr = DevicePtr(0);
+
+    /// True for the null pointer.
+    pub fn is_null(self) -> bool {
+        self.0 == 0
+    }
+
+    /// This pointer advanced by `bytes`, or `None` on overflow.
+    pub fn checked_add(self, bytes: usize) -> Option<DevicePtr> {
+        self.0.checked_add(bytes as u64).map(DevicePtr)
+    }
+}
+
+impl fmt::Display for DevicePtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// An in-order queue of device work, as created by [`crate::DeviceAdaptor::stream_create`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StreamHandle(pub u64);
+
+/// A marker recorded into a stream, as created by [`crate::DeviceAdaptor::event_create`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct EventHandle(pub u64);
+
+/// Size of the opaque byte form of an IPC memory handle (CUDA's and HIP's are 64 bytes).
+pub const IPC_HANDLE_BYTES: usize = 64;
+
+/// The byte form of an IPC memory handle: opaque, fixed-size, safe to send over any channel.
+///
+/// It names a whole allocation; [`crate::DeviceAdaptor::ipc_open_handle`] in another process maps
+/// that allocation and returns its base there.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct IpcMemHandle {
+    /// The vendor that exported it; only that vendor can open it.
+    pub vendor: Vendor,
+    /// The vendor's opaque handle bytes.
+    pub bytes: [u8; IPC_HANDLE_BYTES],
+}
+
+impl IpcMemHandle {
+    /// Length of [`IpcMemHandle::to_wire`].
+    pub const WIRE_LEN: usize = IPC_HANDLE_BYTES + 1;
+
+    /// Encodes as one vendor byte followed by the handle bytes.
+    pub fn to_wire(&self) -> [u8; Self::WIRE_LEN] {
+        let mut out = [0u8; Self::WIRE_LEN];
+        out[0] = self.vendor.code();
+        out[1..].copy_from_slice(&self.bytes);
+        out
+    }
+
+    /// Decodes [`IpcMemHandle::to_wire`]'s output, checking length and vendor code.
+    pub fn from_wire(wire: &[u8]) -> Result<Self, AdaptorError> {
+        if wire.len() != Self::WIRE_LEN {
+            return Err(AdaptorError::invalid(
+                "IpcMemHandle::from_wire",
+                format!("expected {} bytes, got {}", Self::WIRE_LEN, wire.len()),
+            ));
+        }
+        let vendor = Vendor::from_code(wire[0]).ok_or_else(|| {
+            AdaptorError::invalid(
+                "IpcMemHandle::from_wire",
+                format!("unknown vendor code {}", wire[0]),
+            )
+        })?;
+        let mut bytes = [0u8; IPC_HANDLE_BYTES];
+        bytes.copy_from_slice(&wire[1..]);
+        Ok(IpcMemHandle { vendor, bytes })
+    }
+}
+
+impl fmt::Debug for IpcMemHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "IpcMemHandle({}, ", self.vendor)?;
+        for b in &self.bytes[..16] {
+            write!(f, "{b:02x}")?;
+        }
+        f.write_str("…)")
+    }
+}
+
+/// The file-descriptor form of an IPC memory handle.
+///
+/// POSIX-fd handles (CUDA VMM, memfd) cannot be sent as bytes: the fd must travel over a
+/// Unix-domain socket (`SCM_RIGHTS`) or be inherited. Dropping it closes the descriptor.
+#[derive(Debug)]
+pub struct IpcFdHandle {
+    /// The vendor that exported it.
+    pub vendor: Vendor,
+    /// The shareable descriptor.
+    pub fd: OwnedFd,
+    /// Bytes that the descriptor maps (the allocation's size).
+    pub size: usize,
+}
+
+/// Properties of one device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceProperties {
+    /// Which vendor.
+    pub vendor: Vendor,
+    /// Device index within the vendor.
+    pub index: usize,
+    /// Marketing or runtime name.
+    pub name: String,
+    /// PCI bus id (`0000:3b:00.0`), where the device has one.
+    pub pci_bus_id: Option<String>,
+    /// Total device memory in bytes.
+    pub total_memory: u64,
+}
+
+/// What a vendor adaptor can do. Callers check these instead of assuming.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Capabilities {
+    /// [`crate::DeviceAdaptor::ipc_get_handle`] / `ipc_open_handle` work (byte-form handles).
+    pub ipc_bytes: bool,
+    /// [`crate::DeviceAdaptor::ipc_export_fd`] / `ipc_import_fd` work (fd-form handles).
+    pub ipc_fd: bool,
+    /// [`crate::DeviceAdaptor::host_register`] works.
+    pub host_register: bool,
+    /// Peer access between devices of this vendor can be queried and enabled.
+    pub peer_access: bool,
+    /// [`crate::DeviceAdaptor::launch_host_func`] works.
+    pub host_functions: bool,
+    /// 32-bit stream wait/write value operations work.
+    pub stream_mem_ops: bool,
+    /// 64-bit stream wait/write value operations work.
+    pub stream_mem_ops_64: bool,
+    /// [`crate::DeviceAdaptor::exchange_capture_mode`] is meaningful.
+    pub capture_mode: bool,
+}
+
+/// The thread's stream-capture mode (CUDA graph capture semantics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaptureMode {
+    /// Potentially unsafe calls are refused while any thread captures.
+    Global,
+    /// Refused while this thread captures.
+    ThreadLocal,
+    /// Never refused: what allocation and registration need while another thread captures.
+    Relaxed,
+}
+
+/// When a stream wait-value operation releases the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitCondition {
+    /// `(value_at_addr - value)` as a signed integer is ≥ 0: wrap-safe "reached" for counters.
+    Geq,
+    /// `value_at_addr == value`.
+    Eq,
+    /// `(value_at_addr & value) != 0`.
+    And,
+    /// `!(value_at_addr | value) != 0`.
+    Nor,
+}
+
+impl WaitCondition {
+    /// Whether `current` satisfies the condition against `value` (32-bit semantics).
+    pub fn holds32(self, current: u32, value: u32) -> bool {
+        match self {
+            WaitCondition::Geq => (current.wrapping_sub(value) as i32) >= 0,
+            WaitCondition::Eq => current == value,
+            WaitCondition::And => current & value != 0,
+            WaitCondition::Nor => !(current | value) != 0,
+        }
+    }
+
+    /// Whether `current` satisfies the condition against `value` (64-bit semantics).
+    pub fn holds64(self, current: u64, value: u64) -> bool {
+        match self {
+            WaitCondition::Geq => (current.wrapping_sub(value) as i64) >= 0,
+            WaitCondition::Eq => current == value,
+            WaitCondition::And => current & value != 0,
+            WaitCondition::Nor => !(current | value) != 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vendor_names_round_trip() {
+        for v in Vendor::ALL {
+            assert_eq!(v.name().parse::<Vendor>().unwrap(), v);
+            assert_eq!(Vendor::from_code(v.code()), Some(v));
+        }
+        assert!("nvidia".parse::<Vendor>().is_err());
+        assert_eq!(Vendor::from_code(0), None);
+    }
+
+    #[test]
+    fn ipc_handle_wire_round_trip_and_rejects_garbage() {
+        let mut bytes = [0u8; IPC_HANDLE_BYTES];
+        bytes.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+        let h = IpcMemHandle {
+            vendor: Vendor::Cuda,
+            bytes,
+        };
+        assert_eq!(IpcMemHandle::from_wire(&h.to_wire()).unwrap(), h);
+        assert!(IpcMemHandle::from_wire(&h.to_wire()[..10]).is_err());
+        let mut bad = h.to_wire();
+        bad[0] = 99;
+        assert!(IpcMemHandle::from_wire(&bad).is_err());
+    }
+
+    #[test]
+    fn wait_conditions_are_wrap_safe() {
+        assert!(WaitCondition::Geq.holds32(5, 5));
+        assert!(WaitCondition::Geq.holds32(1, u32::MAX)); // wrapped past
+        assert!(!WaitCondition::Geq.holds32(4, 5));
+        assert!(WaitCondition::Geq.holds64(0, u64::MAX));
+        assert!(WaitCondition::And.holds32(0b110, 0b010));
+        assert!(!WaitCondition::And.holds32(0b100, 0b010));
+        assert!(WaitCondition::Nor.holds32(0, 0));
+        assert!(!WaitCondition::Nor.holds32(u32::MAX, 0));
+        assert!(WaitCondition::Eq.holds64(7, 7));
+    }
+}
