@@ -1,0 +1,274 @@
+//! [`Adaptor`]: one enum over the compiled-in vendors, dispatching [`DeviceAdaptor`] statically.
+
+use flagcx_adaptor::{
+    AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceProperties, DevicePtr,
+    EventHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor, WaitCondition,
+};
+
+/// Environment variable naming the vendor to use (`host`, `cuda`, `hip`, `opencl`).
+pub const VENDOR_ENV: &str = "FLAGCX_VENDOR";
+/// Environment variable naming the device index to open (default 0).
+pub const DEVICE_ENV: &str = "FLAGCX_DEVICE";
+
+/// A device of any compiled-in vendor.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum Adaptor {
+    /// The host vendor.
+    #[cfg(feature = "host")]
+    Host(flagcx_host::HostAdaptor),
+}
+
+/// Runs `$body` with `$a` bound to the variant's adaptor, whatever the variant.
+macro_rules! each {
+    ($self:expr, $a:ident => $body:expr) => {
+        match $self {
+            #[cfg(feature = "host")]
+            Adaptor::Host($a) => $body,
+        }
+    };
+}
+
+impl Adaptor {
+    /// Vendors compiled into this build, in detection order (GPUs first, host last).
+    pub fn compiled_vendors() -> Vec<Vendor> {
+        let mut v = Vec::new();
+        #[cfg(feature = "host")]
+        v.push(Vendor::Host);
+        v
+    }
+
+    /// Opens device `device` of `vendor`.
+    pub fn open(vendor: Vendor, device: usize) -> Result<Self> {
+        match vendor {
+            #[cfg(feature = "host")]
+            Vendor::Host => flagcx_host::HostAdaptor::open(device).map(Adaptor::Host),
+            other => Err(AdaptorError::Unavailable {
+                vendor: other,
+                reason: format!(
+                    "not compiled in: enable the `{}` feature of the `flagcx` crate",
+                    other.name()
+                ),
+            }),
+        }
+    }
+
+    /// Opens the vendor named by `FLAGCX_VENDOR` (device `FLAGCX_DEVICE`, default 0); without
+    /// it, the first compiled-in vendor that has a device, GPUs before the host vendor.
+    pub fn from_env() -> Result<Self> {
+        let device = match std::env::var(DEVICE_ENV) {
+            Err(_) => 0,
+            Ok(v) => v.trim().parse().map_err(|_| {
+                AdaptorError::invalid(
+                    "Adaptor::from_env",
+                    format!("{DEVICE_ENV}={v:?} is not a device index"),
+                )
+            })?,
+        };
+        match std::env::var(VENDOR_ENV) {
+            Ok(name) if !name.trim().is_empty() => Self::open(name.parse()?, device),
+            _ => Self::detect(device),
+        }
+    }
+
+    /// The first compiled-in vendor whose device `device` opens.
+    pub fn detect(device: usize) -> Result<Self> {
+        let mut reasons = Vec::new();
+        for vendor in Self::compiled_vendors() {
+            match Self::open(vendor, device) {
+                Ok(a) => return Ok(a),
+                Err(e) if e.is_unavailable() => reasons.push(e.to_string()),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(AdaptorError::Unavailable {
+            vendor: Vendor::Host,
+            reason: format!("no compiled-in vendor is usable: {}", reasons.join("; ")),
+        })
+    }
+}
+
+impl DeviceAdaptor for Adaptor {
+    fn vendor(&self) -> Vendor {
+        each!(self, a => a.vendor())
+    }
+    fn device(&self) -> usize {
+        each!(self, a => a.device())
+    }
+    fn device_count(&self) -> Result<usize> {
+        each!(self, a => a.device_count())
+    }
+    fn properties(&self, index: usize) -> Result<DeviceProperties> {
+        each!(self, a => a.properties(index))
+    }
+    fn capabilities(&self) -> Capabilities {
+        each!(self, a => a.capabilities())
+    }
+    fn mem_alloc(&self, size: usize) -> Result<DevicePtr> {
+        each!(self, a => a.mem_alloc(size))
+    }
+    fn mem_alloc_shareable(&self, size: usize) -> Result<DevicePtr> {
+        each!(self, a => a.mem_alloc_shareable(size))
+    }
+    unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.mem_free(ptr) })
+    }
+    fn mem_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+        each!(self, a => a.mem_get_range(ptr))
+    }
+    fn host_alloc(&self, size: usize) -> Result<*mut u8> {
+        each!(self, a => a.host_alloc(size))
+    }
+    unsafe fn host_free(&self, ptr: *mut u8) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.host_free(ptr) })
+    }
+    unsafe fn host_register(&self, ptr: *mut u8, size: usize) -> Result<DevicePtr> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.host_register(ptr, size) })
+    }
+    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.host_unregister(ptr) })
+    }
+    unsafe fn memcpy_h2d_async(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.memcpy_h2d_async(dst, src, n, stream) })
+    }
+    unsafe fn memcpy_d2h_async(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.memcpy_d2h_async(dst, src, n, stream) })
+    }
+    unsafe fn memcpy_d2d_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.memcpy_d2d_async(dst, src, n, stream) })
+    }
+    unsafe fn memset_async(
+        &self,
+        dst: DevicePtr,
+        value: u8,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.memset_async(dst, value, n, stream) })
+    }
+    fn stream_create(&self) -> Result<StreamHandle> {
+        each!(self, a => a.stream_create())
+    }
+    fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
+        each!(self, a => a.stream_destroy(stream))
+    }
+    fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
+        each!(self, a => a.stream_synchronize(stream))
+    }
+    fn stream_query(&self, stream: StreamHandle) -> Result<bool> {
+        each!(self, a => a.stream_query(stream))
+    }
+    fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
+        each!(self, a => a.stream_wait_event(stream, event))
+    }
+    fn event_create(&self, timing: bool) -> Result<EventHandle> {
+        each!(self, a => a.event_create(timing))
+    }
+    fn event_destroy(&self, event: EventHandle) -> Result<()> {
+        each!(self, a => a.event_destroy(event))
+    }
+    fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
+        each!(self, a => a.event_record(event, stream))
+    }
+    fn event_query(&self, event: EventHandle) -> Result<bool> {
+        each!(self, a => a.event_query(event))
+    }
+    fn event_synchronize(&self, event: EventHandle) -> Result<()> {
+        each!(self, a => a.event_synchronize(event))
+    }
+    fn event_elapsed_ms(&self, start: EventHandle, end: EventHandle) -> Result<f32> {
+        each!(self, a => a.event_elapsed_ms(start, end))
+    }
+    fn ipc_get_handle(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
+        each!(self, a => a.ipc_get_handle(ptr))
+    }
+    fn ipc_open_handle(&self, handle: &IpcMemHandle) -> Result<DevicePtr> {
+        each!(self, a => a.ipc_open_handle(handle))
+    }
+    fn ipc_export_fd(&self, ptr: DevicePtr) -> Result<IpcFdHandle> {
+        each!(self, a => a.ipc_export_fd(ptr))
+    }
+    fn ipc_import_fd(&self, handle: &IpcFdHandle) -> Result<DevicePtr> {
+        each!(self, a => a.ipc_import_fd(handle))
+    }
+    unsafe fn ipc_close(&self, ptr: DevicePtr) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.ipc_close(ptr) })
+    }
+    fn can_access_peer(&self, peer: usize) -> Result<bool> {
+        each!(self, a => a.can_access_peer(peer))
+    }
+    fn enable_peer_access(&self, peer: usize) -> Result<()> {
+        each!(self, a => a.enable_peer_access(peer))
+    }
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+        each!(self, a => a.exchange_capture_mode(mode))
+    }
+    fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()> {
+        each!(self, a => a.launch_host_func(stream, f))
+    }
+    unsafe fn stream_wait_value32(
+        &self,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u32,
+        cond: WaitCondition,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.stream_wait_value32(stream, addr, value, cond) })
+    }
+    unsafe fn stream_wait_value64(
+        &self,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u64,
+        cond: WaitCondition,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.stream_wait_value64(stream, addr, value, cond) })
+    }
+    unsafe fn stream_write_value32(
+        &self,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u32,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.stream_write_value32(stream, addr, value) })
+    }
+    unsafe fn stream_write_value64(
+        &self,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u64,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.stream_write_value64(stream, addr, value) })
+    }
+}
