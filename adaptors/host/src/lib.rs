@@ -29,7 +29,7 @@ use flagcx_adaptor::{
     IPC_HANDLE_BYTES,
 };
 
-use memory::{registry, Range, RangeKind};
+use memory::{registry, RangeKind};
 use stream::{EventState, HostStream, Op};
 
 /// Environment variable: how many host devices to present (default [`DEFAULT_DEVICES`]).
@@ -202,7 +202,7 @@ impl HostAdaptor {
             device: self.inner.device,
             fd,
         };
-        registry().insert(op, base, Range { len: size, kind })?;
+        registry().insert(op, base, size, kind)?;
         Ok(DevicePtr(base))
     }
 
@@ -215,7 +215,7 @@ impl HostAdaptor {
                 format!("{addr} is not {width}-byte aligned"),
             ));
         }
-        registry().check(op, addr.0, width as usize)
+        registry().check(op, addr.0, width as usize).map(|_| ())
     }
 
     fn enqueue_value_op(&self, op: &'static str, stream: StreamHandle, work: Op) -> Result<()> {
@@ -291,7 +291,7 @@ fn dup_cloexec(op: &'static str, fd: &OwnedFd) -> Result<OwnedFd> {
 fn map_opened(op: &'static str, fd: OwnedFd, size: usize) -> Result<DevicePtr> {
     let base = memory::map_shared(&fd, size)?;
     let kind = RangeKind::IpcOpened { fd };
-    if let Err(e) = registry().insert(op, base, Range { len: size, kind }) {
+    if let Err(e) = registry().insert(op, base, size, kind) {
         // SAFETY: the mapping was made just above and is not yet published.
         unsafe { memory::unmap(base, size) };
         return Err(e);
@@ -353,14 +353,14 @@ impl DeviceAdaptor for HostAdaptor {
             |k| matches!(k, RangeKind::Device { device, .. } if *device == me),
         )?;
         // SAFETY: the range was our mapping; the caller guarantees no work still uses it.
-        unsafe { memory::unmap(ptr.0, r.len) };
+        unsafe { memory::unmap(ptr.0, r.0) };
         Ok(())
     }
 
     fn mem_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
         let reg = registry();
         match reg.find(ptr.0) {
-            Some((base, r)) if ptr.0 != 0 => Ok((DevicePtr(base), r.len)),
+            Some((base, len, _)) if ptr.0 != 0 => Ok((DevicePtr(base), len)),
             _ => Err(AdaptorError::InvalidHandle {
                 kind: "device pointer",
                 value: ptr.0,
@@ -373,14 +373,7 @@ impl DeviceAdaptor for HostAdaptor {
             return Err(AdaptorError::invalid("host_alloc", "zero-byte allocation"));
         }
         let base = memory::map_anonymous(size)?;
-        registry().insert(
-            "host_alloc",
-            base,
-            Range {
-                len: size,
-                kind: RangeKind::Pinned,
-            },
-        )?;
+        registry().insert("host_alloc", base, size, RangeKind::Pinned)?;
         Ok(base as *mut u8)
     }
 
@@ -388,7 +381,7 @@ impl DeviceAdaptor for HostAdaptor {
         let r =
             registry().remove_if("host_free", ptr as u64, |k| matches!(k, RangeKind::Pinned))?;
         // SAFETY: our anonymous mapping; the caller guarantees it is unused.
-        unsafe { memory::unmap(ptr as u64, r.len) };
+        unsafe { memory::unmap(ptr as u64, r.0) };
         Ok(())
     }
 
@@ -399,14 +392,7 @@ impl DeviceAdaptor for HostAdaptor {
                 "null pointer or zero size",
             ));
         }
-        registry().insert(
-            "host_register",
-            ptr as u64,
-            Range {
-                len: size,
-                kind: RangeKind::Registered,
-            },
-        )?;
+        registry().insert("host_register", ptr as u64, size, RangeKind::Registered)?;
         Ok(DevicePtr(ptr as u64))
     }
 
@@ -628,9 +614,9 @@ impl DeviceAdaptor for HostAdaptor {
         const OP: &str = "ipc_get_handle";
         let reg = registry();
         match reg.find(ptr.0) {
-            Some((_, r)) if ptr.0 != 0 => match &r.kind {
+            Some((_, len, kind)) if ptr.0 != 0 => match kind {
                 RangeKind::Device { fd, .. } | RangeKind::IpcOpened { fd } => {
-                    encode_handle(fd, r.len)
+                    encode_handle(fd, len)
                 }
                 _ => Err(AdaptorError::invalid(
                     OP,
@@ -677,11 +663,11 @@ impl DeviceAdaptor for HostAdaptor {
         const OP: &str = "ipc_export_fd";
         let reg = registry();
         match reg.find(ptr.0) {
-            Some((_, r)) if ptr.0 != 0 => match &r.kind {
+            Some((_, len, kind)) if ptr.0 != 0 => match kind {
                 RangeKind::Device { fd, .. } | RangeKind::IpcOpened { fd } => Ok(IpcFdHandle {
                     vendor: VENDOR,
                     fd: dup_cloexec(OP, fd)?,
-                    size: r.len,
+                    size: len,
                 }),
                 _ => Err(AdaptorError::invalid(
                     OP,
@@ -728,7 +714,7 @@ impl DeviceAdaptor for HostAdaptor {
             matches!(k, RangeKind::IpcOpened { .. })
         })?;
         // SAFETY: our mapping of the peer's memory; the caller guarantees it is unused.
-        unsafe { memory::unmap(ptr.0, r.len) };
+        unsafe { memory::unmap(ptr.0, r.0) };
         Ok(())
     }
 

@@ -5,10 +5,10 @@
 //! registry records every range the "device" may touch, which lets the adaptor refuse null,
 //! foreign or out-of-bounds device pointers with a typed error instead of faulting.
 
-use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
+use flagcx_adaptor::tracking::RangeMap;
 use flagcx_adaptor::{AdaptorError, Result};
 
 /// What a registered range is.
@@ -24,89 +24,15 @@ pub(crate) enum RangeKind {
     IpcOpened { fd: OwnedFd },
 }
 
-#[derive(Debug)]
-pub(crate) struct Range {
-    pub len: usize,
-    pub kind: RangeKind,
-}
-
-/// Every device-visible range of this process, keyed by base address.
-#[derive(Debug, Default)]
-pub(crate) struct Registry {
-    ranges: BTreeMap<u64, Range>,
-}
+/// Every device-visible range of this process.
+pub(crate) type Registry = RangeMap<RangeKind>;
 
 pub(crate) fn registry() -> MutexGuard<'static, Registry> {
     static REG: OnceLock<Mutex<Registry>> = OnceLock::new();
-    // A panic while holding the lock cannot leave the map half-updated (each update is one
-    // insert or remove), so a poisoned lock is still consistent.
+    // Each update is one insert or remove, so a poisoned lock is still consistent.
     REG.get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-}
-
-impl Registry {
-    /// The range containing `addr`, with its base.
-    pub fn find(&self, addr: u64) -> Option<(u64, &Range)> {
-        let (&base, r) = self.ranges.range(..=addr).next_back()?;
-        (addr < base + r.len as u64).then_some((base, r))
-    }
-
-    /// Checks that `[addr, addr+n)` lies inside one registered range.
-    pub fn check(&self, op: &'static str, addr: u64, n: usize) -> Result<()> {
-        if addr == 0 {
-            return Err(AdaptorError::invalid(op, "null device pointer"));
-        }
-        match self.find(addr) {
-            Some((base, r)) if addr - base + n as u64 <= r.len as u64 => Ok(()),
-            Some((base, r)) => Err(AdaptorError::invalid(
-                op,
-                format!(
-                    "{n} bytes at {addr:#x} run past the {}-byte range at {base:#x}",
-                    r.len
-                ),
-            )),
-            None => Err(AdaptorError::invalid(
-                op,
-                format!("{addr:#x} is not device-visible memory of this process"),
-            )),
-        }
-    }
-
-    /// Records a range; refuses overlap with an existing one.
-    pub fn insert(&mut self, op: &'static str, base: u64, range: Range) -> Result<()> {
-        let end = base + range.len as u64;
-        if let Some((&b, r)) = self.ranges.range(..end).next_back() {
-            if b + r.len as u64 > base {
-                return Err(AdaptorError::invalid(
-                    op,
-                    format!("{base:#x}..{end:#x} overlaps a registered range at {b:#x}"),
-                ));
-            }
-        }
-        self.ranges.insert(base, range);
-        Ok(())
-    }
-
-    /// Removes the range starting exactly at `base` if `accept` agrees with its kind.
-    pub fn remove_if(
-        &mut self,
-        op: &'static str,
-        base: u64,
-        accept: impl FnOnce(&RangeKind) -> bool,
-    ) -> Result<Range> {
-        match self.ranges.get(&base) {
-            Some(r) if accept(&r.kind) => Ok(self.ranges.remove(&base).expect("present")),
-            Some(_) => Err(AdaptorError::invalid(
-                op,
-                format!("{base:#x} is a different kind of memory"),
-            )),
-            None => Err(AdaptorError::InvalidHandle {
-                kind: "memory",
-                value: base,
-            }),
-        }
-    }
 }
 
 /// A fresh memfd of `len` bytes.
