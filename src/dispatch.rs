@@ -17,6 +17,9 @@ pub enum Adaptor {
     /// The host vendor.
     #[cfg(feature = "host")]
     Host(flagcx_host::HostAdaptor),
+    /// NVIDIA CUDA.
+    #[cfg(feature = "cuda")]
+    Cuda(flagcx_cuda::CudaAdaptor),
 }
 
 /// Runs `$body` with `$a` bound to the variant's adaptor, whatever the variant.
@@ -25,6 +28,8 @@ macro_rules! each {
         match $self {
             #[cfg(feature = "host")]
             Adaptor::Host($a) => $body,
+            #[cfg(feature = "cuda")]
+            Adaptor::Cuda($a) => $body,
         }
     };
 }
@@ -32,10 +37,13 @@ macro_rules! each {
 impl Adaptor {
     /// Vendors compiled into this build, in detection order (GPUs first, host last).
     pub fn compiled_vendors() -> Vec<Vendor> {
-        let mut v = Vec::new();
-        #[cfg(feature = "host")]
-        v.push(Vendor::Host);
-        v
+        [
+            #[cfg(feature = "cuda")]
+            Vendor::Cuda,
+            #[cfg(feature = "host")]
+            Vendor::Host,
+        ]
+        .to_vec()
     }
 
     /// Opens device `device` of `vendor`.
@@ -43,6 +51,8 @@ impl Adaptor {
         match vendor {
             #[cfg(feature = "host")]
             Vendor::Host => flagcx_host::HostAdaptor::open(device).map(Adaptor::Host),
+            #[cfg(feature = "cuda")]
+            Vendor::Cuda => flagcx_cuda::CudaAdaptor::open(device).map(Adaptor::Cuda),
             other => Err(AdaptorError::Unavailable {
                 vendor: other,
                 reason: format!(

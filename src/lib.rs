@@ -18,7 +18,7 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
-#[cfg(not(any(feature = "host")))]
+#[cfg(not(any(feature = "host", feature = "cuda")))]
 compile_error!("enable at least one vendor feature of `flagcx` (host, cuda, hip)");
 
 pub use flagcx_adaptor as adaptor;
@@ -31,6 +31,10 @@ pub use flagcx_adaptor::{
 /// The host vendor (feature `host`).
 #[cfg(feature = "host")]
 pub use flagcx_host as host;
+
+/// The CUDA vendor (feature `cuda`).
+#[cfg(feature = "cuda")]
+pub use flagcx_cuda as cuda;
 
 mod dispatch;
 pub use dispatch::Adaptor;

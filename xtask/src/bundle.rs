@@ -1,5 +1,221 @@
-//! `cargo xtask bundle`: filled in with the CUDA adaptor.
+//! `cargo xtask bundle --vendor cuda`: everything a GPU host without Rust needs to run the
+//! vendor's suites — stripped release binaries and a `run.sh` that runs them all, writes full
+//! logs, prints a short table last and exits non-zero on any failure or skip.
 
-pub(crate) fn bundle(_vendors: &Option<Vec<String>>) -> crate::Result {
-    Err("bundle needs a GPU vendor crate; none is in the workspace yet".into())
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use crate::{cargo, root, Result};
+
+/// One thing `run.sh` runs: a label, the binary's file name in `bin/`, extra env, arguments.
+struct Entry {
+    label: String,
+    file: String,
+    env: Vec<(String, String)>,
+    args: Vec<String>,
+}
+
+pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
+    let vendor = match vendors.as_deref() {
+        Some([v]) if v == "cuda" => v.clone(),
+        _ => return Err("bundle supports exactly one GPU vendor: --vendor cuda".into()),
+    };
+    let out = root().join(format!("target/bundle-{vendor}"));
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(out.join("bin")).map_err(|e| e.to_string())?;
+
+    // Test binaries: the vendor's own conformance suite and the facade on that vendor.
+    let tests = build_tests(&[
+        "-p",
+        &format!("flagcx-{vendor}"),
+        "-p",
+        "flagcx",
+        "--features",
+        &format!("flagcx/{vendor}"),
+    ])?;
+    let mut entries = Vec::new();
+    for (krate, target, exe) in tests {
+        let wanted = (krate == format!("flagcx-{vendor}") && target == "conformance")
+            || (krate == "flagcx" && target == "conformance");
+        if !wanted {
+            continue;
+        }
+        let file = format!("{}-{}", krate.replace('-', "_"), target);
+        copy_stripped(&exe, &out.join("bin").join(&file))?;
+        entries.push(Entry {
+            label: format!("{krate}::{target}"),
+            file,
+            env: vec![("FLAGCX_VENDOR".into(), vendor.clone())],
+            args: vec![],
+        });
+    }
+    if entries.is_empty() {
+        return Err("no test binaries were built".into());
+    }
+    write_script(&out, &entries)?;
+    let size: u64 = std::fs::read_dir(out.join("bin"))
+        .map_err(|e| e.to_string())?
+        .filter_map(|e| e.ok()?.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    println!(
+        "bundle: {} ({} entries, {:.1} MiB); run it with {}/run.sh",
+        out.display(),
+        entries.len(),
+        size as f64 / (1 << 20) as f64,
+        out.display()
+    );
+    if size > 64 << 20 {
+        return Err(format!(
+            "the bundle is {size} bytes, over the 64 MiB budget"
+        ));
+    }
+    Ok(())
+}
+
+/// Builds release test binaries; returns (crate, target, executable) for each test target.
+fn build_tests(args: &[&str]) -> Result<Vec<(String, String, PathBuf)>> {
+    eprintln!("xtask: building release test binaries {args:?}");
+    let output = cargo()
+        .args(["test", "--release", "--no-run", "--message-format=json"])
+        .args(args)
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !output.status.success() {
+        return Err("building the test binaries failed".into());
+    }
+    let mut found = Vec::new();
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if msg["reason"] != "compiler-artifact" || msg["profile"]["test"] != true {
+            continue;
+        }
+        let Some(exe) = msg["executable"].as_str() else {
+            continue;
+        };
+        let krate = msg["package_id"]
+            .as_str()
+            .and_then(package_name)
+            .unwrap_or_default();
+        let target = msg["target"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        found.push((krate, target, PathBuf::from(exe)));
+    }
+    Ok(found)
+}
+
+/// The package name in a cargo package id (`path+file:///…/cuda#flagcx-cuda@0.1.0` or
+/// `flagcx-cuda 0.1.0 (path+…)`).
+fn package_name(id: &str) -> Option<String> {
+    if let Some((_, rest)) = id.rsplit_once('#') {
+        let name = rest.split('@').next()?;
+        // `…/flagcx#0.1.0` has no name part: the name is the last path segment.
+        if name.chars().next()?.is_ascii_digit() {
+            return id
+                .rsplit_once('#')?
+                .0
+                .rsplit('/')
+                .next()
+                .map(str::to_string);
+        }
+        return Some(name.to_string());
+    }
+    id.split(' ').next().map(str::to_string)
+}
+
+fn copy_stripped(from: &Path, to: &Path) -> Result {
+    std::fs::copy(from, to).map_err(|e| format!("copy {}: {e}", from.display()))?;
+    let status = std::process::Command::new("strip").arg(to).status();
+    if !matches!(status, Ok(s) if s.success()) {
+        eprintln!("xtask: warning: could not strip {}", to.display());
+    }
+    Ok(())
+}
+
+fn write_script(out: &Path, entries: &[Entry]) -> Result {
+    let mut s = String::from(
+        r#"#!/bin/sh
+# Generated by `cargo xtask bundle`. Runs every suite in this bundle on this machine.
+# Full logs go to $FLAGCX_BUNDLE_LOGS (default: ./logs next to this script); the table is last.
+# Exit status: 0 only if every suite passed and none was skipped (ALLOW_SKIP=1 tolerates skips).
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+logs=${FLAGCX_BUNDLE_LOGS:-$here/logs}
+mkdir -p "$logs"
+fail=0
+table=""
+run() {
+  label=$1; file=$2; shift 2
+  log="$logs/$file.log"; skips="$logs/$file.skips"; rm -f "$skips"
+  start=$(date +%s)
+  if env FLAGCX_SKIP_LOG="$skips" "$@" >"$log" 2>&1; then status=ok; else status=FAILED; fail=1; fi
+  secs=$(( $(date +%s) - start ))
+  passed=$(grep -o '[0-9]* passed' "$log" | awk '{s+=$1} END {print s+0}')
+  failed=$(grep -o '[0-9]* failed' "$log" | awk '{s+=$1} END {print s+0}')
+  skipped=0; [ -f "$skips" ] && skipped=$(wc -l < "$skips")
+  if [ "$skipped" -gt 0 ] && [ "${ALLOW_SKIP:-0}" != 1 ]; then status=SKIPPED; fail=1; fi
+  echo "== $label: $status (passed $passed, failed $failed, skipped $skipped, ${secs}s)"
+  [ "$status" = ok ] || tail -n 40 "$log"
+  table="$table$(printf '%-34s %-8s %6s %6s %7s %5ss' "$label" "$status" "$passed" "$failed" "$skipped" "$secs")
+"
+}
+"#,
+    );
+    for e in entries {
+        let env: String = e.env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
+        let _ = writeln!(
+            s,
+            "run '{}' '{}' env {env}\"$here/bin/{}\" {}",
+            e.label,
+            e.file,
+            e.file,
+            e.args.join(" ")
+        );
+    }
+    s.push_str(
+        r#"printf '\n%-34s %-8s %6s %6s %7s %6s\n' suite result passed failed skipped time
+printf '%s' "$table"
+exit $fail
+"#,
+    );
+    let path = out.join("run.sh");
+    std::fs::write(&path, s).map_err(|e| e.to_string())?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::package_name;
+
+    #[test]
+    fn package_names_from_both_id_formats() {
+        assert_eq!(
+            package_name("path+file:///w/adaptors/cuda#flagcx-cuda@0.1.0").as_deref(),
+            Some("flagcx-cuda")
+        );
+        assert_eq!(
+            package_name("path+file:///w/main#flagcx@0.1.0").as_deref(),
+            Some("flagcx")
+        );
+        assert_eq!(
+            package_name("path+file:///w/flagcx#0.1.0").as_deref(),
+            Some("flagcx")
+        );
+        assert_eq!(
+            package_name("flagcx-cuda 0.1.0 (path+file:///w)").as_deref(),
+            Some("flagcx-cuda")
+        );
+    }
 }

@@ -199,7 +199,7 @@ pub fn zero_and_huge_sizes<A: DeviceAdaptor>(a: &A) {
 pub fn null_and_foreign_pointers<A: DeviceAdaptor>(a: &A) {
     let foreign = DevicePtr(0x7eed_0000_1000);
     let s = Stream::new(a).expect("stream");
-    // SAFETY (all below): the adaptor must reject these before touching memory.
+    // SAFETY: every call below must be rejected by the adaptor before it touches memory.
     unsafe {
         assert_err("mem_free(NULL)", a.mem_free(DevicePtr::NULL));
         assert_err("mem_free(foreign)", a.mem_free(foreign));
