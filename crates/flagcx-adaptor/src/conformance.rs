@@ -36,6 +36,7 @@ const CHILD_ROLE_ENV: &str = "FLAGCX_CONFORMANCE_CHILD";
 const CHILD_HANDLE_ENV: &str = "FLAGCX_CONFORMANCE_HANDLE";
 const CHILD_FD_ENV: &str = "FLAGCX_CONFORMANCE_FD";
 const CHILD_SIZE_ENV: &str = "FLAGCX_CONFORMANCE_SIZE";
+const CHILD_FD_SIZE_ENV: &str = "FLAGCX_CONFORMANCE_FD_SIZE";
 const IPC_BYTES: usize = (1 << 20) + 37;
 
 /// Runs one case: opens the adaptor, skips visibly if the vendor is unavailable.
@@ -661,8 +662,10 @@ pub fn ipc_two_process<A: DeviceAdaptor>(a: &A, form: IpcForm, child_test: &str)
             assert!(raw >= 0, "dup: {}", std::io::Error::last_os_error());
             // SAFETY: `raw` is a fresh descriptor we own.
             inherited = Some(unsafe { OwnedFd::from_raw_fd(raw) });
+            // The exporter's size (possibly rounded up to a granularity) travels with the fd.
             cmd.env(CHILD_ROLE_ENV, "fd")
-                .env(CHILD_FD_ENV, raw.to_string());
+                .env(CHILD_FD_ENV, raw.to_string())
+                .env(CHILD_FD_SIZE_ENV, h.size.to_string());
         }
     }
     let out = cmd.output().expect("spawn child");
@@ -705,10 +708,15 @@ pub fn ipc_child<A: DeviceAdaptor>(a: &A) {
                 .expect("fd");
             // SAFETY: the parent made this descriptor for us and passed its number.
             let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+            let mapped: usize = std::env::var(CHILD_FD_SIZE_ENV)
+                .expect("fd size")
+                .parse()
+                .expect("fd size");
+            assert!(mapped >= size, "the export is smaller than the buffer");
             let h = IpcFdHandle {
                 vendor: a.vendor(),
                 fd,
-                size,
+                size: mapped,
             };
             IpcMapping::import_fd(a, &h).expect("ipc_import_fd in the child")
         }
