@@ -20,6 +20,9 @@ pub enum Adaptor {
     /// NVIDIA CUDA.
     #[cfg(feature = "cuda")]
     Cuda(flagcx_cuda::CudaAdaptor),
+    /// AMD HIP.
+    #[cfg(feature = "hip")]
+    Hip(flagcx_hip::HipAdaptor),
 }
 
 /// Runs `$body` with `$a` bound to the variant's adaptor, whatever the variant.
@@ -30,6 +33,8 @@ macro_rules! each {
             Adaptor::Host($a) => $body,
             #[cfg(feature = "cuda")]
             Adaptor::Cuda($a) => $body,
+            #[cfg(feature = "hip")]
+            Adaptor::Hip($a) => $body,
         }
     };
 }
@@ -40,6 +45,8 @@ impl Adaptor {
         [
             #[cfg(feature = "cuda")]
             Vendor::Cuda,
+            #[cfg(feature = "hip")]
+            Vendor::Hip,
             #[cfg(feature = "host")]
             Vendor::Host,
         ]
@@ -53,6 +60,8 @@ impl Adaptor {
             Vendor::Host => flagcx_host::HostAdaptor::open(device).map(Adaptor::Host),
             #[cfg(feature = "cuda")]
             Vendor::Cuda => flagcx_cuda::CudaAdaptor::open(device).map(Adaptor::Cuda),
+            #[cfg(feature = "hip")]
+            Vendor::Hip => flagcx_hip::HipAdaptor::open(device).map(Adaptor::Hip),
             other => Err(AdaptorError::Unavailable {
                 vendor: other,
                 reason: format!(

@@ -18,7 +18,7 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
-#[cfg(not(any(feature = "host", feature = "cuda")))]
+#[cfg(not(any(feature = "host", feature = "cuda", feature = "hip")))]
 compile_error!("enable at least one vendor feature of `flagcx` (host, cuda, hip)");
 
 pub use flagcx_adaptor as adaptor;
@@ -35,6 +35,10 @@ pub use flagcx_host as host;
 /// The CUDA vendor (feature `cuda`).
 #[cfg(feature = "cuda")]
 pub use flagcx_cuda as cuda;
+
+/// The HIP vendor (feature `hip`).
+#[cfg(feature = "hip")]
+pub use flagcx_hip as hip;
 
 mod dispatch;
 pub use dispatch::Adaptor;

@@ -36,9 +36,11 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
     ])?;
     let mut entries = Vec::new();
     for (krate, target, exe) in tests {
-        let wanted = (krate == format!("flagcx-{vendor}") && target == "conformance")
-            || (krate == "flagcx" && target == "conformance");
-        if !wanted {
+        let wanted = [
+            (format!("flagcx-{vendor}"), "conformance"),
+            ("flagcx".to_string(), "conformance"),
+        ];
+        if !wanted.iter().any(|(k, t)| *k == krate && *t == target) {
             continue;
         }
         let file = format!("{}-{}", krate.replace('-', "_"), target);

@@ -8,7 +8,7 @@
 //! ```
 //!
 //! Each case is one `#[test]`. When opening the adaptor returns
-//! [`AdaptorError::Unavailable`](crate::AdaptorError::Unavailable) (no runtime, no device), the
+//! [`AdaptorError::Unavailable`] (no runtime, no device), the
 //! test prints `skipped: <reason>` and appends a line to the file named by `FLAGCX_SKIP_LOG`,
 //! which `cargo xtask test` reads to report skips: a vendor without a device never counts as a
 //! pass. Any other failure to open the adaptor fails the test.

@@ -61,7 +61,7 @@ pub struct Event<A: DeviceAdaptor> {
 }
 
 impl<A: DeviceAdaptor> Event<A> {
-    /// Creates an event; `timing` enables [`Event::elapsed_ms`].
+    /// Creates an event; `timing` enables [`Event::elapsed_ms_since`].
     pub fn new(adaptor: &A, timing: bool) -> Result<Self> {
         let handle = adaptor.event_create(timing)?;
         Ok(Event {

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Everything CI needs, installed idempotently, then `cargo xtask ci`
+# (fmt check, clippy -D warnings, docs, and the README's test command `cargo xtask test`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+need_pkgs=()
+# HIP headers and runtime so the hip vendor builds and links (there is no AMD GPU: its suite
+# reports skipped with the runtime's reason).
+[ -f /usr/include/hip/hip_runtime_api.h ] || need_pkgs+=(libamdhip64-dev)
+command -v hipconfig >/dev/null || need_pkgs+=(hipcc)
+if [ ${#need_pkgs[@]} -gt 0 ]; then
+  echo "ci: installing ${need_pkgs[*]}"
+  sudo_if_needed apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive sudo_if_needed apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
+fi
+
+rustup component add rustfmt clippy >/dev/null 2>&1 || true
+
+cargo xtask ci
