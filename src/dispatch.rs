@@ -72,21 +72,46 @@ impl Adaptor {
         }
     }
 
-    /// Opens the vendor named by `FLAGCX_VENDOR` (device `FLAGCX_DEVICE`, default 0); without
-    /// it, the first compiled-in vendor that has a device, GPUs before the host vendor.
+    /// Opens the vendor named by `FLAGCX_VENDOR`, else the first compiled-in vendor that has
+    /// a device (GPUs before the host vendor). The device is `FLAGCX_DEVICE` if set, else the
+    /// local rank (`FLAGCX_LOCAL_RANK`, `LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_RANK`) modulo the
+    /// device count, else 0 — so the ranks of a node spread over its devices.
     pub fn from_env() -> Result<Self> {
-        let device = match std::env::var(DEVICE_ENV) {
-            Err(_) => 0,
-            Ok(v) => v.trim().parse().map_err(|_| {
-                AdaptorError::invalid(
-                    "Adaptor::from_env",
-                    format!("{DEVICE_ENV}={v:?} is not a device index"),
-                )
-            })?,
+        let index = |name: &str| -> Result<Option<usize>> {
+            match std::env::var(name) {
+                Err(_) => Ok(None),
+                Ok(v) => v.trim().parse().map(Some).map_err(|_| {
+                    AdaptorError::invalid(
+                        "Adaptor::from_env",
+                        format!("{name}={v:?} is not a non-negative integer"),
+                    )
+                }),
+            }
         };
-        match std::env::var(VENDOR_ENV) {
+        let explicit = index(DEVICE_ENV)?;
+        let open = |device| match std::env::var(VENDOR_ENV) {
             Ok(name) if !name.trim().is_empty() => Self::open(name.parse()?, device),
             _ => Self::detect(device),
+        };
+        if let Some(d) = explicit {
+            return open(d);
+        }
+        let first = open(0)?;
+        let mut local = None;
+        for name in [
+            "FLAGCX_LOCAL_RANK",
+            "LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+        ] {
+            if let Some(v) = index(name)? {
+                local = Some(v);
+                break;
+            }
+        }
+        let count = first.device_count()?;
+        match local.map(|l| l % count.max(1)) {
+            Some(d) if d != 0 => Self::open(first.vendor(), d),
+            _ => Ok(first),
         }
     }
 

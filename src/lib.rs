@@ -40,5 +40,25 @@ pub use flagcx_cuda as cuda;
 #[cfg(feature = "hip")]
 pub use flagcx_hip as hip;
 
+/// Point-to-point communication between processes (`flagcx-p2p`).
+pub use flagcx_p2p as p2p;
+pub use flagcx_p2p::{Comm, CommError, Request, TransportKind};
+
 mod dispatch;
 pub use dispatch::Adaptor;
+
+/// Sets up `tracing` output on stderr from `FLAGCX_DEBUG` (`info`, `debug`, `warn`, or any
+/// `tracing` filter; default `warn`). Binaries and examples call it once at start.
+pub fn init_logging() {
+    let filter = std::env::var("FLAGCX_DEBUG").unwrap_or_else(|_| "warn".into());
+    let filter = match filter.to_ascii_lowercase().as_str() {
+        "info" | "debug" | "trace" | "warn" | "error" => {
+            format!("flagcx={filter},flagcx_p2p={filter}")
+        }
+        _ => filter,
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .try_init();
+}

@@ -1,0 +1,531 @@
+//! Bootstrap: the ranks of one job find each other and form a full mesh of Unix-domain sockets.
+//!
+//! Every rank listens on an abstract-namespace socket named after the job's [`UniqueId`] and its
+//! rank — abstract names leave no file behind when a process dies. Rank `r` connects to every
+//! lower rank and accepts every higher one. Admission is two-sided: the connector checks that the
+//! listener runs as our uid (`SO_PEERCRED`) *before* it reveals the secret, and the listener
+//! checks the connector's uid and the secret; anything else is logged and dropped without
+//! disturbing the job. Over the mesh go tagged frames ([`crate::wire`]) with file descriptors
+//! (`SCM_RIGHTS`), an all-gather and a barrier.
+
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use nix::sys::socket::{
+    getsockopt, recvmsg, sendmsg, sockopt::PeerCredentials, ControlMessage, ControlMessageOwned,
+    MsgFlags,
+};
+
+use crate::config::Config;
+use crate::error::{CommError, Result};
+use crate::wire::{self, Reader, Tag, Writer, HEADER_LEN};
+
+const MAGIC: &[u8; 8] = b"FLAGCXv1";
+const PROTOCOL_VERSION: u32 = 1;
+const MAX_FDS_PER_FRAME: usize = 16;
+
+/// A job's identity: a public name (which socket addresses derive from) and a secret that peers
+/// must present. Its text form, `fx1-<32 hex>-<32 hex>`, is what `FLAGCX_UNIQUE_ID` carries.
+#[derive(Clone, PartialEq, Eq)]
+pub struct UniqueId {
+    name: [u8; 16],
+    secret: [u8; 16],
+}
+
+impl std::fmt::Debug for UniqueId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the secret.
+        write!(f, "UniqueId({})", hex(&self.name))
+    }
+}
+
+impl UniqueId {
+    /// A fresh id from the OS random source.
+    pub fn random() -> Result<Self> {
+        let mut b = [0u8; 32];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut b))
+            .map_err(|e| CommError::io("read /dev/urandom", e))?;
+        let mut id = UniqueId {
+            name: [0; 16],
+            secret: [0; 16],
+        };
+        id.name.copy_from_slice(&b[..16]);
+        id.secret.copy_from_slice(&b[16..]);
+        Ok(id)
+    }
+
+    /// An id derived from a job identifier that every rank sees (e.g. a launcher's run id).
+    ///
+    /// Anyone who can read the job identifier can derive the secret, so admission then rests on
+    /// the same-uid check; prefer [`UniqueId::random`] passed through `FLAGCX_UNIQUE_ID`.
+    pub fn derived(job: &str) -> Self {
+        UniqueId {
+            name: fnv128(&format!("flagcx-name:{job}")),
+            secret: fnv128(&format!("flagcx-secret:{job}")),
+        }
+    }
+
+    /// The public part, as hex (used in socket names and logs).
+    pub fn name_hex(&self) -> String {
+        hex(&self.name)
+    }
+}
+
+impl std::fmt::Display for UniqueId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "fx1-{}-{}", hex(&self.name), hex(&self.secret))
+    }
+}
+
+impl std::str::FromStr for UniqueId {
+    type Err = CommError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = |why: &str| CommError::config("FLAGCX_UNIQUE_ID", s, why.to_string());
+        let mut parts = s.trim().split('-');
+        if parts.next() != Some("fx1") {
+            return Err(bad("expected fx1-<32 hex>-<32 hex>"));
+        }
+        let name = unhex16(parts.next().unwrap_or("")).ok_or_else(|| bad("bad name part"))?;
+        let secret = unhex16(parts.next().unwrap_or("")).ok_or_else(|| bad("bad secret part"))?;
+        if parts.next().is_some() {
+            return Err(bad("trailing data"));
+        }
+        Ok(UniqueId { name, secret })
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex16(s: &str) -> Option<[u8; 16]> {
+    if s.len() != 32 || !s.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+/// FNV-1a, 128-bit: stable across Rust versions, unlike `DefaultHasher`.
+fn fnv128(s: &str) -> [u8; 16] {
+    let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
+    for b in s.bytes() {
+        h ^= b as u128;
+        h = h.wrapping_mul(0x0000000001000000000000000000013B);
+    }
+    h.to_le_bytes()
+}
+
+fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn socket_addr(id: &UniqueId, rank: usize) -> Result<SocketAddr> {
+    let name = format!("flagcx-{}-{rank}", id.name_hex());
+    SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| CommError::io("socket name", e))
+}
+
+fn peer_uid(s: &UnixStream) -> Result<u32> {
+    getsockopt(s, PeerCredentials)
+        .map(|c| c.uid())
+        .map_err(|e| CommError::io("SO_PEERCRED", e.into()))
+}
+
+fn my_uid() -> u32 {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    unsafe { libc::getuid() }
+}
+
+/// The mesh of one job: a socket to every other rank.
+#[derive(Debug)]
+pub struct Bootstrap {
+    rank: usize,
+    nranks: usize,
+    peers: Vec<Option<Mutex<UnixStream>>>,
+    timeout: Duration,
+}
+
+impl Bootstrap {
+    /// Joins job `id` as `rank` of `nranks`, waiting up to `config.bootstrap_timeout` for the
+    /// others.
+    pub fn connect(rank: usize, nranks: usize, id: &UniqueId, config: &Config) -> Result<Self> {
+        if nranks == 0 || rank >= nranks {
+            return Err(CommError::InvalidArgument(format!(
+                "rank {rank} is not in 0..{nranks}"
+            )));
+        }
+        let timeout = config.bootstrap_timeout;
+        let deadline = Instant::now() + timeout;
+        let listener = UnixListener::bind_addr(&socket_addr(id, rank)?).map_err(|e| {
+            CommError::Bootstrap(format!(
+                "rank {rank} cannot listen (is another job using the same unique id?): {e}"
+            ))
+        })?;
+        let mut peers: Vec<Option<Mutex<UnixStream>>> = (0..nranks).map(|_| None).collect();
+        for (q, slot) in peers.iter_mut().enumerate().take(rank) {
+            *slot = Some(Mutex::new(connect_to(id, rank, nranks, q, deadline)?));
+        }
+        let mut missing = nranks - rank - 1;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| CommError::io("listener nonblocking", e))?;
+        while missing > 0 {
+            match listener.accept() {
+                Ok((s, _)) => match admit(s, id, rank, nranks) {
+                    Ok((q, s)) if q > rank && peers[q].is_none() => {
+                        peers[q] = Some(Mutex::new(s));
+                        missing -= 1;
+                    }
+                    Ok((q, _)) => tracing::warn!(
+                        rank,
+                        "refused a duplicate or misordered hello from rank {q}"
+                    ),
+                    Err(e) => tracing::warn!(rank, "refused a bootstrap connection: {e}"),
+                },
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() > deadline {
+                        let absent: Vec<usize> =
+                            (rank + 1..nranks).filter(|&q| peers[q].is_none()).collect();
+                        return Err(CommError::Bootstrap(format!(
+                            "rank {rank}: ranks {absent:?} did not connect within {} ms",
+                            timeout.as_millis()
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) => return Err(CommError::io("accept", e)),
+            }
+        }
+        for s in peers.iter().flatten() {
+            let s = s.lock().unwrap_or_else(|p| p.into_inner());
+            s.set_read_timeout(None)
+                .map_err(|e| CommError::io("socket timeout", e))?;
+        }
+        Ok(Bootstrap {
+            rank,
+            nranks,
+            peers,
+            timeout,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the job.
+    pub fn nranks(&self) -> usize {
+        self.nranks
+    }
+
+    fn peer(&self, peer: usize) -> Result<std::sync::MutexGuard<'_, UnixStream>> {
+        self.peers
+            .get(peer)
+            .and_then(|p| p.as_ref())
+            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()))
+            .ok_or_else(|| CommError::InvalidArgument(format!("no bootstrap peer {peer}")))
+    }
+
+    /// The raw socket to `peer`, for readiness polling (peer-death detection).
+    pub fn peer_fd(&self, peer: usize) -> Option<RawFd> {
+        self.peers
+            .get(peer)?
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()).as_raw_fd())
+    }
+
+    /// Sends a tagged frame, with file descriptors, to `peer`.
+    pub fn send(
+        &self,
+        peer: usize,
+        tag: Tag,
+        payload: &[u8],
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<()> {
+        let s = self.peer(peer)?;
+        send_frame(&s, tag, payload, fds).map_err(|e| lost_or(peer, e))
+    }
+
+    /// Receives the next frame from `peer`, which must carry `tag`.
+    pub fn recv(&self, peer: usize, tag: Tag) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
+        let s = self.peer(peer)?;
+        let (got, payload, fds) = recv_frame(&s).map_err(|e| lost_or(peer, e))?;
+        if got != tag {
+            return Err(CommError::Protocol(format!(
+                "expected a {tag:?} frame from rank {peer}, got {got:?}"
+            )));
+        }
+        Ok((payload, fds))
+    }
+
+    /// Every rank's `mine`, indexed by rank.
+    pub fn all_gather(&self, tag: Tag, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        // Payloads are small (socket buffers hold them), so sending to all first cannot block
+        // on a peer that is itself sending.
+        for q in (0..self.nranks).filter(|&q| q != self.rank) {
+            self.send(q, tag, mine, &[])?;
+        }
+        let mut all = vec![Vec::new(); self.nranks];
+        all[self.rank] = mine.to_vec();
+        for (q, slot) in all.iter_mut().enumerate() {
+            if q != self.rank {
+                *slot = self.recv(q, tag)?.0;
+            }
+        }
+        Ok(all)
+    }
+
+    /// Returns once every rank has called it.
+    pub fn barrier(&self) -> Result<()> {
+        self.all_gather(Tag::Barrier, &[]).map(|_| ())
+    }
+
+    /// The time bootstrap waits for peers.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+}
+
+fn lost_or(peer: usize, e: CommError) -> CommError {
+    match e {
+        CommError::Io { source, .. }
+            if matches!(
+                source.kind(),
+                std::io::ErrorKind::UnexpectedEof
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::ConnectionReset
+            ) =>
+        {
+            CommError::PeerLost {
+                peer,
+                reason: format!("bootstrap socket closed ({source})"),
+            }
+        }
+        other => other,
+    }
+}
+
+fn connect_to(
+    id: &UniqueId,
+    rank: usize,
+    nranks: usize,
+    q: usize,
+    deadline: Instant,
+) -> Result<UnixStream> {
+    let addr = socket_addr(id, q)?;
+    let s = loop {
+        match UnixStream::connect_addr(&addr) {
+            Ok(s) => break s,
+            Err(e)
+                if Instant::now() < deadline
+                    && matches!(
+                        e.kind(),
+                        std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+                    ) =>
+            {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => {
+                return Err(CommError::Bootstrap(format!(
+                    "rank {rank} could not reach rank {q}: {e}"
+                )))
+            }
+        }
+    };
+    // Only reveal the secret to a listener that runs as us.
+    let uid = peer_uid(&s)?;
+    if uid != my_uid() {
+        return Err(CommError::Bootstrap(format!(
+            "rank {q}'s socket belongs to uid {uid}, not ours ({}); refusing to send the secret",
+            my_uid()
+        )));
+    }
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(100));
+    s.set_read_timeout(Some(left))
+        .map_err(|e| CommError::io("socket timeout", e))?;
+    let hello = Writer::new()
+        .bytes(MAGIC)
+        .u32(PROTOCOL_VERSION)
+        .u32(rank as u32)
+        .u32(nranks as u32)
+        .bytes(&id.secret)
+        .finish();
+    send_frame(&s, Tag::Hello, &hello, &[])?;
+    let (tag, payload, _) = recv_frame(&s)
+        .map_err(|e| CommError::Bootstrap(format!("rank {q} did not accept rank {rank}: {e}")))?;
+    let mut r = Reader::new(&payload, "hello ack");
+    if tag != Tag::HelloAck || r.u32()? as usize != q {
+        return Err(CommError::Bootstrap(format!(
+            "rank {q} answered with a bad acknowledgement"
+        )));
+    }
+    Ok(s)
+}
+
+/// Checks a connecting peer: same uid, right magic, version, job size and secret.
+fn admit(s: UnixStream, id: &UniqueId, rank: usize, nranks: usize) -> Result<(usize, UnixStream)> {
+    s.set_nonblocking(false)
+        .map_err(|e| CommError::io("socket blocking", e))?;
+    let uid = peer_uid(&s)?;
+    if uid != my_uid() {
+        return Err(CommError::Bootstrap(format!(
+            "connection from uid {uid} refused"
+        )));
+    }
+    s.set_read_timeout(Some(Duration::from_secs(2)))
+        .map_err(|e| CommError::io("socket timeout", e))?;
+    let (tag, payload, _) = recv_frame(&s)?;
+    if tag != Tag::Hello {
+        return Err(CommError::Bootstrap(format!("expected hello, got {tag:?}")));
+    }
+    let mut r = Reader::new(&payload, "hello");
+    let magic = r.bytes()?;
+    let version = r.u32()?;
+    let q = r.u32()? as usize;
+    let n = r.u32()? as usize;
+    let secret = r.bytes()?;
+    r.end()?;
+    if magic != MAGIC || version != PROTOCOL_VERSION {
+        return Err(CommError::Bootstrap(
+            "wrong magic or protocol version".into(),
+        ));
+    }
+    if !ct_eq(secret, &id.secret) {
+        return Err(CommError::Bootstrap(format!(
+            "rank {q} presented a wrong secret"
+        )));
+    }
+    if n != nranks || q >= nranks {
+        return Err(CommError::Bootstrap(format!(
+            "peer claims rank {q} of {n}, this job has {nranks} ranks"
+        )));
+    }
+    send_frame(
+        &s,
+        Tag::HelloAck,
+        &Writer::new().u32(rank as u32).finish(),
+        &[],
+    )?;
+    Ok((q, s))
+}
+
+fn send_frame(s: &UnixStream, tag: Tag, payload: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+    if fds.len() > MAX_FDS_PER_FRAME {
+        return Err(CommError::InvalidArgument(format!(
+            "{} descriptors in one frame (at most {MAX_FDS_PER_FRAME})",
+            fds.len()
+        )));
+    }
+    let h = wire::header(tag, payload.len())?;
+    let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    // The descriptors ride on the header's bytes.
+    let iov = [IoSlice::new(&h)];
+    let cmsg = [ControlMessage::ScmRights(&raw)];
+    let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &cmsg };
+    let mut sent = loop {
+        match sendmsg::<()>(s.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+            Ok(n) => break n,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(CommError::io("sendmsg", e.into())),
+        }
+    };
+    let mut w = s;
+    if sent < HEADER_LEN {
+        w.write_all(&h[sent..])
+            .map_err(|e| CommError::io("send", e))?;
+        sent = HEADER_LEN;
+    }
+    debug_assert_eq!(sent, HEADER_LEN);
+    w.write_all(payload).map_err(|e| CommError::io("send", e))
+}
+
+fn recv_frame(s: &UnixStream) -> Result<(Tag, Vec<u8>, Vec<OwnedFd>)> {
+    let mut h = [0u8; HEADER_LEN];
+    let mut fds = Vec::new();
+    let mut cmsg_buf = nix::cmsg_space!([RawFd; MAX_FDS_PER_FRAME]);
+    let got = {
+        let mut iov = [IoSliceMut::new(&mut h)];
+        let msg = loop {
+            match recvmsg::<()>(
+                s.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg_buf),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            ) {
+                Ok(m) => break m,
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => return Err(CommError::io("recvmsg", e.into())),
+            }
+        };
+        for c in msg.cmsgs().map_err(|e| CommError::io("cmsgs", e.into()))? {
+            if let ControlMessageOwned::ScmRights(raw) = c {
+                for fd in raw {
+                    // SAFETY: the kernel installed these descriptors for us; we own them now.
+                    fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+                }
+            }
+        }
+        msg.bytes
+    };
+    if got == 0 {
+        return Err(CommError::io(
+            "recv",
+            std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "peer closed the connection",
+            ),
+        ));
+    }
+    let mut r = s;
+    if got < HEADER_LEN {
+        r.read_exact(&mut h[got..])
+            .map_err(|e| CommError::io("recv", e))?;
+    }
+    let (tag, len) = wire::parse_header(&h)?;
+    let mut payload = vec![0u8; len];
+    r.read_exact(&mut payload)
+        .map_err(|e| CommError::io("recv", e))?;
+    Ok((tag, payload, fds))
+}
+
+/// Keeps a borrowed fd type in scope for callers that pass `&[fd.as_fd()]`.
+pub fn borrow(fd: &OwnedFd) -> BorrowedFd<'_> {
+    fd.as_fd()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unique_id_text_round_trip_and_rejections() {
+        let id = UniqueId::random().unwrap();
+        let s = id.to_string();
+        assert_eq!(s.parse::<UniqueId>().unwrap(), id);
+        assert!(
+            !format!("{id:?}").contains(&hex(&id.secret)),
+            "Debug leaks the secret"
+        );
+        assert!(
+            s[..s.len() - 1].parse::<UniqueId>().is_err(),
+            "truncated id accepted"
+        );
+        assert!(format!("{s}-00").parse::<UniqueId>().is_err());
+        assert!("fx2-00".parse::<UniqueId>().is_err());
+        assert!("".parse::<UniqueId>().is_err());
+        assert_eq!(UniqueId::derived("job-7"), UniqueId::derived("job-7"));
+        assert_ne!(UniqueId::derived("job-7"), UniqueId::derived("job-8"));
+    }
+}

@@ -1,0 +1,296 @@
+//! A channel: the shared-memory block through which one rank sends to another.
+//!
+//! The receiver creates it (a memfd) and hands the descriptor to the sender; both map it. It
+//! holds monotonic counters, two descriptor rings and, for the staged transport, the data slots:
+//!
+//! | field | writer | meaning |
+//! |---|---|---|
+//! | `recv_posted` | receiver | receives announced (descriptor `i` = size, IPC handle, offset) |
+//! | `recv_done` | receiver | receives finished (send descriptor `i` may be reused) |
+//! | `head` | receiver | staged chunks drained from the ring (slots free again) |
+//! | `send_posted` | sender | sends answered (descriptor `i` = size, status) |
+//! | `tail` | sender | staged chunks written into the ring |
+//!
+//! Every counter only grows; a descriptor is written before its counter is published with
+//! release ordering and read after an acquire load, so each ring is a plain SPSC queue.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use flagcx_adaptor::IpcMemHandle;
+
+use crate::error::{CommError, Result};
+use crate::shm::ShmSegment;
+
+/// Descriptors per ring: a flow-control window, not a cap on operations in flight (the proxy
+/// queues more locally).
+pub const DESC_RING: u64 = 64;
+const CTRL_BYTES: usize = 4096;
+const RECV_DESC_BYTES: usize = 128;
+const SEND_DESC_BYTES: usize = 16;
+const PAGE: usize = 4096;
+
+/// Status of a send descriptor.
+pub const STATUS_OK: u64 = 0;
+/// The sender's message is larger than the receive buffer.
+pub const STATUS_SIZE_MISMATCH: u64 = 1;
+/// The sender failed (a vendor error); no data moved.
+pub const STATUS_SENDER_FAILED: u64 = 2;
+
+/// Counter offsets in the control page, each on its own cache line.
+#[derive(Clone, Copy)]
+#[repr(usize)]
+pub enum Counter {
+    /// See the module table.
+    RecvPosted = 0,
+    /// See the module table.
+    RecvDone = 64,
+    /// See the module table.
+    Head = 128,
+    /// See the module table.
+    SendPosted = 192,
+    /// See the module table.
+    Tail = 256,
+}
+
+/// What a receiver announces for one receive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvDesc {
+    /// Bytes the receive buffer holds.
+    pub size: u64,
+    /// For IPC: the handle of the allocation holding the buffer.
+    pub handle: Option<IpcMemHandle>,
+    /// For IPC: the buffer's offset in that allocation.
+    pub offset: u64,
+}
+
+/// What a sender answers for one send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendDesc {
+    /// Bytes sent.
+    pub size: u64,
+    /// `STATUS_*`.
+    pub status: u64,
+}
+
+/// The layout of a channel segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Geometry {
+    /// Staged slots (0 for IPC channels).
+    pub slots: usize,
+    /// Bytes per slot.
+    pub chunk: usize,
+}
+
+impl Geometry {
+    fn recv_descs(&self) -> usize {
+        CTRL_BYTES
+    }
+    fn send_descs(&self) -> usize {
+        self.recv_descs() + DESC_RING as usize * RECV_DESC_BYTES
+    }
+    fn ring(&self) -> usize {
+        (self.send_descs() + DESC_RING as usize * SEND_DESC_BYTES).next_multiple_of(PAGE)
+    }
+    /// Total bytes of the segment.
+    pub fn len(&self) -> usize {
+        self.ring() + self.slots * self.chunk
+    }
+    /// True when the segment has no data slots.
+    pub fn is_empty(&self) -> bool {
+        self.slots == 0
+    }
+}
+
+/// One mapped channel.
+#[derive(Debug)]
+pub struct Channel {
+    seg: ShmSegment,
+    geo: Geometry,
+}
+
+// SAFETY: all cross-thread access to the mapping goes through atomics or through descriptor and
+// slot bytes whose ownership the counters hand over (see the module docs).
+unsafe impl Send for Channel {}
+// SAFETY: as above.
+unsafe impl Sync for Channel {}
+
+impl Channel {
+    /// Creates a channel segment (receiver side).
+    pub fn create(geo: Geometry) -> Result<Self> {
+        let seg = ShmSegment::create("flagcx-channel", geo.len())?;
+        Ok(Channel { seg, geo })
+    }
+
+    /// Maps a channel segment received from the receiver (sender side).
+    pub fn open(seg: ShmSegment, geo: Geometry) -> Result<Self> {
+        if seg.len() < geo.len() {
+            return Err(CommError::Protocol("channel segment is too small".into()));
+        }
+        Ok(Channel { seg, geo })
+    }
+
+    /// The segment (for its descriptor).
+    pub fn segment(&self) -> &ShmSegment {
+        &self.seg
+    }
+
+    /// The geometry.
+    pub fn geometry(&self) -> Geometry {
+        self.geo
+    }
+
+    fn counter(&self, c: Counter) -> &AtomicU64 {
+        // SAFETY: the control page is inside the mapping, 64-byte aligned offsets of a
+        // page-aligned mapping; the mapping outlives `self`.
+        unsafe { &*(self.seg.as_ptr().add(c as usize) as *const AtomicU64) }
+    }
+
+    /// Reads a counter (acquire).
+    pub fn load(&self, c: Counter) -> u64 {
+        self.counter(c).load(Ordering::Acquire)
+    }
+
+    /// Publishes a counter (release).
+    pub fn store(&self, c: Counter, v: u64) {
+        self.counter(c).store(v, Ordering::Release)
+    }
+
+    fn slot_ptr(&self, base: usize, size: usize, i: u64) -> *mut u8 {
+        // SAFETY: `i % DESC_RING` keeps the offset inside the descriptor area of the mapping.
+        unsafe {
+            self.seg
+                .as_ptr()
+                .add(base + (i % DESC_RING) as usize * size)
+        }
+    }
+
+    /// Writes receive descriptor `i` (receiver, before publishing `RecvPosted`).
+    pub fn write_recv_desc(&self, i: u64, d: &RecvDesc) {
+        let mut b = [0u8; RECV_DESC_BYTES];
+        b[0..8].copy_from_slice(&d.size.to_le_bytes());
+        b[8..16].copy_from_slice(&d.offset.to_le_bytes());
+        if let Some(h) = d.handle {
+            b[16] = 1;
+            b[17..17 + IpcMemHandle::WIRE_LEN].copy_from_slice(&h.to_wire());
+        }
+        // SAFETY: the descriptor slot is inside the mapping and owned by the receiver until it
+        // publishes the counter.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                b.as_ptr(),
+                self.slot_ptr(self.geo.recv_descs(), RECV_DESC_BYTES, i),
+                RECV_DESC_BYTES,
+            )
+        }
+    }
+
+    /// Reads receive descriptor `i` (sender, after seeing `RecvPosted > i`).
+    pub fn read_recv_desc(&self, i: u64) -> Result<RecvDesc> {
+        let mut b = [0u8; RECV_DESC_BYTES];
+        // SAFETY: inside the mapping; published by the receiver's release store.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.slot_ptr(self.geo.recv_descs(), RECV_DESC_BYTES, i),
+                b.as_mut_ptr(),
+                RECV_DESC_BYTES,
+            )
+        }
+        let size = u64::from_le_bytes(b[0..8].try_into().expect("8"));
+        let offset = u64::from_le_bytes(b[8..16].try_into().expect("8"));
+        let handle = match b[16] {
+            0 => None,
+            1 => Some(IpcMemHandle::from_wire(
+                &b[17..17 + IpcMemHandle::WIRE_LEN],
+            )?),
+            x => return Err(CommError::Protocol(format!("receive descriptor flag {x}"))),
+        };
+        Ok(RecvDesc {
+            size,
+            handle,
+            offset,
+        })
+    }
+
+    /// Writes send descriptor `i` (sender, before publishing `SendPosted`).
+    pub fn write_send_desc(&self, i: u64, d: &SendDesc) {
+        let p = self.slot_ptr(self.geo.send_descs(), SEND_DESC_BYTES, i);
+        // SAFETY: inside the mapping, 8-byte aligned, owned by the sender until published.
+        unsafe {
+            (p as *mut u64).write_volatile(d.size);
+            (p as *mut u64).add(1).write_volatile(d.status);
+        }
+    }
+
+    /// Reads send descriptor `i` (receiver, after seeing `SendPosted > i`).
+    pub fn read_send_desc(&self, i: u64) -> SendDesc {
+        let p = self.slot_ptr(self.geo.send_descs(), SEND_DESC_BYTES, i);
+        // SAFETY: as above, published by the sender's release store.
+        unsafe {
+            SendDesc {
+                size: (p as *const u64).read_volatile(),
+                status: (p as *const u64).add(1).read_volatile(),
+            }
+        }
+    }
+
+    /// The data slots (staged channels): base pointer and total length.
+    pub fn ring(&self) -> (*mut u8, usize) {
+        // SAFETY: the ring follows the descriptors inside the mapping.
+        (
+            unsafe { self.seg.as_ptr().add(self.geo.ring()) },
+            self.geo.slots * self.geo.chunk,
+        )
+    }
+
+    /// Host address of slot `chunk % slots`.
+    pub fn slot(&self, chunk: u64) -> *mut u8 {
+        let (base, _) = self.ring();
+        // SAFETY: `chunk % slots` is a valid slot index; slots are `chunk` bytes.
+        unsafe { base.add((chunk % self.geo.slots as u64) as usize * self.geo.chunk) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flagcx_adaptor::Vendor;
+
+    #[test]
+    fn descriptors_round_trip_through_two_mappings() {
+        let geo = Geometry {
+            slots: 4,
+            chunk: 4096,
+        };
+        let rx = Channel::create(geo).unwrap();
+        let seg =
+            ShmSegment::open(rx.segment().fd().try_clone_to_owned().unwrap(), geo.len()).unwrap();
+        let tx = Channel::open(seg, geo).unwrap();
+        let h = IpcMemHandle {
+            vendor: Vendor::Host,
+            bytes: [7; 64],
+        };
+        for i in [0, 1, 63, 64, 1000] {
+            let d = RecvDesc {
+                size: 10 + i,
+                handle: Some(h),
+                offset: i * 3,
+            };
+            rx.write_recv_desc(i, &d);
+            rx.store(Counter::RecvPosted, i + 1);
+            assert_eq!(tx.load(Counter::RecvPosted), i + 1);
+            assert_eq!(tx.read_recv_desc(i).unwrap(), d);
+            let s = SendDesc {
+                size: i,
+                status: STATUS_SIZE_MISMATCH,
+            };
+            tx.write_send_desc(i, &s);
+            assert_eq!(rx.read_send_desc(i), s);
+        }
+        // SAFETY: both point into the same live 4-slot ring.
+        unsafe {
+            *tx.slot(5) = 9;
+            assert_eq!(*rx.slot(1), 9, "slot index wraps modulo the slot count");
+        }
+        assert!(geo.len() >= 4 * 4096 + 4096);
+    }
+}

@@ -1,0 +1,562 @@
+//! The communicator: point-to-point operations between the ranks of a job.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use flagcx_adaptor::{DeviceAdaptor, DeviceBuffer, DevicePtr, Stream, StreamHandle, WaitCondition};
+
+use crate::bootstrap::{Bootstrap, UniqueId};
+use crate::channel::{Channel, Geometry};
+use crate::config::{Config, RankEnv};
+use crate::error::{CommError, Result};
+use crate::peer::{choose_transport, PeerInfo, TransportKind};
+use crate::proxy::{lock, Dir, Op, PeerConn, Proxy, Shared, Slot};
+use crate::shm::ShmSegment;
+use crate::wire::{Reader, Tag, Writer};
+
+/// A handle to one posted operation.
+#[derive(Debug)]
+pub struct Request {
+    slot: Arc<Slot>,
+    seq: u64,
+}
+
+impl Request {
+    /// Blocks until the operation finished; returns the bytes moved (for a receive: the bytes
+    /// the sender sent, at most the buffer's size).
+    pub fn wait(self) -> Result<usize> {
+        self.slot.wait(None).unwrap_or(Err(CommError::Aborted))
+    }
+
+    /// Like [`Request::wait`], giving up after `timeout` (the operation continues).
+    pub fn wait_timeout(self, timeout: Duration) -> Result<usize> {
+        let seq = self.seq;
+        self.slot.wait(Some(timeout)).unwrap_or_else(|| {
+            Err(CommError::Timeout {
+                ms: timeout.as_millis() as u64,
+                what: format!("operation {seq}"),
+            })
+        })
+    }
+
+    /// True once the operation finished.
+    pub fn is_done(&self) -> bool {
+        self.slot.is_done()
+    }
+}
+
+/// A page the callers' streams can wait on: the low 32 bits of the completion watermark.
+struct WatermarkPage {
+    host: *mut u8,
+    device: Option<DevicePtr>,
+}
+
+/// Point-to-point communication among the ranks of one job, on one device.
+///
+/// Operations are ordered on the caller's stream: they start after the work enqueued before
+/// them and later work on that stream sees their result. Between a pair of ranks, operations in
+/// one direction match in posting order. Post a bidirectional exchange inside a group
+/// ([`Comm::group`]); otherwise each send waits on its stream for its receiver, as in NCCL.
+pub struct Comm<A: DeviceAdaptor> {
+    adaptor: A,
+    rank: usize,
+    nranks: usize,
+    infos: Vec<PeerInfo>,
+    transports: Vec<Option<TransportKind>>,
+    shared: Arc<Shared>,
+    proxy: Option<JoinHandle<()>>,
+    next_seq: AtomicU64,
+    group: Mutex<Option<Vec<(Op, StreamHandle)>>>,
+    joined: Mutex<BTreeMap<u64, ()>>,
+    page: WatermarkPage,
+    config: Config,
+    _boot: Arc<Bootstrap>,
+}
+
+// SAFETY: the raw page pointer is owned by the communicator and only accessed atomically.
+unsafe impl<A: DeviceAdaptor> Send for Comm<A> {}
+// SAFETY: as above; all other shared state is behind locks or atomics.
+unsafe impl<A: DeviceAdaptor> Sync for Comm<A> {}
+
+impl<A: DeviceAdaptor> std::fmt::Debug for Comm<A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Comm")
+            .field("rank", &self.rank)
+            .field("nranks", &self.nranks)
+            .field("vendor", &self.adaptor.vendor())
+            .finish()
+    }
+}
+
+impl<A: DeviceAdaptor> Comm<A> {
+    /// Joins the job described by the environment (`FLAGCX_RANK`/`FLAGCX_NRANKS`/
+    /// `FLAGCX_UNIQUE_ID`, torchrun or Open MPI variables) with configuration from `FLAGCX_*`.
+    pub fn from_env(adaptor: A) -> Result<Self> {
+        let env = RankEnv::from_env()?;
+        let config = Config::from_env()?;
+        Self::init(adaptor, env.rank, env.nranks, &env.id, config)
+    }
+
+    /// Joins job `id` as `rank` of `nranks`.
+    pub fn init(
+        adaptor: A,
+        rank: usize,
+        nranks: usize,
+        id: &UniqueId,
+        config: Config,
+    ) -> Result<Self> {
+        config.validate()?;
+        let boot = Arc::new(Bootstrap::connect(rank, nranks, id, &config)?);
+        let me = PeerInfo::local(rank, &adaptor, &config)?;
+        let infos = boot
+            .all_gather(Tag::PeerInfo, &me.encode())?
+            .iter()
+            .map(|b| PeerInfo::decode(b))
+            .collect::<Result<Vec<_>>>()?;
+        for (q, info) in infos.iter().enumerate() {
+            if info.rank != q {
+                return Err(CommError::Protocol(format!(
+                    "rank {q} claims to be rank {}",
+                    info.rank
+                )));
+            }
+        }
+        let mut transports = vec![None; nranks];
+        for q in (0..nranks).filter(|&q| q != rank) {
+            let (t, why) = choose_transport(&infos[rank], &infos[q]);
+            tracing::info!(
+                rank,
+                peer = q,
+                transport = %t,
+                "rank {rank} ({} {}) ↔ rank {q} ({} {}): {t} ({why})",
+                infos[rank].vendor,
+                infos[rank].device,
+                infos[q].vendor,
+                infos[q].device
+            );
+            transports[q] = Some(t);
+        }
+        let page = WatermarkPage::new(&adaptor)?;
+        let shared = Arc::new(Shared {
+            inbox: Mutex::new(Vec::new()),
+            shutdown: AtomicBool::new(false),
+            watermark: Mutex::new(0),
+            watermark_cv: Condvar::new(),
+            watermark_word: page.host as *const AtomicU32,
+            thread: Mutex::new(None),
+            first_error: Mutex::new(None),
+            busy_polls: AtomicU64::new(0),
+        });
+        let peers = connect_channels(&adaptor, &boot, rank, &transports, &config)?;
+        let proxy = Proxy::new(
+            adaptor.clone(),
+            shared.clone(),
+            boot.clone(),
+            peers,
+            config.chunksize,
+        )?;
+        let handle = std::thread::Builder::new()
+            .name(format!("flagcx-proxy-{rank}"))
+            .spawn(move || proxy.run())
+            .map_err(|e| CommError::io("spawn proxy thread", e))?;
+        *lock(&shared.thread) = Some(handle.thread().clone());
+        Ok(Comm {
+            adaptor,
+            rank,
+            nranks,
+            infos,
+            transports,
+            shared,
+            proxy: Some(handle),
+            next_seq: AtomicU64::new(1),
+            group: Mutex::new(None),
+            joined: Mutex::new(BTreeMap::new()),
+            page,
+            config,
+            _boot: boot,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the job.
+    pub fn nranks(&self) -> usize {
+        self.nranks
+    }
+
+    /// The adaptor this communicator drives.
+    pub fn adaptor(&self) -> &A {
+        &self.adaptor
+    }
+
+    /// What rank `peer` said about itself at setup.
+    pub fn peer_info(&self, peer: usize) -> Option<&PeerInfo> {
+        self.infos.get(peer)
+    }
+
+    /// The transport used with `peer` (`None` for this rank itself).
+    pub fn transport(&self, peer: usize) -> Option<TransportKind> {
+        self.transports.get(peer).copied().flatten()
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Sends the whole of `buf` to `peer`, ordered on `stream`. The buffer is kept alive until
+    /// the operation finishes.
+    pub fn send(
+        &self,
+        buf: &Arc<DeviceBuffer<A>>,
+        peer: usize,
+        stream: &Stream<A>,
+    ) -> Result<Request> {
+        self.post(
+            Dir::Send,
+            buf.ptr(),
+            buf.len(),
+            peer,
+            stream.handle(),
+            Some(Box::new(buf.clone())),
+        )
+    }
+
+    /// Receives into `buf` from `peer`, ordered on `stream`; the sender may send fewer bytes
+    /// (the request says how many), never more.
+    pub fn recv(
+        &self,
+        buf: &Arc<DeviceBuffer<A>>,
+        peer: usize,
+        stream: &Stream<A>,
+    ) -> Result<Request> {
+        self.post(
+            Dir::Recv,
+            buf.ptr(),
+            buf.len(),
+            peer,
+            stream.handle(),
+            Some(Box::new(buf.clone())),
+        )
+    }
+
+    /// Sends `bytes` at `ptr` to `peer`, ordered on `stream`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+bytes` is device memory of this adaptor that stays valid and unmodified until
+    /// the operation finishes (its request completes, or `stream` passes it).
+    pub unsafe fn send_raw(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        peer: usize,
+        stream: StreamHandle,
+    ) -> Result<Request> {
+        self.post(Dir::Send, ptr, bytes, peer, stream, None)
+    }
+
+    /// Receives up to `bytes` into `ptr` from `peer`, ordered on `stream`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+bytes` is device memory of this adaptor, valid until the operation finishes,
+    /// that nothing else touches meanwhile.
+    pub unsafe fn recv_raw(
+        &self,
+        ptr: DevicePtr,
+        bytes: usize,
+        peer: usize,
+        stream: StreamHandle,
+    ) -> Result<Request> {
+        self.post(Dir::Recv, ptr, bytes, peer, stream, None)
+    }
+
+    /// Runs `f`, posting its operations together: they progress at once and each stream waits
+    /// once for all of them. Use it for exchanges in both directions.
+    pub fn group<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        {
+            let mut g = lock(&self.group);
+            if g.is_some() {
+                return Err(CommError::InvalidArgument("groups do not nest".into()));
+            }
+            *g = Some(Vec::new());
+        }
+        let r = f();
+        let ops = lock(&self.group).take().unwrap_or_default();
+        let submitted = self.submit(ops);
+        let t = r?;
+        submitted?;
+        Ok(t)
+    }
+
+    /// The first error any operation of this communicator hit, if any.
+    pub fn check(&self) -> Result<()> {
+        match lock(&self.shared.first_error).clone() {
+            None => Ok(()),
+            Some(e) => Err(CommError::RemoteFailure {
+                peer: self.rank,
+                reason: e,
+            }),
+        }
+    }
+
+    /// How many times the proxy polled without progress (a measure of spinning).
+    pub fn proxy_busy_polls(&self) -> u64 {
+        self.shared.busy_polls.load(Ordering::Relaxed)
+    }
+
+    fn post(
+        &self,
+        dir: Dir,
+        ptr: DevicePtr,
+        bytes: usize,
+        peer: usize,
+        stream: StreamHandle,
+        keep: Option<Box<dyn std::any::Any + Send>>,
+    ) -> Result<Request> {
+        if peer >= self.nranks {
+            return Err(CommError::InvalidArgument(format!(
+                "peer {peer} is out of range (the job has {} ranks)",
+                self.nranks
+            )));
+        }
+        if peer == self.rank {
+            return Err(CommError::InvalidArgument(format!(
+                "rank {peer} cannot send to or receive from itself"
+            )));
+        }
+        if bytes > 0 {
+            if ptr.is_null() {
+                return Err(CommError::InvalidArgument("null buffer".into()));
+            }
+            // The buffer must be device memory of this adaptor, wholly inside one allocation.
+            let (base, len) = self.adaptor.mem_get_range(ptr).map_err(|e| {
+                CommError::InvalidArgument(format!("{ptr} is not memory of this device: {e}"))
+            })?;
+            if ptr.0 - base.0 + bytes as u64 > len as u64 {
+                return Err(CommError::InvalidArgument(format!(
+                    "{bytes} bytes at {ptr} run past the end of its {len}-byte allocation"
+                )));
+            }
+        }
+        let start = self.adaptor.event_create(false)?;
+        if let Err(e) = self.adaptor.event_record(start, stream) {
+            let _ = self.adaptor.event_destroy(start);
+            return Err(e.into());
+        }
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let slot = Arc::new(Slot::default());
+        let op = Op {
+            seq,
+            dir,
+            peer,
+            ptr,
+            bytes,
+            start,
+            slot: slot.clone(),
+            keep,
+        };
+        let mut g = lock(&self.group);
+        match g.as_mut() {
+            Some(ops) => ops.push((op, stream)),
+            None => {
+                drop(g);
+                self.submit(vec![(op, stream)])?;
+            }
+        }
+        Ok(Request { slot, seq })
+    }
+
+    /// Hands operations to the proxy, then makes each stream wait for its last one.
+    fn submit(&self, ops: Vec<(Op, StreamHandle)>) -> Result<()> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let mut last: BTreeMap<u64, u64> = BTreeMap::new();
+        for (op, s) in &ops {
+            let e = last.entry(s.0).or_default();
+            *e = (*e).max(op.seq);
+        }
+        lock(&self.shared.inbox).extend(ops.into_iter().map(|(op, _)| op));
+        self.shared.wake();
+        for (stream, seq) in last {
+            self.join_stream(StreamHandle(stream), seq)?;
+        }
+        Ok(())
+    }
+
+    /// Makes `stream` wait until operation `seq` (and all before it) finished.
+    fn join_stream(&self, stream: StreamHandle, seq: u64) -> Result<()> {
+        lock(&self.joined).insert(stream.0, ());
+        let caps = self.adaptor.capabilities();
+        match self.page.device {
+            Some(word) if caps.stream_mem_ops => {
+                // SAFETY: the word lives in the registered watermark page, which outlives every
+                // stream wait (Drop releases and synchronizes joined streams before unmapping).
+                unsafe {
+                    self.adaptor.stream_wait_value32(
+                        stream,
+                        word,
+                        seq as u32,
+                        WaitCondition::Geq,
+                    )?
+                };
+            }
+            _ => {
+                let shared = self.shared.clone();
+                self.adaptor
+                    .launch_host_func(stream, Box::new(move || shared.wait_watermark(seq)))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<A: DeviceAdaptor> Drop for Comm<A> {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::Release);
+        self.shared.wake();
+        if let Some(h) = self.proxy.take() {
+            let _ = h.join();
+        }
+        // Release every stream still waiting on the watermark, then let them pass it before
+        // the page goes away.
+        let max = self.next_seq.load(Ordering::Relaxed);
+        // SAFETY: the page is still mapped; atomic access.
+        unsafe { &*(self.page.host as *const AtomicU32) }.store(max as u32, Ordering::Release);
+        {
+            *lock(&self.shared.watermark) = max;
+            self.shared.watermark_cv.notify_all();
+        }
+        for (&s, _) in lock(&self.joined).iter() {
+            let _ = self.adaptor.stream_synchronize(StreamHandle(s));
+        }
+        self.page.release(&self.adaptor);
+    }
+}
+
+impl WatermarkPage {
+    fn new<A: DeviceAdaptor>(adaptor: &A) -> Result<Self> {
+        // SAFETY: a fresh private anonymous page; checked.
+        let host = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if host == libc::MAP_FAILED {
+            return Err(CommError::io(
+                "mmap watermark page",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let host = host as *mut u8;
+        let device =
+            if adaptor.capabilities().host_register && adaptor.capabilities().stream_mem_ops {
+                // SAFETY: the page stays mapped until `release`, which unregisters it first.
+                Some(unsafe { adaptor.host_register(host, 4096) }?)
+            } else {
+                None
+            };
+        Ok(WatermarkPage { host, device })
+    }
+
+    fn release<A: DeviceAdaptor>(&mut self, adaptor: &A) {
+        if self.device.take().is_some() {
+            // SAFETY: every joined stream was synchronized; nothing reads the page any more.
+            let _ = unsafe { adaptor.host_unregister(self.host) };
+        }
+        // SAFETY: our mapping of one page.
+        unsafe { libc::munmap(self.host.cast(), 4096) };
+    }
+}
+
+/// Creates this rank's incoming channels, swaps descriptors with every peer, and maps the
+/// outgoing ones. Staged rings are registered with the adaptor for DMA.
+fn connect_channels<A: DeviceAdaptor>(
+    adaptor: &A,
+    boot: &Bootstrap,
+    rank: usize,
+    transports: &[Option<TransportKind>],
+    config: &Config,
+) -> Result<Vec<Option<PeerConn>>> {
+    let geometry = |t: TransportKind| match t {
+        TransportKind::Ipc => Geometry { slots: 0, chunk: 0 },
+        TransportKind::Staged => Geometry {
+            slots: config.slots(),
+            chunk: config.chunksize,
+        },
+    };
+    let mut incoming = Vec::new();
+    for (q, t) in transports.iter().enumerate() {
+        let Some(t) = *t else {
+            incoming.push(None);
+            continue;
+        };
+        let geo = geometry(t);
+        let ch = Channel::create(geo)?;
+        let desc = Writer::new()
+            .u8(matches!(t, TransportKind::Staged) as u8)
+            .u64(geo.slots as u64)
+            .u64(geo.chunk as u64)
+            .u64(geo.len() as u64)
+            .finish();
+        boot.send(q, Tag::Connect, &desc, &[ch.segment().fd()])?;
+        incoming.push(Some(ch));
+    }
+    let mut peers = Vec::new();
+    for (q, inc) in incoming.into_iter().enumerate() {
+        let Some(inc) = inc else {
+            peers.push(None);
+            continue;
+        };
+        let t = transports[q].expect("a transport for every peer");
+        let (payload, mut fds) = boot.recv(q, Tag::Connect)?;
+        let mut r = Reader::new(&payload, "connect");
+        let staged = r.u8()? == 1;
+        let geo = Geometry {
+            slots: r.u64()? as usize,
+            chunk: r.u64()? as usize,
+        };
+        let len = r.u64()? as usize;
+        r.end()?;
+        if staged != matches!(t, TransportKind::Staged)
+            || geo != geometry(t)
+            || len != geo.len()
+            || fds.len() != 1
+        {
+            return Err(CommError::Protocol(format!(
+                "rank {q} set up a different channel (staged {staged}, {geo:?}, {} fds); \
+                 do all ranks use the same FLAGCX_P2P_* settings?",
+                fds.len()
+            )));
+        }
+        let out = Channel::open(ShmSegment::open(fds.remove(0), len)?, geo)?;
+        let registered = staged && adaptor.capabilities().host_register;
+        if registered {
+            let (p, n) = out.ring();
+            // SAFETY: the ring lies in a mapping the channel owns; the proxy unregisters it at
+            // teardown, before the channel is unmapped.
+            unsafe { adaptor.host_register(p, n) }?;
+            let (p2, n2) = inc.ring();
+            // SAFETY: as above.
+            if let Err(e) = unsafe { adaptor.host_register(p2, n2) } {
+                // SAFETY: registered just above and unused.
+                let _ = unsafe { adaptor.host_unregister(p) };
+                return Err(e.into());
+            }
+        }
+        peers.push(Some(PeerConn::new(q, t, out, inc, registered)));
+    }
+    let _ = rank;
+    Ok(peers)
+}

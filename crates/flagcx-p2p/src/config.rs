@@ -1,0 +1,232 @@
+//! Configuration from the environment, parsed strictly: a malformed value is an error naming the
+//! variable, never a silent default.
+
+use std::time::Duration;
+
+use crate::bootstrap::UniqueId;
+use crate::error::{CommError, Result};
+
+/// Tunables of a communicator. [`Config::from_env`] reads them from `FLAGCX_*` variables.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// How long bootstrap waits for all ranks (`FLAGCX_BOOTSTRAP_TIMEOUT_MS`, default 30 s).
+    pub bootstrap_timeout: Duration,
+    /// Force the staged transport for every pair (`FLAGCX_P2P_DISABLE=1`).
+    pub p2p_disable: bool,
+    /// Bytes of shared host memory per staged channel (`FLAGCX_P2P_BUFFSIZE`, default 4 MiB).
+    pub buffsize: usize,
+    /// Bytes per staged chunk (`FLAGCX_P2P_CHUNKSIZE`, default 512 KiB).
+    pub chunksize: usize,
+}
+
+/// Defaults, documented in the README's environment table.
+pub const DEFAULT_BUFFSIZE: usize = 4 << 20;
+/// Default staged chunk size.
+pub const DEFAULT_CHUNKSIZE: usize = 512 << 10;
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            bootstrap_timeout: Duration::from_secs(30),
+            p2p_disable: false,
+            buffsize: DEFAULT_BUFFSIZE,
+            chunksize: DEFAULT_CHUNKSIZE,
+        }
+    }
+}
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// Parses a byte size: a number with an optional K/M/G suffix (powers of two).
+pub fn parse_size(name: &str, v: &str) -> Result<usize> {
+    let t = v.trim();
+    let (num, mult) = match t.char_indices().last() {
+        Some((i, 'k' | 'K')) => (&t[..i], 1usize << 10),
+        Some((i, 'm' | 'M')) => (&t[..i], 1 << 20),
+        Some((i, 'g' | 'G')) => (&t[..i], 1 << 30),
+        _ => (t, 1),
+    };
+    num.trim()
+        .parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| CommError::config(name, v, "expected a byte count like 4194304, 512K or 4M"))
+}
+
+fn parse_bool(name: &str, v: &str) -> Result<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(CommError::config(
+            name,
+            v,
+            "expected 0/1, true/false, yes/no or on/off",
+        )),
+    }
+}
+
+fn parse_usize(name: &str, v: &str) -> Result<usize> {
+    v.trim()
+        .parse()
+        .map_err(|_| CommError::config(name, v, "expected a non-negative integer"))
+}
+
+impl Config {
+    /// Reads `FLAGCX_*` variables over the defaults.
+    pub fn from_env() -> Result<Self> {
+        let mut c = Config::default();
+        if let Some(v) = var("FLAGCX_BOOTSTRAP_TIMEOUT_MS") {
+            c.bootstrap_timeout =
+                Duration::from_millis(parse_usize("FLAGCX_BOOTSTRAP_TIMEOUT_MS", &v)? as u64);
+        }
+        if let Some(v) = var("FLAGCX_P2P_DISABLE") {
+            c.p2p_disable = parse_bool("FLAGCX_P2P_DISABLE", &v)?;
+        }
+        if let Some(v) = var("FLAGCX_P2P_BUFFSIZE") {
+            c.buffsize = parse_size("FLAGCX_P2P_BUFFSIZE", &v)?;
+        }
+        if let Some(v) = var("FLAGCX_P2P_CHUNKSIZE") {
+            c.chunksize = parse_size("FLAGCX_P2P_CHUNKSIZE", &v)?;
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Checks the staged ring geometry.
+    pub fn validate(&self) -> Result<()> {
+        if self.chunksize == 0 || self.chunksize % 64 != 0 {
+            return Err(CommError::config(
+                "FLAGCX_P2P_CHUNKSIZE",
+                &self.chunksize.to_string(),
+                "must be a non-zero multiple of 64",
+            ));
+        }
+        if self.buffsize < 2 * self.chunksize || self.buffsize / self.chunksize > 1024 {
+            return Err(CommError::config(
+                "FLAGCX_P2P_BUFFSIZE",
+                &self.buffsize.to_string(),
+                format!(
+                    "must hold between 2 and 1024 chunks of {} bytes",
+                    self.chunksize
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Slots in a staged ring.
+    pub fn slots(&self) -> usize {
+        self.buffsize / self.chunksize
+    }
+}
+
+/// Where this process sits in the job: rank, size, local rank, and the job's id.
+#[derive(Debug, Clone)]
+pub struct RankEnv {
+    /// This rank.
+    pub rank: usize,
+    /// Ranks in the job.
+    pub nranks: usize,
+    /// Rank among the processes of this node (picks the device by default).
+    pub local_rank: usize,
+    /// The job's id.
+    pub id: UniqueId,
+    /// Which launcher's variables were used (`flagcx`, `torchrun`, `openmpi`).
+    pub source: &'static str,
+}
+
+impl RankEnv {
+    /// Reads the rank from `FLAGCX_RANK`/`FLAGCX_NRANKS`/`FLAGCX_UNIQUE_ID` (as `flagcx-run`
+    /// sets them), else torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK`, else Open MPI's
+    /// `OMPI_COMM_WORLD_*`. Without `FLAGCX_UNIQUE_ID` the id is derived from the launcher's
+    /// job identifier (see [`UniqueId::derived`]).
+    pub fn from_env() -> Result<Self> {
+        let get = |n: &str| var(n).map(|v| parse_usize(n, &v)).transpose();
+        let (rank, nranks, local, source) =
+            if let (Some(r), Some(n)) = (get("FLAGCX_RANK")?, get("FLAGCX_NRANKS")?) {
+                (r, n, get("FLAGCX_LOCAL_RANK")?.unwrap_or(r), "flagcx")
+            } else if let (Some(r), Some(n)) = (get("RANK")?, get("WORLD_SIZE")?) {
+                (r, n, get("LOCAL_RANK")?.unwrap_or(r), "torchrun")
+            } else if let (Some(r), Some(n)) =
+                (get("OMPI_COMM_WORLD_RANK")?, get("OMPI_COMM_WORLD_SIZE")?)
+            {
+                (
+                    r,
+                    n,
+                    get("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(r),
+                    "openmpi",
+                )
+            } else {
+                return Err(CommError::Bootstrap(
+                    "no rank in the environment: set FLAGCX_RANK, FLAGCX_NRANKS and \
+                 FLAGCX_UNIQUE_ID (flagcx-run does), or run under torchrun or mpirun"
+                        .into(),
+                ));
+            };
+        if nranks == 0 || rank >= nranks {
+            return Err(CommError::config(
+                "rank",
+                &rank.to_string(),
+                format!("not in 0..{nranks}"),
+            ));
+        }
+        let id = match var("FLAGCX_UNIQUE_ID") {
+            Some(v) => v.parse()?,
+            None => {
+                let job = match source {
+                    "torchrun" => var("TORCHELASTIC_RUN_ID").or_else(|| {
+                        Some(format!("{}:{}", var("MASTER_ADDR")?, var("MASTER_PORT")?))
+                    }),
+                    "openmpi" => var("OMPI_MCA_orte_ess_jobid").or_else(|| var("PMIX_NAMESPACE")),
+                    _ => None,
+                }
+                .ok_or_else(|| {
+                    CommError::Bootstrap(format!(
+                        "FLAGCX_UNIQUE_ID is not set and no {source} job identifier was found"
+                    ))
+                })?;
+                UniqueId::derived(&format!("{source}:{job}"))
+            }
+        };
+        Ok(RankEnv {
+            rank,
+            nranks,
+            local_rank: local,
+            id,
+            source,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_bools_parse_strictly() {
+        assert_eq!(parse_size("X", "4M").unwrap(), 4 << 20);
+        assert_eq!(parse_size("X", " 512k ").unwrap(), 512 << 10);
+        assert_eq!(parse_size("X", "123").unwrap(), 123);
+        for bad in ["", "M", "4Q", "-1", "1.5M", "99999999999999999999G"] {
+            let e = parse_size("FLAGCX_P2P_BUFFSIZE", bad).unwrap_err();
+            assert!(e.to_string().contains("FLAGCX_P2P_BUFFSIZE"), "{e}");
+        }
+        assert!(parse_bool("X", "yes").unwrap());
+        assert!(!parse_bool("X", "0").unwrap());
+        assert!(parse_bool("X", "maybe").is_err());
+    }
+
+    #[test]
+    fn ring_geometry_is_validated() {
+        let mut c = Config::default();
+        c.validate().unwrap();
+        assert_eq!(c.slots(), 8);
+        c.chunksize = 100;
+        assert!(c.validate().is_err());
+        c.chunksize = 1 << 20;
+        c.buffsize = 1 << 20;
+        assert!(c.validate().is_err(), "a one-slot ring cannot pipeline");
+    }
+}

@@ -1,0 +1,48 @@
+//! `flagcx-p2p`: point-to-point transfers between the processes of one node, on any vendor.
+//!
+//! Given any [`flagcx_adaptor::DeviceAdaptor`], a [`Comm`] lets N processes send and receive
+//! device buffers to each other, including pairs on different vendors:
+//!
+//! - [`bootstrap`]: ranks meet over abstract Unix sockets (secret + same uid), all-gather their
+//!   [`PeerInfo`], pass file descriptors;
+//! - [`shm`]: memfd segments, shared by descriptor — nothing in /dev/shm to leak;
+//! - [`channel`]: the shared control block and staging ring of one directed pair;
+//! - `proxy`: the progress thread that issues copies and publishes progress;
+//! - transports ([`TransportKind`]): **IPC** (same vendor: the sender's copy engine writes
+//!   straight into the receiver's exported buffer, one copy) and **staged** (different vendors
+//!   or `FLAGCX_P2P_DISABLE=1`: device→host into ring slots, host→device out of them, pipelined).
+//!
+//! ```no_run
+//! # use std::sync::Arc;
+//! # use flagcx_adaptor::{DeviceBuffer, Stream};
+//! # fn demo<A: flagcx_adaptor::DeviceAdaptor>(adaptor: A) -> flagcx_p2p::Result<()> {
+//! let comm = flagcx_p2p::Comm::from_env(adaptor.clone())?; // flagcx-run sets the rank variables
+//! let stream = Stream::new(&adaptor)?;
+//! let buf = Arc::new(DeviceBuffer::new(&adaptor, 1 << 20)?);
+//! let peer = (comm.rank() + 1) % comm.nranks();
+//! let from = (comm.rank() + comm.nranks() - 1) % comm.nranks();
+//! let out = Arc::new(DeviceBuffer::new(&adaptor, 1 << 20)?);
+//! let (s, r) = comm.group(|| Ok((comm.send(&buf, peer, &stream)?, comm.recv(&out, from, &stream)?)))?;
+//! s.wait()?;
+//! r.wait()?;
+//! # Ok(()) }
+//! ```
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod bootstrap;
+pub mod channel;
+mod comm;
+pub mod config;
+mod error;
+pub mod launch;
+pub mod peer;
+mod proxy;
+pub mod shm;
+pub mod wire;
+
+pub use bootstrap::{Bootstrap, UniqueId};
+pub use comm::{Comm, Request};
+pub use config::{Config, RankEnv};
+pub use error::{CommError, Result};
+pub use peer::{PeerInfo, TransportKind};

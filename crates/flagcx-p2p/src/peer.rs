@@ -1,0 +1,217 @@
+//! What ranks tell each other at setup, and how a pair picks its transport.
+
+use flagcx_adaptor::{Capabilities, DeviceAdaptor, Vendor};
+
+use crate::config::Config;
+use crate::error::{CommError, Result};
+use crate::wire::{Reader, Writer};
+
+/// One rank's description, all-gathered at setup.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// The rank.
+    pub rank: usize,
+    /// Its vendor.
+    pub vendor: Vendor,
+    /// Its device index within the vendor.
+    pub device: usize,
+    /// The device's PCI bus id, if it has one.
+    pub pci_bus_id: Option<String>,
+    /// Identifies the machine (hostname + boot id): IPC only works within one.
+    pub host_id: String,
+    /// Its process id.
+    pub pid: u32,
+    /// Its adaptor's capabilities.
+    pub caps: Capabilities,
+    /// Whether it forces the staged transport.
+    pub p2p_disable: bool,
+}
+
+fn caps_bits(c: &Capabilities) -> u32 {
+    [
+        c.ipc_bytes,
+        c.ipc_fd,
+        c.host_register,
+        c.peer_access,
+        c.host_functions,
+        c.stream_mem_ops,
+        c.stream_mem_ops_64,
+        c.capture_mode,
+    ]
+    .iter()
+    .enumerate()
+    .fold(0, |acc, (i, &b)| acc | ((b as u32) << i))
+}
+
+fn bits_caps(b: u32) -> Capabilities {
+    let f = |i: u32| b & (1 << i) != 0;
+    Capabilities {
+        ipc_bytes: f(0),
+        ipc_fd: f(1),
+        host_register: f(2),
+        peer_access: f(3),
+        host_functions: f(4),
+        stream_mem_ops: f(5),
+        stream_mem_ops_64: f(6),
+        capture_mode: f(7),
+    }
+}
+
+/// The machine's identity: hostname and kernel boot id.
+pub fn host_id() -> String {
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    format!(
+        "{}/{}",
+        read("/proc/sys/kernel/hostname"),
+        read("/proc/sys/kernel/random/boot_id")
+    )
+}
+
+impl PeerInfo {
+    /// This process's description.
+    pub fn local<A: DeviceAdaptor>(rank: usize, adaptor: &A, config: &Config) -> Result<Self> {
+        let props = adaptor.properties(adaptor.device())?;
+        Ok(PeerInfo {
+            rank,
+            vendor: adaptor.vendor(),
+            device: adaptor.device(),
+            pci_bus_id: props.pci_bus_id,
+            host_id: host_id(),
+            pid: std::process::id(),
+            caps: adaptor.capabilities(),
+            p2p_disable: config.p2p_disable,
+        })
+    }
+
+    /// Encodes for the all-gather.
+    pub fn encode(&self) -> Vec<u8> {
+        Writer::new()
+            .u32(self.rank as u32)
+            .u8(self.vendor.code())
+            .u32(self.device as u32)
+            .str(self.pci_bus_id.as_deref().unwrap_or(""))
+            .str(&self.host_id)
+            .u32(self.pid)
+            .u32(caps_bits(&self.caps))
+            .u8(self.p2p_disable as u8)
+            .finish()
+    }
+
+    /// Decodes [`PeerInfo::encode`]'s output; garbage is a protocol error.
+    pub fn decode(b: &[u8]) -> Result<Self> {
+        let mut r = Reader::new(b, "peer info");
+        let rank = r.u32()? as usize;
+        let code = r.u8()?;
+        let vendor = Vendor::from_code(code)
+            .ok_or_else(|| CommError::Protocol(format!("peer info: unknown vendor code {code}")))?;
+        let device = r.u32()? as usize;
+        let bus = r.str()?;
+        let host_id = r.str()?;
+        let pid = r.u32()?;
+        let caps = bits_caps(r.u32()?);
+        let p2p_disable = match r.u8()? {
+            0 => false,
+            1 => true,
+            x => return Err(CommError::Protocol(format!("peer info: flag {x}"))),
+        };
+        r.end()?;
+        Ok(PeerInfo {
+            rank,
+            vendor,
+            device,
+            pci_bus_id: (!bus.is_empty()).then_some(bus),
+            host_id,
+            pid,
+            caps,
+            p2p_disable,
+        })
+    }
+}
+
+/// How a pair of ranks moves bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportKind {
+    /// The sender's copy engine writes into memory the receiver exported: one copy.
+    Ipc,
+    /// Through a ring of chunks in shared host memory: device→host, host→device, pipelined.
+    Staged,
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransportKind::Ipc => "ipc",
+            TransportKind::Staged => "staged",
+        })
+    }
+}
+
+/// The transport for a pair, with the reason; symmetric, so both ranks agree without talking.
+pub fn choose_transport(a: &PeerInfo, b: &PeerInfo) -> (TransportKind, &'static str) {
+    if a.p2p_disable || b.p2p_disable {
+        (TransportKind::Staged, "FLAGCX_P2P_DISABLE is set")
+    } else if a.vendor != b.vendor {
+        (TransportKind::Staged, "different vendors")
+    } else if a.host_id != b.host_id {
+        (TransportKind::Staged, "different hosts")
+    } else if !(a.caps.ipc_bytes && b.caps.ipc_bytes) {
+        (TransportKind::Staged, "the vendor has no IPC handles")
+    } else {
+        (TransportKind::Ipc, "same vendor with IPC handles")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(rank: usize, vendor: Vendor) -> PeerInfo {
+        PeerInfo {
+            rank,
+            vendor,
+            device: 0,
+            pci_bus_id: Some("0000:3b:00.0".into()),
+            host_id: "h/1".into(),
+            pid: 42,
+            caps: Capabilities {
+                ipc_bytes: true,
+                stream_mem_ops: true,
+                ..Default::default()
+            },
+            p2p_disable: false,
+        }
+    }
+
+    #[test]
+    fn peer_info_round_trips_and_rejects_garbage() {
+        let p = info(3, Vendor::Cuda);
+        let b = p.encode();
+        assert_eq!(PeerInfo::decode(&b).unwrap(), p);
+        for cut in 0..b.len() {
+            assert!(PeerInfo::decode(&b[..cut]).is_err());
+        }
+        let mut extra = b.clone();
+        extra.push(0);
+        assert!(PeerInfo::decode(&extra).is_err());
+    }
+
+    #[test]
+    fn transport_choice_is_symmetric() {
+        let (c, h) = (info(0, Vendor::Cuda), info(1, Vendor::Host));
+        assert_eq!(choose_transport(&c, &h).0, TransportKind::Staged);
+        assert_eq!(choose_transport(&h, &c).0, TransportKind::Staged);
+        assert_eq!(
+            choose_transport(&c, &info(1, Vendor::Cuda)).0,
+            TransportKind::Ipc
+        );
+        let mut off = info(1, Vendor::Cuda);
+        off.p2p_disable = true;
+        assert_eq!(choose_transport(&c, &off).0, TransportKind::Staged);
+        assert_eq!(choose_transport(&off, &c).0, TransportKind::Staged);
+    }
+}

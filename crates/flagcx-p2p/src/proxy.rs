@@ -1,0 +1,792 @@
+//! The proxy: one progress thread per communicator that moves the bytes.
+//!
+//! The API thread only records a start event on the caller's stream and hands the operation
+//! over. The proxy issues the copies on its own streams (one for sends, one for receives, so a
+//! bidirectional exchange overlaps), records an event per step and polls it, and publishes
+//! progress through the channels' monotonic counters. Per peer and direction operations run in
+//! posting order; different peers and directions progress independently. When an operation
+//! finishes, the communicator's completion watermark advances; callers' streams wait on it
+//! (stream memory operations, or a host function where the vendor lacks them).
+//!
+//! The thread spins while work is in flight (spin → yield → 20 µs naps once a wait grows long)
+//! and parks when idle, so an idle communicator burns no core.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, IpcMemHandle, StreamHandle};
+
+use crate::bootstrap::Bootstrap;
+use crate::channel::{
+    Channel, Counter, RecvDesc, SendDesc, DESC_RING, STATUS_OK, STATUS_SENDER_FAILED,
+    STATUS_SIZE_MISMATCH,
+};
+use crate::error::{CommError, Result};
+use crate::peer::TransportKind;
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // State behind these locks is updated in single steps; a poisoned lock is consistent.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Send or receive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dir {
+    Send,
+    Recv,
+}
+
+/// Where one operation's result lands; shared by the proxy and the [`crate::Request`].
+#[derive(Debug, Default)]
+pub(crate) struct Slot {
+    result: Mutex<Option<Result<usize>>>,
+    cv: Condvar,
+}
+
+impl Slot {
+    pub fn complete(&self, r: Result<usize>) {
+        *lock(&self.result) = Some(r);
+        self.cv.notify_all();
+    }
+
+    pub fn is_done(&self) -> bool {
+        lock(&self.result).is_some()
+    }
+
+    /// Waits for the result, up to `timeout` if given.
+    pub fn wait(&self, timeout: Option<Duration>) -> Option<Result<usize>> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut g = lock(&self.result);
+        loop {
+            if let Some(r) = g.take() {
+                return Some(r);
+            }
+            match deadline {
+                None => g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner()),
+                Some(d) => {
+                    let left = d.checked_duration_since(Instant::now())?;
+                    g = self
+                        .cv
+                        .wait_timeout(g, left)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+        }
+    }
+}
+
+/// An operation handed to the proxy.
+pub(crate) struct Op {
+    pub seq: u64,
+    pub dir: Dir,
+    pub peer: usize,
+    pub ptr: DevicePtr,
+    pub bytes: usize,
+    /// Recorded on the caller's stream at posting: the operation may start once it completes.
+    pub start: EventHandle,
+    pub slot: Arc<Slot>,
+    /// Keeps a safe API caller's buffer alive until the operation finishes.
+    pub keep: Option<Box<dyn std::any::Any + Send>>,
+}
+
+/// State shared between the API side and the proxy thread.
+pub(crate) struct Shared {
+    pub inbox: Mutex<Vec<Op>>,
+    pub shutdown: AtomicBool,
+    /// Highest `n` such that every operation with `seq <= n` has finished.
+    pub watermark: Mutex<u64>,
+    pub watermark_cv: Condvar,
+    /// The device-visible word callers' streams wait on (low 32 bits of the watermark).
+    pub watermark_word: *const AtomicU32,
+    pub thread: Mutex<Option<std::thread::Thread>>,
+    /// The first error any operation hit (sticky, for `Comm::check`).
+    pub first_error: Mutex<Option<String>>,
+    pub busy_polls: AtomicU64,
+}
+
+// SAFETY: `watermark_word` points into a page the communicator keeps mapped for the proxy's
+// whole life; it is only accessed atomically.
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    pub fn wake(&self) {
+        if let Some(t) = lock(&self.thread).as_ref() {
+            t.unpark();
+        }
+    }
+
+    /// Blocks until the watermark reaches `seq` (host-function fallback and teardown).
+    pub fn wait_watermark(&self, seq: u64) {
+        let mut w = lock(&self.watermark);
+        while *w < seq && !self.shutdown.load(Ordering::Acquire) {
+            w = self
+                .watermark_cv
+                .wait_timeout(w, Duration::from_millis(50))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    fn publish_watermark(&self, w: u64) {
+        // SAFETY: see the type's Send/Sync argument.
+        unsafe { &*self.watermark_word }.store(w as u32, Ordering::Release);
+        *lock(&self.watermark) = w;
+        self.watermark_cv.notify_all();
+    }
+}
+
+/// Both directions of the link to one peer.
+pub(crate) struct PeerConn {
+    pub peer: usize,
+    pub transport: TransportKind,
+    /// This rank → peer (created by the peer).
+    pub out: Channel,
+    /// Peer → this rank (created here).
+    pub inc: Channel,
+    /// Whether both rings were registered with the adaptor (unregistered at teardown).
+    pub registered: bool,
+    sends: VecDeque<Step>,
+    recvs: VecDeque<Step>,
+    next_send: u64,
+    next_recv: u64,
+    tail_issued: u64,
+    tail: u64,
+    head_issued: u64,
+    head: u64,
+    send_chunks: VecDeque<EventHandle>,
+    recv_chunks: VecDeque<EventHandle>,
+    lost: Option<String>,
+}
+
+impl PeerConn {
+    pub fn new(
+        peer: usize,
+        transport: TransportKind,
+        out: Channel,
+        inc: Channel,
+        registered: bool,
+    ) -> Self {
+        PeerConn {
+            peer,
+            transport,
+            out,
+            inc,
+            registered,
+            sends: VecDeque::new(),
+            recvs: VecDeque::new(),
+            next_send: 0,
+            next_recv: 0,
+            tail_issued: 0,
+            tail: 0,
+            head_issued: 0,
+            head: 0,
+            send_chunks: VecDeque::new(),
+            recv_chunks: VecDeque::new(),
+            lost: None,
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.sends.is_empty() && self.recvs.is_empty()
+    }
+}
+
+/// One operation in progress.
+struct Step {
+    op: Op,
+    index: u64,
+    phase: Phase,
+}
+
+enum Phase {
+    /// Sender: waiting for the matching receive descriptor.
+    AwaitRecvDesc,
+    /// Sender (IPC): the copy into the receiver's memory is in flight.
+    Copying(EventHandle),
+    /// Receiver: waiting to announce the receive (start event, descriptor window).
+    Announce,
+    /// Receiver: waiting for the sender's answer.
+    AwaitSendDesc,
+    /// Staged, either side: `total` bytes in chunks, `issued` of them issued so far.
+    Chunks {
+        total: usize,
+        issued: usize,
+        started: bool,
+    },
+}
+
+/// The proxy thread's state.
+pub(crate) struct Proxy<A: DeviceAdaptor> {
+    pub adaptor: A,
+    pub shared: Arc<Shared>,
+    pub boot: Arc<Bootstrap>,
+    pub peers: Vec<Option<PeerConn>>,
+    pub send_stream: StreamHandle,
+    pub recv_stream: StreamHandle,
+    pub chunk: usize,
+    free_events: Vec<EventHandle>,
+    ipc_cache: HashMap<[u8; IpcMemHandle::WIRE_LEN], DevicePtr>,
+    finished: BTreeSet<u64>,
+    watermark: u64,
+}
+
+/// What one pass over a step achieved.
+enum Progress {
+    Idle,
+    Moved,
+    Done(Result<usize>),
+}
+
+impl<A: DeviceAdaptor> Proxy<A> {
+    pub fn new(
+        adaptor: A,
+        shared: Arc<Shared>,
+        boot: Arc<Bootstrap>,
+        peers: Vec<Option<PeerConn>>,
+        chunk: usize,
+    ) -> Result<Self> {
+        let send_stream = adaptor.stream_create()?;
+        let recv_stream = adaptor.stream_create()?;
+        Ok(Proxy {
+            adaptor,
+            shared,
+            boot,
+            peers,
+            send_stream,
+            recv_stream,
+            chunk,
+            free_events: Vec::new(),
+            ipc_cache: HashMap::new(),
+            finished: BTreeSet::new(),
+            watermark: 0,
+        })
+    }
+
+    /// The thread body: runs until shutdown, then fails what is left and cleans up.
+    pub fn run(mut self) {
+        let mut spins = 0u32;
+        let mut last_health = Instant::now();
+        loop {
+            let new_ops = std::mem::take(&mut *lock(&self.shared.inbox));
+            let mut moved = !new_ops.is_empty();
+            for op in new_ops {
+                self.admit(op);
+            }
+            for p in 0..self.peers.len() {
+                moved |= self.progress_peer(p);
+            }
+            let busy = self.peers.iter().flatten().any(|c| !c.idle());
+            if busy && last_health.elapsed() > Duration::from_millis(2) {
+                self.check_peers();
+                last_health = Instant::now();
+            }
+            if self.shared.shutdown.load(Ordering::Acquire) {
+                break;
+            }
+            if moved {
+                spins = 0;
+            } else if busy {
+                self.shared.busy_polls.fetch_add(1, Ordering::Relaxed);
+                spins = spins.saturating_add(1);
+                if spins < 2048 {
+                    std::hint::spin_loop();
+                } else if spins < 4096 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            } else {
+                std::thread::park_timeout(Duration::from_millis(100));
+            }
+        }
+        self.teardown();
+    }
+
+    fn admit(&mut self, op: Op) {
+        let peer = op.peer;
+        let Some(conn) = self.peers.get_mut(peer).and_then(|c| c.as_mut()) else {
+            let e = CommError::InvalidArgument(format!("no connection to rank {peer}"));
+            return self.finish(op, Err(e));
+        };
+        if let Some(reason) = conn.lost.clone() {
+            return self.finish(op, Err(CommError::PeerLost { peer, reason }));
+        }
+        let (index, phase) = match op.dir {
+            Dir::Send => {
+                conn.next_send += 1;
+                (conn.next_send - 1, Phase::AwaitRecvDesc)
+            }
+            Dir::Recv => {
+                conn.next_recv += 1;
+                (conn.next_recv - 1, Phase::Announce)
+            }
+        };
+        let step = Step { op, index, phase };
+        match step.op.dir {
+            Dir::Send => conn.sends.push_back(step),
+            Dir::Recv => conn.recvs.push_back(step),
+        }
+    }
+
+    fn finish(&mut self, op: Op, r: Result<usize>) {
+        if let Err(e) = &r {
+            let mut first = lock(&self.shared.first_error);
+            if first.is_none() {
+                *first = Some(e.to_string());
+            }
+            tracing::debug!(seq = op.seq, peer = op.peer, "operation failed: {e}");
+        }
+        // Record the start event is no longer needed; destroying it is safe once the caller's
+        // stream has passed it, which a completed (or failed-before-issue) step implies or which
+        // no one waits on any more.
+        let _ = self.adaptor.event_destroy(op.start);
+        op.slot.complete(r);
+        drop(op.keep);
+        self.finished.insert(op.seq);
+        let mut w = self.watermark;
+        while self.finished.remove(&(w + 1)) {
+            w += 1;
+        }
+        if w != self.watermark {
+            self.watermark = w;
+            self.shared.publish_watermark(w);
+        }
+    }
+
+    fn event(&mut self) -> Result<EventHandle> {
+        match self.free_events.pop() {
+            Some(e) => Ok(e),
+            None => Ok(self.adaptor.event_create(false)?),
+        }
+    }
+
+    /// Advances the front send and front receive of one peer; true if anything moved.
+    fn progress_peer(&mut self, p: usize) -> bool {
+        let mut moved = false;
+        for dir in [Dir::Send, Dir::Recv] {
+            loop {
+                let Some(conn) = self.peers[p].as_mut() else {
+                    return moved;
+                };
+                let q = match dir {
+                    Dir::Send => &mut conn.sends,
+                    Dir::Recv => &mut conn.recvs,
+                };
+                let Some(mut step) = q.pop_front() else { break };
+                let lost = conn.lost.clone();
+                let r = match dir {
+                    Dir::Send => self.progress_send(p, &mut step),
+                    Dir::Recv => self.progress_recv(p, &mut step),
+                };
+                let r = match r {
+                    Ok(pr) => pr,
+                    Err(e) => Progress::Done(Err(e)),
+                };
+                match r {
+                    Progress::Done(res) => {
+                        moved = true;
+                        self.finish(step.op, res);
+                    }
+                    Progress::Moved => {
+                        moved = true;
+                        self.requeue_front(p, dir, step);
+                        break;
+                    }
+                    Progress::Idle => match lost {
+                        Some(reason) => {
+                            moved = true;
+                            self.abandon_chunks(p, dir);
+                            self.finish(step.op, Err(CommError::PeerLost { peer: p, reason }));
+                        }
+                        None => {
+                            self.requeue_front(p, dir, step);
+                            break;
+                        }
+                    },
+                }
+            }
+        }
+        moved
+    }
+
+    fn requeue_front(&mut self, p: usize, dir: Dir, step: Step) {
+        if let Some(conn) = self.peers[p].as_mut() {
+            match dir {
+                Dir::Send => conn.sends.push_front(step),
+                Dir::Recv => conn.recvs.push_front(step),
+            }
+        }
+    }
+
+    /// After a peer is lost mid-message, waits for our own in-flight chunk copies (they touch
+    /// the caller's buffer) and forgets them.
+    fn abandon_chunks(&mut self, p: usize, dir: Dir) {
+        let stream = match dir {
+            Dir::Send => self.send_stream,
+            Dir::Recv => self.recv_stream,
+        };
+        let _ = self.adaptor.stream_synchronize(stream);
+        if let Some(conn) = self.peers[p].as_mut() {
+            let q = match dir {
+                Dir::Send => &mut conn.send_chunks,
+                Dir::Recv => &mut conn.recv_chunks,
+            };
+            self.free_events.extend(q.drain(..));
+        }
+    }
+
+    fn progress_send(&mut self, p: usize, step: &mut Step) -> Result<Progress> {
+        let chunk = self.chunk;
+        let conn = self.peers[p].as_mut().expect("checked by caller");
+        match step.phase {
+            Phase::AwaitRecvDesc => {
+                if conn.out.load(Counter::RecvPosted) <= step.index {
+                    return Ok(Progress::Idle);
+                }
+                let desc = conn.out.read_recv_desc(step.index)?;
+                let bytes = step.op.bytes;
+                if bytes as u64 > desc.size {
+                    answer(&conn.out, step.index, bytes, STATUS_SIZE_MISMATCH);
+                    return Ok(Progress::Done(Err(CommError::SizeMismatch {
+                        peer: p,
+                        send_bytes: bytes,
+                        recv_bytes: desc.size as usize,
+                    })));
+                }
+                if bytes == 0 {
+                    answer(&conn.out, step.index, 0, STATUS_OK);
+                    return Ok(Progress::Done(Ok(0)));
+                }
+                match conn.transport {
+                    TransportKind::Ipc => {
+                        let issued = self.issue_ipc_copy(step, &desc);
+                        let conn = self.peers[p].as_mut().expect("present");
+                        match issued {
+                            Ok(ev) => {
+                                step.phase = Phase::Copying(ev);
+                                Ok(Progress::Moved)
+                            }
+                            Err(e) => {
+                                answer(&conn.out, step.index, bytes, STATUS_SENDER_FAILED);
+                                Err(e)
+                            }
+                        }
+                    }
+                    TransportKind::Staged => {
+                        answer(&conn.out, step.index, bytes, STATUS_OK);
+                        step.phase = Phase::Chunks {
+                            total: bytes,
+                            issued: 0,
+                            started: false,
+                        };
+                        Ok(Progress::Moved)
+                    }
+                }
+            }
+            Phase::Copying(ev) => {
+                if !self.adaptor.event_query(ev)? {
+                    return Ok(Progress::Idle);
+                }
+                self.free_events.push(ev);
+                let conn = self.peers[p].as_mut().expect("present");
+                answer(&conn.out, step.index, step.op.bytes, STATUS_OK);
+                Ok(Progress::Done(Ok(step.op.bytes)))
+            }
+            Phase::Chunks {
+                total,
+                ref mut issued,
+                ref mut started,
+            } => {
+                let mut moved = false;
+                let slots = conn.out.geometry().slots as u64;
+                while *issued < total && conn.tail_issued - conn.out.load(Counter::Head) < slots {
+                    if !*started {
+                        self.adaptor
+                            .stream_wait_event(self.send_stream, step.op.start)?;
+                        *started = true;
+                    }
+                    let len = chunk.min(total - *issued);
+                    let src = DevicePtr(step.op.ptr.0 + *issued as u64);
+                    let dst = conn.out.slot(conn.tail_issued);
+                    // SAFETY: `dst` is a slot of `chunk` bytes in the live channel mapping that
+                    // the receiver released (head); `src` lies inside the caller's buffer,
+                    // which the operation keeps valid until it completes.
+                    unsafe {
+                        self.adaptor
+                            .memcpy_d2h_async(dst, src, len, self.send_stream)?
+                    };
+                    let ev = match self.free_events.pop() {
+                        Some(e) => e,
+                        None => self.adaptor.event_create(false)?,
+                    };
+                    self.adaptor.event_record(ev, self.send_stream)?;
+                    conn.send_chunks.push_back(ev);
+                    conn.tail_issued += 1;
+                    *issued += len;
+                    moved = true;
+                }
+                while let Some(&ev) = conn.send_chunks.front() {
+                    if !self.adaptor.event_query(ev)? {
+                        break;
+                    }
+                    conn.send_chunks.pop_front();
+                    self.free_events.push(ev);
+                    conn.tail += 1;
+                    conn.out.store(Counter::Tail, conn.tail);
+                    moved = true;
+                }
+                if *issued == total && conn.send_chunks.is_empty() {
+                    return Ok(Progress::Done(Ok(total)));
+                }
+                Ok(if moved {
+                    Progress::Moved
+                } else {
+                    Progress::Idle
+                })
+            }
+            Phase::Announce | Phase::AwaitSendDesc => unreachable!("receive phases"),
+        }
+    }
+
+    /// Opens (or reuses) the receiver's allocation and enqueues the one copy into it.
+    fn issue_ipc_copy(&mut self, step: &Step, desc: &RecvDesc) -> Result<EventHandle> {
+        let handle = desc
+            .handle
+            .ok_or_else(|| CommError::Protocol("IPC receive descriptor without a handle".into()))?;
+        let key = handle.to_wire();
+        let base = match self.ipc_cache.get(&key) {
+            Some(&b) => b,
+            None => {
+                if self.ipc_cache.len() >= 256 {
+                    self.flush_ipc_cache();
+                }
+                let b = self.adaptor.ipc_open_handle(&handle)?;
+                self.ipc_cache.insert(key, b);
+                b
+            }
+        };
+        self.adaptor
+            .stream_wait_event(self.send_stream, step.op.start)?;
+        let dst = DevicePtr(base.0 + desc.offset);
+        // SAFETY: `dst..dst+bytes` lies in the receiver's buffer (it announced `desc.size >=
+        // bytes` at `offset` of that allocation, which it keeps until we answer); `src` is the
+        // caller's buffer, valid until the operation completes.
+        unsafe {
+            self.adaptor
+                .memcpy_d2d_async(dst, step.op.ptr, step.op.bytes, self.send_stream)?
+        };
+        let ev = self.event()?;
+        self.adaptor.event_record(ev, self.send_stream)?;
+        Ok(ev)
+    }
+
+    fn flush_ipc_cache(&mut self) {
+        let _ = self.adaptor.stream_synchronize(self.send_stream);
+        for (_, base) in self.ipc_cache.drain() {
+            // SAFETY: the send stream is idle, so no copy uses the mapping.
+            let _ = unsafe { self.adaptor.ipc_close(base) };
+        }
+    }
+
+    fn progress_recv(&mut self, p: usize, step: &mut Step) -> Result<Progress> {
+        let chunk = self.chunk;
+        let conn = self.peers[p].as_mut().expect("checked by caller");
+        match step.phase {
+            Phase::Announce => {
+                // The descriptor window: the sender reuses send descriptor slots only after we
+                // finished the receive 64 back, which in-order completion guarantees here.
+                if step.index >= conn.inc.load(Counter::RecvDone) + DESC_RING {
+                    return Ok(Progress::Idle);
+                }
+                let bytes = step.op.bytes;
+                let desc = match conn.transport {
+                    TransportKind::Ipc if bytes > 0 => {
+                        // The sender's copy engine writes straight into the buffer, so it may
+                        // only be announced once earlier work on the caller's stream is done.
+                        if !self.adaptor.event_query(step.op.start)? {
+                            return Ok(Progress::Idle);
+                        }
+                        let (base, _) = self.adaptor.mem_get_range(step.op.ptr)?;
+                        RecvDesc {
+                            size: bytes as u64,
+                            handle: Some(self.adaptor.ipc_get_handle(base)?),
+                            offset: step.op.ptr.0 - base.0,
+                        }
+                    }
+                    _ => RecvDesc {
+                        size: bytes as u64,
+                        handle: None,
+                        offset: 0,
+                    },
+                };
+                let conn = self.peers[p].as_mut().expect("present");
+                conn.inc.write_recv_desc(step.index, &desc);
+                conn.inc.store(Counter::RecvPosted, step.index + 1);
+                step.phase = Phase::AwaitSendDesc;
+                Ok(Progress::Moved)
+            }
+            Phase::AwaitSendDesc => {
+                if conn.inc.load(Counter::SendPosted) <= step.index {
+                    return Ok(Progress::Idle);
+                }
+                let sd: SendDesc = conn.inc.read_send_desc(step.index);
+                let bytes = step.op.bytes;
+                let failed = match sd.status {
+                    STATUS_OK if sd.size as usize <= bytes => None,
+                    STATUS_OK => Some(CommError::Protocol(format!(
+                        "rank {p} sent {} bytes into a {bytes}-byte receive",
+                        sd.size
+                    ))),
+                    STATUS_SIZE_MISMATCH => Some(CommError::SizeMismatch {
+                        peer: p,
+                        send_bytes: sd.size as usize,
+                        recv_bytes: bytes,
+                    }),
+                    STATUS_SENDER_FAILED => Some(CommError::RemoteFailure {
+                        peer: p,
+                        reason: "the sender's copy could not be issued".into(),
+                    }),
+                    s => Some(CommError::Protocol(format!("send status {s}"))),
+                };
+                let size = sd.size as usize;
+                if failed.is_some() || conn.transport == TransportKind::Ipc || size == 0 {
+                    conn.inc.store(Counter::RecvDone, step.index + 1);
+                    return Ok(Progress::Done(failed.map_or(Ok(size), Err)));
+                }
+                step.phase = Phase::Chunks {
+                    total: size,
+                    issued: 0,
+                    started: false,
+                };
+                Ok(Progress::Moved)
+            }
+            Phase::Chunks {
+                total,
+                ref mut issued,
+                ref mut started,
+            } => {
+                let mut moved = false;
+                while *issued < total && conn.head_issued < conn.inc.load(Counter::Tail) {
+                    if !*started {
+                        self.adaptor
+                            .stream_wait_event(self.recv_stream, step.op.start)?;
+                        *started = true;
+                    }
+                    let len = chunk.min(total - *issued);
+                    let dst = DevicePtr(step.op.ptr.0 + *issued as u64);
+                    let src = conn.inc.slot(conn.head_issued);
+                    // SAFETY: the slot holds a chunk the sender published (tail); `dst` lies in
+                    // the caller's buffer (`total <= bytes`), valid until completion.
+                    unsafe {
+                        self.adaptor
+                            .memcpy_h2d_async(dst, src, len, self.recv_stream)?
+                    };
+                    let ev = match self.free_events.pop() {
+                        Some(e) => e,
+                        None => self.adaptor.event_create(false)?,
+                    };
+                    self.adaptor.event_record(ev, self.recv_stream)?;
+                    conn.recv_chunks.push_back(ev);
+                    conn.head_issued += 1;
+                    *issued += len;
+                    moved = true;
+                }
+                while let Some(&ev) = conn.recv_chunks.front() {
+                    if !self.adaptor.event_query(ev)? {
+                        break;
+                    }
+                    conn.recv_chunks.pop_front();
+                    self.free_events.push(ev);
+                    conn.head += 1;
+                    conn.inc.store(Counter::Head, conn.head);
+                    moved = true;
+                }
+                if *issued == total && conn.recv_chunks.is_empty() {
+                    conn.inc.store(Counter::RecvDone, step.index + 1);
+                    return Ok(Progress::Done(Ok(total)));
+                }
+                Ok(if moved {
+                    Progress::Moved
+                } else {
+                    Progress::Idle
+                })
+            }
+            Phase::AwaitRecvDesc | Phase::Copying(_) => unreachable!("send phases"),
+        }
+    }
+
+    /// Marks peers whose bootstrap socket hung up; their stuck operations then fail.
+    fn check_peers(&mut self) {
+        for conn in self.peers.iter_mut().flatten() {
+            if conn.lost.is_some() || conn.idle() {
+                continue;
+            }
+            let Some(fd) = self.boot.peer_fd(conn.peer) else {
+                continue;
+            };
+            let mut pfd = libc::pollfd {
+                fd,
+                events: libc::POLLRDHUP,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd, zero timeout.
+            let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+            if n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+                tracing::warn!(peer = conn.peer, "peer hung up");
+                conn.lost = Some("the process exited or closed its communicator".into());
+            }
+        }
+    }
+
+    fn teardown(mut self) {
+        let mut left = Vec::new();
+        for conn in self.peers.iter_mut().flatten() {
+            left.extend(
+                conn.sends
+                    .drain(..)
+                    .chain(conn.recvs.drain(..))
+                    .map(|s| s.op),
+            );
+        }
+        left.extend(std::mem::take(&mut *lock(&self.shared.inbox)));
+        let _ = self.adaptor.stream_synchronize(self.send_stream);
+        let _ = self.adaptor.stream_synchronize(self.recv_stream);
+        for op in left {
+            self.finish(op, Err(CommError::Aborted));
+        }
+        self.flush_ipc_cache();
+        for e in self.free_events.drain(..) {
+            let _ = self.adaptor.event_destroy(e);
+        }
+        for conn in self.peers.iter_mut().flatten() {
+            for e in conn.send_chunks.drain(..).chain(conn.recv_chunks.drain(..)) {
+                let _ = self.adaptor.event_destroy(e);
+            }
+            if conn.registered {
+                for ch in [&conn.out, &conn.inc] {
+                    // SAFETY: both proxy streams are idle, so no copy uses the ring.
+                    let _ = unsafe { self.adaptor.host_unregister(ch.ring().0) };
+                }
+            }
+        }
+        let _ = self.adaptor.stream_destroy(self.send_stream);
+        let _ = self.adaptor.stream_destroy(self.recv_stream);
+    }
+}
+
+/// Publishes the sender's answer for descriptor `index`.
+fn answer(out: &Channel, index: u64, bytes: usize, status: u64) {
+    out.write_send_desc(
+        index,
+        &SendDesc {
+            size: bytes as u64,
+            status,
+        },
+    );
+    out.store(Counter::SendPosted, index + 1);
+}

@@ -1,0 +1,413 @@
+//! Multi-process point-to-point tests of the facade: real jobs started with `flagcx-run`.
+//!
+//! Each test launches N copies of this test binary running the ignored `rank_worker` test with a
+//! scenario in `FLAGCX_TEST_SCENARIO`; every rank checks every byte it receives and prints
+//! `worker ok: rank R of N, …` at the end. Vendors come from `FLAGCX_P2P_TEST_VENDORS` (default `host`) and, for
+//! the mixed-vendor shape, `FLAGCX_P2P_TEST_MIXED` (default `host`; the GPU bundle runs
+//! `cuda,host`).
+
+use std::process::Command;
+use std::sync::Arc;
+
+use flagcx::{Adaptor, Comm, CommError, DeviceAdaptor, DeviceBuffer, Stream};
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// The bytes rank `src` sends to `dst` in message `tag`.
+fn payload(src: usize, dst: usize, tag: u64, len: usize) -> Vec<u8> {
+    let seed = splitmix(((src as u64) << 40) ^ ((dst as u64) << 20) ^ tag);
+    let mut v = Vec::with_capacity(len + 8);
+    let mut j = 0u64;
+    while v.len() < len {
+        v.extend_from_slice(&splitmix(seed ^ j).to_le_bytes());
+        j += 1;
+    }
+    v.truncate(len);
+    v
+}
+
+/// A size both ends derive: random up to `max`, with some zeros and odd sizes.
+fn agreed_size(src: usize, dst: usize, iter: u64, max: usize) -> usize {
+    let r = splitmix(((src as u64) << 32) ^ ((dst as u64) << 16) ^ iter ^ 0xABCD);
+    match r % 8 {
+        0 => 0,
+        1 => (r >> 8) as usize % 64 + 1,
+        _ => (r >> 8) as usize % (max + 1),
+    }
+}
+
+struct Rank {
+    adaptor: Adaptor,
+    comm: Comm<Adaptor>,
+    stream: Stream<Adaptor>,
+}
+
+impl Rank {
+    /// A buffer of exactly `len` (> 0) bytes; zero-byte messages use the raw API.
+    fn buffer(&self, len: usize) -> Arc<DeviceBuffer<Adaptor>> {
+        Arc::new(DeviceBuffer::new(&self.adaptor, len).expect("alloc"))
+    }
+
+    fn filled(&self, dst: usize, tag: u64, len: usize) -> Arc<DeviceBuffer<Adaptor>> {
+        let b = self.buffer(len);
+        b.write(0, &payload(self.comm.rank(), dst, tag, len), &self.stream)
+            .expect("fill");
+        b
+    }
+
+    fn check(&self, buf: &DeviceBuffer<Adaptor>, src: usize, tag: u64, len: usize) {
+        let mut got = vec![0u8; len];
+        buf.read(0, &mut got, &self.stream).expect("read back");
+        let want = payload(src, self.comm.rank(), tag, len);
+        if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
+            panic!(
+                "rank {} message {tag} from {src}: byte {i} of {len} is {:#x}, expected {:#x}",
+                self.comm.rank(),
+                got[i],
+                want[i]
+            );
+        }
+    }
+
+    /// One group in which this rank sends to every `to` and receives from every `from`.
+    fn exchange(&self, to: &[(usize, usize)], from: &[(usize, usize)], tag: u64) {
+        let me = self.comm.rank();
+        let sends: Vec<_> = to
+            .iter()
+            .map(|&(p, n)| (p, n, self.filled(p, tag, n)))
+            .collect();
+        let recvs: Vec<_> = from.iter().map(|&(p, n)| (p, n, self.buffer(n))).collect();
+        let (sreq, rreq) = self
+            .comm
+            .group(|| {
+                let s = sends
+                    .iter()
+                    .map(|(p, _, b)| self.comm.send(b, *p, &self.stream))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let r = recvs
+                    .iter()
+                    .map(|(p, _, b)| self.comm.recv(b, *p, &self.stream))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok((s, r))
+            })
+            .expect("post");
+        for (req, (p, n, _)) in sreq.into_iter().zip(&sends) {
+            assert_eq!(
+                req.wait()
+                    .unwrap_or_else(|e| panic!("rank {me} send to {p}: {e}")),
+                *n
+            );
+        }
+        for (req, (p, n, _)) in rreq.into_iter().zip(&recvs) {
+            assert_eq!(
+                req.wait()
+                    .unwrap_or_else(|e| panic!("rank {me} recv from {p}: {e}")),
+                *n
+            );
+        }
+        self.stream.synchronize().expect("sync");
+        for (p, n, b) in &recvs {
+            self.check(b, *p, tag, *n);
+        }
+    }
+}
+
+fn scenario_sizes() -> Vec<usize> {
+    vec![1, 7, 4096 + 3, (1 << 20) + 5, 3 << 20]
+}
+
+#[test]
+#[ignore = "one rank of a job; the tests below start it through flagcx-run"]
+fn rank_worker() {
+    let Ok(scenario) = std::env::var("FLAGCX_TEST_SCENARIO") else {
+        return;
+    };
+    flagcx::init_logging();
+    let adaptor = Adaptor::from_env().expect("adaptor");
+    let comm = Comm::from_env(adaptor.clone()).expect("communicator");
+    let stream = Stream::new(&adaptor).expect("stream");
+    let r = Rank {
+        adaptor,
+        comm,
+        stream,
+    };
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let next = (me + 1) % n;
+    let prev = (me + n - 1) % n;
+    let big: usize = std::env::var("FLAGCX_TEST_MAX")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64 << 20);
+    match scenario.as_str() {
+        "ring" => {
+            let mut sizes = scenario_sizes();
+            sizes.push(big);
+            for (i, &s) in sizes.iter().enumerate() {
+                r.exchange(&[(next, s)], &[(prev, s)], i as u64);
+            }
+            zero_byte_ring(&r, next, prev);
+        }
+        "pairs" => {
+            for (i, &s) in scenario_sizes().iter().enumerate() {
+                let others: Vec<(usize, usize)> =
+                    (0..n).filter(|&q| q != me).map(|q| (q, s)).collect();
+                r.exchange(&others, &others, 100 + i as u64);
+            }
+        }
+        "random" => {
+            for iter in 0..12u64 {
+                let to: Vec<(usize, usize)> = (0..n)
+                    .filter(|&q| q != me)
+                    .map(|q| (q, agreed_size(me, q, iter, big)))
+                    .filter(|&(_, s)| s > 0)
+                    .collect();
+                let from: Vec<(usize, usize)> = (0..n)
+                    .filter(|&q| q != me)
+                    .map(|q| (q, agreed_size(q, me, iter, big)))
+                    .filter(|&(_, s)| s > 0)
+                    .collect();
+                r.exchange(&to, &from, 1000 + iter);
+            }
+        }
+        "bidir" => {
+            // Several messages each way in one group, both directions at once.
+            for round in 0..4u64 {
+                let s = (round as usize + 1) * ((1 << 20) + 17);
+                r.exchange(
+                    &[(next, s), (next, s / 3)],
+                    &[(prev, s), (prev, s / 3)],
+                    5000 + round,
+                );
+            }
+        }
+        "mismatch" => mismatch(&r, next, prev),
+        other => panic!("unknown scenario {other}"),
+    }
+    println!(
+        "worker ok: rank {me} of {n}, {} via {:?}",
+        r.adaptor.vendor(),
+        r.comm.transport(next)
+    );
+}
+
+/// Zero-byte messages through the raw API.
+fn zero_byte_ring(r: &Rank, next: usize, prev: usize) {
+    let b = r.buffer(1);
+    let (s, q) = r
+        .comm
+        .group(|| {
+            // SAFETY: zero bytes are read or written; the buffer outlives the waits below.
+            unsafe {
+                Ok((
+                    r.comm.send_raw(b.ptr(), 0, next, r.stream.handle())?,
+                    r.comm.recv_raw(b.ptr(), 0, prev, r.stream.handle())?,
+                ))
+            }
+        })
+        .expect("post zero-byte");
+    assert_eq!(s.wait().expect("zero-byte send"), 0);
+    assert_eq!(q.wait().expect("zero-byte recv"), 0);
+}
+
+/// A sender larger than its receiver fails on both sides, then the pair still works.
+fn mismatch(r: &Rank, next: usize, prev: usize) {
+    let me = r.comm.rank();
+    let big = r.filled(next, 7, 2000);
+    let small = r.buffer(1000);
+    small.fill(0xEE, &r.stream).expect("fill");
+    let (s, q) = r
+        .comm
+        .group(|| {
+            Ok((
+                r.comm.send(&big, next, &r.stream)?,
+                r.comm.recv(&small, prev, &r.stream)?,
+            ))
+        })
+        .expect("post");
+    match s.wait() {
+        Err(CommError::SizeMismatch {
+            send_bytes: 2000,
+            recv_bytes: 1000,
+            ..
+        }) => {}
+        other => panic!("rank {me}: sender expected a size mismatch, got {other:?}"),
+    }
+    match q.wait() {
+        Err(CommError::SizeMismatch {
+            send_bytes: 2000,
+            recv_bytes: 1000,
+            ..
+        }) => {}
+        other => panic!("rank {me}: receiver expected a size mismatch, got {other:?}"),
+    }
+    let mut untouched = vec![0u8; 1000];
+    small.read(0, &mut untouched, &r.stream).expect("read");
+    assert!(
+        untouched.iter().all(|&b| b == 0xEE),
+        "a refused message wrote into the receiver"
+    );
+    // A smaller sender is fine: the receiver learns the size.
+    let s500 = r.filled(next, 8, 500);
+    let recv = r.buffer(1000);
+    let (s, q) = r
+        .comm
+        .group(|| {
+            Ok((
+                r.comm.send(&s500, next, &r.stream)?,
+                r.comm.recv(&recv, prev, &r.stream)?,
+            ))
+        })
+        .expect("post");
+    assert_eq!(s.wait().expect("send"), 500);
+    assert_eq!(q.wait().expect("recv"), 500);
+    r.stream.synchronize().expect("sync");
+    r.check(&recv, prev, 8, 500);
+    // Bad peers are refused up front.
+    assert!(matches!(
+        r.comm.send(&s500, 99, &r.stream),
+        Err(CommError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        r.comm.send(&s500, me, &r.stream),
+        Err(CommError::InvalidArgument(_))
+    ));
+}
+
+fn vendors(var: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| "host".into())
+}
+
+fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) {
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_flagcx-run"));
+    cmd.args([
+        "-n",
+        &n.to_string(),
+        "--vendors",
+        vendors,
+        "--timeout",
+        "240",
+        "--",
+    ])
+    .arg(exe)
+    .args([
+        "--exact",
+        "rank_worker",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("FLAGCX_TEST_SCENARIO", scenario)
+    .env_remove("FLAGCX_SKIP_LOG");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("start flagcx-run");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let log = format!("--- stdout\n{stdout}\n--- stderr\n{stderr}");
+    assert!(
+        out.status.success(),
+        "job {scenario} on {n} ranks ({vendors}) failed: {}\n{log}",
+        out.status
+    );
+    for rank in 0..n {
+        assert!(
+            stdout.contains(&format!("worker ok: rank {rank} of {n},")),
+            "rank {rank} did not finish its checks\n{log}"
+        );
+    }
+    // Echo a summary line per rank so `--nocapture` runs show the transports used.
+    for line in stdout.lines().filter(|l| l.contains("worker ok")) {
+        println!("{line}");
+    }
+}
+
+#[test]
+fn ring_2_ranks() {
+    job(2, &vendors("FLAGCX_P2P_TEST_VENDORS"), "ring", &[]);
+}
+
+#[test]
+fn ring_4_ranks_staged() {
+    job(
+        4,
+        &vendors("FLAGCX_P2P_TEST_VENDORS"),
+        "ring",
+        &[("FLAGCX_P2P_DISABLE", "1")],
+    );
+}
+
+#[test]
+fn ring_8_ranks() {
+    job(
+        8,
+        &vendors("FLAGCX_P2P_TEST_VENDORS"),
+        "ring",
+        &[("FLAGCX_TEST_MAX", "8388608")],
+    );
+}
+
+#[test]
+fn all_pairs_4_ranks() {
+    job(4, &vendors("FLAGCX_P2P_TEST_VENDORS"), "pairs", &[]);
+}
+
+#[test]
+fn all_pairs_8_ranks_staged() {
+    job(
+        8,
+        &vendors("FLAGCX_P2P_TEST_VENDORS"),
+        "pairs",
+        &[("FLAGCX_P2P_DISABLE", "1")],
+    );
+}
+
+#[test]
+fn random_sizes_4_ranks() {
+    job(4, &vendors("FLAGCX_P2P_TEST_VENDORS"), "random", &[]);
+}
+
+#[test]
+fn random_sizes_4_ranks_staged() {
+    job(
+        4,
+        &vendors("FLAGCX_P2P_TEST_VENDORS"),
+        "random",
+        &[("FLAGCX_P2P_DISABLE", "1")],
+    );
+}
+
+#[test]
+fn bidirectional_groups() {
+    job(2, &vendors("FLAGCX_P2P_TEST_VENDORS"), "bidir", &[]);
+    job(
+        2,
+        &vendors("FLAGCX_P2P_TEST_VENDORS"),
+        "bidir",
+        &[("FLAGCX_P2P_DISABLE", "1")],
+    );
+}
+
+#[test]
+fn size_mismatch_fails_both_sides() {
+    job(2, &vendors("FLAGCX_P2P_TEST_VENDORS"), "mismatch", &[]);
+    job(
+        2,
+        &vendors("FLAGCX_P2P_TEST_VENDORS"),
+        "mismatch",
+        &[("FLAGCX_P2P_DISABLE", "1")],
+    );
+}
+
+#[test]
+fn mixed_vendor_job() {
+    // Ranks alternate over the listed vendors; with two different vendors the pairs are staged.
+    job(2, &vendors("FLAGCX_P2P_TEST_MIXED"), "ring", &[]);
+    job(4, &vendors("FLAGCX_P2P_TEST_MIXED"), "pairs", &[]);
+}
