@@ -282,9 +282,23 @@ fn vendors(var: &str) -> String {
     std::env::var(var).unwrap_or_else(|_| "host".into())
 }
 
+/// The launcher: `FLAGCX_RUN`, else a `flagcx-run` beside this binary (the GPU bundle), else
+/// the one cargo built with this test.
+fn flagcx_run() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("FLAGCX_RUN") {
+        return p.into();
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    let beside = exe.with_file_name("flagcx-run");
+    if beside.is_file() {
+        return beside;
+    }
+    env!("CARGO_BIN_EXE_flagcx-run").into()
+}
+
 fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) {
     let exe = std::env::current_exe().expect("current_exe");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_flagcx-run"));
+    let mut cmd = Command::new(flagcx_run());
     cmd.args([
         "-n",
         &n.to_string(),

@@ -8,7 +8,8 @@ use std::process::Stdio;
 
 use crate::{cargo, root, Result};
 
-/// One thing `run.sh` runs: a label, the binary's file name in `bin/`, extra env, arguments.
+/// One thing `run.sh` runs: a label, a log name, extra env, and the command. For test
+/// binaries `args` is empty and the command is `bin/<file>`; otherwise `args` is the command.
 struct Entry {
     label: String,
     file: String,
@@ -39,22 +40,69 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         let wanted = [
             (format!("flagcx-{vendor}"), "conformance"),
             ("flagcx".to_string(), "conformance"),
+            ("flagcx".to_string(), "p2p"),
         ];
         if !wanted.iter().any(|(k, t)| *k == krate && *t == target) {
             continue;
         }
         let file = format!("{}-{}", krate.replace('-', "_"), target);
         copy_stripped(&exe, &out.join("bin").join(&file))?;
+        let env = if target == "p2p" {
+            // Same-vendor jobs on the GPU vendor, and the mixed shape with a host-vendor rank.
+            vec![
+                ("FLAGCX_P2P_TEST_VENDORS".into(), vendor.clone()),
+                ("FLAGCX_P2P_TEST_MIXED".into(), format!("{vendor},host")),
+            ]
+        } else {
+            vec![("FLAGCX_VENDOR".into(), vendor.clone())]
+        };
         entries.push(Entry {
             label: format!("{krate}::{target}"),
             file,
-            env: vec![("FLAGCX_VENDOR".into(), vendor.clone())],
+            env,
             args: vec![],
         });
     }
-    if entries.is_empty() {
-        return Err("no test binaries were built".into());
+    if entries.len() != 3 {
+        return Err(format!("expected 3 test binaries, built {}", entries.len()));
     }
+    // The launcher and the main-job example, run on the GPU vendor over each transport.
+    for (kind, name) in [("--bin", "flagcx-run"), ("--example", "pingpong")] {
+        let exe = build_binary(kind, name, &format!("flagcx/{vendor}"))?;
+        copy_stripped(&exe, &out.join("bin").join(name))?;
+    }
+    let pingpong = |label: &str, env: Vec<(String, String)>, launcher: Option<&str>| Entry {
+        label: label.into(),
+        file: label.replace([' ', '+', '/'], "-"),
+        env,
+        args: match launcher {
+            None => vec!["\"$here/bin/pingpong\"".into(), "1024".into()],
+            Some(vendors) => vec![
+                "\"$here/bin/flagcx-run\"".into(),
+                "-n 2 --vendors".into(),
+                vendors.into(),
+                "-- \"$here/bin/pingpong\" 1024".into(),
+            ],
+        },
+    };
+    entries.push(pingpong(
+        &format!("pingpong {vendor} ipc"),
+        vec![("FLAGCX_VENDOR".into(), vendor.clone())],
+        None,
+    ));
+    entries.push(pingpong(
+        &format!("pingpong {vendor} staged"),
+        vec![
+            ("FLAGCX_VENDOR".into(), vendor.clone()),
+            ("FLAGCX_P2P_DISABLE".into(), "1".into()),
+        ],
+        None,
+    ));
+    entries.push(pingpong(
+        &format!("pingpong {vendor}+host"),
+        vec![],
+        Some(&format!("{vendor},host")),
+    ));
     write_script(&out, &entries)?;
     let size: u64 = std::fs::read_dir(out.join("bin"))
         .map_err(|e| e.to_string())?
@@ -74,6 +122,32 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         ));
     }
     Ok(())
+}
+
+/// Builds one release binary or example of the facade with `features`; returns its path.
+fn build_binary(kind: &str, name: &str, features: &str) -> Result<PathBuf> {
+    eprintln!("xtask: building {kind} {name}");
+    let output = cargo()
+        .args([
+            "build",
+            "--release",
+            "--message-format=json",
+            "-p",
+            "flagcx",
+        ])
+        .args([kind, name, "--features", features])
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !output.status.success() {
+        return Err(format!("building {name} failed"));
+    }
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+        .ok_or_else(|| format!("cargo did not report an executable for {name}"))
 }
 
 /// Builds release test binaries; returns (crate, target, executable) for each test target.
@@ -171,14 +245,12 @@ run() {
     );
     for e in entries {
         let env: String = e.env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
-        let _ = writeln!(
-            s,
-            "run '{}' '{}' env {env}\"$here/bin/{}\" {}",
-            e.label,
-            e.file,
-            e.file,
+        let command = if e.args.is_empty() {
+            format!("\"$here/bin/{}\"", e.file)
+        } else {
             e.args.join(" ")
-        );
+        };
+        let _ = writeln!(s, "run '{}' '{}' env {env}{command}", e.label, e.file);
     }
     s.push_str(
         r#"printf '\n%-34s %-8s %6s %6s %7s %6s\n' suite result passed failed skipped time

@@ -77,6 +77,9 @@ impl HostStream {
         let shutdown = Arc::new(AtomicBool::new(false));
         let (p, stop) = (progress.clone(), shutdown.clone());
         let worker = std::thread::Builder::new().name(name).spawn(move || {
+            // Keep back-off naps short (default timer slack is 50 µs).
+            // SAFETY: prctl on the calling thread with plain integer arguments.
+            unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
             for op in rx {
                 let fault = run(op, &stop);
                 let mut st = p.state.lock().unwrap_or_else(|e| e.into_inner());

@@ -269,6 +269,10 @@ impl<A: DeviceAdaptor> Proxy<A> {
 
     /// The thread body: runs until shutdown, then fails what is left and cleans up.
     pub fn run(mut self) {
+        // Short naps must stay short: the default 50 µs timer slack would stretch every 20 µs
+        // back-off sleep to ~70 µs and show up directly in small-message latency.
+        // SAFETY: prctl on the calling thread with plain integer arguments.
+        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
         let mut spins = 0u32;
         let mut last_health = Instant::now();
         loop {
