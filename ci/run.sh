@@ -11,6 +11,10 @@ need_pkgs=()
 # reports skipped with the runtime's reason).
 [ -f /usr/include/hip/hip_runtime_api.h ] || need_pkgs+=(libamdhip64-dev)
 command -v hipconfig >/dev/null || need_pkgs+=(hipcc)
+# OpenCL: the ICD loader and PoCL's CPU device, the second real runtime that gives CI genuine
+# heterogeneous (host + OpenCL) p2p jobs.
+[ -e /usr/lib/x86_64-linux-gnu/libOpenCL.so ] || need_pkgs+=(ocl-icd-opencl-dev)
+[ -e /etc/OpenCL/vendors/pocl.icd ] || need_pkgs+=(pocl-opencl-icd)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   echo "ci: installing ${need_pkgs[*]}"
   sudo_if_needed apt-get update -qq

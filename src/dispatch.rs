@@ -23,6 +23,9 @@ pub enum Adaptor {
     /// AMD HIP.
     #[cfg(feature = "hip")]
     Hip(flagcx_hip::HipAdaptor),
+    /// OpenCL.
+    #[cfg(feature = "opencl")]
+    OpenCl(flagcx_opencl::OpenClAdaptor),
 }
 
 /// Runs `$body` with `$a` bound to the variant's adaptor, whatever the variant.
@@ -35,6 +38,8 @@ macro_rules! each {
             Adaptor::Cuda($a) => $body,
             #[cfg(feature = "hip")]
             Adaptor::Hip($a) => $body,
+            #[cfg(feature = "opencl")]
+            Adaptor::OpenCl($a) => $body,
         }
     };
 }
@@ -47,6 +52,8 @@ impl Adaptor {
             Vendor::Cuda,
             #[cfg(feature = "hip")]
             Vendor::Hip,
+            #[cfg(feature = "opencl")]
+            Vendor::OpenCl,
             #[cfg(feature = "host")]
             Vendor::Host,
         ]
@@ -62,6 +69,8 @@ impl Adaptor {
             Vendor::Cuda => flagcx_cuda::CudaAdaptor::open(device).map(Adaptor::Cuda),
             #[cfg(feature = "hip")]
             Vendor::Hip => flagcx_hip::HipAdaptor::open(device).map(Adaptor::Hip),
+            #[cfg(feature = "opencl")]
+            Vendor::OpenCl => flagcx_opencl::OpenClAdaptor::open(device).map(Adaptor::OpenCl),
             other => Err(AdaptorError::Unavailable {
                 vendor: other,
                 reason: format!(

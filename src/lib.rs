@@ -18,7 +18,12 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
-#[cfg(not(any(feature = "host", feature = "cuda", feature = "hip")))]
+#[cfg(not(any(
+    feature = "host",
+    feature = "cuda",
+    feature = "hip",
+    feature = "opencl"
+)))]
 compile_error!("enable at least one vendor feature of `flagcx` (host, cuda, hip)");
 
 pub use flagcx_adaptor as adaptor;
@@ -39,6 +44,10 @@ pub use flagcx_cuda as cuda;
 /// The HIP vendor (feature `hip`).
 #[cfg(feature = "hip")]
 pub use flagcx_hip as hip;
+
+/// The OpenCL vendor (feature `opencl`).
+#[cfg(feature = "opencl")]
+pub use flagcx_opencl as opencl;
 
 /// Point-to-point communication between processes (`flagcx-p2p`).
 pub use flagcx_p2p as p2p;

@@ -1,6 +1,6 @@
 //! `cargo xtask`: the project's tasks, runnable anywhere with just cargo.
 //!
-//! - `test [--vendor host|cuda|hip|all]` — the vendor suites (default: every vendor this machine
+//! - `test [--vendor host|cuda|hip|opencl|all]` — the vendor suites (default: every vendor this machine
 //!   can build); vendors without a device report their skips, never a silent pass.
 //! - `ci` — exactly what CI runs: fmt check, clippy `-D warnings`, docs, then `test`.
 //! - `bundle --vendor cuda` — stripped release test binaries plus a `run.sh`, for a GPU host with
@@ -13,7 +13,7 @@ use std::process::{Command, ExitCode, Stdio};
 
 mod bundle;
 
-const VENDORS: [&str; 3] = ["host", "cuda", "hip"];
+const VENDORS: [&str; 4] = ["host", "cuda", "hip", "opencl"];
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -25,7 +25,7 @@ fn main() -> ExitCode {
             eprintln!(
                 "usage: cargo xtask <task>\n\n\
                  tasks:\n  \
-                 test [--vendor host|cuda|hip|all]   run the vendor suites (default: all buildable)\n  \
+                 test [--vendor host|cuda|hip|opencl|all]   run the vendor suites (default: all buildable)\n  \
                  ci                                  fmt, clippy -D warnings, docs, then test\n  \
                  bundle --vendor cuda                GPU test bundle under target/bundle-cuda"
             );
@@ -53,7 +53,7 @@ fn parse_vendors(args: &[String]) -> Result<Option<Vec<String>>> {
             None if a == "--vendor" || a == "--vendors" => it
                 .next()
                 .cloned()
-                .ok_or("--vendor needs a value (host, cuda, hip or all)")?,
+                .ok_or("--vendor needs a value (host, cuda, hip, opencl or all)")?,
             None => return Err(format!("unknown argument {a:?}")),
         };
         for v in value.split(',') {

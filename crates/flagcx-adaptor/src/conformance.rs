@@ -48,7 +48,9 @@ pub fn run_case<A: DeviceAdaptor>(test: &str, open: impl FnOnce() -> Result<A>, 
     }
 }
 
-fn report_skip(test: &str, err: &AdaptorError) {
+/// Reports that `test` is skipped because of `err` (normally [`AdaptorError::Unavailable`]):
+/// prints `skipped: <reason>` and appends a line to the `FLAGCX_SKIP_LOG` file.
+pub fn report_skip(test: &str, err: &AdaptorError) {
     let (vendor, reason) = match err {
         AdaptorError::Unavailable { vendor, reason } => (vendor.name(), reason.clone()),
         other => ("?", other.to_string()),

@@ -1,0 +1,818 @@
+//! `flagcx-opencl`: the flagcx-rs adaptor contract on OpenCL, through `cl3` and the ICD loader.
+//!
+//! It gives CI a second real runtime (PoCL's CPU device) and so real heterogeneous pairs without
+//! a GPU. The contract maps honestly:
+//!
+//! - **Device memory** is `cl_mem` buffers. OpenCL has no device addresses, so each buffer gets a
+//!   range of a synthetic address space (in the non-canonical upper half, so it can never be
+//!   mistaken for a host pointer); a [`DevicePtr`] inside it resolves to (buffer, offset).
+//! - **Streams** are in-order command queues; **events** hold the `cl_event` of a marker enqueued
+//!   at record time (profiling gives elapsed time).
+//! - **Host functions** keep stream order with a marker, a user event and a barrier: the marker's
+//!   completion callback runs the function and then opens the barrier.
+//! - **Unsupported**, and reported so in [`Capabilities`]: IPC handles (no standard extension
+//!   shares buffers between processes), host registration (a `USE_HOST_PTR` buffer is only
+//!   coherent at map/unmap, which is not what registration promises), peer access, stream memory
+//!   operations and capture modes.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cl3::types::{cl_command_queue, cl_context, cl_device_id, cl_event, cl_int, cl_mem};
+use flagcx_adaptor::tracking::{HandleSet, RangeMap};
+use flagcx_adaptor::{
+    AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceProperties, DevicePtr,
+    EventHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor, WaitCondition,
+};
+
+const VENDOR: Vendor = Vendor::OpenCl;
+/// Synthetic device addresses start here (non-canonical on x86-64 and AArch64).
+const VA_BASE: u64 = 0xC100_0000_0000_0000;
+/// Gap between buffers, so running off one never lands in the next.
+const VA_GUARD: u64 = 1 << 20;
+const CL_COMPLETE: cl_int = 0;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Updates are single inserts/removes: a poisoned lock is still consistent.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn cl_error(op: &'static str, code: cl_int) -> AdaptorError {
+    AdaptorError::Vendor {
+        vendor: VENDOR,
+        op,
+        code: code as i64,
+        name: cl3::error_codes::error_text(code).to_string(),
+    }
+}
+
+/// OpenCL object handles are thread-safe by the specification (all but kernel arguments), so the
+/// raw pointers may be shared.
+#[derive(Debug, Clone, Copy)]
+struct Raw<T>(T);
+// SAFETY: see the type's documentation.
+unsafe impl<T> Send for Raw<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for Raw<T> {}
+
+/// A command queue and the event of the last command enqueued on it (in-order, so that
+/// command's completion means the queue is idle).
+#[derive(Debug)]
+struct Queue {
+    q: Raw<cl_command_queue>,
+    last: Option<Raw<cl_event>>,
+}
+
+/// One OpenCL device. Cheap to clone.
+#[derive(Clone)]
+pub struct OpenClAdaptor {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    device: usize,
+    count: usize,
+    id: Raw<cl_device_id>,
+    context: Raw<cl_context>,
+    name: String,
+    total_memory: u64,
+    max_alloc: u64,
+    next_va: AtomicU64,
+    buffers: Mutex<RangeMap<Raw<cl_mem>>>,
+    pinned: Mutex<HashMap<u64, usize>>,
+    streams: HandleSet,
+    queues: Mutex<HashMap<u64, Queue>>,
+    events: HandleSet,
+    /// The marker event of each event's last recording.
+    recorded: Mutex<HashMap<u64, Raw<cl_event>>>,
+    next_handle: AtomicU64,
+}
+
+impl std::fmt::Debug for OpenClAdaptor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenClAdaptor")
+            .field("device", &self.inner.device)
+            .field("name", &self.inner.name)
+            .finish()
+    }
+}
+
+fn unavailable(reason: impl Into<String>) -> AdaptorError {
+    AdaptorError::Unavailable {
+        vendor: VENDOR,
+        reason: reason.into(),
+    }
+}
+
+/// Every device of every platform, in platform order, discovered once per process.
+///
+/// Discovery runs under a lock: ICD loaders (ocl-icd) and platforms initialise lazily and are
+/// not safe to initialise from several threads at once — concurrent first calls crashed PoCL
+/// here (a NULL `strlen` inside the loader).
+fn all_devices() -> Result<Vec<cl_device_id>> {
+    static DISCOVERY: Mutex<Option<Vec<Raw<cl_device_id>>>> = Mutex::new(None);
+    let mut found = lock(&DISCOVERY);
+    if let Some(d) = found.as_ref() {
+        return Ok(d.iter().map(|r| r.0).collect());
+    }
+    let devices = discover()?;
+    *found = Some(devices.iter().map(|&d| Raw(d)).collect());
+    Ok(devices)
+}
+
+fn discover() -> Result<Vec<cl_device_id>> {
+    if !cl3::is_opencl_runtime_available() {
+        return Err(unavailable(
+            "libOpenCL.so (the OpenCL ICD loader) was not found; install ocl-icd-libopencl1 \
+             and a platform such as pocl-opencl-icd",
+        ));
+    }
+    let platforms = match cl3::platform::get_platform_ids() {
+        Ok(p) => p,
+        Err(code) => {
+            return Err(unavailable(format!(
+                "no OpenCL platform ({}); install one, e.g. pocl-opencl-icd",
+                cl3::error_codes::error_text(code)
+            )))
+        }
+    };
+    let mut devices = Vec::new();
+    for p in platforms {
+        if let Ok(d) = cl3::device::get_device_ids(p, cl3::device::CL_DEVICE_TYPE_ALL) {
+            devices.extend(d);
+        }
+    }
+    if devices.is_empty() {
+        return Err(unavailable("the OpenCL platforms report no devices"));
+    }
+    Ok(devices)
+}
+
+fn info_u64(dev: cl_device_id, param: u32) -> Result<u64> {
+    let v = cl3::device::get_device_info(dev, param).map_err(|c| cl_error("clGetDeviceInfo", c))?;
+    Ok(match v {
+        cl3::info_type::InfoType::Ulong(x) => x,
+        cl3::info_type::InfoType::Size(x) => x as u64,
+        cl3::info_type::InfoType::Uint(x) => x as u64,
+        _ => 0,
+    })
+}
+
+fn info_string(dev: cl_device_id, param: u32) -> Result<String> {
+    let v = cl3::device::get_device_info(dev, param).map_err(|c| cl_error("clGetDeviceInfo", c))?;
+    Ok(match v {
+        cl3::info_type::InfoType::VecUchar(b) => String::from_utf8_lossy(&b)
+            .trim_end_matches('\0')
+            .trim()
+            .to_string(),
+        other => format!("{other:?}"),
+    })
+}
+
+impl OpenClAdaptor {
+    /// Opens OpenCL device `device` (counting the devices of all platforms in order).
+    pub fn open(device: usize) -> Result<Self> {
+        // Platforms initialise device state lazily and not thread-safely (PoCL 3.1 crashed in
+        // clGetDeviceInfo when two threads opened at once), so opening is serial.
+        static OPEN: Mutex<()> = Mutex::new(());
+        let _serial = lock(&OPEN);
+        let devices = all_devices()?;
+        let count = devices.len();
+        let Some(&id) = devices.get(device) else {
+            return Err(AdaptorError::InvalidDevice {
+                vendor: VENDOR,
+                index: device,
+                count,
+            });
+        };
+        let context =
+            cl3::context::create_context(&[id], std::ptr::null(), None, std::ptr::null_mut())
+                .map_err(|c| cl_error("clCreateContext", c))?;
+        Ok(OpenClAdaptor {
+            inner: Arc::new(Inner {
+                device,
+                count,
+                id: Raw(id),
+                context: Raw(context),
+                name: info_string(id, cl3::device::CL_DEVICE_NAME)?,
+                total_memory: info_u64(id, cl3::device::CL_DEVICE_GLOBAL_MEM_SIZE)?,
+                max_alloc: info_u64(id, cl3::device::CL_DEVICE_MAX_MEM_ALLOC_SIZE)?,
+                next_va: AtomicU64::new(VA_BASE),
+                buffers: Mutex::default(),
+                pinned: Mutex::default(),
+                streams: HandleSet::new("stream"),
+                queues: Mutex::default(),
+                events: HandleSet::new("event"),
+                recorded: Mutex::default(),
+                next_handle: AtomicU64::new(0x10_0000),
+            }),
+        })
+    }
+
+    fn queue(&self, s: StreamHandle) -> Result<cl_command_queue> {
+        self.inner.streams.check(s.0)?;
+        lock(&self.inner.queues)
+            .get(&s.0)
+            .map(|q| q.q.0)
+            .ok_or(AdaptorError::InvalidHandle {
+                kind: "stream",
+                value: s.0,
+            })
+    }
+
+    /// Keeps `ev` (from an enqueue on `stream`) as the queue's last command.
+    fn enqueued(
+        &self,
+        op: &'static str,
+        stream: StreamHandle,
+        r: std::result::Result<cl_event, cl_int>,
+    ) -> Result<()> {
+        let ev = r.map_err(|c| cl_error(op, c))?;
+        match lock(&self.inner.queues).get_mut(&stream.0) {
+            Some(q) => {
+                if let Some(old) = q.last.replace(Raw(ev)) {
+                    release(old.0);
+                }
+            }
+            None => release(ev),
+        }
+        Ok(())
+    }
+
+    /// The buffer and offset behind `[ptr, ptr+n)`, which must lie inside one buffer.
+    fn resolve(&self, op: &'static str, ptr: DevicePtr, n: usize) -> Result<(cl_mem, usize)> {
+        let map = lock(&self.inner.buffers);
+        let (base, mem) = map.check(op, ptr.0, n)?;
+        Ok((mem.0, (ptr.0 - base) as usize))
+    }
+
+    fn unsupported<T>(op: &'static str) -> Result<T> {
+        Err(AdaptorError::Unsupported { vendor: VENDOR, op })
+    }
+
+    fn check_device(&self, index: usize) -> Result<()> {
+        if index < self.inner.count {
+            Ok(())
+        } else {
+            Err(AdaptorError::InvalidDevice {
+                vendor: VENDOR,
+                index,
+                count: self.inner.count,
+            })
+        }
+    }
+}
+
+/// Releases an event returned by an enqueue call we do not need to track.
+fn release(ev: cl_event) {
+    // SAFETY: `ev` is a live event the caller owns one reference to.
+    let _ = unsafe { cl3::event::release_event(ev) };
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // SAFETY: no clone remains, so nothing can use these objects any more; each is released
+        // exactly once.
+        unsafe {
+            for (_, q) in lock(&self.queues).drain() {
+                let _ = cl3::command_queue::finish(q.q.0);
+                if let Some(e) = q.last {
+                    let _ = cl3::event::release_event(e.0);
+                }
+                let _ = cl3::command_queue::release_command_queue(q.q.0);
+            }
+            for (_, e) in lock(&self.recorded).drain() {
+                let _ = cl3::event::release_event(e.0);
+            }
+            for (_, _, m) in lock(&self.buffers).drain() {
+                let _ = cl3::memory::release_mem_object(m.0);
+            }
+            for (p, len) in lock(&self.pinned).drain() {
+                libc::munmap(p as *mut c_void, len);
+            }
+            let _ = cl3::context::release_context(self.context.0);
+        }
+    }
+}
+
+/// What the marker callback of a host function carries.
+struct HostCall {
+    f: HostFn,
+    gate: Raw<cl_event>,
+}
+
+extern "C" fn host_fn_trampoline(marker: cl_event, _status: cl_int, user: *mut c_void) {
+    // SAFETY: `user` is the Box<HostCall> leaked by launch_host_func; OpenCL calls this once.
+    let call = unsafe { Box::from_raw(user as *mut HostCall) };
+    let HostCall { f, gate } = *call;
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+        eprintln!("flagcx-opencl: a host function panicked; the panic was contained");
+    }
+    // Open the barrier that holds later work on the queue, then drop our references.
+    let _ = cl3::event::set_user_event_status(gate.0, CL_COMPLETE);
+    release(gate.0);
+    release(marker);
+}
+
+impl DeviceAdaptor for OpenClAdaptor {
+    fn vendor(&self) -> Vendor {
+        VENDOR
+    }
+
+    fn device(&self) -> usize {
+        self.inner.device
+    }
+
+    fn device_count(&self) -> Result<usize> {
+        Ok(self.inner.count)
+    }
+
+    fn properties(&self, index: usize) -> Result<DeviceProperties> {
+        self.check_device(index)?;
+        let (name, total) = if index == self.inner.device {
+            (self.inner.name.clone(), self.inner.total_memory)
+        } else {
+            let id = all_devices()?[index];
+            (
+                info_string(id, cl3::device::CL_DEVICE_NAME)?,
+                info_u64(id, cl3::device::CL_DEVICE_GLOBAL_MEM_SIZE)?,
+            )
+        };
+        Ok(DeviceProperties {
+            vendor: VENDOR,
+            index,
+            name,
+            pci_bus_id: None,
+            total_memory: total,
+        })
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            host_functions: true,
+            ..Capabilities::default()
+        }
+    }
+
+    fn mem_alloc(&self, size: usize) -> Result<DevicePtr> {
+        const OP: &str = "clCreateBuffer";
+        if size == 0 {
+            return Err(AdaptorError::invalid(OP, "zero-byte allocation"));
+        }
+        if size as u64 > self.inner.max_alloc {
+            return Err(AdaptorError::OutOfMemory {
+                vendor: VENDOR,
+                device: self.inner.device,
+                requested: size,
+                code: None,
+            });
+        }
+        // SAFETY: plain read-write flags and no host pointer.
+        let mem = unsafe {
+            cl3::memory::create_buffer(
+                self.inner.context.0,
+                cl3::memory::CL_MEM_READ_WRITE,
+                size,
+                std::ptr::null_mut(),
+            )
+        }
+        .map_err(|c| cl_error(OP, c))?;
+        let span = (size as u64).next_multiple_of(VA_GUARD) + VA_GUARD;
+        let va = self.inner.next_va.fetch_add(span, Ordering::Relaxed);
+        lock(&self.inner.buffers).insert(OP, va, size, Raw(mem))?;
+        Ok(DevicePtr(va))
+    }
+
+    fn mem_alloc_shareable(&self, size: usize) -> Result<DevicePtr> {
+        // No fd-shareable memory in OpenCL: plain buffers (ipc_export_fd says Unsupported).
+        self.mem_alloc(size)
+    }
+
+    unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
+        let (_, mem) = lock(&self.inner.buffers).remove_if("mem_free", ptr.0, |_| true)?;
+        // SAFETY: our buffer, now untracked; OpenCL keeps it alive for enqueued commands.
+        unsafe { cl3::memory::release_mem_object(mem.0) }
+            .map_err(|c| cl_error("clReleaseMemObject", c))
+    }
+
+    fn mem_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+        match lock(&self.inner.buffers).find(ptr.0) {
+            Some((base, len, _)) if !ptr.is_null() => Ok((DevicePtr(base), len)),
+            _ => Err(AdaptorError::InvalidHandle {
+                kind: "device pointer",
+                value: ptr.0,
+            }),
+        }
+    }
+
+    fn host_alloc(&self, size: usize) -> Result<*mut u8> {
+        if size == 0 {
+            return Err(AdaptorError::invalid("host_alloc", "zero-byte allocation"));
+        }
+        // SAFETY: a fresh anonymous mapping; checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(AdaptorError::last_os("mmap"));
+        }
+        lock(&self.inner.pinned).insert(p as u64, size);
+        Ok(p as *mut u8)
+    }
+
+    unsafe fn host_free(&self, ptr: *mut u8) -> Result<()> {
+        let len =
+            lock(&self.inner.pinned)
+                .remove(&(ptr as u64))
+                .ok_or(AdaptorError::InvalidHandle {
+                    kind: "host memory",
+                    value: ptr as u64,
+                })?;
+        // SAFETY: our mapping of `len` bytes; the caller guarantees it is unused.
+        unsafe { libc::munmap(ptr.cast(), len) };
+        Ok(())
+    }
+
+    unsafe fn host_register(&self, _ptr: *mut u8, _size: usize) -> Result<DevicePtr> {
+        Self::unsupported("host_register")
+    }
+
+    unsafe fn host_unregister(&self, _ptr: *mut u8) -> Result<()> {
+        Self::unsupported("host_unregister")
+    }
+
+    unsafe fn memcpy_h2d_async(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const OP: &str = "clEnqueueWriteBuffer";
+        let q = self.queue(stream)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if src.is_null() {
+            return Err(AdaptorError::invalid(OP, "null host source"));
+        }
+        let (mem, off) = self.resolve(OP, dst, n)?;
+        // SAFETY: non-blocking write from `src`, which the caller keeps valid until the queue
+        // passes it; the range was checked against the buffer.
+        self.enqueued(OP, stream, unsafe {
+            cl3::command_queue::enqueue_write_buffer(
+                q,
+                mem,
+                cl3::types::CL_NON_BLOCKING,
+                off,
+                n,
+                src.cast(),
+                0,
+                std::ptr::null(),
+            )
+        })
+    }
+
+    unsafe fn memcpy_d2h_async(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const OP: &str = "clEnqueueReadBuffer";
+        let q = self.queue(stream)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if dst.is_null() {
+            return Err(AdaptorError::invalid(OP, "null host destination"));
+        }
+        let (mem, off) = self.resolve(OP, src, n)?;
+        // SAFETY: as above, into `dst`.
+        self.enqueued(OP, stream, unsafe {
+            cl3::command_queue::enqueue_read_buffer(
+                q,
+                mem,
+                cl3::types::CL_NON_BLOCKING,
+                off,
+                n,
+                dst.cast(),
+                0,
+                std::ptr::null(),
+            )
+        })
+    }
+
+    unsafe fn memcpy_d2d_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const OP: &str = "clEnqueueCopyBuffer";
+        let q = self.queue(stream)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (dmem, doff) = self.resolve(OP, dst, n)?;
+        let (smem, soff) = self.resolve(OP, src, n)?;
+        // SAFETY: both ranges were checked against live buffers.
+        self.enqueued(OP, stream, unsafe {
+            cl3::command_queue::enqueue_copy_buffer(
+                q,
+                smem,
+                dmem,
+                soff,
+                doff,
+                n,
+                0,
+                std::ptr::null(),
+            )
+        })
+    }
+
+    unsafe fn memset_async(
+        &self,
+        dst: DevicePtr,
+        value: u8,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const OP: &str = "clEnqueueFillBuffer";
+        let q = self.queue(stream)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (mem, off) = self.resolve(OP, dst, n)?;
+        // SAFETY: a one-byte pattern the runtime copies at enqueue time; checked range.
+        self.enqueued(OP, stream, unsafe {
+            cl3::command_queue::enqueue_fill_buffer(
+                q,
+                mem,
+                (&value as *const u8).cast(),
+                1,
+                off,
+                n,
+                0,
+                std::ptr::null(),
+            )
+        })
+    }
+
+    fn stream_create(&self) -> Result<StreamHandle> {
+        // SAFETY: the device belongs to the context.
+        #[allow(deprecated)]
+        let q = unsafe {
+            cl3::command_queue::create_command_queue(
+                self.inner.context.0,
+                self.inner.id.0,
+                cl3::command_queue::CL_QUEUE_PROFILING_ENABLE,
+            )
+        }
+        .map_err(|c| cl_error("clCreateCommandQueue", c))?;
+        let h = self.inner.next_handle.fetch_add(1, Ordering::Relaxed);
+        lock(&self.inner.queues).insert(
+            h,
+            Queue {
+                q: Raw(q),
+                last: None,
+            },
+        );
+        self.inner.streams.insert(h);
+        Ok(StreamHandle(h))
+    }
+
+    fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
+        self.inner.streams.remove(stream.0)?;
+        let q = lock(&self.inner.queues).remove(&stream.0);
+        if let Some(q) = q {
+            let _ = cl3::command_queue::flush(q.q.0);
+            if let Some(e) = q.last {
+                release(e.0);
+            }
+            // SAFETY: untracked now; OpenCL finishes enqueued work before freeing the queue.
+            unsafe { cl3::command_queue::release_command_queue(q.q.0) }
+                .map_err(|c| cl_error("clReleaseCommandQueue", c))?;
+        }
+        Ok(())
+    }
+
+    fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
+        let q = self.queue(stream)?;
+        cl3::command_queue::finish(q).map_err(|c| cl_error("clFinish", c))
+    }
+
+    fn stream_query(&self, stream: StreamHandle) -> Result<bool> {
+        let q = self.queue(stream)?;
+        let _ = cl3::command_queue::flush(q);
+        // In order: the last command's completion means everything before it completed.
+        let last = lock(&self.inner.queues).get(&stream.0).and_then(|q| q.last);
+        match last {
+            None => Ok(true),
+            Some(ev) => event_complete(ev.0),
+        }
+    }
+
+    fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
+        let q = self.queue(stream)?;
+        self.inner.events.check(event.0)?;
+        let Some(ev) = lock(&self.inner.recorded).get(&event.0).copied() else {
+            return Ok(()); // never recorded: nothing to wait for
+        };
+        // SAFETY: a live queue and a live event in the same context.
+        self.enqueued("clEnqueueBarrierWithWaitList", stream, unsafe {
+            cl3::command_queue::enqueue_barrier_with_wait_list(q, 1, &ev.0)
+        })
+    }
+
+    fn event_create(&self, _timing: bool) -> Result<EventHandle> {
+        let h = self.inner.next_handle.fetch_add(1, Ordering::Relaxed);
+        self.inner.events.insert(h);
+        Ok(EventHandle(h))
+    }
+
+    fn event_destroy(&self, event: EventHandle) -> Result<()> {
+        self.inner.events.remove(event.0)?;
+        if let Some(ev) = lock(&self.inner.recorded).remove(&event.0) {
+            release(ev.0);
+        }
+        Ok(())
+    }
+
+    fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
+        self.inner.events.check(event.0)?;
+        let q = self.queue(stream)?;
+        // SAFETY: a live queue; no wait list.
+        let m =
+            unsafe { cl3::command_queue::enqueue_marker_with_wait_list(q, 0, std::ptr::null()) }
+                .map_err(|c| cl_error("clEnqueueMarkerWithWaitList", c))?;
+        let _ = cl3::command_queue::flush(q);
+        // The marker is both the event's recording and the queue's last command.
+        // SAFETY: `m` is live; the extra reference is released by `enqueued`'s bookkeeping.
+        let retained = unsafe { cl3::event::retain_event(m) }.map(|()| m);
+        self.enqueued("clRetainEvent", stream, retained)?;
+        if let Some(old) = lock(&self.inner.recorded).insert(event.0, Raw(m)) {
+            release(old.0);
+        }
+        Ok(())
+    }
+
+    fn event_query(&self, event: EventHandle) -> Result<bool> {
+        self.inner.events.check(event.0)?;
+        match lock(&self.inner.recorded).get(&event.0) {
+            None => Ok(true),
+            Some(ev) => event_complete(ev.0),
+        }
+    }
+
+    fn event_synchronize(&self, event: EventHandle) -> Result<()> {
+        self.inner.events.check(event.0)?;
+        let ev = lock(&self.inner.recorded).get(&event.0).copied();
+        if let Some(ev) = ev {
+            cl3::event::wait_for_events(&[ev.0]).map_err(|c| cl_error("clWaitForEvents", c))?;
+        }
+        Ok(())
+    }
+
+    fn event_elapsed_ms(&self, start: EventHandle, end: EventHandle) -> Result<f32> {
+        const OP: &str = "clGetEventProfilingInfo";
+        self.inner.events.check(start.0)?;
+        self.inner.events.check(end.0)?;
+        let rec = lock(&self.inner.recorded);
+        let (Some(a), Some(b)) = (rec.get(&start.0), rec.get(&end.0)) else {
+            return Err(AdaptorError::invalid(OP, "both events must be recorded"));
+        };
+        let t = |e: cl_event| -> Result<u64> {
+            match cl3::event::get_event_profiling_info(e, cl3::event::CL_PROFILING_COMMAND_END) {
+                Ok(cl3::info_type::InfoType::Ulong(ns)) => Ok(ns),
+                Ok(other) => Err(AdaptorError::invalid(OP, format!("unexpected {other:?}"))),
+                Err(c) => Err(cl_error(OP, c)),
+            }
+        };
+        let (ta, tb) = (t(a.0)?, t(b.0)?);
+        Ok(tb.saturating_sub(ta) as f32 / 1e6)
+    }
+
+    fn ipc_get_handle(&self, _ptr: DevicePtr) -> Result<IpcMemHandle> {
+        Self::unsupported("ipc_get_handle")
+    }
+
+    fn ipc_open_handle(&self, _handle: &IpcMemHandle) -> Result<DevicePtr> {
+        Self::unsupported("ipc_open_handle")
+    }
+
+    fn ipc_export_fd(&self, _ptr: DevicePtr) -> Result<IpcFdHandle> {
+        Self::unsupported("ipc_export_fd")
+    }
+
+    fn ipc_import_fd(&self, _handle: &IpcFdHandle) -> Result<DevicePtr> {
+        Self::unsupported("ipc_import_fd")
+    }
+
+    unsafe fn ipc_close(&self, _ptr: DevicePtr) -> Result<()> {
+        Self::unsupported("ipc_close")
+    }
+
+    fn can_access_peer(&self, peer: usize) -> Result<bool> {
+        self.check_device(peer)?;
+        Ok(peer == self.inner.device)
+    }
+
+    fn enable_peer_access(&self, _peer: usize) -> Result<()> {
+        Self::unsupported("enable_peer_access")
+    }
+
+    fn exchange_capture_mode(&self, _mode: CaptureMode) -> Result<CaptureMode> {
+        Self::unsupported("exchange_capture_mode")
+    }
+
+    fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()> {
+        let q = self.queue(stream)?;
+        let gate = cl3::event::create_user_event(self.inner.context.0)
+            .map_err(|c| cl_error("clCreateUserEvent", c))?;
+        // The marker completes when earlier work has; the barrier holds later work until the
+        // callback opens the gate.
+        // SAFETY: a live queue; the wait list is the one live user event.
+        let marker = match unsafe {
+            cl3::command_queue::enqueue_marker_with_wait_list(q, 0, std::ptr::null())
+        } {
+            Ok(m) => m,
+            Err(c) => {
+                release(gate);
+                return Err(cl_error("clEnqueueMarkerWithWaitList", c));
+            }
+        };
+        // SAFETY: as above.
+        let barrier = unsafe { cl3::command_queue::enqueue_barrier_with_wait_list(q, 1, &gate) };
+        if let Err(c) = self.enqueued("clEnqueueBarrierWithWaitList", stream, barrier) {
+            let _ = cl3::event::set_user_event_status(gate, CL_COMPLETE);
+            release(gate);
+            release(marker);
+            return Err(c);
+        }
+        let call = Box::into_raw(Box::new(HostCall { f, gate: Raw(gate) }));
+        if let Err(c) =
+            cl3::event::set_event_callback(marker, CL_COMPLETE, host_fn_trampoline, call.cast())
+        {
+            // SAFETY: the callback was not registered, so we still own the box.
+            drop(unsafe { Box::from_raw(call) });
+            let _ = cl3::event::set_user_event_status(gate, CL_COMPLETE);
+            release(gate);
+            release(marker);
+            return Err(cl_error("clSetEventCallback", c));
+        }
+        let _ = cl3::command_queue::flush(q);
+        Ok(())
+    }
+
+    unsafe fn stream_wait_value32(
+        &self,
+        _: StreamHandle,
+        _: DevicePtr,
+        _: u32,
+        _: WaitCondition,
+    ) -> Result<()> {
+        Self::unsupported("stream_wait_value32")
+    }
+
+    unsafe fn stream_wait_value64(
+        &self,
+        _: StreamHandle,
+        _: DevicePtr,
+        _: u64,
+        _: WaitCondition,
+    ) -> Result<()> {
+        Self::unsupported("stream_wait_value64")
+    }
+
+    unsafe fn stream_write_value32(&self, _: StreamHandle, _: DevicePtr, _: u32) -> Result<()> {
+        Self::unsupported("stream_write_value32")
+    }
+
+    unsafe fn stream_write_value64(&self, _: StreamHandle, _: DevicePtr, _: u64) -> Result<()> {
+        Self::unsupported("stream_write_value64")
+    }
+}
+
+/// Whether a command's event reached `CL_COMPLETE`; a negative status is the command's error.
+fn event_complete(ev: cl_event) -> Result<bool> {
+    match cl3::event::get_event_info(ev, cl3::event::CL_EVENT_COMMAND_EXECUTION_STATUS) {
+        Ok(cl3::info_type::InfoType::Int(s)) if s == CL_COMPLETE => Ok(true),
+        Ok(cl3::info_type::InfoType::Int(s)) if s < 0 => Err(cl_error("command execution", s)),
+        Ok(_) => Ok(false),
+        Err(c) => Err(cl_error("clGetEventInfo", c)),
+    }
+}
