@@ -129,9 +129,15 @@ fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The abstract-namespace socket name rank `rank` of job `id` listens on (for diagnostics and
+/// admission tests).
+pub fn socket_name(id: &UniqueId, rank: usize) -> String {
+    format!("flagcx-{}-{rank}", id.name_hex())
+}
+
 fn socket_addr(id: &UniqueId, rank: usize) -> Result<SocketAddr> {
-    let name = format!("flagcx-{}-{rank}", id.name_hex());
-    SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| CommError::io("socket name", e))
+    SocketAddr::from_abstract_name(socket_name(id, rank).as_bytes())
+        .map_err(|e| CommError::io("socket name", e))
 }
 
 fn peer_uid(s: &UnixStream) -> Result<u32> {

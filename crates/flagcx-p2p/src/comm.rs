@@ -143,6 +143,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Vec::new()),
             shutdown: AtomicBool::new(false),
+            aborted: AtomicBool::new(false),
             watermark: Mutex::new(0),
             watermark_cv: Condvar::new(),
             watermark_word: page.host as *const AtomicU32,
@@ -156,7 +157,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             shared.clone(),
             boot.clone(),
             peers,
-            config.chunksize,
+            &config,
         )?;
         let handle = std::thread::Builder::new()
             .name(format!("flagcx-proxy-{rank}"))
@@ -305,6 +306,18 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
     }
 
+    /// Aborts the communicator from any thread: every pending operation fails with
+    /// [`CommError::Aborted`], every waiting stream is released, and later posts are refused.
+    pub fn abort(&self) {
+        self.shared.aborted.store(true, Ordering::Release);
+        self.shared.wake();
+    }
+
+    /// Whether [`Comm::abort`] was called.
+    pub fn is_aborted(&self) -> bool {
+        self.shared.aborted.load(Ordering::Acquire)
+    }
+
     /// How many times the proxy polled without progress (a measure of spinning).
     pub fn proxy_busy_polls(&self) -> u64 {
         self.shared.busy_polls.load(Ordering::Relaxed)
@@ -319,6 +332,9 @@ impl<A: DeviceAdaptor> Comm<A> {
         stream: StreamHandle,
         keep: Option<Box<dyn std::any::Any + Send>>,
     ) -> Result<Request> {
+        if self.is_aborted() {
+            return Err(CommError::Aborted);
+        }
         if peer >= self.nranks {
             return Err(CommError::InvalidArgument(format!(
                 "peer {peer} is out of range (the job has {} ranks)",

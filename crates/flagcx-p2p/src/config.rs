@@ -17,6 +17,12 @@ pub struct Config {
     pub buffsize: usize,
     /// Bytes per staged chunk (`FLAGCX_P2P_CHUNKSIZE`, default 512 KiB).
     pub chunksize: usize,
+    /// Fail an operation that makes no progress for this long (`FLAGCX_TIMEOUT_MS`; unset or 0:
+    /// never). The pair is then unusable: its later operations fail at once.
+    pub timeout: Option<Duration>,
+    /// How often the proxy checks, while it has work, whether peers hung up
+    /// (`FLAGCX_HEALTH_INTERVAL_MS`, default 10 ms): a dead peer is noticed within this.
+    pub health_interval: Duration,
 }
 
 /// Defaults, documented in the README's environment table.
@@ -31,6 +37,8 @@ impl Default for Config {
             p2p_disable: false,
             buffsize: DEFAULT_BUFFSIZE,
             chunksize: DEFAULT_CHUNKSIZE,
+            timeout: None,
+            health_interval: Duration::from_millis(10),
         }
     }
 }
@@ -89,6 +97,21 @@ impl Config {
         }
         if let Some(v) = var("FLAGCX_P2P_CHUNKSIZE") {
             c.chunksize = parse_size("FLAGCX_P2P_CHUNKSIZE", &v)?;
+        }
+        if let Some(v) = var("FLAGCX_TIMEOUT_MS") {
+            let ms = parse_usize("FLAGCX_TIMEOUT_MS", &v)? as u64;
+            c.timeout = (ms > 0).then(|| Duration::from_millis(ms));
+        }
+        if let Some(v) = var("FLAGCX_HEALTH_INTERVAL_MS") {
+            let ms = parse_usize("FLAGCX_HEALTH_INTERVAL_MS", &v)? as u64;
+            if ms == 0 || ms > 2000 {
+                return Err(CommError::config(
+                    "FLAGCX_HEALTH_INTERVAL_MS",
+                    &v,
+                    "must be between 1 and 2000",
+                ));
+            }
+            c.health_interval = Duration::from_millis(ms);
         }
         c.validate()?;
         Ok(c)

@@ -96,6 +96,8 @@ pub(crate) struct Op {
 pub(crate) struct Shared {
     pub inbox: Mutex<Vec<Op>>,
     pub shutdown: AtomicBool,
+    /// Set by `Comm::abort`: everything pending fails with `Aborted`, nothing new is accepted.
+    pub aborted: AtomicBool,
     /// Highest `n` such that every operation with `seq <= n` has finished.
     pub watermark: Mutex<u64>,
     pub watermark_cv: Condvar,
@@ -201,6 +203,8 @@ struct Step {
     op: Op,
     index: u64,
     phase: Phase,
+    /// When the step last made progress (for `FLAGCX_TIMEOUT_MS`).
+    progressed: Instant,
 }
 
 enum Phase {
@@ -229,6 +233,8 @@ pub(crate) struct Proxy<A: DeviceAdaptor> {
     pub send_stream: StreamHandle,
     pub recv_stream: StreamHandle,
     pub chunk: usize,
+    timeout: Option<Duration>,
+    health_interval: Duration,
     free_events: Vec<EventHandle>,
     ipc_cache: HashMap<[u8; IpcMemHandle::WIRE_LEN], DevicePtr>,
     finished: BTreeSet<u64>,
@@ -248,7 +254,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
         shared: Arc<Shared>,
         boot: Arc<Bootstrap>,
         peers: Vec<Option<PeerConn>>,
-        chunk: usize,
+        config: &crate::config::Config,
     ) -> Result<Self> {
         let send_stream = adaptor.stream_create()?;
         let recv_stream = adaptor.stream_create()?;
@@ -259,7 +265,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
             peers,
             send_stream,
             recv_stream,
-            chunk,
+            chunk: config.chunksize,
+            timeout: config.timeout,
+            health_interval: config.health_interval,
             free_events: Vec::new(),
             ipc_cache: HashMap::new(),
             finished: BTreeSet::new(),
@@ -285,11 +293,13 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 moved |= self.progress_peer(p);
             }
             let busy = self.peers.iter().flatten().any(|c| !c.idle());
-            if busy && last_health.elapsed() > Duration::from_millis(2) {
+            if busy && last_health.elapsed() >= self.health_interval {
                 self.check_peers();
                 last_health = Instant::now();
             }
-            if self.shared.shutdown.load(Ordering::Acquire) {
+            if self.shared.shutdown.load(Ordering::Acquire)
+                || self.shared.aborted.load(Ordering::Acquire)
+            {
                 break;
             }
             if moved {
@@ -330,7 +340,12 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 (conn.next_recv - 1, Phase::Announce)
             }
         };
-        let step = Step { op, index, phase };
+        let step = Step {
+            op,
+            index,
+            phase,
+            progressed: Instant::now(),
+        };
         match step.op.dir {
             Dir::Send => conn.sends.push_back(step),
             Dir::Recv => conn.recvs.push_back(step),
@@ -398,20 +413,40 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     }
                     Progress::Moved => {
                         moved = true;
+                        step.progressed = Instant::now();
                         self.requeue_front(p, dir, step);
                         break;
                     }
-                    Progress::Idle => match lost {
-                        Some(reason) => {
-                            moved = true;
-                            self.abandon_chunks(p, dir);
-                            self.finish(step.op, Err(CommError::PeerLost { peer: p, reason }));
+                    Progress::Idle => {
+                        let stalled = self.timeout.filter(|t| step.progressed.elapsed() > *t);
+                        match (lost, stalled) {
+                            (Some(reason), _) => {
+                                moved = true;
+                                self.abandon_chunks(p, dir);
+                                let e = CommError::PeerLost { peer: p, reason };
+                                self.finish(step.op, Err(e));
+                            }
+                            (None, Some(t)) => {
+                                moved = true;
+                                self.abandon_chunks(p, dir);
+                                // The pair's shared state is now out of step: retire it.
+                                let what =
+                                    format!("{:?} with rank {p} made no progress", step.op.dir);
+                                if let Some(c) = self.peers[p].as_mut() {
+                                    c.lost = Some(format!("an operation timed out ({what})"));
+                                }
+                                let e = CommError::Timeout {
+                                    ms: t.as_millis() as u64,
+                                    what,
+                                };
+                                self.finish(step.op, Err(e));
+                            }
+                            (None, None) => {
+                                self.requeue_front(p, dir, step);
+                                break;
+                            }
                         }
-                        None => {
-                            self.requeue_front(p, dir, step);
-                            break;
-                        }
-                    },
+                    }
                 }
             }
         }
@@ -748,6 +783,10 @@ impl<A: DeviceAdaptor> Proxy<A> {
     }
 
     fn teardown(mut self) {
+        let aborted = self.shared.aborted.load(Ordering::Acquire);
+        if aborted {
+            tracing::warn!("communicator aborted: failing every pending operation");
+        }
         let mut left = Vec::new();
         for conn in self.peers.iter_mut().flatten() {
             left.extend(

@@ -1,0 +1,573 @@
+//! Faults, bad input and strangers: nothing hangs, leaks or gets in.
+//!
+//! Each test starts ranks of this binary's ignored `reliability_worker` directly (not through
+//! `flagcx-run`, which would stop the survivors when a rank dies on purpose), with the scenario in
+//! `FLAGCX_TEST_SCENARIO`. Workers print `survivor ok …` lines the parent checks. Vendor:
+//! `FLAGCX_P2P_TEST_VENDORS` (default `host`).
+
+use std::io::Write;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixStream};
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flagcx::p2p::bootstrap::{socket_name, UniqueId};
+use flagcx::{Adaptor, Comm, CommError, DeviceBuffer, Stream};
+
+fn vendor() -> String {
+    std::env::var("FLAGCX_P2P_TEST_VENDORS")
+        .ok()
+        .and_then(|v| v.split(',').next().map(str::to_string))
+        .unwrap_or_else(|| "host".into())
+}
+
+/// Starts rank `rank` of `n` of job `id` running `scenario`.
+fn spawn_rank(rank: usize, n: usize, id: &str, scenario: &str, env: &[(&str, &str)]) -> Child {
+    let mut cmd = Command::new(std::env::current_exe().expect("exe"));
+    cmd.args([
+        "--exact",
+        "reliability_worker",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("FLAGCX_TEST_SCENARIO", scenario)
+    .env("FLAGCX_RANK", rank.to_string())
+    .env("FLAGCX_NRANKS", n.to_string())
+    .env("FLAGCX_LOCAL_RANK", rank.to_string())
+    .env("FLAGCX_UNIQUE_ID", id)
+    .env("FLAGCX_VENDOR", vendor())
+    .env("FLAGCX_DEBUG", "warn")
+    .env_remove("FLAGCX_SKIP_LOG")
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("spawn rank")
+}
+
+fn finish(c: Child, limit: Duration) -> Output {
+    let pid = c.id() as i32;
+    let start = Instant::now();
+    let waiter = std::thread::spawn(move || c.wait_with_output().expect("wait"));
+    while !waiter.is_finished() {
+        if start.elapsed() > limit {
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            let out = waiter.join().expect("join");
+            panic!(
+                "a rank hung for {limit:?}\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    waiter.join().expect("join")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "status {}\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn assert_survived(o: &Output, what: &str) {
+    let t = text(o);
+    assert!(
+        o.status.success() && t.contains("survivor ok"),
+        "{what}:\n{t}"
+    );
+    for line in t.lines().filter(|l| l.contains("survivor ok")) {
+        println!("{what}: {line}");
+    }
+}
+
+fn is_root() -> bool {
+    // SAFETY: getuid has no preconditions.
+    unsafe { libc::getuid() == 0 }
+}
+
+fn skip_unless_vendor() -> bool {
+    let v: flagcx::Vendor = vendor().parse().expect("vendor");
+    match Adaptor::open(v, 0) {
+        Ok(_) => false,
+        Err(e) if e.is_unavailable() => {
+            flagcx_adaptor::conformance::report_skip("reliability", &e);
+            true
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+// ---- the worker -------------------------------------------------------------------------------
+
+struct Snapshot {
+    fds: usize,
+    memfd_maps: usize,
+    threads: usize,
+    files: Vec<String>,
+}
+
+fn snapshot() -> Snapshot {
+    let count = |p: &str| std::fs::read_dir(p).map(|d| d.count()).unwrap_or(0);
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    Snapshot {
+        fds: count("/proc/self/fd"),
+        memfd_maps: maps.lines().filter(|l| l.contains("memfd:")).count(),
+        threads: count("/proc/self/task"),
+        files: named_flagcx_files(),
+    }
+}
+
+fn named_flagcx_files() -> Vec<String> {
+    ["/dev/shm", "/tmp"]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
+        .map(|e| e.path().display().to_string())
+        .filter(|p| p.contains("flagcx"))
+        .collect()
+}
+
+/// Resources are back to `before` (threads may take a moment to exit).
+fn assert_no_leaks(before: &Snapshot, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let now = snapshot();
+        let ok = now.fds <= before.fds
+            && now.memfd_maps <= before.memfd_maps
+            && now.threads <= before.threads;
+        if ok {
+            break;
+        }
+        if Instant::now() > deadline {
+            panic!(
+                "{what}: leaked resources: fds {} -> {}, memfd mappings {} -> {}, threads {} -> {}",
+                before.fds, now.fds, before.memfd_maps, now.memfd_maps, before.threads, now.threads
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let new: Vec<String> = named_flagcx_files()
+        .into_iter()
+        .filter(|f| !before.files.contains(f))
+        .collect();
+    assert!(new.is_empty(), "{what}: files left behind: {new:?}");
+}
+
+/// A zero-byte exchange with `peer`: both ranks are past setup once it returns.
+fn rendezvous(comm: &Comm<Adaptor>, peer: usize, stream: &Stream<Adaptor>) {
+    let b = Arc::new(DeviceBuffer::new(comm.adaptor(), 1).expect("alloc"));
+    let (s, r) = comm
+        .group(|| {
+            // SAFETY: zero bytes move; `b` outlives the waits.
+            unsafe {
+                Ok((
+                    comm.send_raw(b.ptr(), 0, peer, stream.handle())?,
+                    comm.recv_raw(b.ptr(), 0, peer, stream.handle())?,
+                ))
+            }
+        })
+        .expect("post rendezvous");
+    s.wait().expect("rendezvous send");
+    r.wait().expect("rendezvous recv");
+}
+
+#[test]
+#[ignore = "one rank of a reliability job; the tests below start it"]
+fn reliability_worker() {
+    let Ok(scenario) = std::env::var("FLAGCX_TEST_SCENARIO") else {
+        return;
+    };
+    flagcx::init_logging();
+    let adaptor = Adaptor::from_env().expect("adaptor");
+    let me: usize = std::env::var("FLAGCX_RANK").unwrap().parse().unwrap();
+    let peer = 1 - me;
+    let before = snapshot();
+    match scenario.as_str() {
+        "peer_killed" | "early_close" => {
+            let comm = Comm::from_env(adaptor.clone()).expect("comm");
+            let stream = Stream::new(&adaptor).expect("stream");
+            rendezvous(&comm, peer, &stream);
+            if me == 1 {
+                std::thread::sleep(Duration::from_millis(300));
+                if scenario == "peer_killed" {
+                    // SAFETY: killing ourselves on purpose.
+                    unsafe { libc::raise(libc::SIGKILL) };
+                }
+                drop(comm);
+                println!("early closer done");
+                return;
+            }
+            let buf = Arc::new(DeviceBuffer::new(&adaptor, 8 << 20).expect("alloc"));
+            let out = Arc::new(DeviceBuffer::new(&adaptor, 8 << 20).expect("alloc"));
+            let t = Instant::now();
+            let (s, r) = comm
+                .group(|| {
+                    Ok((
+                        comm.send(&out, peer, &stream)?,
+                        comm.recv(&buf, peer, &stream)?,
+                    ))
+                })
+                .expect("post");
+            for (what, req) in [("send", s), ("recv", r)] {
+                match req.wait_timeout(Duration::from_secs(10)) {
+                    Err(CommError::PeerLost { .. }) => {}
+                    other => panic!("pending {what}: expected PeerLost, got {other:?}"),
+                }
+            }
+            let ms = t.elapsed().as_millis();
+            // A future operation on the lost peer fails at once.
+            let t2 = Instant::now();
+            match comm
+                .send(&out, peer, &stream)
+                .and_then(|r| r.wait_timeout(Duration::from_secs(5)))
+            {
+                Err(CommError::PeerLost { .. }) => {}
+                other => panic!("future send: expected PeerLost, got {other:?}"),
+            }
+            stream
+                .synchronize()
+                .expect("the caller's stream was released");
+            drop((comm, stream, buf, out));
+            assert_no_leaks(&before, &scenario);
+            println!(
+                "survivor ok: pending ops failed {ms} ms after posting (peer died ~300 ms in), \
+                 a later op in {} ms",
+                t2.elapsed().as_millis()
+            );
+        }
+        "abort" | "timeout" => {
+            let comm = Arc::new(Comm::from_env(adaptor.clone()).expect("comm"));
+            let stream = Stream::new(&adaptor).expect("stream");
+            rendezvous(&comm, peer, &stream);
+            if me == 1 {
+                // Never sends; stays alive past the other rank's abort/timeout.
+                std::thread::sleep(Duration::from_millis(2500));
+                println!("idle peer done");
+                return;
+            }
+            let buf = Arc::new(DeviceBuffer::new(&adaptor, 1 << 20).expect("alloc"));
+            let t = Instant::now();
+            let r = comm.recv(&buf, peer, &stream).expect("post");
+            if scenario == "abort" {
+                let c = comm.clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(200));
+                    c.abort();
+                });
+                match r.wait_timeout(Duration::from_secs(10)) {
+                    Err(CommError::Aborted) => {}
+                    other => panic!("expected Aborted, got {other:?}"),
+                }
+                assert!(matches!(
+                    comm.recv(&buf, peer, &stream),
+                    Err(CommError::Aborted)
+                ));
+            } else {
+                match r.wait_timeout(Duration::from_secs(10)) {
+                    Err(CommError::Timeout { .. }) => {}
+                    other => panic!("expected Timeout, got {other:?}"),
+                }
+                let again = comm.recv(&buf, peer, &stream).expect("post");
+                match again.wait_timeout(Duration::from_secs(5)) {
+                    Err(CommError::PeerLost { .. }) => {}
+                    other => panic!("after a timeout the pair is retired; got {other:?}"),
+                }
+            }
+            let ms = t.elapsed().as_millis();
+            stream
+                .synchronize()
+                .expect("the caller's stream was released");
+            drop((comm, stream, buf));
+            assert_no_leaks(&before, &scenario);
+            println!("survivor ok: {scenario} returned after {ms} ms");
+        }
+        "lifecycle" => {
+            for staged in [false, true] {
+                let config = flagcx::p2p::Config {
+                    p2p_disable: staged,
+                    ..flagcx::p2p::Config::from_env().expect("config")
+                };
+                let env = flagcx::p2p::RankEnv::from_env().expect("rank env");
+                // Each round is its own job: derive a fresh id from the launcher's.
+                let id = UniqueId::derived(&format!("{}-{staged}", env.id));
+                let comm = Comm::init(adaptor.clone(), me, 2, &id, config).expect("comm");
+                let stream = Stream::new(&adaptor).expect("stream");
+                let n = 3 << 20;
+                let out = Arc::new(DeviceBuffer::new(&adaptor, n).expect("alloc"));
+                out.write(0, &vec![me as u8 + 1; n], &stream).expect("fill");
+                let inb = Arc::new(DeviceBuffer::new(&adaptor, n).expect("alloc"));
+                let (s, r) = comm
+                    .group(|| {
+                        Ok((
+                            comm.send(&out, peer, &stream)?,
+                            comm.recv(&inb, peer, &stream)?,
+                        ))
+                    })
+                    .expect("post");
+                s.wait().expect("send");
+                r.wait().expect("recv");
+                let mut got = vec![0u8; n];
+                inb.read(0, &mut got, &stream).expect("read");
+                assert!(got.iter().all(|&b| b == peer as u8 + 1), "data");
+                drop((comm, stream, out, inb));
+                assert_no_leaks(&before, if staged { "staged round" } else { "ipc round" });
+            }
+            println!("survivor ok: two communicators came and went without a trace");
+        }
+        "bootstrap_only" => {
+            // Used by the admission tests: the job must form despite strangers.
+            let comm = Comm::from_env(adaptor.clone()).expect("comm");
+            let stream = Stream::new(&adaptor).expect("stream");
+            rendezvous(&comm, peer, &stream);
+            println!("survivor ok: rank {me} formed the job");
+        }
+        "expect_bootstrap_failure" => match Comm::from_env(adaptor.clone()) {
+            Err(CommError::Bootstrap(e)) => println!("survivor ok: refused: {e}"),
+            other => panic!("expected a bootstrap error, got {other:?}"),
+        },
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+// ---- the tests --------------------------------------------------------------------------------
+
+fn pair(scenario: &str, env: &[(&str, &str)]) -> (Output, Output) {
+    let id = UniqueId::random().expect("id").to_string();
+    let r0 = spawn_rank(0, 2, &id, scenario, env);
+    let r1 = spawn_rank(1, 2, &id, scenario, env);
+    (
+        finish(r0, Duration::from_secs(60)),
+        finish(r1, Duration::from_secs(60)),
+    )
+}
+
+#[test]
+fn killed_peer_fails_pending_and_future_ops_with_peer_lost() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let (r0, r1) = pair("peer_killed", &[]);
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&r1.status),
+        Some(libc::SIGKILL),
+        "rank 1 was supposed to die by SIGKILL:\n{}",
+        text(&r1)
+    );
+    assert_survived(&r0, "survivor of a SIGKILLed peer");
+    let line = String::from_utf8_lossy(&r0.stdout).to_string();
+    let ms: u128 = line
+        .split("failed ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|s| s.parse().ok())
+        .expect("timing line");
+    assert!(
+        ms < 300 + 2000,
+        "PeerLost took {ms} ms (bound: 2 s after the death)"
+    );
+}
+
+#[test]
+fn peer_that_closes_early_is_lost_not_awaited() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let (r0, r1) = pair("early_close", &[]);
+    assert!(r1.status.success(), "{}", text(&r1));
+    assert_survived(&r0, "survivor of an early close");
+}
+
+#[test]
+fn abort_from_another_thread_unblocks_waits() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let (r0, r1) = pair("abort", &[]);
+    assert!(r1.status.success(), "{}", text(&r1));
+    assert_survived(&r0, "abort");
+}
+
+#[test]
+fn stalled_operation_times_out() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let (r0, r1) = pair("timeout", &[("FLAGCX_TIMEOUT_MS", "300")]);
+    assert!(r1.status.success(), "{}", text(&r1));
+    assert_survived(&r0, "timeout");
+}
+
+#[test]
+fn communicators_leave_no_fds_mappings_threads_or_files() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let (r0, r1) = pair("lifecycle", &[]);
+    assert_survived(&r0, "rank 0 lifecycle");
+    assert_survived(&r1, "rank 1 lifecycle");
+}
+
+#[test]
+fn forged_secret_is_refused_and_logged() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let real = UniqueId::random().expect("id").to_string();
+    // Same public name (same socket), different secret.
+    let forged = format!("{}{}", &real[..real.len() - 32], "0".repeat(32));
+    let env = [("FLAGCX_BOOTSTRAP_TIMEOUT_MS", "1500")];
+    let r0 = spawn_rank(0, 2, &real, "expect_bootstrap_failure", &env);
+    let r1 = spawn_rank(1, 2, &forged, "expect_bootstrap_failure", &env);
+    let (o0, o1) = (
+        finish(r0, Duration::from_secs(30)),
+        finish(r1, Duration::from_secs(30)),
+    );
+    assert_survived(&o0, "rank 0 facing a forged peer");
+    assert_survived(&o1, "the forger");
+    assert!(
+        String::from_utf8_lossy(&o0.stderr).contains("wrong secret"),
+        "the refusal was not logged:\n{}",
+        text(&o0)
+    );
+}
+
+#[test]
+fn truncated_unique_id_is_a_config_error() {
+    let id = UniqueId::random().expect("id").to_string();
+    assert!(id[..20].parse::<UniqueId>().is_err());
+    assert!(format!("{id}x").parse::<UniqueId>().is_err());
+}
+
+#[test]
+fn garbage_and_strangers_do_not_stop_the_job() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let id: UniqueId = UniqueId::random().expect("id");
+    let r0 = spawn_rank(0, 2, &id.to_string(), "bootstrap_only", &[]);
+    // Garbage bytes at rank 0's door, from a process of our own uid.
+    let addr = SocketAddr::from_abstract_name(socket_name(&id, 0).as_bytes()).expect("name");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut s = loop {
+        match UnixStream::connect_addr(&addr) {
+            Ok(s) => break s,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => panic!("rank 0 never listened: {e}"),
+        }
+    };
+    let _ = s.write_all(&[0xff; 64]);
+    drop(s);
+    // A stranger: the same connection from another uid, where we are allowed to switch.
+    let stranger = if is_root() {
+        let mut cmd = Command::new(std::env::current_exe().expect("exe"));
+        cmd.args(["--exact", "stranger_probe", "--ignored", "--nocapture"])
+            .env("FLAGCX_STRANGER_SOCKET", socket_name(&id, 0))
+            .uid(65534)
+            .gid(65534);
+        Some(cmd.output().expect("stranger"))
+    } else {
+        flagcx_adaptor::conformance::report_skip(
+            "garbage_and_strangers: other-uid probe",
+            &flagcx::AdaptorError::Unavailable {
+                vendor: flagcx::Vendor::Host,
+                reason: "switching uid needs root".into(),
+            },
+        );
+        None
+    };
+    let r1 = spawn_rank(1, 2, &id.to_string(), "bootstrap_only", &[]);
+    let (o0, o1) = (
+        finish(r0, Duration::from_secs(30)),
+        finish(r1, Duration::from_secs(30)),
+    );
+    assert_survived(&o0, "rank 0 after garbage and a stranger");
+    assert_survived(&o1, "rank 1");
+    let log = String::from_utf8_lossy(&o0.stderr);
+    assert!(
+        log.contains("refused a bootstrap connection"),
+        "not logged:\n{}",
+        text(&o0)
+    );
+    if let Some(st) = stranger {
+        let t = String::from_utf8_lossy(&st.stdout);
+        assert!(t.contains("stranger refused"), "the other uid got in:\n{t}");
+        assert!(
+            log.contains("connection from uid 65534 refused"),
+            "{}",
+            text(&o0)
+        );
+    }
+}
+
+#[test]
+#[ignore = "run as another uid by garbage_and_strangers_do_not_stop_the_job"]
+fn stranger_probe() {
+    let Ok(name) = std::env::var("FLAGCX_STRANGER_SOCKET") else {
+        return;
+    };
+    let addr = SocketAddr::from_abstract_name(name.as_bytes()).expect("name");
+    let mut s = UnixStream::connect_addr(&addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    // A syntactically valid hello frame header with garbage inside: it must be dropped before
+    // anything is read, because our uid differs.
+    let _ = s.write_all(&[1, 0, 0, 0, 4, 0, 0, 0, 1, 2, 3, 4]);
+    let mut buf = [0u8; 16];
+    match std::io::Read::read(&mut s, &mut buf) {
+        Ok(0) | Err(_) => println!("stranger refused"),
+        Ok(n) => println!("stranger got {n} bytes back"),
+    }
+}
+
+#[test]
+fn tiny_dev_shm_is_no_obstacle() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let root = is_root();
+    let unshare = Command::new("unshare").arg("--version").output().is_ok();
+    if !root || !unshare {
+        flagcx_adaptor::conformance::report_skip(
+            "tiny_dev_shm",
+            &flagcx::AdaptorError::Unavailable {
+                vendor: flagcx::Vendor::Host,
+                reason: "needs root and unshare(1) for a private mount namespace".into(),
+            },
+        );
+        return;
+    }
+    let exe = std::env::current_exe().expect("exe");
+    let id = UniqueId::random().expect("id").to_string();
+    let script = format!(
+        "mount -t tmpfs -o size=1m tmpfs /dev/shm && \
+         for r in 0 1; do FLAGCX_RANK=$r FLAGCX_LOCAL_RANK=$r FLAGCX_NRANKS=2 FLAGCX_UNIQUE_ID={id} \
+           FLAGCX_TEST_SCENARIO=lifecycle FLAGCX_VENDOR={} '{}' --exact reliability_worker --ignored --nocapture & done; \
+         wait %1 && wait %2 && df -k /dev/shm | tail -1",
+        vendor(),
+        exe.display()
+    );
+    let out = Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c", &script])
+        .output()
+        .expect("unshare");
+    let t = text(&out);
+    if !out.status.success() && t.contains("unshare failed") {
+        flagcx_adaptor::conformance::report_skip(
+            "tiny_dev_shm",
+            &flagcx::AdaptorError::Unavailable {
+                vendor: flagcx::Vendor::Host,
+                reason: "unshare is not permitted here".into(),
+            },
+        );
+        return;
+    }
+    assert!(out.status.success(), "{t}");
+    assert_eq!(t.matches("survivor ok").count(), 2, "{t}");
+}
