@@ -48,9 +48,9 @@ struct Rank {
 }
 
 impl Rank {
-    /// A buffer of exactly `len` (> 0) bytes; zero-byte messages use the raw API.
+    /// A buffer of at least one byte holding `len`.
     fn buffer(&self, len: usize) -> Arc<DeviceBuffer<Adaptor>> {
-        Arc::new(DeviceBuffer::new(&self.adaptor, len).expect("alloc"))
+        Arc::new(DeviceBuffer::new(&self.adaptor, len.max(1)).expect("alloc"))
     }
 
     fn filled(&self, dst: usize, tag: u64, len: usize) -> Arc<DeviceBuffer<Adaptor>> {
@@ -74,7 +74,8 @@ impl Rank {
         }
     }
 
-    /// One group in which this rank sends to every `to` and receives from every `from`.
+    /// One group in which this rank sends to every `to` and receives from every `from`
+    /// (`(peer, bytes)`, bytes may be 0), then checks every byte received.
     fn exchange(&self, to: &[(usize, usize)], from: &[(usize, usize)], tag: u64) {
         let me = self.comm.rank();
         let sends: Vec<_> = to
@@ -82,16 +83,20 @@ impl Rank {
             .map(|&(p, n)| (p, n, self.filled(p, tag, n)))
             .collect();
         let recvs: Vec<_> = from.iter().map(|&(p, n)| (p, n, self.buffer(n))).collect();
+        let h = self.stream.handle();
         let (sreq, rreq) = self
             .comm
             .group(|| {
+                // SAFETY: every buffer holds at least `n` bytes and outlives the waits and the
+                // stream synchronize below.
                 let s = sends
                     .iter()
-                    .map(|(p, _, b)| self.comm.send(b, *p, &self.stream))
+                    .map(|(p, n, b)| unsafe { self.comm.send_raw(b.ptr(), *n, *p, h) })
                     .collect::<Result<Vec<_>, _>>()?;
+                // SAFETY: as above.
                 let r = recvs
                     .iter()
-                    .map(|(p, _, b)| self.comm.recv(b, *p, &self.stream))
+                    .map(|(p, n, b)| unsafe { self.comm.recv_raw(b.ptr(), *n, *p, h) })
                     .collect::<Result<Vec<_>, _>>()?;
                 Ok((s, r))
             })
@@ -186,6 +191,40 @@ fn rank_worker() {
             }
         }
         "mismatch" => mismatch(&r, next, prev),
+        "stress" => {
+            // Random peers and sizes (0 to 16 MiB, log-uniform), one group per iteration;
+            // every rank derives the same plan, so sends and receives always match.
+            let iters: u64 = std::env::var("FLAGCX_STRESS_ITERS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(40);
+            let plan = |src: usize, dst: usize, it: u64| -> Option<usize> {
+                let x = splitmix(((src as u64) << 48) ^ ((dst as u64) << 32) ^ it ^ 0x5157);
+                if x % 100 >= 35 {
+                    return None;
+                }
+                let bits = (x >> 8) % 25; // up to 2^24 = 16 MiB
+                Some(if x % 10 == 0 {
+                    0
+                } else {
+                    ((x >> 16) as usize) % (1usize << bits) + 1
+                })
+            };
+            let mut ops = 0usize;
+            for it in 0..iters {
+                let to: Vec<(usize, usize)> = (0..n)
+                    .filter(|&q| q != me)
+                    .filter_map(|q| plan(me, q, it).map(|s| (q, s)))
+                    .collect();
+                let from: Vec<(usize, usize)> = (0..n)
+                    .filter(|&q| q != me)
+                    .filter_map(|q| plan(q, me, it).map(|s| (q, s)))
+                    .collect();
+                ops += to.len() + from.len();
+                r.exchange(&to, &from, 10_000 + it);
+            }
+            println!("stress: rank {me} completed {ops} operations over {iters} groups");
+        }
         other => panic!("unknown scenario {other}"),
     }
     println!(
@@ -349,7 +388,10 @@ fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) {
         );
     }
     // Echo a summary line per rank so `--nocapture` runs show the transports used.
-    for line in stdout.lines().filter(|l| l.contains("worker ok")) {
+    for line in stdout
+        .lines()
+        .filter(|l| l.contains("worker ok") || l.contains("stress:"))
+    {
         println!("{line}");
     }
 }
@@ -427,6 +469,17 @@ fn size_mismatch_fails_both_sides() {
         2,
         &vendors("FLAGCX_P2P_TEST_VENDORS"),
         "mismatch",
+        &[("FLAGCX_P2P_DISABLE", "1")],
+    );
+}
+
+#[test]
+fn stress_8_ranks_both_transports() {
+    job(8, &vendors("FLAGCX_P2P_TEST_VENDORS"), "stress", &[]);
+    job(
+        8,
+        &vendors("FLAGCX_P2P_TEST_VENDORS"),
+        "stress",
         &[("FLAGCX_P2P_DISABLE", "1")],
     );
 }

@@ -21,13 +21,17 @@ fn main() -> ExitCode {
         Some("test") => parse_vendors(&args[1..]).and_then(|v| test(&v, false)),
         Some("ci") => ci(),
         Some("bundle") => parse_vendors(&args[1..]).and_then(|v| bundle::bundle(&v)),
+        Some("soak") => soak(&args[1..]),
+        Some("fuzz") => fuzz(&args[1..]),
         _ => {
             eprintln!(
                 "usage: cargo xtask <task>\n\n\
                  tasks:\n  \
                  test [--vendor host|cuda|hip|opencl|all]   run the vendor suites (default: all buildable)\n  \
                  ci                                  fmt, clippy -D warnings, docs, then test\n  \
-                 bundle --vendor cuda                GPU test bundle under target/bundle-cuda"
+                 bundle --vendor cuda                GPU test bundle under target/bundle-cuda\n  \
+                 soak [ITERS]                        the 8-rank stress job, long form (default 2000 groups)\n  \
+                 fuzz [SECS]                         cargo-fuzz the wire decoders (default 60 s), then 50k proptest cases"
             );
             Err("no task given".into())
         }
@@ -284,6 +288,68 @@ fn print_summary(outcomes: &[Outcome]) {
             note
         );
     }
+}
+
+/// The stress job of `tests/p2p.rs` with many more iterations, both transports.
+fn soak(args: &[String]) -> Result {
+    let iters: u64 = match args.first() {
+        None => 2000,
+        Some(a) => a
+            .parse()
+            .map_err(|_| format!("soak: {a:?} is not an iteration count"))?,
+    };
+    run(
+        &format!("soak: 8 ranks, {iters} random groups per transport"),
+        cargo()
+            .args(["test", "--release", "-p", "flagcx", "--test", "p2p"])
+            .args(["stress_8_ranks_both_transports", "--", "--nocapture"])
+            .env("FLAGCX_STRESS_ITERS", iters.to_string()),
+    )
+}
+
+/// Fuzzes the wire decoders for a bounded time with cargo-fuzz (libFuzzer), then runs the
+/// decoder property tests with many cases. cargo-fuzz passes `-Z` flags; `RUSTC_BOOTSTRAP=1` lets
+/// the stable toolchain (the only one here) accept them.
+fn fuzz(args: &[String]) -> Result {
+    let secs: u64 = match args.first() {
+        None => 60,
+        Some(a) => a
+            .parse()
+            .map_err(|_| format!("fuzz: {a:?} is not a number of seconds"))?,
+    };
+    let have = cargo()
+        .args(["fuzz", "--version"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !have {
+        run(
+            "installing cargo-fuzz",
+            cargo().args(["install", "cargo-fuzz", "--locked"]),
+        )?;
+    }
+    run(
+        &format!("cargo fuzz run wire for {secs} s"),
+        cargo()
+            .current_dir(root().join("fuzz"))
+            .args(["fuzz", "run", "wire", "--"])
+            .arg(format!("-max_total_time={secs}"))
+            .env("RUSTC_BOOTSTRAP", "1"),
+    )?;
+    run(
+        "decoder property tests, 50000 cases each",
+        cargo()
+            .args([
+                "test",
+                "--release",
+                "-p",
+                "flagcx-p2p",
+                "--test",
+                "decode_props",
+            ])
+            .env("PROPTEST_CASES", "50000"),
+    )
 }
 
 fn ci() -> Result {

@@ -113,7 +113,13 @@ impl PeerInfo {
         let bus = r.str()?;
         let host_id = r.str()?;
         let pid = r.u32()?;
-        let caps = bits_caps(r.u32()?);
+        let bits = r.u32()?;
+        if bits >> 8 != 0 {
+            return Err(CommError::Protocol(format!(
+                "peer info: unknown capability bits {bits:#x}"
+            )));
+        }
+        let caps = bits_caps(bits);
         let p2p_disable = match r.u8()? {
             0 => false,
             1 => true,
@@ -198,6 +204,19 @@ mod tests {
         let mut extra = b.clone();
         extra.push(0);
         assert!(PeerInfo::decode(&extra).is_err());
+    }
+
+    #[test]
+    fn unknown_capability_bits_are_refused() {
+        // The fuzz target insists that whatever decodes re-encodes to the same bytes; bits the
+        // encoder never sets used to decode silently and broke that.
+        let mut p = info(1, Vendor::Host);
+        p.host_id = String::new();
+        p.pci_bus_id = None;
+        let mut b = p.encode();
+        let caps_at = b.len() - 5;
+        b[caps_at + 1] |= 0x02; // bit 9
+        assert!(PeerInfo::decode(&b).is_err());
     }
 
     #[test]
