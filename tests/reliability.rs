@@ -329,12 +329,79 @@ fn reliability_worker() {
             rendezvous(&comm, peer, &stream);
             println!("survivor ok: rank {me} formed the job");
         }
+        "fault" => fault_scenario(adaptor, me, peer, &before),
         "expect_bootstrap_failure" => match Comm::from_env(adaptor.clone()) {
             Err(CommError::Bootstrap(e)) => println!("survivor ok: refused: {e}"),
             other => panic!("expected a bootstrap error, got {other:?}"),
         },
         other => panic!("unknown scenario {other}"),
     }
+}
+
+/// Rank 0 sends 16 MiB to rank 1; the rank named by `FLAGCX_TEST_FAULT_RANK` fails its
+/// `FLAGCX_TEST_FAULT_OP` copy once. Both sides must report an error.
+fn fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
+    use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor, INJECTED_CODE};
+    let faulty_rank: usize = std::env::var("FLAGCX_TEST_FAULT_RANK")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let op: FaultOp = std::env::var("FLAGCX_TEST_FAULT_OP")
+        .unwrap()
+        .parse()
+        .unwrap();
+    // Only the faulty rank's calls fail; `usize::MAX` successes first means "never".
+    let after = if me == faulty_rank {
+        0
+    } else {
+        usize::MAX >> 1
+    };
+    let a = FaultyAdaptor::new(adaptor, op, after);
+    let comm = Comm::from_env(a.clone()).expect("comm");
+    let stream = Stream::new(&a).expect("stream");
+    let n = 16 << 20;
+    let buf = Arc::new(DeviceBuffer::new(&a, n).expect("alloc"));
+    if me == 0 {
+        // Only the sender fills (a receiver's h2d fault must hit the transfer, not this).
+        buf.write(0, &vec![7u8; n], &stream).expect("fill");
+    }
+    let req = if me == 0 {
+        comm.send(&buf, peer, &stream)
+    } else {
+        comm.recv(&buf, peer, &stream)
+    }
+    .expect("post");
+    let r = req.wait_timeout(Duration::from_secs(20));
+    let local = me == faulty_rank;
+    match (&r, local) {
+        (Err(CommError::Adaptor(flagcx::AdaptorError::Vendor { code, .. })), true)
+            if *code == INJECTED_CODE => {}
+        (Err(CommError::RemoteFailure { .. }), false) => {}
+        _ => panic!(
+            "rank {me} ({}): unexpected outcome {r:?}",
+            if local { "faulty" } else { "healthy" }
+        ),
+    }
+    assert!(!local || a.fired(), "the fault never fired");
+    // The pair is retired on the faulty side: a later operation fails at once.
+    if local {
+        let again = if me == 0 {
+            comm.send(&buf, peer, &stream)
+        } else {
+            comm.recv(&buf, peer, &stream)
+        };
+        let again = again.and_then(|q| q.wait_timeout(Duration::from_secs(5)));
+        assert!(
+            matches!(again, Err(CommError::PeerLost { .. })),
+            "after a fault: {again:?}"
+        );
+    }
+    stream
+        .synchronize()
+        .expect("the caller's stream was released");
+    drop((comm, stream, buf));
+    assert_no_leaks(before, "fault");
+    println!("survivor ok: rank {me} saw {}", r.unwrap_err());
 }
 
 // ---- the tests --------------------------------------------------------------------------------
@@ -413,6 +480,37 @@ fn communicators_leave_no_fds_mappings_threads_or_files() {
     let (r0, r1) = pair("lifecycle", &[]);
     assert_survived(&r0, "rank 0 lifecycle");
     assert_survived(&r1, "rank 1 lifecycle");
+}
+
+fn fault_pair(op: &str, faulty_rank: &str, staged: bool) {
+    if skip_unless_vendor() {
+        return;
+    }
+    let mut env = vec![
+        ("FLAGCX_TEST_FAULT_OP", op),
+        ("FLAGCX_TEST_FAULT_RANK", faulty_rank),
+    ];
+    if staged {
+        env.push(("FLAGCX_P2P_DISABLE", "1"));
+    }
+    let (r0, r1) = pair("fault", &env);
+    assert_survived(&r0, &format!("rank 0, {op} fault on rank {faulty_rank}"));
+    assert_survived(&r1, &format!("rank 1, {op} fault on rank {faulty_rank}"));
+}
+
+#[test]
+fn failed_copy_on_the_sender_errors_both_sides_ipc() {
+    fault_pair("d2d", "0", false);
+}
+
+#[test]
+fn failed_copy_on_the_sender_errors_both_sides_staged() {
+    fault_pair("d2h", "0", true);
+}
+
+#[test]
+fn failed_copy_on_the_receiver_errors_both_sides_staged() {
+    fault_pair("h2d", "1", true);
 }
 
 #[test]

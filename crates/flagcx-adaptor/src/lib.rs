@@ -27,6 +27,8 @@ mod types;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
+#[cfg(feature = "conformance")]
+pub mod testing;
 
 pub use adaptor::{DeviceAdaptor, HostFn};
 pub use error::{AdaptorError, Result};

@@ -10,6 +10,7 @@
 //! | `head` | receiver | staged chunks drained from the ring (slots free again) |
 //! | `send_posted` | sender | sends answered (descriptor `i` = size, status) |
 //! | `tail` | sender | staged chunks written into the ring |
+//! | `send_fault`, `recv_fault` | each side | `i + 1` when that side of message `i` failed (a vendor error): the other side fails the message too instead of waiting |
 //!
 //! Every counter only grows; a descriptor is written before its counter is published with
 //! release ordering and read after an acquire load, so each ring is a plain SPSC queue.
@@ -50,6 +51,10 @@ pub enum Counter {
     SendPosted = 192,
     /// See the module table.
     Tail = 256,
+    /// Sender: `i + 1` when its side of message `i` failed locally (the pair is then retired).
+    SendFault = 320,
+    /// Receiver: `i + 1` when its side of message `i` failed locally.
+    RecvFault = 384,
 }
 
 /// What a receiver announces for one receive.

@@ -404,7 +404,21 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 };
                 let r = match r {
                     Ok(pr) => pr,
-                    Err(e) => Progress::Done(Err(e)),
+                    Err(e) => {
+                        // A local failure mid-message: tell the peer (so its side fails instead
+                        // of waiting), settle our own in-flight copies, and retire the pair —
+                        // its counters no longer agree with the peer's.
+                        self.abandon_chunks(p, dir);
+                        if let Some(c) = self.peers[p].as_mut() {
+                            let (ch, counter) = match dir {
+                                Dir::Send => (&c.out, Counter::SendFault),
+                                Dir::Recv => (&c.inc, Counter::RecvFault),
+                            };
+                            ch.store(counter, step.index + 1);
+                            c.lost = Some(format!("a local {dir:?} failed: {e}"));
+                        }
+                        Progress::Done(Err(e))
+                    }
                 };
                 match r {
                     Progress::Done(res) => {
@@ -484,6 +498,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
         let conn = self.peers[p].as_mut().expect("checked by caller");
         match step.phase {
             Phase::AwaitRecvDesc => {
+                if conn.out.load(Counter::RecvFault) > step.index {
+                    return Err(remote_failure(p));
+                }
                 if conn.out.load(Counter::RecvPosted) <= step.index {
                     return Ok(Progress::Idle);
                 }
@@ -541,6 +558,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 ref mut issued,
                 ref mut started,
             } => {
+                if conn.out.load(Counter::RecvFault) > step.index {
+                    return Err(remote_failure(p));
+                }
                 let mut moved = false;
                 let slots = conn.out.geometry().slots as u64;
                 while *issued < total && conn.tail_issued - conn.out.load(Counter::Head) < slots {
@@ -670,6 +690,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 Ok(Progress::Moved)
             }
             Phase::AwaitSendDesc => {
+                if conn.inc.load(Counter::SendFault) > step.index {
+                    return Err(remote_failure(p));
+                }
                 if conn.inc.load(Counter::SendPosted) <= step.index {
                     return Ok(Progress::Idle);
                 }
@@ -709,6 +732,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 ref mut issued,
                 ref mut started,
             } => {
+                if conn.inc.load(Counter::SendFault) > step.index {
+                    return Err(remote_failure(p));
+                }
                 let mut moved = false;
                 while *issued < total && conn.head_issued < conn.inc.load(Counter::Tail) {
                     if !*started {
@@ -819,6 +845,13 @@ impl<A: DeviceAdaptor> Proxy<A> {
         }
         let _ = self.adaptor.stream_destroy(self.send_stream);
         let _ = self.adaptor.stream_destroy(self.recv_stream);
+    }
+}
+
+fn remote_failure(peer: usize) -> CommError {
+    CommError::RemoteFailure {
+        peer,
+        reason: "its side of the operation failed (a runtime error)".into(),
     }
 }
 

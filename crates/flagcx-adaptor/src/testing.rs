@@ -1,0 +1,267 @@
+//! Test-only adaptor wrappers (feature `conformance`).
+//!
+//! [`FaultyAdaptor`] wraps any adaptor and makes one chosen kind of call fail, once, after a
+//! number of successes — the way a real runtime fails mid-transfer (an ECC error, a lost
+//! device). Tests use it to prove that failures surface as errors on both sides of a transfer
+//! and never as silent corruption.
+
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::Arc;
+
+use crate::{
+    AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceProperties, DevicePtr,
+    EventHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor, WaitCondition,
+};
+
+/// Which calls a [`FaultyAdaptor`] fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultOp {
+    /// `memcpy_h2d_async`.
+    CopyH2D,
+    /// `memcpy_d2h_async`.
+    CopyD2H,
+    /// `memcpy_d2d_async`.
+    CopyD2D,
+}
+
+impl std::str::FromStr for FaultOp {
+    type Err = AdaptorError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "h2d" => Ok(FaultOp::CopyH2D),
+            "d2h" => Ok(FaultOp::CopyD2H),
+            "d2d" => Ok(FaultOp::CopyD2D),
+            _ => Err(AdaptorError::invalid(
+                "FaultOp",
+                format!("{s:?}: expected h2d, d2h or d2d"),
+            )),
+        }
+    }
+}
+
+/// The vendor code an injected failure carries.
+pub const INJECTED_CODE: i64 = -999;
+
+/// An adaptor whose `op` calls fail once after `after` successes; everything else passes through.
+#[derive(Debug, Clone)]
+pub struct FaultyAdaptor<A: DeviceAdaptor> {
+    inner: A,
+    op: FaultOp,
+    left: Arc<AtomicIsize>,
+}
+
+impl<A: DeviceAdaptor> FaultyAdaptor<A> {
+    /// Wraps `inner`; the `after + 1`-th `op` call fails.
+    pub fn new(inner: A, op: FaultOp, after: usize) -> Self {
+        FaultyAdaptor {
+            inner,
+            op,
+            left: Arc::new(AtomicIsize::new(after as isize)),
+        }
+    }
+
+    /// Whether the fault has fired.
+    pub fn fired(&self) -> bool {
+        self.left.load(Ordering::Acquire) < 0
+    }
+
+    fn check(&self, op: FaultOp, name: &'static str) -> Result<()> {
+        if op == self.op && self.left.fetch_sub(1, Ordering::AcqRel) == 0 {
+            return Err(AdaptorError::Vendor {
+                vendor: self.inner.vendor(),
+                op: name,
+                code: INJECTED_CODE,
+                name: "INJECTED_FAULT".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
+    fn vendor(&self) -> Vendor {
+        self.inner.vendor()
+    }
+    fn device(&self) -> usize {
+        self.inner.device()
+    }
+    fn device_count(&self) -> Result<usize> {
+        self.inner.device_count()
+    }
+    fn properties(&self, index: usize) -> Result<DeviceProperties> {
+        self.inner.properties(index)
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn mem_alloc(&self, size: usize) -> Result<DevicePtr> {
+        self.inner.mem_alloc(size)
+    }
+    fn mem_alloc_shareable(&self, size: usize) -> Result<DevicePtr> {
+        self.inner.mem_alloc_shareable(size)
+    }
+    unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.mem_free(ptr) }
+    }
+    fn mem_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+        self.inner.mem_get_range(ptr)
+    }
+    fn host_alloc(&self, size: usize) -> Result<*mut u8> {
+        self.inner.host_alloc(size)
+    }
+    unsafe fn host_free(&self, ptr: *mut u8) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.host_free(ptr) }
+    }
+    unsafe fn host_register(&self, ptr: *mut u8, size: usize) -> Result<DevicePtr> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.host_register(ptr, size) }
+    }
+    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.host_unregister(ptr) }
+    }
+    unsafe fn memcpy_h2d_async(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        self.check(FaultOp::CopyH2D, "memcpy_h2d_async")?;
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.memcpy_h2d_async(dst, src, n, stream) }
+    }
+    unsafe fn memcpy_d2h_async(
+        &self,
+        dst: *mut u8,
+        src: DevicePtr,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        self.check(FaultOp::CopyD2H, "memcpy_d2h_async")?;
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.memcpy_d2h_async(dst, src, n, stream) }
+    }
+    unsafe fn memcpy_d2d_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        self.check(FaultOp::CopyD2D, "memcpy_d2d_async")?;
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.memcpy_d2d_async(dst, src, n, stream) }
+    }
+    unsafe fn memset_async(
+        &self,
+        dst: DevicePtr,
+        value: u8,
+        n: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.memset_async(dst, value, n, stream) }
+    }
+    fn stream_create(&self) -> Result<StreamHandle> {
+        self.inner.stream_create()
+    }
+    fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
+        self.inner.stream_destroy(stream)
+    }
+    fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
+        self.inner.stream_synchronize(stream)
+    }
+    fn stream_query(&self, stream: StreamHandle) -> Result<bool> {
+        self.inner.stream_query(stream)
+    }
+    fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
+        self.inner.stream_wait_event(stream, event)
+    }
+    fn event_create(&self, timing: bool) -> Result<EventHandle> {
+        self.inner.event_create(timing)
+    }
+    fn event_destroy(&self, event: EventHandle) -> Result<()> {
+        self.inner.event_destroy(event)
+    }
+    fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
+        self.inner.event_record(event, stream)
+    }
+    fn event_query(&self, event: EventHandle) -> Result<bool> {
+        self.inner.event_query(event)
+    }
+    fn event_synchronize(&self, event: EventHandle) -> Result<()> {
+        self.inner.event_synchronize(event)
+    }
+    fn event_elapsed_ms(&self, start: EventHandle, end: EventHandle) -> Result<f32> {
+        self.inner.event_elapsed_ms(start, end)
+    }
+    fn ipc_get_handle(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
+        self.inner.ipc_get_handle(ptr)
+    }
+    fn ipc_open_handle(&self, handle: &IpcMemHandle) -> Result<DevicePtr> {
+        self.inner.ipc_open_handle(handle)
+    }
+    fn ipc_export_fd(&self, ptr: DevicePtr) -> Result<IpcFdHandle> {
+        self.inner.ipc_export_fd(ptr)
+    }
+    fn ipc_import_fd(&self, handle: &IpcFdHandle) -> Result<DevicePtr> {
+        self.inner.ipc_import_fd(handle)
+    }
+    unsafe fn ipc_close(&self, ptr: DevicePtr) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.ipc_close(ptr) }
+    }
+    fn can_access_peer(&self, peer: usize) -> Result<bool> {
+        self.inner.can_access_peer(peer)
+    }
+    fn enable_peer_access(&self, peer: usize) -> Result<()> {
+        self.inner.enable_peer_access(peer)
+    }
+    fn exchange_capture_mode(&self, mode: CaptureMode) -> Result<CaptureMode> {
+        self.inner.exchange_capture_mode(mode)
+    }
+    fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()> {
+        self.inner.launch_host_func(stream, f)
+    }
+    unsafe fn stream_wait_value32(
+        &self,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u32,
+        cond: WaitCondition,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.stream_wait_value32(stream, addr, value, cond) }
+    }
+    unsafe fn stream_wait_value64(
+        &self,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u64,
+        cond: WaitCondition,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.stream_wait_value64(stream, addr, value, cond) }
+    }
+    unsafe fn stream_write_value32(
+        &self,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u32,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.stream_write_value32(stream, addr, value) }
+    }
+    unsafe fn stream_write_value64(
+        &self,
+        stream: StreamHandle,
+        addr: DevicePtr,
+        value: u64,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.stream_write_value64(stream, addr, value) }
+    }
+}
