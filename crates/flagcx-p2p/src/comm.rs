@@ -376,6 +376,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             start,
             slot: slot.clone(),
             keep,
+            posted: std::time::Instant::now(),
         };
         let mut g = lock(&self.group);
         match g.as_mut() {

@@ -90,6 +90,8 @@ pub(crate) struct Op {
     pub slot: Arc<Slot>,
     /// Keeps a safe API caller's buffer alive until the operation finishes.
     pub keep: Option<Box<dyn std::any::Any + Send>>,
+    /// When the API thread posted it (for `FLAGCX_PROFILE`).
+    pub posted: Instant,
 }
 
 /// State shared between the API side and the proxy thread.
@@ -205,6 +207,49 @@ struct Step {
     phase: Phase,
     /// When the step last made progress (for `FLAGCX_TIMEOUT_MS`).
     progressed: Instant,
+    /// When it was admitted, and when it matched its peer (a send saw the receive
+    /// descriptor; a receive announced itself) — for `FLAGCX_PROFILE`.
+    admitted: Instant,
+    matched: Option<Instant>,
+}
+
+/// Where operations spend their time, per direction (`FLAGCX_PROFILE=1` prints it at teardown).
+#[derive(Default)]
+struct Profile {
+    /// Per direction: count, post→admit, admit→matched, matched→done (seconds).
+    dirs: [(u64, f64, f64, f64); 2],
+}
+
+impl Profile {
+    fn add(&mut self, dir: Dir, posted: Instant, admitted: Instant, matched: Option<Instant>) {
+        let now = Instant::now();
+        let m = matched.unwrap_or(now);
+        let d = &mut self.dirs[dir as usize];
+        d.0 += 1;
+        d.1 += admitted.duration_since(posted).as_secs_f64();
+        d.2 += m.duration_since(admitted).as_secs_f64();
+        d.3 += now.duration_since(m).as_secs_f64();
+    }
+
+    fn report(&self, rank: usize) {
+        for (dir, (n, a, b, c)) in ["send", "recv"].iter().zip(self.dirs) {
+            if n == 0 {
+                continue;
+            }
+            let us = |x: f64| x / n as f64 * 1e6;
+            let (match_what, rest_what) = if *dir == "send" {
+                ("waiting for the receive descriptor", "copy and answer")
+            } else {
+                ("waiting for the caller's stream, then announcing", "waiting for the sender")
+            };
+            eprintln!(
+                "flagcx profile rank {rank}: {n} {dir}s, mean µs: post→proxy {:.1}, {match_what} {:.1}, {rest_what} {:.1}",
+                us(a),
+                us(b),
+                us(c)
+            );
+        }
+    }
 }
 
 enum Phase {
@@ -235,6 +280,7 @@ pub(crate) struct Proxy<A: DeviceAdaptor> {
     pub chunk: usize,
     timeout: Option<Duration>,
     health_interval: Duration,
+    profile: Option<Profile>,
     free_events: Vec<EventHandle>,
     ipc_cache: HashMap<[u8; IpcMemHandle::WIRE_LEN], DevicePtr>,
     finished: BTreeSet<u64>,
@@ -268,6 +314,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
             chunk: config.chunksize,
             timeout: config.timeout,
             health_interval: config.health_interval,
+            profile: std::env::var_os("FLAGCX_PROFILE").map(|_| Profile::default()),
             free_events: Vec::new(),
             ipc_cache: HashMap::new(),
             finished: BTreeSet::new(),
@@ -345,6 +392,8 @@ impl<A: DeviceAdaptor> Proxy<A> {
             index,
             phase,
             progressed: Instant::now(),
+            admitted: Instant::now(),
+            matched: None,
         };
         match step.op.dir {
             Dir::Send => conn.sends.push_back(step),
@@ -423,6 +472,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 match r {
                     Progress::Done(res) => {
                         moved = true;
+                        if let (Some(pr), true) = (self.profile.as_mut(), res.is_ok()) {
+                            pr.add(dir, step.op.posted, step.admitted, step.matched);
+                        }
                         self.finish(step.op, res);
                     }
                     Progress::Moved => {
@@ -505,6 +557,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     return Ok(Progress::Idle);
                 }
                 let desc = conn.out.read_recv_desc(step.index)?;
+                step.matched = Some(Instant::now());
                 let bytes = step.op.bytes;
                 if bytes as u64 > desc.size {
                     answer(&conn.out, step.index, bytes, STATUS_SIZE_MISMATCH);
@@ -686,6 +739,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 let conn = self.peers[p].as_mut().expect("present");
                 conn.inc.write_recv_desc(step.index, &desc);
                 conn.inc.store(Counter::RecvPosted, step.index + 1);
+                step.matched = Some(Instant::now());
                 step.phase = Phase::AwaitSendDesc;
                 Ok(Progress::Moved)
             }
@@ -809,6 +863,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
     }
 
     fn teardown(mut self) {
+        if let Some(p) = &self.profile {
+            p.report(self.boot.rank());
+        }
         let aborted = self.shared.aborted.load(Ordering::Acquire);
         if aborted {
             tracing::warn!("communicator aborted: failing every pending operation");
