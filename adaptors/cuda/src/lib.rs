@@ -39,8 +39,10 @@ const VENDOR: Vendor = Vendor::Cuda;
 /// What a tracked device-visible range is, which decides how it is released.
 #[derive(Debug, Clone, Copy)]
 enum Mem {
-    /// `cuMemAlloc`: byte-form IPC exportable.
-    Plain,
+    /// `cuMemAlloc`: byte-form IPC exportable. The handle is cached once exported: the
+    /// transports export the same buffer for every receive, and an importer caches mappings by
+    /// handle bytes. Freeing the allocation drops the cache with it.
+    Plain { handle: Option<[u8; IPC_HANDLE_BYTES]> },
     /// `cuMemCreate` + reserve + map: fd-form IPC exportable.
     Vmm { handle: u64 },
     /// Opened with `cuIpcOpenMemHandle`.
@@ -426,7 +428,7 @@ impl Drop for Inner {
             }
             for (base, len, kind) in lock(&self.mem).drain() {
                 match kind {
-                    Mem::Plain => {
+                    Mem::Plain { .. } => {
                         sys::cuMemFree_v2(base);
                     }
                     Mem::IpcLegacy => {
@@ -539,7 +541,7 @@ impl DeviceAdaptor for CudaAdaptor {
         if r != CUresult::CUDA_SUCCESS {
             return Err(self.oom_or(OP, r, size));
         }
-        lock(&self.inner.mem).insert(OP, p, size, Mem::Plain)?;
+        lock(&self.inner.mem).insert(OP, p, size, Mem::Plain { handle: None })?;
         Ok(DevicePtr(p))
     }
 
@@ -579,11 +581,11 @@ impl DeviceAdaptor for CudaAdaptor {
     unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
         const OP: &str = "mem_free";
         let (len, kind) = lock(&self.inner.mem)
-            .remove_if(OP, ptr.0, |k| matches!(k, Mem::Plain | Mem::Vmm { .. }))?;
+            .remove_if(OP, ptr.0, |k| matches!(k, Mem::Plain { .. } | Mem::Vmm { .. }))?;
         self.bind()?;
         match kind {
             // SAFETY: our allocation; the caller guarantees no work still uses it.
-            Mem::Plain => check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr.0) }),
+            Mem::Plain { .. } => check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr.0) }),
             // SAFETY: as above.
             Mem::Vmm { handle } => unsafe { self.unmap_vmm(ptr.0, len, handle) },
             _ => unreachable!("filtered by remove_if"),
@@ -873,7 +875,13 @@ impl DeviceAdaptor for CudaAdaptor {
     fn ipc_get_handle(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
         const OP: &str = "cuIpcGetMemHandle";
         let base = match lock(&self.inner.mem).find(ptr.0) {
-            Some((base, _, Mem::Plain)) if !ptr.is_null() => base,
+            Some((_, _, Mem::Plain { handle: Some(h) })) if !ptr.is_null() => {
+                return Ok(IpcMemHandle {
+                    vendor: VENDOR,
+                    bytes: *h,
+                })
+            }
+            Some((base, _, Mem::Plain { handle: None })) if !ptr.is_null() => base,
             Some(_) if !ptr.is_null() => {
                 return Err(AdaptorError::invalid(
                     OP,
@@ -897,6 +905,11 @@ impl DeviceAdaptor for CudaAdaptor {
         let mut bytes = [0u8; IPC_HANDLE_BYTES];
         for (b, c) in bytes.iter_mut().zip(h.reserved.iter()) {
             *b = *c as u8;
+        }
+        if let Some((b, _, Mem::Plain { handle })) = lock(&self.inner.mem).find_mut(base) {
+            if b == base {
+                *handle = Some(bytes);
+            }
         }
         Ok(IpcMemHandle {
             vendor: VENDOR,

@@ -67,7 +67,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 #[derive(Debug, Clone, Copy)]
 enum Mem {
-    Plain,
+    /// `hipMalloc` memory; its IPC handle is cached once exported (dropped with the allocation).
+    Plain { handle: Option<[u8; IPC_HANDLE_BYTES]> },
     Vmm { handle: u64 },
     IpcLegacy,
     IpcVmm { handle: u64 },
@@ -365,7 +366,7 @@ impl Drop for Inner {
             for (base, len, kind) in lock(&self.mem).drain() {
                 let p = base as *mut c_void;
                 match kind {
-                    Mem::Plain => {
+                    Mem::Plain { .. } => {
                         ffi::hipFree(p);
                     }
                     Mem::IpcLegacy => {
@@ -463,7 +464,7 @@ impl DeviceAdaptor for HipAdaptor {
         if r != ffi::SUCCESS {
             return Err(self.oom_or(OP, r, size));
         }
-        lock(&self.inner.mem).insert(OP, p as u64, size, Mem::Plain)?;
+        lock(&self.inner.mem).insert(OP, p as u64, size, Mem::Plain { handle: None })?;
         Ok(DevicePtr(p as u64))
     }
 
@@ -501,12 +502,12 @@ impl DeviceAdaptor for HipAdaptor {
 
     unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
         let (len, kind) = lock(&self.inner.mem).remove_if("mem_free", ptr.0, |k| {
-            matches!(k, Mem::Plain | Mem::Vmm { .. })
+            matches!(k, Mem::Plain { .. } | Mem::Vmm { .. })
         })?;
         self.bind()?;
         match kind {
             // SAFETY: our allocation; the caller guarantees it is unused.
-            Mem::Plain => check("hipFree", unsafe { ffi::hipFree(ptr.0 as *mut c_void) }),
+            Mem::Plain { .. } => check("hipFree", unsafe { ffi::hipFree(ptr.0 as *mut c_void) }),
             // SAFETY: as above.
             Mem::Vmm { handle } => unsafe { self.unmap_vmm(ptr.0, len, handle) },
             _ => unreachable!("filtered by remove_if"),
@@ -776,7 +777,13 @@ impl DeviceAdaptor for HipAdaptor {
     fn ipc_get_handle(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
         const OP: &str = "hipIpcGetMemHandle";
         let base = match lock(&self.inner.mem).find(ptr.0) {
-            Some((base, _, Mem::Plain)) if !ptr.is_null() => base,
+            Some((_, _, Mem::Plain { handle: Some(h) })) if !ptr.is_null() => {
+                return Ok(IpcMemHandle {
+                    vendor: VENDOR,
+                    bytes: *h,
+                })
+            }
+            Some((base, _, Mem::Plain { handle: None })) if !ptr.is_null() => base,
             Some(_) if !ptr.is_null() => {
                 return Err(AdaptorError::invalid(
                     OP,
@@ -800,6 +807,11 @@ impl DeviceAdaptor for HipAdaptor {
         let mut bytes = [0u8; IPC_HANDLE_BYTES];
         for (b, c) in bytes.iter_mut().zip(h.reserved.iter()) {
             *b = *c as u8;
+        }
+        if let Some((b, _, Mem::Plain { handle })) = lock(&self.inner.mem).find_mut(base) {
+            if b == base {
+                *handle = Some(bytes);
+            }
         }
         Ok(IpcMemHandle {
             vendor: VENDOR,

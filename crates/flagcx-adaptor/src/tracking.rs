@@ -89,6 +89,12 @@ impl<T> RangeMap<T> {
         (addr - base < *len as u64).then_some((base, *len, v))
     }
 
+    /// The range containing `addr`, with its value mutable.
+    pub fn find_mut(&mut self, addr: u64) -> Option<(u64, usize, &mut T)> {
+        let (&base, (len, v)) = self.ranges.range_mut(..=addr).next_back()?;
+        (addr - base < *len as u64).then_some((base, *len, v))
+    }
+
     /// `Ok` when `[addr, addr+n)` lies inside one range; a typed error naming `op` otherwise.
     pub fn check(&self, op: &'static str, addr: u64, n: usize) -> Result<(u64, &T)> {
         if addr == 0 {

@@ -10,7 +10,7 @@ use flagcx_adaptor::{DeviceAdaptor, DeviceBuffer, DevicePtr, Stream, StreamHandl
 
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::channel::{Channel, Geometry};
-use crate::config::{Config, RankEnv};
+use crate::config::{Config, RankEnv, StreamJoin};
 use crate::error::{CommError, Result};
 use crate::peer::{choose_transport, PeerInfo, TransportKind};
 use crate::proxy::{lock, Dir, Op, PeerConn, Proxy, Shared, Slot};
@@ -109,6 +109,17 @@ impl<A: DeviceAdaptor> Comm<A> {
         config: Config,
     ) -> Result<Self> {
         config.validate()?;
+        let caps = adaptor.capabilities();
+        if config.join == StreamJoin::MemOp && !(caps.stream_mem_ops && caps.host_register) {
+            return Err(CommError::config(
+                "FLAGCX_STREAM_JOIN",
+                "memop",
+                format!(
+                    "{} has no stream memory operations on registered memory",
+                    adaptor.vendor()
+                ),
+            ));
+        }
         let boot = Arc::new(Bootstrap::connect(rank, nranks, id, &config)?);
         let me = PeerInfo::local(rank, &adaptor, &config)?;
         let infos = boot
@@ -409,10 +420,14 @@ impl<A: DeviceAdaptor> Comm<A> {
 
     /// Makes `stream` wait until operation `seq` (and all before it) finished.
     fn join_stream(&self, stream: StreamHandle, seq: u64) -> Result<()> {
+        let join = self.config.join;
+        if join == StreamJoin::None {
+            return Ok(());
+        }
         lock(&self.joined).insert(stream.0, ());
         let caps = self.adaptor.capabilities();
         match self.page.device {
-            Some(word) if caps.stream_mem_ops => {
+            Some(word) if caps.stream_mem_ops && join != StreamJoin::HostFn => {
                 // SAFETY: the word lives in the registered watermark page, which outlives every
                 // stream wait (Drop releases and synchronizes joined streams before unmapping).
                 unsafe {

@@ -6,6 +6,22 @@ use std::time::Duration;
 use crate::bootstrap::UniqueId;
 use crate::error::{CommError, Result};
 
+/// How a caller's stream waits for the operations posted on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamJoin {
+    /// Stream memory operations where the vendor has them, else host functions.
+    Auto,
+    /// A stream wait-value on the communicator's completion word (fast trigger).
+    MemOp,
+    /// A host function that blocks the stream until the operation finished (slow trigger).
+    HostFn,
+    /// No join: later work on the stream is *not* ordered after the operation; callers order
+    /// it themselves with [`crate::Request::wait`]. Useful where the stream is synchronized on
+    /// the host anyway, and where a stream parked on a wait would cost GPU time-slicing (two
+    /// processes on one GPU without MPS).
+    None,
+}
+
 /// Tunables of a communicator. [`Config::from_env`] reads them from `FLAGCX_*` variables.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -20,6 +36,8 @@ pub struct Config {
     /// Fail an operation that makes no progress for this long (`FLAGCX_TIMEOUT_MS`; unset or 0:
     /// never). The pair is then unusable: its later operations fail at once.
     pub timeout: Option<Duration>,
+    /// How callers' streams wait for operations (`FLAGCX_STREAM_JOIN=auto|memop|hostfn|none`).
+    pub join: StreamJoin,
     /// How often the proxy checks, while it has work, whether peers hung up
     /// (`FLAGCX_HEALTH_INTERVAL_MS`, default 10 ms): a dead peer is noticed within this.
     pub health_interval: Duration,
@@ -38,6 +56,7 @@ impl Default for Config {
             buffsize: DEFAULT_BUFFSIZE,
             chunksize: DEFAULT_CHUNKSIZE,
             timeout: None,
+            join: StreamJoin::Auto,
             health_interval: Duration::from_millis(10),
         }
     }
@@ -101,6 +120,21 @@ impl Config {
         if let Some(v) = var("FLAGCX_TIMEOUT_MS") {
             let ms = parse_usize("FLAGCX_TIMEOUT_MS", &v)? as u64;
             c.timeout = (ms > 0).then(|| Duration::from_millis(ms));
+        }
+        if let Some(v) = var("FLAGCX_STREAM_JOIN") {
+            c.join = match v.trim().to_ascii_lowercase().as_str() {
+                "auto" => StreamJoin::Auto,
+                "memop" => StreamJoin::MemOp,
+                "hostfn" => StreamJoin::HostFn,
+                "none" => StreamJoin::None,
+                _ => {
+                    return Err(CommError::config(
+                        "FLAGCX_STREAM_JOIN",
+                        &v,
+                        "expected auto, memop, hostfn or none",
+                    ))
+                }
+            };
         }
         if let Some(v) = var("FLAGCX_HEALTH_INTERVAL_MS") {
             let ms = parse_usize("FLAGCX_HEALTH_INTERVAL_MS", &v)? as u64;

@@ -218,6 +218,8 @@ struct Step {
 struct Profile {
     /// Per direction: count, post→admit, admit→matched, matched→done (seconds).
     dirs: [(u64, f64, f64, f64); 2],
+    /// IPC handles opened (cache misses).
+    ipc_opens: u64,
 }
 
 impl Profile {
@@ -232,6 +234,7 @@ impl Profile {
     }
 
     fn report(&self, rank: usize) {
+        eprintln!("flagcx profile rank {rank}: {} IPC handle opens", self.ipc_opens);
         for (dir, (n, a, b, c)) in ["send", "recv"].iter().zip(self.dirs) {
             if n == 0 {
                 continue;
@@ -618,8 +621,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 let slots = conn.out.geometry().slots as u64;
                 while *issued < total && conn.tail_issued - conn.out.load(Counter::Head) < slots {
                     if !*started {
-                        self.adaptor
-                            .stream_wait_event(self.send_stream, step.op.start)?;
+                        order_after(&self.adaptor, self.send_stream, step.op.start)?;
                         *started = true;
                     }
                     let len = chunk.min(total - *issued);
@@ -678,12 +680,14 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     self.flush_ipc_cache();
                 }
                 let b = self.adaptor.ipc_open_handle(&handle)?;
+                if let Some(p) = self.profile.as_mut() {
+                    p.ipc_opens += 1;
+                }
                 self.ipc_cache.insert(key, b);
                 b
             }
         };
-        self.adaptor
-            .stream_wait_event(self.send_stream, step.op.start)?;
+        order_after(&self.adaptor, self.send_stream, step.op.start)?;
         let dst = DevicePtr(base.0 + desc.offset);
         // SAFETY: `dst..dst+bytes` lies in the receiver's buffer (it announced `desc.size >=
         // bytes` at `offset` of that allocation, which it keeps until we answer); `src` is the
@@ -792,8 +796,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 let mut moved = false;
                 while *issued < total && conn.head_issued < conn.inc.load(Counter::Tail) {
                     if !*started {
-                        self.adaptor
-                            .stream_wait_event(self.recv_stream, step.op.start)?;
+                        order_after(&self.adaptor, self.recv_stream, step.op.start)?;
                         *started = true;
                     }
                     let len = chunk.min(total - *issued);
@@ -903,6 +906,15 @@ impl<A: DeviceAdaptor> Proxy<A> {
         let _ = self.adaptor.stream_destroy(self.send_stream);
         let _ = self.adaptor.stream_destroy(self.recv_stream);
     }
+}
+
+/// Orders later work on `stream` after the caller's `start` event. When the event has already
+/// completed (the usual case by the time a peer matched), no device-side wait is enqueued.
+fn order_after<A: DeviceAdaptor>(a: &A, stream: StreamHandle, start: EventHandle) -> Result<()> {
+    if !a.event_query(start)? {
+        a.stream_wait_event(stream, start)?;
+    }
+    Ok(())
 }
 
 fn remote_failure(peer: usize) -> CommError {
