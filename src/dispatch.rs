@@ -315,6 +315,10 @@ impl DeviceAdaptor for Adaptor {
         // SAFETY: forwarded contract.
         each!(self, a => unsafe { a.stream_write_value32(stream, addr, value) })
     }
+    unsafe fn host_write_value32(&self, host: *mut u32, value: u32) {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.host_write_value32(host, value) })
+    }
     unsafe fn stream_write_value64(
         &self,
         stream: StreamHandle,

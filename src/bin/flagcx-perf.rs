@@ -40,7 +40,8 @@ struct Opts {
     plot: Option<String>,
 }
 
-const USAGE: &str = "usage: flagcx-perf [-t sendrecv|pingpong|pairs] [-b MIN] [-e MAX] [-f FACTOR] \
+const USAGE: &str =
+    "usage: flagcx-perf [-t sendrecv|pingpong|pairs] [-b MIN] [-e MAX] [-f FACTOR] \
 [-n ITERS] [-w WARMUP] [-c] [-N RANKS] [--vendor V | --vendors A,B] [--transport ipc|staged|auto] \
 [--json] [--plot FILE.svg]";
 
@@ -61,7 +62,11 @@ fn parse(args: &[String]) -> Result<Opts, Error> {
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        let mut val = || it.next().cloned().ok_or_else(|| format!("{a} needs a value"));
+        let mut val = || {
+            it.next()
+                .cloned()
+                .ok_or_else(|| format!("{a} needs a value"))
+        };
         match a.as_str() {
             "-t" => o.test = val()?,
             "-b" => o.min = parse_size("-b", &val()?)?,
@@ -157,10 +162,16 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
     if o.test == "pingpong" && n != 2 {
         return Err("pingpong needs exactly two ranks (-N 2)".into());
     }
-    let transports: Vec<TransportKind> = (0..n).filter(|&q| q != me).filter_map(|q| comm.transport(q)).collect();
+    let transports: Vec<TransportKind> = (0..n)
+        .filter(|&q| q != me)
+        .filter_map(|q| comm.transport(q))
+        .collect();
     let kind = transports[0];
     if o.transport == "ipc" && transports.iter().any(|t| *t != TransportKind::Ipc) {
-        return Err("--transport ipc: some pair cannot use IPC (different vendors or no IPC handles)".into());
+        return Err(
+            "--transport ipc: some pair cannot use IPC (different vendors or no IPC handles)"
+                .into(),
+        );
     }
     // First transfer (a zero-byte ring), to report setup time.
     barrier(&comm, &stream, next, prev)?;
@@ -208,7 +219,11 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             .iter()
             .map(|_| DeviceBuffer::new(&adaptor, size).map(Arc::new))
             .collect::<Result<_, _>>()?;
-        let (ceil_us, ceil_bw) = if me == 0 { ceiling(&adaptor, &stream, kind, size, o)? } else { (0.0, 0.0) };
+        let (ceil_us, ceil_bw) = if me == 0 {
+            ceiling(&adaptor, &stream, kind, size, o)?
+        } else {
+            (0.0, 0.0)
+        };
         barrier(&comm, &stream, next, prev)?;
         let mut start = Instant::now();
         for i in 0..o.warmup + o.iters {
@@ -252,7 +267,11 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
                 b.read(0, &mut got, &stream)?;
                 // In pingpong rank 0 gets its own bytes back.
                 let src = if o.test == "pingpong" { 0 } else { src };
-                wrong += got.iter().enumerate().filter(|&(i, &v)| v != byte(src, size, i)).count();
+                wrong += got
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, &v)| v != byte(src, size, i))
+                    .count();
             }
         }
         let (time_us, algbw) = match o.test.as_str() {
@@ -278,7 +297,14 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
     let wrong: usize = rows.iter().map(|r| r.wrong).sum();
     if me == 0 {
         if !o.json {
-            println!("# wrong bytes in all: {wrong}{}", if o.check { "" } else { " (not checked; add -c)" });
+            println!(
+                "# wrong bytes in all: {wrong}{}",
+                if o.check {
+                    ""
+                } else {
+                    " (not checked; add -c)"
+                }
+            );
         }
         if let Some(path) = &o.plot {
             std::fs::write(path, svg(&rows, o, kind))?;
@@ -292,7 +318,11 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
 }
 
 fn print_row(r: &Row, o: &Opts, kind: TransportKind, n: usize) {
-    let ratio = if r.ceil_bw > 0.0 { r.busbw / r.ceil_bw } else { 0.0 };
+    let ratio = if r.ceil_bw > 0.0 {
+        r.busbw / r.ceil_bw
+    } else {
+        0.0
+    };
     if o.json {
         println!(
             "{{\"test\":\"{}\",\"ranks\":{n},\"transport\":\"{kind}\",\"bytes\":{},\"time_us\":{:.3},\"algbw_gbs\":{:.4},\"busbw_gbs\":{:.4},\"wrong\":{},\"ceiling_us\":{:.3},\"ceiling_gbs\":{:.4},\"ratio\":{:.4}}}",
@@ -307,7 +337,12 @@ fn print_row(r: &Row, o: &Opts, kind: TransportKind, n: usize) {
 }
 
 /// A zero-byte exchange around the ring: everyone is past the previous step.
-fn barrier(comm: &Comm<Adaptor>, stream: &Stream<Adaptor>, next: usize, prev: usize) -> Result<(), Error> {
+fn barrier(
+    comm: &Comm<Adaptor>,
+    stream: &Stream<Adaptor>,
+    next: usize,
+    prev: usize,
+) -> Result<(), Error> {
     let b = Arc::new(DeviceBuffer::new(comm.adaptor(), 1)?);
     let reqs = comm.group(|| {
         // SAFETY: zero bytes move; `b` outlives the waits.
@@ -374,8 +409,14 @@ fn svg(rows: &[Row], o: &Opts, kind: TransportKind) -> String {
         .filter(|v| *v > 0.0)
         .map(f64::log10)
         .collect();
-    let (x0, x1) = (xs.iter().cloned().fold(f64::MAX, f64::min), xs.iter().cloned().fold(f64::MIN, f64::max).max(1.0));
-    let (y0, y1) = (ys.iter().cloned().fold(f64::MAX, f64::min).floor(), ys.iter().cloned().fold(f64::MIN, f64::max).ceil());
+    let (x0, x1) = (
+        xs.iter().cloned().fold(f64::MAX, f64::min),
+        xs.iter().cloned().fold(f64::MIN, f64::max).max(1.0),
+    );
+    let (y0, y1) = (
+        ys.iter().cloned().fold(f64::MAX, f64::min).floor(),
+        ys.iter().cloned().fold(f64::MIN, f64::max).ceil(),
+    );
     let px = |x: f64| m + (x - x0) / (x1 - x0).max(1e-9) * (w - 2.0 * m);
     let py = |y: f64| h - m - (y - y0) / (y1 - y0).max(1e-9) * (h - 2.0 * m);
     let line = |f: &dyn Fn(&Row) -> f64, color: &str| {
@@ -396,7 +437,13 @@ fn svg(rows: &[Row], o: &Opts, kind: TransportKind) -> String {
         d += 1.0;
     }
     for (r, &x) in rows.iter().zip(&xs).step_by(2) {
-        let _ = write!(s, "<text x='{:.1}' y='{}' text-anchor='middle'>{}</text>", px(x), h - m + 18.0, human(r.bytes));
+        let _ = write!(
+            s,
+            "<text x='{:.1}' y='{}' text-anchor='middle'>{}</text>",
+            px(x),
+            h - m + 18.0,
+            human(r.bytes)
+        );
     }
     s.push_str(&line(&|r| r.ceil_bw, "#999"));
     s.push_str(&line(&|r| r.busbw, "#1f5fbf"));

@@ -75,8 +75,11 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         let exe = build_binary(kind, name, &format!("flagcx/{vendor}"))?;
         copy_stripped(&exe, &out.join("bin").join(name))?;
     }
-    std::fs::copy(root().join("benches/mpi/pingpong.c"), out.join("mpi-pingpong.c"))
-        .map_err(|e| format!("copy the MPI peer: {e}"))?;
+    std::fs::copy(
+        root().join("benches/mpi/pingpong.c"),
+        out.join("mpi-pingpong.c"),
+    )
+    .map_err(|e| format!("copy the MPI peer: {e}"))?;
     write_perf_script(&out, &vendor)?;
     let pingpong = |label: &str, env: Vec<(String, String)>, launcher: Option<&str>| Entry {
         label: label.into(),

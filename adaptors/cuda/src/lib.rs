@@ -42,7 +42,9 @@ enum Mem {
     /// `cuMemAlloc`: byte-form IPC exportable. The handle is cached once exported: the
     /// transports export the same buffer for every receive, and an importer caches mappings by
     /// handle bytes. Freeing the allocation drops the cache with it.
-    Plain { handle: Option<[u8; IPC_HANDLE_BYTES]> },
+    Plain {
+        handle: Option<[u8; IPC_HANDLE_BYTES]>,
+    },
     /// `cuMemCreate` + reserve + map: fd-form IPC exportable.
     Vmm { handle: u64 },
     /// Opened with `cuIpcOpenMemHandle`.
@@ -580,8 +582,9 @@ impl DeviceAdaptor for CudaAdaptor {
 
     unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
         const OP: &str = "mem_free";
-        let (len, kind) = lock(&self.inner.mem)
-            .remove_if(OP, ptr.0, |k| matches!(k, Mem::Plain { .. } | Mem::Vmm { .. }))?;
+        let (len, kind) = lock(&self.inner.mem).remove_if(OP, ptr.0, |k| {
+            matches!(k, Mem::Plain { .. } | Mem::Vmm { .. })
+        })?;
         self.bind()?;
         match kind {
             // SAFETY: our allocation; the caller guarantees no work still uses it.

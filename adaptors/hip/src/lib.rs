@@ -68,10 +68,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Debug, Clone, Copy)]
 enum Mem {
     /// `hipMalloc` memory; its IPC handle is cached once exported (dropped with the allocation).
-    Plain { handle: Option<[u8; IPC_HANDLE_BYTES]> },
-    Vmm { handle: u64 },
+    Plain {
+        handle: Option<[u8; IPC_HANDLE_BYTES]>,
+    },
+    Vmm {
+        handle: u64,
+    },
     IpcLegacy,
-    IpcVmm { handle: u64 },
+    IpcVmm {
+        handle: u64,
+    },
 }
 
 /// One HIP device. Cheap to clone; clones share all tracking.

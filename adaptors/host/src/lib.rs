@@ -788,6 +788,13 @@ impl DeviceAdaptor for HostAdaptor {
         self.enqueue_value_op(OP, stream, work)
     }
 
+    unsafe fn host_write_value32(&self, host: *mut u32, value: u32) {
+        // SAFETY: the caller guarantees an aligned live word.
+        unsafe { &*(host as *const std::sync::atomic::AtomicU32) }
+            .store(value, std::sync::atomic::Ordering::Release);
+        stream::ring_doorbell();
+    }
+
     unsafe fn stream_write_value64(
         &self,
         stream: StreamHandle,

@@ -239,6 +239,20 @@ pub trait DeviceAdaptor: Clone + Send + Sync + 'static {
         value: u32,
     ) -> Result<()>;
 
+    /// Writes `value` to the 32-bit word at `host` from the host, for stream waits
+    /// ([`Self::stream_wait_value32`]) that watch it through a device-visible alias.
+    ///
+    /// The default is a release store. Vendors that emulate stream waits with host threads
+    /// override it to wake those waiters at once instead of at their next poll.
+    ///
+    /// # Safety
+    /// `host` is a live, 4-byte-aligned host address.
+    unsafe fn host_write_value32(&self, host: *mut u32, value: u32) {
+        // SAFETY: forwarded contract; an aligned live word is a valid AtomicU32.
+        unsafe { &*(host as *const std::sync::atomic::AtomicU32) }
+            .store(value, std::sync::atomic::Ordering::Release);
+    }
+
     /// 64-bit form of [`Self::stream_write_value32`].
     ///
     /// # Safety

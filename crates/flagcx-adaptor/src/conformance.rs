@@ -488,7 +488,9 @@ pub fn stream_memory_ops<A: DeviceAdaptor>(a: &A) {
         f32h.store(4, Ordering::Release);
         std::thread::sleep(Duration::from_millis(10));
         assert_eq!(d32h.load(Ordering::Acquire), 0, "released below the value");
-        f32h.store(5, Ordering::Release);
+        // The host side of the protocol: the adaptor's own write wakes emulated waits at once.
+        // SAFETY: the flag word is aligned and lives in `map`.
+        unsafe { a.host_write_value32(map.ptr as *mut u32, 5) };
         s.synchronize().expect("sync");
         assert_eq!(d32h.load(Ordering::Acquire), 7);
         // SAFETY: misaligned addresses are refused before use.

@@ -255,6 +255,10 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.stream_write_value32(stream, addr, value) }
     }
+    unsafe fn host_write_value32(&self, host: *mut u32, value: u32) {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.host_write_value32(host, value) }
+    }
     unsafe fn stream_write_value64(
         &self,
         stream: StreamHandle,

@@ -136,9 +136,11 @@ impl Shared {
         }
     }
 
-    fn publish_watermark(&self, w: u64) {
-        // SAFETY: see the type's Send/Sync argument.
-        unsafe { &*self.watermark_word }.store(w as u32, Ordering::Release);
+    /// Publishes the watermark: the device-visible word (through the adaptor, so vendors that
+    /// emulate stream waits on the host wake their waiters), then the host-side copy.
+    fn publish_watermark<A: DeviceAdaptor>(&self, adaptor: &A, w: u64) {
+        // SAFETY: see the type's Send/Sync argument: a live, aligned word.
+        unsafe { adaptor.host_write_value32(self.watermark_word as *mut u32, w as u32) };
         *lock(&self.watermark) = w;
         self.watermark_cv.notify_all();
     }
@@ -234,7 +236,10 @@ impl Profile {
     }
 
     fn report(&self, rank: usize) {
-        eprintln!("flagcx profile rank {rank}: {} IPC handle opens", self.ipc_opens);
+        eprintln!(
+            "flagcx profile rank {rank}: {} IPC handle opens",
+            self.ipc_opens
+        );
         for (dir, (n, a, b, c)) in ["send", "recv"].iter().zip(self.dirs) {
             if n == 0 {
                 continue;
@@ -243,7 +248,10 @@ impl Profile {
             let (match_what, rest_what) = if *dir == "send" {
                 ("waiting for the receive descriptor", "copy and answer")
             } else {
-                ("waiting for the caller's stream, then announcing", "waiting for the sender")
+                (
+                    "waiting for the caller's stream, then announcing",
+                    "waiting for the sender",
+                )
             };
             eprintln!(
                 "flagcx profile rank {rank}: {n} {dir}s, mean µs: post→proxy {:.1}, {match_what} {:.1}, {rest_what} {:.1}",
@@ -425,7 +433,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
         }
         if w != self.watermark {
             self.watermark = w;
-            self.shared.publish_watermark(w);
+            self.shared.publish_watermark(&self.adaptor, w);
         }
     }
 
