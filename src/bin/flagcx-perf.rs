@@ -9,9 +9,10 @@
 //!
 //! Without `FLAGCX_RANK` it starts `-N` ranks of itself (like `flagcx-run`). Rank 0 prints, per
 //! size: bytes, time (µs), algorithm and bus bandwidth (GB/s), wrong bytes (with `-c`), and the
-//! ceiling — the vendor's bare copy for that size measured just before (device-to-device for
-//! IPC, the slower of pinned device→host and host→device for staging; a memcpy for the host
-//! vendor) — with our bandwidth as a fraction of it.
+//! ceiling — the vendor's bare copy for that size measured just before in the same traffic
+//! pattern (device-to-device for IPC, the slower of pinned device→host and host→device for
+//! staging, a memcpy for the host vendor; every rank copying at once for `sendrecv` and `pairs`,
+//! one copy at a time for `pingpong`) — with our bandwidth as a fraction of it.
 
 use std::fmt::Write as _;
 use std::process::ExitCode;
@@ -219,7 +220,10 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             .iter()
             .map(|_| DeviceBuffer::new(&adaptor, size).map(Arc::new))
             .collect::<Result<_, _>>()?;
-        let (ceil_us, ceil_bw) = if me == 0 {
+        // The ceiling in the same traffic pattern: for sendrecv and pairs every rank copies at
+        // once (on one GPU they share its memory bandwidth); for pingpong one copy at a time.
+        barrier(&comm, &stream, next, prev)?;
+        let (ceil_us, ceil_bw) = if me == 0 || o.test != "pingpong" {
             ceiling(&adaptor, &stream, kind, size, o)?
         } else {
             (0.0, 0.0)
