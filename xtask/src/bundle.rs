@@ -295,10 +295,14 @@ export FLAGCX_VENDOR={vendor}
 sweep ipc-sendrecv   "$perf" -t sendrecv --transport ipc -b 8 -e 1G -f 4 -n 20 -w 5 -c --plot "$logs/ipc-sendrecv.svg"
 sweep ipc-pingpong   "$perf" -t pingpong --transport ipc -b 8 -e 1G -f 4 -n 50 -w 10
 sweep staged-sendrecv "$perf" -t sendrecv --transport staged -b 8 -e 1G -f 4 -n 10 -w 3 -c
-sweep staged-pingpong "$perf" -t pingpong --transport staged -b 8 -e 256M -f 8 -n 20 -w 5
+sweep staged-pingpong "$perf" -t pingpong --transport staged -b 8 -e 1G -f 8 -n 10 -w 3
+FLAGCX_P2P_CHUNKSIZE=4M FLAGCX_P2P_BUFFSIZE=32M sweep staged-pingpong-4m "$perf" -t pingpong --transport staged -b 64M -e 1G -f 4 -n 10 -w 3
+FLAGCX_STREAM_JOIN=none sweep ipc-pingpong-nojoin "$perf" -t pingpong --transport ipc -b 8 -e 1G -f 8 -n 50 -w 10
 unset FLAGCX_VENDOR
 sweep mixed-sendrecv "$perf" -t sendrecv --vendors {vendor},host -b 8 -e 1G -f 4 -n 10 -w 3 -c
+sweep mixed-pingpong "$perf" -t pingpong --vendors {vendor},host -b 8 -e 1G -f 8 -n 10 -w 3
 sweep host-pingpong  "$perf" -t pingpong --vendor host -b 8 -e 256M -f 4 -n 100 -w 10
+FLAGCX_STREAM_JOIN=none sweep host-pingpong-nojoin "$perf" -t pingpong --vendor host -b 8 -e 256M -f 4 -n 100 -w 10
 for n in 2 4 8; do sweep host-pairs-$n "$perf" -t pairs -N $n --vendor host -b 1M -e 64M -f 8 -n 10 -w 3 -c; done
 FLAGCX_VENDOR={vendor} FLAGCX_PROFILE=1 sweep ipc-profile "$perf" -t pingpong --transport ipc -b 8 -e 4K -f 8 -n 200 -w 20
 FLAGCX_VENDOR={vendor} FLAGCX_PROFILE=1 sweep staged-profile "$perf" -t pingpong --transport staged -b 8 -e 4K -f 8 -n 200 -w 20

@@ -23,6 +23,7 @@ fn main() -> ExitCode {
         Some("bundle") => parse_vendors(&args[1..]).and_then(|v| bundle::bundle(&v)),
         Some("soak") => soak(&args[1..]),
         Some("fuzz") => fuzz(&args[1..]),
+        Some("bench") => bench(&args[1..]),
         _ => {
             eprintln!(
                 "usage: cargo xtask <task>\n\n\
@@ -31,7 +32,9 @@ fn main() -> ExitCode {
                  ci                                  fmt, clippy -D warnings, docs, then test\n  \
                  bundle --vendor cuda                GPU test bundle under target/bundle-cuda\n  \
                  soak [ITERS]                        the 8-rank stress job, long form (default 2000 groups)\n  \
-                 fuzz [SECS]                         cargo-fuzz the wire decoders (default 60 s), then 50k proptest cases"
+                 fuzz [SECS]                         cargo-fuzz the wire decoders (default 60 s), then 50k proptest cases\n  \
+                 bench [--vs-mpi]                    criterion benches of the pieces, a host-vendor flagcx-perf sweep,\n  \
+                                                     and with --vs-mpi Open MPI's ping-pong on the same machine"
             );
             Err("no task given".into())
         }
@@ -350,6 +353,64 @@ fn fuzz(args: &[String]) -> Result {
             ])
             .env("PROPTEST_CASES", "50000"),
     )
+}
+
+/// Criterion benches of the pieces, a host-vendor `flagcx-perf` ping-pong sweep and, with
+/// `--vs-mpi`, our Open MPI ping-pong program on the same machine in the same run.
+fn bench(args: &[String]) -> Result {
+    let vs_mpi = match args {
+        [] => false,
+        [a] if a == "--vs-mpi" => true,
+        _ => return Err("usage: cargo xtask bench [--vs-mpi]".into()),
+    };
+    run(
+        "criterion benches (benches/pieces.rs)",
+        cargo().args(["bench", "-p", "flagcx", "--bench", "pieces"]),
+    )?;
+    run(
+        "building flagcx-perf",
+        cargo().args(["build", "--release", "-p", "flagcx", "--bin", "flagcx-perf"]),
+    )?;
+    run(
+        "flagcx-perf: host-vendor ping-pong, 8 B .. 256 MiB",
+        Command::new(root().join("target/release/flagcx-perf"))
+            .args([
+                "-t", "pingpong", "-b", "8", "-e", "256M", "-f", "4", "-n", "100", "-w", "10",
+            ])
+            .env("FLAGCX_VENDOR", "host"),
+    )?;
+    if vs_mpi {
+        let have = Command::new("mpicc")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !have {
+            return Err(
+                "--vs-mpi needs Open MPI: sudo apt-get install openmpi-bin libopenmpi-dev".into(),
+            );
+        }
+        let exe = root().join("target/mpi-pingpong");
+        run(
+            "mpicc benches/mpi/pingpong.c",
+            Command::new("mpicc")
+                .args(["-O2", "-o"])
+                .arg(&exe)
+                .arg(root().join("benches/mpi/pingpong.c")),
+        )?;
+        let mut mpirun = Command::new("mpirun");
+        // Open MPI refuses to run as root unless told to; CI runs as root.
+        if std::env::var("USER").map(|u| u == "root").unwrap_or(true) {
+            mpirun.arg("--allow-run-as-root");
+        }
+        run(
+            "Open MPI ping-pong (shared-memory transport), 8 B .. 256 MiB",
+            mpirun
+                .args(["--oversubscribe", "-n", "2"])
+                .arg(&exe)
+                .args(["8", "268435456"]),
+        )?;
+    }
+    Ok(())
 }
 
 fn ci() -> Result {
