@@ -151,13 +151,7 @@ impl CudaAdaptor {
         if count == 0 {
             return Err(unavailable("the driver reports no CUDA devices"));
         }
-        if device >= count {
-            return Err(AdaptorError::InvalidDevice {
-                vendor: VENDOR,
-                index: device,
-                count,
-            });
-        }
+        AdaptorError::check_device(VENDOR, device, count)?;
         let mut cu_device = 0;
         let mut ctx = std::ptr::null_mut();
         // SAFETY: valid out-pointers; the device index was range-checked.
@@ -308,15 +302,7 @@ impl CudaAdaptor {
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
-        if peer < self.inner.count {
-            Ok(())
-        } else {
-            Err(AdaptorError::InvalidDevice {
-                vendor: VENDOR,
-                index: peer,
-                count: self.inner.count,
-            })
-        }
+        AdaptorError::check_device(VENDOR, peer, self.inner.count)
     }
 }
 

@@ -190,13 +190,7 @@ impl HipAdaptor {
                 error_name(ffi::ERROR_NO_DEVICE)
             )));
         }
-        if device >= count {
-            return Err(AdaptorError::InvalidDevice {
-                vendor: VENDOR,
-                index: device,
-                count,
-            });
-        }
+        AdaptorError::check_device(VENDOR, device, count)?;
         // SAFETY: range-checked device index.
         check("hipSetDevice", unsafe {
             ffi::hipSetDevice(device as c_int)
@@ -258,15 +252,7 @@ impl HipAdaptor {
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
-        if peer < self.inner.count {
-            Ok(())
-        } else {
-            Err(AdaptorError::InvalidDevice {
-                vendor: VENDOR,
-                index: peer,
-                count: self.inner.count,
-            })
-        }
+        AdaptorError::check_device(VENDOR, peer, self.inner.count)
     }
 
     fn map_vmm(&self, handle: u64, size: usize) -> Result<u64> {

@@ -106,13 +106,7 @@ impl HostAdaptor {
 
     /// Opens host device `device` of `count` presented devices.
     pub fn with_devices(device: usize, count: usize) -> Result<Self> {
-        if device >= count {
-            return Err(AdaptorError::InvalidDevice {
-                vendor: VENDOR,
-                index: device,
-                count,
-            });
-        }
+        AdaptorError::check_device(VENDOR, device, count)?;
         Ok(HostAdaptor {
             inner: Arc::new(Inner {
                 device,
@@ -163,15 +157,7 @@ impl HostAdaptor {
     }
 
     fn check_device_index(&self, index: usize) -> Result<()> {
-        if index < self.inner.count {
-            Ok(())
-        } else {
-            Err(AdaptorError::InvalidDevice {
-                vendor: VENDOR,
-                index,
-                count: self.inner.count,
-            })
-        }
+        AdaptorError::check_device(VENDOR, index, self.inner.count)
     }
 
     fn alloc_device(&self, op: &'static str, size: usize) -> Result<DevicePtr> {

@@ -255,15 +255,7 @@ impl OpenClAdaptor {
     }
 
     fn check_device(&self, index: usize) -> Result<()> {
-        if index < self.inner.count {
-            Ok(())
-        } else {
-            Err(AdaptorError::InvalidDevice {
-                vendor: VENDOR,
-                index,
-                count: self.inner.count,
-            })
-        }
+        AdaptorError::check_device(VENDOR, index, self.inner.count)
     }
 }
 

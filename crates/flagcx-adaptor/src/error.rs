@@ -116,6 +116,19 @@ impl AdaptorError {
         }
     }
 
+    /// `Ok` when `index` names one of `count` devices, else [`AdaptorError::InvalidDevice`].
+    pub fn check_device(vendor: Vendor, index: usize, count: usize) -> Result<()> {
+        if index < count {
+            Ok(())
+        } else {
+            Err(AdaptorError::InvalidDevice {
+                vendor,
+                index,
+                count,
+            })
+        }
+    }
+
     /// True when the error says the operation is not supported by the vendor.
     pub fn is_unsupported(&self) -> bool {
         matches!(self, AdaptorError::Unsupported { .. })
