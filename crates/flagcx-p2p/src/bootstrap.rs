@@ -9,7 +9,7 @@
 //! (`SCM_RIGHTS`), an all-gather and a barrier.
 
 use std::io::{IoSlice, IoSliceMut, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::Mutex;
@@ -504,11 +504,6 @@ fn recv_frame(s: &UnixStream) -> Result<(Tag, Vec<u8>, Vec<OwnedFd>)> {
     r.read_exact(&mut payload)
         .map_err(|e| CommError::io("recv", e))?;
     Ok((tag, payload, fds))
-}
-
-/// Keeps a borrowed fd type in scope for callers that pass `&[fd.as_fd()]`.
-pub fn borrow(fd: &OwnedFd) -> BorrowedFd<'_> {
-    fd.as_fd()
 }
 
 #[cfg(test)]

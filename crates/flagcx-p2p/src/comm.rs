@@ -1,6 +1,6 @@
 //! The communicator: point-to-point operations between the ranks of a job.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -70,7 +70,8 @@ pub struct Comm<A: DeviceAdaptor> {
     proxy: Option<JoinHandle<()>>,
     next_seq: AtomicU64,
     group: Mutex<Option<Vec<(Op, StreamHandle)>>>,
-    joined: Mutex<BTreeMap<u64, ()>>,
+    /// Streams this communicator made wait on its watermark (synchronized before teardown).
+    joined: Mutex<BTreeSet<u64>>,
     page: WatermarkPage,
     config: Config,
     _boot: Arc<Bootstrap>,
@@ -162,7 +163,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             first_error: Mutex::new(None),
             busy_polls: AtomicU64::new(0),
         });
-        let peers = connect_channels(&adaptor, &boot, rank, &transports, &config)?;
+        let peers = connect_channels(&adaptor, &boot, &transports, &config)?;
         let proxy = Proxy::new(
             adaptor.clone(),
             shared.clone(),
@@ -185,7 +186,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             proxy: Some(handle),
             next_seq: AtomicU64::new(1),
             group: Mutex::new(None),
-            joined: Mutex::new(BTreeMap::new()),
+            joined: Mutex::new(BTreeSet::new()),
             page,
             config,
             _boot: boot,
@@ -424,7 +425,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         if join == StreamJoin::None {
             return Ok(());
         }
-        lock(&self.joined).insert(stream.0, ());
+        lock(&self.joined).insert(stream.0);
         let caps = self.adaptor.capabilities();
         match self.page.device {
             Some(word) if caps.stream_mem_ops && join != StreamJoin::HostFn => {
@@ -465,7 +466,7 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
             *lock(&self.shared.watermark) = max;
             self.shared.watermark_cv.notify_all();
         }
-        for (&s, _) in lock(&self.joined).iter() {
+        for &s in lock(&self.joined).iter() {
             let _ = self.adaptor.stream_synchronize(StreamHandle(s));
         }
         self.page.release(&self.adaptor);
@@ -517,7 +518,6 @@ impl WatermarkPage {
 fn connect_channels<A: DeviceAdaptor>(
     adaptor: &A,
     boot: &Bootstrap,
-    rank: usize,
     transports: &[Option<TransportKind>],
     config: &Config,
 ) -> Result<Vec<Option<PeerConn>>> {
@@ -589,6 +589,5 @@ fn connect_channels<A: DeviceAdaptor>(
         }
         peers.push(Some(PeerConn::new(q, t, out, inc, registered)));
     }
-    let _ = rank;
     Ok(peers)
 }

@@ -420,9 +420,8 @@ impl<A: DeviceAdaptor> Proxy<A> {
             }
             tracing::debug!(seq = op.seq, peer = op.peer, "operation failed: {e}");
         }
-        // Record the start event is no longer needed; destroying it is safe once the caller's
-        // stream has passed it, which a completed (or failed-before-issue) step implies or which
-        // no one waits on any more.
+        // The start event has served its purpose. Destroying an event that a stream may still
+        // have to pass is allowed (runtimes release it once it completes).
         let _ = self.adaptor.event_destroy(op.start);
         op.slot.complete(r);
         drop(op.keep);

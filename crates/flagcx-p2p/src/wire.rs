@@ -25,10 +25,6 @@ pub enum Tag {
     Connect = 4,
     /// Barrier token.
     Barrier = 5,
-    /// Orderly shutdown of a rank.
-    Goodbye = 6,
-    /// Free-form user message.
-    User = 100,
 }
 
 impl Tag {
@@ -40,8 +36,6 @@ impl Tag {
             3 => Tag::PeerInfo,
             4 => Tag::Connect,
             5 => Tag::Barrier,
-            6 => Tag::Goodbye,
-            100 => Tag::User,
             _ => return None,
         })
     }
@@ -219,7 +213,7 @@ mod tests {
     fn headers_reject_unknown_tags_and_huge_lengths() {
         let h = header(Tag::PeerInfo, 12).unwrap();
         assert_eq!(parse_header(&h).unwrap(), (Tag::PeerInfo, 12));
-        assert!(header(Tag::User, MAX_PAYLOAD + 1).is_err());
+        assert!(header(Tag::Barrier, MAX_PAYLOAD + 1).is_err());
         let mut bad = h;
         bad[0] = 77;
         assert!(parse_header(&bad).is_err());
