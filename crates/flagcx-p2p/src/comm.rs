@@ -460,8 +460,11 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
         // Release every stream still waiting on the watermark, then let them pass it before
         // the page goes away.
         let max = self.next_seq.load(Ordering::Relaxed);
-        // SAFETY: the page is still mapped; atomic access.
-        unsafe { &*(self.page.host as *const AtomicU32) }.store(max as u32, Ordering::Release);
+        // SAFETY: the page is still mapped and the word aligned.
+        unsafe {
+            self.adaptor
+                .host_write_value32(self.page.host as *mut u32, max as u32)
+        };
         {
             *lock(&self.shared.watermark) = max;
             self.shared.watermark_cv.notify_all();
@@ -496,7 +499,14 @@ impl WatermarkPage {
         let device =
             if adaptor.capabilities().host_register && adaptor.capabilities().stream_mem_ops {
                 // SAFETY: the page stays mapped until `release`, which unregisters it first.
-                Some(unsafe { adaptor.host_register(host, 4096) }?)
+                match unsafe { adaptor.host_register(host, 4096) } {
+                    Ok(d) => Some(d),
+                    Err(e) => {
+                        // SAFETY: our page, not yet shared with anyone.
+                        unsafe { libc::munmap(host.cast(), 4096) };
+                        return Err(e.into());
+                    }
+                }
             } else {
                 None
             };
@@ -545,49 +555,74 @@ fn connect_channels<A: DeviceAdaptor>(
         boot.send(q, Tag::Connect, &desc, &[ch.segment().fd()])?;
         incoming.push(Some(ch));
     }
-    let mut peers = Vec::new();
+    let mut peers: Vec<Option<PeerConn>> = Vec::new();
     for (q, inc) in incoming.into_iter().enumerate() {
         let Some(inc) = inc else {
             peers.push(None);
             continue;
         };
-        let t = transports[q].expect("a transport for every peer");
-        let (payload, mut fds) = boot.recv(q, Tag::Connect)?;
-        let mut r = Reader::new(&payload, "connect");
-        let staged = r.u8()? == 1;
-        let geo = Geometry {
-            slots: r.u64()? as usize,
-            chunk: r.u64()? as usize,
-        };
-        let len = r.u64()? as usize;
-        r.end()?;
-        if staged != matches!(t, TransportKind::Staged)
-            || geo != geometry(t)
-            || len != geo.len()
-            || fds.len() != 1
-        {
-            return Err(CommError::Protocol(format!(
-                "rank {q} set up a different channel (staged {staged}, {geo:?}, {} fds); \
-                 do all ranks use the same FLAGCX_P2P_* settings?",
-                fds.len()
-            )));
-        }
-        let out = Channel::open(ShmSegment::open(fds.remove(0), len)?, geo)?;
-        let registered = staged && adaptor.capabilities().host_register;
-        if registered {
-            let (p, n) = out.ring();
-            // SAFETY: the ring lies in a mapping the channel owns; the proxy unregisters it at
-            // teardown, before the channel is unmapped.
-            unsafe { adaptor.host_register(p, n) }?;
-            let (p2, n2) = inc.ring();
-            // SAFETY: as above.
-            if let Err(e) = unsafe { adaptor.host_register(p2, n2) } {
-                // SAFETY: registered just above and unused.
-                let _ = unsafe { adaptor.host_unregister(p) };
-                return Err(e.into());
+        match connect_one(adaptor, boot, q, transports, inc, &geometry) {
+            Ok(conn) => peers.push(Some(conn)),
+            Err(e) => {
+                // Undo the rings already registered for earlier peers before the channels go.
+                for conn in peers.iter().flatten().filter(|c| c.registered) {
+                    for ch in [&conn.out, &conn.inc] {
+                        // SAFETY: no copy was ever issued on these rings.
+                        let _ = unsafe { adaptor.host_unregister(ch.ring().0) };
+                    }
+                }
+                return Err(e);
             }
         }
-        peers.push(Some(PeerConn::new(q, t, out, inc, registered)));
     }
     Ok(peers)
+}
+
+/// Receives peer `q`'s channel for this rank's sends, checks it agrees with ours, maps it and
+/// registers both rings of a staged pair.
+fn connect_one<A: DeviceAdaptor>(
+    adaptor: &A,
+    boot: &Bootstrap,
+    q: usize,
+    transports: &[Option<TransportKind>],
+    inc: Channel,
+    geometry: &dyn Fn(TransportKind) -> Geometry,
+) -> Result<PeerConn> {
+    let t = transports[q].expect("a transport for every peer");
+    let (payload, mut fds) = boot.recv(q, Tag::Connect)?;
+    let mut r = Reader::new(&payload, "connect");
+    let staged = r.u8()? == 1;
+    let geo = Geometry {
+        slots: r.u64()? as usize,
+        chunk: r.u64()? as usize,
+    };
+    let len = r.u64()? as usize;
+    r.end()?;
+    if staged != matches!(t, TransportKind::Staged)
+        || geo != geometry(t)
+        || len != geo.len()
+        || fds.len() != 1
+    {
+        return Err(CommError::Protocol(format!(
+            "rank {q} set up a different channel (staged {staged}, {geo:?}, {} fds); \
+             do all ranks use the same FLAGCX_P2P_* settings?",
+            fds.len()
+        )));
+    }
+    let out = Channel::open(ShmSegment::open(fds.remove(0), len)?, geo)?;
+    let registered = staged && adaptor.capabilities().host_register;
+    if registered {
+        let (p, n) = out.ring();
+        // SAFETY: the ring lies in a mapping the channel owns; the proxy (or the error path of
+        // `connect_channels`) unregisters it before the channel is unmapped.
+        unsafe { adaptor.host_register(p, n) }?;
+        let (p2, n2) = inc.ring();
+        // SAFETY: as above.
+        if let Err(e) = unsafe { adaptor.host_register(p2, n2) } {
+            // SAFETY: registered just above and unused.
+            let _ = unsafe { adaptor.host_unregister(p) };
+            return Err(e.into());
+        }
+    }
+    Ok(PeerConn::new(q, t, out, inc, registered))
 }
