@@ -33,8 +33,8 @@ fn main() -> ExitCode {
                  bundle --vendor cuda                GPU test bundle under target/bundle-cuda\n  \
                  soak [ITERS]                        the 8-rank stress job, long form (default 2000 groups)\n  \
                  fuzz [SECS]                         cargo-fuzz the wire decoders (default 60 s), then 50k proptest cases\n  \
-                 bench [--vs-mpi]                    criterion benches of the pieces, a host-vendor flagcx-perf sweep,\n  \
-                                                     and with --vs-mpi Open MPI's ping-pong on the same machine"
+                 bench [--vs-mpi]                    criterion benches, a host-vendor flagcx-perf sweep, and\n                                      \
+                 with --vs-mpi Open MPI's ping-pong on the same machine"
             );
             Err("no task given".into())
         }
@@ -72,7 +72,7 @@ fn parse_vendors(args: &[String]) -> Result<Option<Vec<String>>> {
                 out.get_or_insert_with(Vec::new).push(v);
             } else {
                 return Err(format!(
-                    "unknown vendor {v:?}; expected host, cuda, hip or all"
+                    "unknown vendor {v:?}; expected host, cuda, hip, opencl or all"
                 ));
             }
         }
@@ -202,8 +202,9 @@ fn vendor_commands(vendor: &str) -> Vec<Command> {
         "host" => {
             // Everything vendor-neutral plus the host vendor, and the facade on the host vendor.
             let mut c = cargo();
-            c.args(["test", "--workspace", "--exclude", "flagcx-hip"])
-                .args(["--exclude", "flagcx-cuda"])
+            c.args(["test", "--workspace"])
+                .args(["--exclude", "flagcx-hip", "--exclude", "flagcx-cuda"])
+                .args(["--exclude", "flagcx-opencl"])
                 .env("FLAGCX_VENDOR", "host");
             cmds.push(c);
         }
@@ -212,17 +213,19 @@ fn vendor_commands(vendor: &str) -> Vec<Command> {
             c.args(["test", "-p", &format!("flagcx-{other}")]);
             cmds.push(c);
             let mut c = cargo();
-            c.args([
-                "test",
-                "-p",
-                "flagcx",
-                "--features",
-                other,
-                "--test",
-                "conformance",
-            ])
-            .env("FLAGCX_VENDOR", other);
+            c.args(["test", "-p", "flagcx", "--features", other])
+                .args(["--test", "conformance"])
+                .env("FLAGCX_VENDOR", other);
             cmds.push(c);
+            if other == "opencl" {
+                // No GPU in CI: OpenCL (PoCL) is the second real runtime, so its p2p jobs run
+                // here — OpenCL ranks alone, and mixed with host-vendor ranks.
+                let mut c = cargo();
+                c.args(["test", "-p", "flagcx", "--features", other, "--test", "p2p"])
+                    .env("FLAGCX_P2P_TEST_VENDORS", other)
+                    .env("FLAGCX_P2P_TEST_MIXED", format!("host,{other}"));
+                cmds.push(c);
+            }
         }
     }
     cmds

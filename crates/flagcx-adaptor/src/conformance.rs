@@ -63,7 +63,8 @@ pub fn report_skip(test: &str, err: &AdaptorError) {
             .append(true)
             .open(path)
         {
-            let _ = writeln!(f, "{vendor}\t{test}\t{reason}");
+            // One write per line: parallel tests append to the same file.
+            let _ = f.write_all(format!("{vendor}\t{test}\t{reason}\n").as_bytes());
         }
     }
 }
