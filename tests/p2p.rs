@@ -191,6 +191,11 @@ fn rank_worker() {
             }
         }
         "mismatch" => mismatch(&r, next, prev),
+        "use_after_drop" => {
+            use_after_drop(r, prev);
+            println!("worker ok: rank {me} of {n}, request outlived its communicator");
+            return;
+        }
         "stress" => {
             // Random peers and sizes (0 to 16 MiB, log-uniform), one group per iteration;
             // every rank derives the same plan, so sends and receives always match.
@@ -315,6 +320,57 @@ fn mismatch(r: &Rank, next: usize, prev: usize) {
         r.comm.send(&s500, me, &r.stream),
         Err(CommError::InvalidArgument(_))
     ));
+    // Bad buffers are refused up front: null, foreign (not this device's memory), and a range
+    // running past the end of its allocation.
+    let h = r.stream.handle();
+    let bad = [
+        (flagcx::DevicePtr::NULL, 8),
+        (flagcx::DevicePtr(0x7ab0_0000_1000), 8),
+        (flagcx::DevicePtr(s500.ptr().0 + 400), 200),
+    ];
+    for (ptr, n) in bad {
+        // SAFETY: each must be refused before anything touches memory.
+        let e = unsafe { r.comm.send_raw(ptr, n, next, h) };
+        assert!(
+            matches!(e, Err(CommError::InvalidArgument(_))),
+            "{ptr}+{n}: {e:?}"
+        );
+    }
+    // Posting from a thread that never touched the device works (adaptors bind themselves).
+    let from_thread = std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let b = r.filled(next, 9, 64);
+            let inb = r.buffer(64);
+            let (s, q) = r.comm.group(|| {
+                Ok((
+                    r.comm.send(&b, next, &r.stream)?,
+                    r.comm.recv(&inb, prev, &r.stream)?,
+                ))
+            })?;
+            s.wait()?;
+            q.wait()?;
+            r.stream.synchronize()?;
+            r.check(&inb, prev, 9, 64);
+            Ok::<_, CommError>(())
+        })
+        .join()
+        .expect("thread")
+    });
+    from_thread.expect("post from a fresh thread");
+}
+
+/// A request that outlives its communicator completes with `Aborted` instead of hanging.
+fn use_after_drop(r: Rank, prev: usize) {
+    let buf = r.buffer(64);
+    // Nobody sends this: the communicator is dropped while it is pending.
+    let req = r.comm.recv(&buf, prev, &r.stream).expect("post");
+    let Rank { comm, stream, .. } = r;
+    drop(comm);
+    match req.wait_timeout(std::time::Duration::from_secs(10)) {
+        Err(CommError::Aborted) => {}
+        other => panic!("a request outliving its communicator: {other:?}"),
+    }
+    stream.synchronize().expect("the stream was released");
 }
 
 fn vendors(var: &str) -> String {
@@ -470,6 +526,16 @@ fn size_mismatch_fails_both_sides() {
         &vendors("FLAGCX_P2P_TEST_VENDORS"),
         "mismatch",
         &[("FLAGCX_P2P_DISABLE", "1")],
+    );
+}
+
+#[test]
+fn request_outliving_its_communicator_is_aborted() {
+    job(
+        2,
+        &vendors("FLAGCX_P2P_TEST_VENDORS"),
+        "use_after_drop",
+        &[],
     );
 }
 

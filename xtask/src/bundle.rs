@@ -8,6 +8,10 @@ use std::process::Stdio;
 
 use crate::{cargo, root, Result};
 
+/// Capabilities the CUDA conformance suite must find on a GPU node (all of them on the H200).
+const EXPECTED_CAPS: &str = "ipc_bytes,ipc_fd,host_register,peer_access,host_functions,\
+stream_mem_ops,stream_mem_ops_64,capture_mode";
+
 /// One thing `run.sh` runs: a label, a log name, extra env, and the command. For test
 /// binaries `args` is empty and the command is `bin/<file>`; otherwise `args` is the command.
 struct Entry {
@@ -54,7 +58,11 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
                 ("FLAGCX_P2P_TEST_MIXED".into(), format!("{vendor},host")),
             ]
         } else {
-            vec![("FLAGCX_VENDOR".into(), vendor.clone())]
+            vec![
+                ("FLAGCX_VENDOR".into(), vendor.clone()),
+                // A GPU node must really have these (see the conformance docs).
+                ("FLAGCX_EXPECT_CAPS".into(), EXPECTED_CAPS.into()),
+            ]
         };
         entries.push(Entry {
             label: format!("{krate}::{target}"),
@@ -72,7 +80,8 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         ("--example", "pingpong"),
         ("--bin", "flagcx-perf"),
     ] {
-        let exe = build_binary(kind, name, &format!("flagcx/{vendor}"))?;
+        // OpenCL too (loaded at run time), for trying a CUDA rank next to an OpenCL rank.
+        let exe = build_binary(kind, name, &format!("flagcx/{vendor},flagcx/opencl"))?;
         copy_stripped(&exe, &out.join("bin").join(name))?;
     }
     std::fs::copy(

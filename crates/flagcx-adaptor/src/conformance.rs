@@ -32,6 +32,9 @@ use crate::{
 
 /// Environment variable naming the file where skipped tests are logged.
 pub const SKIP_LOG_ENV: &str = "FLAGCX_SKIP_LOG";
+/// Environment variable listing capabilities the adaptor must report (comma-separated field
+/// names of [`crate::Capabilities`]), for runs on a machine whose hardware is known.
+pub const EXPECT_CAPS_ENV: &str = "FLAGCX_EXPECT_CAPS";
 const CHILD_ROLE_ENV: &str = "FLAGCX_CONFORMANCE_CHILD";
 const CHILD_HANDLE_ENV: &str = "FLAGCX_CONFORMANCE_HANDLE";
 const CHILD_FD_ENV: &str = "FLAGCX_CONFORMANCE_FD";
@@ -110,6 +113,31 @@ pub fn device_properties<A: DeviceAdaptor>(a: &A) {
         matches!(e, AdaptorError::InvalidDevice { index, .. } if index == count),
         "{e}"
     );
+    // On a known machine the run can insist on capabilities, so that "unsupported, and
+    // correctly reported as such" cannot pass where the feature must work (the GPU bundle sets
+    // this for CUDA on the H200).
+    if let Ok(list) = std::env::var(EXPECT_CAPS_ENV) {
+        let c = a.capabilities();
+        for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            let have = match name {
+                "ipc_bytes" => c.ipc_bytes,
+                "ipc_fd" => c.ipc_fd,
+                "host_register" => c.host_register,
+                "peer_access" => c.peer_access,
+                "host_functions" => c.host_functions,
+                "stream_mem_ops" => c.stream_mem_ops,
+                "stream_mem_ops_64" => c.stream_mem_ops_64,
+                "capture_mode" => c.capture_mode,
+                other => panic!("{EXPECT_CAPS_ENV}: unknown capability {other}"),
+            };
+            assert!(
+                have,
+                "{} lacks expected capability {name}: {c:?}",
+                a.vendor()
+            );
+        }
+        println!("capabilities as expected: {c:?}");
+    }
 }
 
 /// Host→device→device→host round trips of odd sizes at odd offsets, plus memset.

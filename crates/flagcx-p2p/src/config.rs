@@ -200,6 +200,12 @@ impl RankEnv {
     /// `OMPI_COMM_WORLD_*`. Without `FLAGCX_UNIQUE_ID` the id is derived from the launcher's
     /// job identifier (see [`UniqueId::derived`]).
     pub fn from_env() -> Result<Self> {
+        Self::from_lookup(var)
+    }
+
+    /// [`RankEnv::from_env`] over any variable lookup (tests pass a map).
+    pub fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let var = |n: &str| var(n).filter(|v| !v.trim().is_empty());
         let get = |n: &str| var(n).map(|v| parse_usize(n, &v)).transpose();
         let (rank, nranks, local, source) =
             if let (Some(r), Some(n)) = (get("FLAGCX_RANK")?, get("FLAGCX_NRANKS")?) {
@@ -273,6 +279,77 @@ mod tests {
         assert!(parse_bool("X", "yes").unwrap());
         assert!(!parse_bool("X", "0").unwrap());
         assert!(parse_bool("X", "maybe").is_err());
+    }
+
+    fn lookup(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: std::collections::HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn rank_comes_from_flagcx_torchrun_or_open_mpi() {
+        let id = UniqueId::random().unwrap().to_string();
+        let e = RankEnv::from_lookup(lookup(&[
+            ("FLAGCX_RANK", "2"),
+            ("FLAGCX_NRANKS", "4"),
+            ("FLAGCX_UNIQUE_ID", &id),
+        ]))
+        .unwrap();
+        assert_eq!(
+            (e.rank, e.nranks, e.local_rank, e.source),
+            (2, 4, 2, "flagcx")
+        );
+        assert_eq!(e.id.to_string(), id);
+
+        let torch = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "1"),
+            ("TORCHELASTIC_RUN_ID", "j7"),
+        ];
+        let t = RankEnv::from_lookup(lookup(&torch)).unwrap();
+        assert_eq!(
+            (t.rank, t.nranks, t.local_rank, t.source),
+            (1, 2, 1, "torchrun")
+        );
+        // Every rank of the job derives the same id.
+        assert_eq!(t.id, RankEnv::from_lookup(lookup(&torch)).unwrap().id);
+
+        let mpi = [
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "8"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "3"),
+            ("OMPI_MCA_orte_ess_jobid", "12345"),
+        ];
+        let m = RankEnv::from_lookup(lookup(&mpi)).unwrap();
+        assert_eq!((m.rank, m.nranks, m.source), (3, 8, "openmpi"));
+        assert_ne!(m.id, t.id);
+    }
+
+    #[test]
+    fn malformed_or_missing_rank_variables_are_errors() {
+        assert!(RankEnv::from_lookup(lookup(&[])).is_err());
+        let bad = [("FLAGCX_RANK", "x"), ("FLAGCX_NRANKS", "2")];
+        let e = RankEnv::from_lookup(lookup(&bad)).unwrap_err();
+        assert!(e.to_string().contains("FLAGCX_RANK"), "{e}");
+        let out_of_range = [
+            ("FLAGCX_RANK", "2"),
+            ("FLAGCX_NRANKS", "2"),
+            ("FLAGCX_UNIQUE_ID", "fx1-00-00"),
+        ];
+        assert!(RankEnv::from_lookup(lookup(&out_of_range)).is_err());
+        // torchrun without a job identifier cannot derive a shared id.
+        let no_job = [("RANK", "0"), ("WORLD_SIZE", "2")];
+        assert!(RankEnv::from_lookup(lookup(&no_job)).is_err());
+        let forged = [
+            ("FLAGCX_RANK", "0"),
+            ("FLAGCX_NRANKS", "2"),
+            ("FLAGCX_UNIQUE_ID", "fx1-zz"),
+        ];
+        assert!(RankEnv::from_lookup(lookup(&forged)).is_err());
     }
 
     #[test]
