@@ -1,12 +1,14 @@
 //! The communicator: point-to-point operations between the ranks of a job.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use flagcx_adaptor::{DeviceAdaptor, DeviceBuffer, DevicePtr, Stream, StreamHandle, WaitCondition};
+use flagcx_adaptor::{
+    DeviceAdaptor, DeviceBuffer, DevicePtr, EventHandle, Stream, StreamHandle, WaitCondition,
+};
 
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::channel::{Channel, Geometry};
@@ -71,7 +73,10 @@ pub struct Comm<A: DeviceAdaptor> {
     next_seq: AtomicU64,
     group: Mutex<Option<Vec<(Op, StreamHandle)>>>,
     /// Streams this communicator made wait on its watermark (synchronized before teardown).
-    joined: Mutex<BTreeSet<u64>>,
+    /// Per joined stream, an event of ours recorded right after its last join: teardown waits
+    /// on it, so the watermark page outlives every wait on it even if the caller already
+    /// destroyed the stream (a destroyed stream still runs what was queued).
+    joined: Mutex<HashMap<u64, EventHandle>>,
     page: WatermarkPage,
     config: Config,
     _boot: Arc<Bootstrap>,
@@ -186,7 +191,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             proxy: Some(handle),
             next_seq: AtomicU64::new(1),
             group: Mutex::new(None),
-            joined: Mutex::new(BTreeSet::new()),
+            joined: Mutex::new(HashMap::new()),
             page,
             config,
             _boot: boot,
@@ -425,12 +430,12 @@ impl<A: DeviceAdaptor> Comm<A> {
         if join == StreamJoin::None {
             return Ok(());
         }
-        lock(&self.joined).insert(stream.0);
         let caps = self.adaptor.capabilities();
         match self.page.device {
             Some(word) if caps.stream_mem_ops && join != StreamJoin::HostFn => {
                 // SAFETY: the word lives in the registered watermark page, which outlives every
-                // stream wait (Drop releases and synchronizes joined streams before unmapping).
+                // stream wait (Drop releases the waits and waits for each joined stream's
+                // last-join event before unmapping).
                 unsafe {
                     self.adaptor.stream_wait_value32(
                         stream,
@@ -446,6 +451,16 @@ impl<A: DeviceAdaptor> Comm<A> {
                     .launch_host_func(stream, Box::new(move || shared.wait_watermark(seq)))?;
             }
         }
+        let mut joined = lock(&self.joined);
+        let ev = match joined.get(&stream.0) {
+            Some(&e) => e,
+            None => {
+                let e = self.adaptor.event_create(false)?;
+                joined.insert(stream.0, e);
+                e
+            }
+        };
+        self.adaptor.event_record(ev, stream)?;
         Ok(())
     }
 }
@@ -469,8 +484,9 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
             *lock(&self.shared.watermark) = max;
             self.shared.watermark_cv.notify_all();
         }
-        for &s in lock(&self.joined).iter() {
-            let _ = self.adaptor.stream_synchronize(StreamHandle(s));
+        for (_, ev) in lock(&self.joined).drain() {
+            let _ = self.adaptor.event_synchronize(ev);
+            let _ = self.adaptor.event_destroy(ev);
         }
         self.page.release(&self.adaptor);
     }
@@ -515,7 +531,7 @@ impl WatermarkPage {
 
     fn release<A: DeviceAdaptor>(&mut self, adaptor: &A) {
         if self.device.take().is_some() {
-            // SAFETY: every joined stream was synchronized; nothing reads the page any more.
+            // SAFETY: every joined stream passed its last wait; nothing reads the page any more.
             let _ = unsafe { adaptor.host_unregister(self.host) };
         }
         // SAFETY: our mapping of one page.

@@ -300,7 +300,13 @@ pub(crate) struct Proxy<A: DeviceAdaptor> {
 
 /// What one pass over a step achieved.
 enum Progress {
-    Idle,
+    /// Nothing moved. `on_peer`: the step waits for the peer (its descriptor, answer, data or
+    /// free slots) rather than for work of ours in flight — only such a step fails when the
+    /// peer is gone; one finishing its own copies of data the peer already handed over must
+    /// be allowed to finish.
+    Idle {
+        on_peer: bool,
+    },
     Moved,
     Done(Result<usize>),
 }
@@ -493,9 +499,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                         self.requeue_front(p, dir, step);
                         break;
                     }
-                    Progress::Idle => {
+                    Progress::Idle { on_peer } => {
                         let stalled = self.timeout.filter(|t| step.progressed.elapsed() > *t);
-                        match (lost, stalled) {
+                        match (lost.filter(|_| on_peer), stalled) {
                             (Some(reason), _) => {
                                 moved = true;
                                 self.abandon_chunks(p, dir);
@@ -564,7 +570,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     return Err(remote_failure(p));
                 }
                 if conn.out.load(Counter::RecvPosted) <= step.index {
-                    return Ok(Progress::Idle);
+                    return Ok(Progress::Idle { on_peer: true });
                 }
                 let desc = conn.out.read_recv_desc(step.index)?;
                 step.matched = Some(Instant::now());
@@ -609,7 +615,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
             }
             Phase::Copying(ev) => {
                 if !self.adaptor.event_query(ev)? {
-                    return Ok(Progress::Idle);
+                    return Ok(Progress::Idle { on_peer: false });
                 }
                 self.free_events.push(ev);
                 let conn = self.peers[p].as_mut().expect("present");
@@ -667,7 +673,11 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 Ok(if moved {
                     Progress::Moved
                 } else {
-                    Progress::Idle
+                    // Waiting on the peer only when none of our copies is in flight: then the
+                    // ring is full and the receiver must drain it.
+                    Progress::Idle {
+                        on_peer: conn.send_chunks.is_empty(),
+                    }
                 })
             }
             Phase::Announce | Phase::AwaitSendDesc => unreachable!("receive phases"),
@@ -724,7 +734,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 // The descriptor window: the sender reuses send descriptor slots only after we
                 // finished the receive 64 back, which in-order completion guarantees here.
                 if step.index >= conn.inc.load(Counter::RecvDone) + DESC_RING {
-                    return Ok(Progress::Idle);
+                    return Ok(Progress::Idle { on_peer: false });
                 }
                 let bytes = step.op.bytes;
                 let desc = match conn.transport {
@@ -732,7 +742,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                         // The sender's copy engine writes straight into the buffer, so it may
                         // only be announced once earlier work on the caller's stream is done.
                         if !self.adaptor.event_query(step.op.start)? {
-                            return Ok(Progress::Idle);
+                            return Ok(Progress::Idle { on_peer: false });
                         }
                         let (base, _) = self.adaptor.mem_get_range(step.op.ptr)?;
                         RecvDesc {
@@ -759,7 +769,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     return Err(remote_failure(p));
                 }
                 if conn.inc.load(Counter::SendPosted) <= step.index {
-                    return Ok(Progress::Idle);
+                    return Ok(Progress::Idle { on_peer: true });
                 }
                 let sd: SendDesc = conn.inc.read_send_desc(step.index);
                 let bytes = step.op.bytes;
@@ -842,7 +852,11 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 Ok(if moved {
                     Progress::Moved
                 } else {
-                    Progress::Idle
+                    // Waiting on the peer only when every published chunk is already being
+                    // copied out and none of those copies is still in flight.
+                    Progress::Idle {
+                        on_peer: conn.recv_chunks.is_empty(),
+                    }
                 })
             }
             Phase::AwaitRecvDesc | Phase::Copying(_) => unreachable!("send phases"),
