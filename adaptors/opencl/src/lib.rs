@@ -90,6 +90,8 @@ struct Inner {
     /// The marker event of each event's last recording.
     recorded: Mutex<HashMap<u64, Raw<cl_event>>>,
     next_handle: AtomicU64,
+    /// Hands host functions to their thread (see `host_fn_trampoline`).
+    host_fns: Mutex<std::sync::mpsc::Sender<HostCall>>,
 }
 
 impl std::fmt::Debug for OpenClAdaptor {
@@ -209,6 +211,7 @@ impl OpenClAdaptor {
                 events: HandleSet::new("event"),
                 recorded: Mutex::default(),
                 next_handle: AtomicU64::new(0x10_0000),
+                host_fns: Mutex::new(spawn_host_fn_thread()?),
             }),
         })
     }
@@ -297,17 +300,54 @@ struct HostCall {
     gate: Raw<cl_event>,
 }
 
+/// What a marker's completion callback carries: the call, and where to hand it over.
+struct Dispatch {
+    call: HostCall,
+    to: std::sync::mpsc::Sender<HostCall>,
+}
+
+/// The marker's completion callback: hands the call to the adaptor's host-function thread.
+///
+/// The function itself never runs here: an implementation may invoke a callback at once, on
+/// the thread that registers it, when the marker is already complete (PoCL does), and a host
+/// function may block (the p2p layer's stream join does) — running it here would block the
+/// caller of `launch_host_func`.
 extern "C" fn host_fn_trampoline(marker: cl_event, _status: cl_int, user: *mut c_void) {
-    // SAFETY: `user` is the Box<HostCall> leaked by launch_host_func; OpenCL calls this once.
-    let call = unsafe { Box::from_raw(user as *mut HostCall) };
-    let HostCall { f, gate } = *call;
+    // SAFETY: `user` is the Box<Dispatch> leaked by launch_host_func; OpenCL calls this once.
+    let d = unsafe { Box::from_raw(user as *mut Dispatch) };
+    if let Err(std::sync::mpsc::SendError(call)) = d.to.send(d.call) {
+        // The adaptor is gone: run it here rather than leave the queue blocked forever.
+        run_host_call(call);
+    }
+    release(marker);
+}
+
+/// Runs one host function, then opens the barrier holding later work on its queue.
+fn run_host_call(call: HostCall) {
+    let HostCall { f, gate } = call;
     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
         eprintln!("flagcx-opencl: a host function panicked; the panic was contained");
     }
-    // Open the barrier that holds later work on the queue, then drop our references.
     let _ = cl3::event::set_user_event_status(gate.0, CL_COMPLETE);
     release(gate.0);
-    release(marker);
+}
+
+/// Starts the thread that runs host functions in the order their markers complete (one thread
+/// per adaptor, as CUDA runs host functions on one driver thread).
+fn spawn_host_fn_thread() -> Result<std::sync::mpsc::Sender<HostCall>> {
+    let (tx, rx) = std::sync::mpsc::channel::<HostCall>();
+    std::thread::Builder::new()
+        .name("flagcx-opencl-hostfn".into())
+        .spawn(move || {
+            for call in rx {
+                run_host_call(call);
+            }
+        })
+        .map_err(|source| AdaptorError::Os {
+            op: "spawn host-function thread",
+            source,
+        })?;
+    Ok(tx)
 }
 
 impl DeviceAdaptor for OpenClAdaptor {
@@ -755,7 +795,11 @@ impl DeviceAdaptor for OpenClAdaptor {
             release(marker);
             return Err(c);
         }
-        let call = Box::into_raw(Box::new(HostCall { f, gate: Raw(gate) }));
+        let to = lock(&self.inner.host_fns).clone();
+        let call = Box::into_raw(Box::new(Dispatch {
+            call: HostCall { f, gate: Raw(gate) },
+            to,
+        }));
         if let Err(c) =
             cl3::event::set_event_callback(marker, CL_COMPLETE, host_fn_trampoline, call.cast())
         {

@@ -428,6 +428,24 @@ pub fn host_functions<A: DeviceAdaptor>(a: &A) {
     }
     s.synchronize().expect("sync");
     assert_eq!(*seen.lock().unwrap(), vec![1, 2, 3]);
+    // Launching never waits for the function, even on an idle stream whose function blocks
+    // (OpenCL may run a callback at once on the registering thread).
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let t = std::time::Instant::now();
+    a.launch_host_func(
+        s.handle(),
+        Box::new(move || {
+            let _ = rx.recv_timeout(Duration::from_secs(5));
+        }),
+    )
+    .expect("launch a blocking host function");
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "launch_host_func blocked until its function ran"
+    );
+    tx.send(()).expect("release");
+    s.synchronize()
+        .expect("sync after the blocking host function");
 }
 
 /// Registers a shared (memfd) mapping; the device writes through its alias and a second
