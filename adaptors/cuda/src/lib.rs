@@ -22,10 +22,10 @@ mod error;
 use std::collections::{HashMap, HashSet};
 use std::ffi::{c_void, CStr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{self, CUresult};
-use flagcx_adaptor::tracking::{HandleSet, RangeMap};
+use flagcx_adaptor::tracking::{lock, HandleSet, RangeMap};
 use flagcx_adaptor::{
     AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceProperties, DevicePtr,
     EventHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor, WaitCondition,
@@ -83,11 +83,6 @@ struct Inner {
     registered: Mutex<HashSet<u64>>,
     /// Primary contexts of peers we enabled access to, retained until drop.
     peers: Mutex<HashMap<usize, Ctx>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Updates are single inserts/removes: a poisoned lock is still consistent.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl std::fmt::Debug for CudaAdaptor {

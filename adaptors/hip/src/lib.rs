@@ -19,9 +19,9 @@ mod ffi;
 use std::collections::HashSet;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
-use flagcx_adaptor::tracking::{HandleSet, RangeMap};
+use flagcx_adaptor::tracking::{lock, HandleSet, RangeMap};
 use flagcx_adaptor::{
     AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceProperties, DevicePtr,
     EventHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor, WaitCondition,
@@ -58,11 +58,6 @@ fn check(op: &'static str, e: HipError) -> Result<()> {
     } else {
         Err(vendor_error(op, e))
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Updates are single inserts/removes: a poisoned lock is still consistent.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -20,10 +20,10 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use cl3::types::{cl_command_queue, cl_context, cl_device_id, cl_event, cl_int, cl_mem};
-use flagcx_adaptor::tracking::{HandleSet, RangeMap};
+use flagcx_adaptor::tracking::{lock, HandleSet, RangeMap};
 use flagcx_adaptor::{
     AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceProperties, DevicePtr,
     EventHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor, WaitCondition,
@@ -35,11 +35,6 @@ const VA_BASE: u64 = 0xC100_0000_0000_0000;
 /// Gap between buffers, so running off one never lands in the next.
 const VA_GUARD: u64 = 1 << 20;
 const CL_COMPLETE: cl_int = 0;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Updates are single inserts/removes: a poisoned lock is still consistent.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 fn cl_error(op: &'static str, code: cl_int) -> AdaptorError {
     AdaptorError::Vendor {

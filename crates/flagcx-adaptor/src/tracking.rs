@@ -9,9 +9,13 @@ use std::sync::{Mutex, MutexGuard};
 
 use crate::error::{AdaptorError, Result};
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every update below is a single insert or remove, so a panic elsewhere while the lock was
-    // held cannot leave the data half-updated: a poisoned lock is still consistent.
+/// Locks `m`, taking the data even if another thread panicked while holding it.
+///
+/// For state updated in single steps (one insert, one remove, one assignment) — all the state
+/// adaptors and the transports keep behind locks — a panic elsewhere cannot leave it
+/// half-updated, so a poisoned lock is still consistent and refusing it would only turn one
+/// failure into many.
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 

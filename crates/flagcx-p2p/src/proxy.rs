@@ -13,10 +13,12 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, IpcMemHandle, StreamHandle};
+
+pub(crate) use flagcx_adaptor::tracking::lock;
 
 use crate::bootstrap::Bootstrap;
 use crate::channel::{
@@ -25,11 +27,6 @@ use crate::channel::{
 };
 use crate::error::{CommError, Result};
 use crate::peer::TransportKind;
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // State behind these locks is updated in single steps; a poisoned lock is consistent.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// Send or receive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
