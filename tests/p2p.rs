@@ -232,10 +232,23 @@ fn rank_worker() {
         }
         other => panic!("unknown scenario {other}"),
     }
+    // A job run with a forced copier must really have used it on every IPC pair.
+    if std::env::var("FLAGCX_P2P_IPC_COPIER").as_deref() == Ok("lower") {
+        for q in (0..n).filter(|&q| q != me) {
+            if r.comm.transport(q) == Some(flagcx::TransportKind::Ipc) {
+                assert_eq!(
+                    r.comm.ipc_copier(q),
+                    Some(me.min(q)),
+                    "copier with rank {q}"
+                );
+            }
+        }
+    }
     println!(
-        "worker ok: rank {me} of {n}, {} via {:?}",
+        "worker ok: rank {me} of {n}, {} via {:?}, copier {:?}",
         r.adaptor.vendor(),
-        r.comm.transport(next)
+        r.comm.transport(next),
+        r.comm.ipc_copier(next)
     );
 }
 
@@ -460,6 +473,30 @@ fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) {
 #[test]
 fn ring_2_ranks() {
     job(2, &vendors("FLAGCX_P2P_TEST_VENDORS"), "ring", &[]);
+}
+
+/// The lower rank of each IPC pair copies both ways (it pulls what the higher rank sends).
+const LOWER_COPIER: &[(&str, &str)] = &[("FLAGCX_P2P_IPC_COPIER", "lower")];
+
+#[test]
+fn lower_rank_copies_both_ways() {
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    job(4, &v, "ring", LOWER_COPIER);
+    job(4, &v, "pairs", LOWER_COPIER);
+    let small_random = [LOWER_COPIER[0], ("FLAGCX_TEST_MAX", "8388608")];
+    job(4, &v, "random", &small_random);
+    job(2, &v, "bidir", LOWER_COPIER);
+    job(2, &v, "mismatch", LOWER_COPIER);
+}
+
+/// Each sender pushes (the default between ranks on different devices; on one GPU `auto` picks
+/// the lower rank, so this keeps the push path covered there).
+#[test]
+fn each_sender_copies() {
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    let sender = [("FLAGCX_P2P_IPC_COPIER", "sender")];
+    job(2, &v, "ring", &sender);
+    job(2, &v, "mismatch", &sender);
 }
 
 #[test]

@@ -338,8 +338,9 @@ fn reliability_worker() {
     }
 }
 
-/// Rank 0 sends 16 MiB to rank 1; the rank named by `FLAGCX_TEST_FAULT_RANK` fails its
-/// `FLAGCX_TEST_FAULT_OP` copy once. Both sides must report an error.
+/// Rank `FLAGCX_TEST_FAULT_SENDER` (default 0) sends 16 MiB to the other; the rank named by
+/// `FLAGCX_TEST_FAULT_RANK` fails its `FLAGCX_TEST_FAULT_OP` copy once. Both sides must report
+/// an error.
 fn fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
     use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor, INJECTED_CODE};
     let faulty_rank: usize = std::env::var("FLAGCX_TEST_FAULT_RANK")
@@ -359,13 +360,16 @@ fn fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
     let a = FaultyAdaptor::new(adaptor, op, after);
     let comm = Comm::from_env(a.clone()).expect("comm");
     let stream = Stream::new(&a).expect("stream");
+    let sender: usize = std::env::var("FLAGCX_TEST_FAULT_SENDER")
+        .map(|v| v.parse().unwrap())
+        .unwrap_or(0);
     let n = 16 << 20;
     let buf = Arc::new(DeviceBuffer::new(&a, n).expect("alloc"));
-    if me == 0 {
+    if me == sender {
         // Only the sender fills (a receiver's h2d fault must hit the transfer, not this).
         buf.write(0, &vec![7u8; n], &stream).expect("fill");
     }
-    let req = if me == 0 {
+    let req = if me == sender {
         comm.send(&buf, peer, &stream)
     } else {
         comm.recv(&buf, peer, &stream)
@@ -385,7 +389,7 @@ fn fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
     assert!(!local || a.fired(), "the fault never fired");
     // The pair is retired on the faulty side: a later operation fails at once.
     if local {
-        let again = if me == 0 {
+        let again = if me == sender {
             comm.send(&buf, peer, &stream)
         } else {
             comm.recv(&buf, peer, &stream)
@@ -483,6 +487,10 @@ fn communicators_leave_no_fds_mappings_threads_or_files() {
 }
 
 fn fault_pair(op: &str, faulty_rank: &str, staged: bool) {
+    fault_pair_with(op, faulty_rank, staged, &[]);
+}
+
+fn fault_pair_with(op: &str, faulty_rank: &str, staged: bool, extra: &[(&str, &str)]) {
     if skip_unless_vendor() {
         return;
     }
@@ -493,6 +501,7 @@ fn fault_pair(op: &str, faulty_rank: &str, staged: bool) {
     if staged {
         env.push(("FLAGCX_P2P_DISABLE", "1"));
     }
+    env.extend_from_slice(extra);
     let (r0, r1) = pair("fault", &env);
     assert_survived(&r0, &format!("rank 0, {op} fault on rank {faulty_rank}"));
     assert_survived(&r1, &format!("rank 1, {op} fault on rank {faulty_rank}"));
@@ -501,6 +510,16 @@ fn fault_pair(op: &str, faulty_rank: &str, staged: bool) {
 #[test]
 fn failed_copy_on_the_sender_errors_both_sides_ipc() {
     fault_pair("d2d", "0", false);
+}
+
+#[test]
+fn failed_pull_on_the_receiver_errors_both_sides_ipc() {
+    // Rank 1 sends; rank 0, the pair's copier, pulls and its copy fails.
+    let pull = [
+        ("FLAGCX_P2P_IPC_COPIER", "lower"),
+        ("FLAGCX_TEST_FAULT_SENDER", "1"),
+    ];
+    fault_pair_with("d2d", "0", false, &pull);
 }
 
 #[test]

@@ -179,8 +179,13 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
     let setup_ms = t0.elapsed().as_secs_f64() * 1e3;
     if me == 0 && !o.json {
         let info = comm.peer_info(next).expect("peer");
+        let copier = match comm.ipc_copier(next) {
+            Some(r) => format!(" (rank {r} copies both ways)"),
+            None if kind == TransportKind::Ipc => " (each sender copies)".to_string(),
+            None => String::new(),
+        };
         println!(
-            "# flagcx-perf {} | {} ranks | rank 0: {} device {} | rank 1: {} device {} | transport {kind} | setup + first transfer {setup_ms:.1} ms",
+            "# flagcx-perf {} | {} ranks | rank 0: {} device {} | rank 1: {} device {} | transport {kind}{copier} | setup + first transfer {setup_ms:.1} ms",
             o.test, n, adaptor.vendor(), adaptor.device(), info.vendor, info.device
         );
         println!(

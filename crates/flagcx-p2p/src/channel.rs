@@ -5,10 +5,10 @@
 //!
 //! | field | writer | meaning |
 //! |---|---|---|
-//! | `recv_posted` | receiver | receives announced (descriptor `i` = size, IPC handle, offset) |
+//! | `recv_posted` | receiver | receives announced (descriptor `i` = size, IPC handle, offset); when the receiver pulls, its verdict after the copy |
 //! | `recv_done` | receiver | receives finished (send descriptor `i` may be reused) |
 //! | `head` | receiver | staged chunks drained from the ring (slots free again) |
-//! | `send_posted` | sender | sends answered (descriptor `i` = size, status) |
+//! | `send_posted` | sender | sends answered (descriptor `i` = size, status); when the receiver pulls, the offer (size, IPC handle, offset of the source) |
 //! | `tail` | sender | staged chunks written into the ring |
 //! | `send_fault`, `recv_fault` | each side | `i + 1` when that side of message `i` failed (a vendor error): the other side fails the message too instead of waiting |
 //!
@@ -27,7 +27,7 @@ use crate::shm::ShmSegment;
 pub const DESC_RING: u64 = 64;
 const CTRL_BYTES: usize = 4096;
 const RECV_DESC_BYTES: usize = 128;
-const SEND_DESC_BYTES: usize = 16;
+const SEND_DESC_BYTES: usize = 128;
 const PAGE: usize = 4096;
 
 /// Status of a send descriptor.
@@ -68,13 +68,42 @@ pub struct RecvDesc {
     pub offset: u64,
 }
 
-/// What a sender answers for one send.
+/// What a sender answers for one send (or, when the receiver pulls, offers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SendDesc {
     /// Bytes sent.
     pub size: u64,
     /// `STATUS_*`.
     pub status: u64,
+    /// When the receiver pulls: the handle of the allocation holding the source buffer.
+    pub handle: Option<IpcMemHandle>,
+    /// When the receiver pulls: the source buffer's offset in that allocation.
+    pub offset: u64,
+}
+
+/// Descriptor layout shared by both rings: `a`, `b`, then a flag byte and an optional handle.
+fn encode_desc<const N: usize>(a: u64, b: u64, handle: Option<IpcMemHandle>) -> [u8; N] {
+    let mut out = [0u8; N];
+    out[0..8].copy_from_slice(&a.to_le_bytes());
+    out[8..16].copy_from_slice(&b.to_le_bytes());
+    if let Some(h) = handle {
+        out[16] = 1;
+        out[17..17 + IpcMemHandle::WIRE_LEN].copy_from_slice(&h.to_wire());
+    }
+    out
+}
+
+fn decode_desc(b: &[u8], what: &str) -> Result<(u64, u64, Option<IpcMemHandle>)> {
+    let a = u64::from_le_bytes(b[0..8].try_into().expect("8"));
+    let c = u64::from_le_bytes(b[8..16].try_into().expect("8"));
+    let handle = match b[16] {
+        0 => None,
+        1 => Some(IpcMemHandle::from_wire(
+            &b[17..17 + IpcMemHandle::WIRE_LEN],
+        )?),
+        x => return Err(CommError::Protocol(format!("{what} descriptor flag {x}"))),
+    };
+    Ok((a, c, handle))
 }
 
 /// The layout of a channel segment.
@@ -169,46 +198,30 @@ impl Channel {
         }
     }
 
+    fn write_desc<const N: usize>(&self, base: usize, i: u64, b: [u8; N]) {
+        // SAFETY: the descriptor slot is inside the mapping and owned by the writer until it
+        // publishes the counter.
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.slot_ptr(base, N, i), N) }
+    }
+
+    fn read_desc<const N: usize>(&self, base: usize, i: u64) -> [u8; N] {
+        let mut b = [0u8; N];
+        // SAFETY: inside the mapping; published by the writer's release store, which the
+        // caller's acquire load of the counter observed.
+        unsafe { std::ptr::copy_nonoverlapping(self.slot_ptr(base, N, i), b.as_mut_ptr(), N) }
+        b
+    }
+
     /// Writes receive descriptor `i` (receiver, before publishing `RecvPosted`).
     pub fn write_recv_desc(&self, i: u64, d: &RecvDesc) {
-        let mut b = [0u8; RECV_DESC_BYTES];
-        b[0..8].copy_from_slice(&d.size.to_le_bytes());
-        b[8..16].copy_from_slice(&d.offset.to_le_bytes());
-        if let Some(h) = d.handle {
-            b[16] = 1;
-            b[17..17 + IpcMemHandle::WIRE_LEN].copy_from_slice(&h.to_wire());
-        }
-        // SAFETY: the descriptor slot is inside the mapping and owned by the receiver until it
-        // publishes the counter.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                b.as_ptr(),
-                self.slot_ptr(self.geo.recv_descs(), RECV_DESC_BYTES, i),
-                RECV_DESC_BYTES,
-            )
-        }
+        let b = encode_desc::<RECV_DESC_BYTES>(d.size, d.offset, d.handle);
+        self.write_desc(self.geo.recv_descs(), i, b);
     }
 
     /// Reads receive descriptor `i` (sender, after seeing `RecvPosted > i`).
     pub fn read_recv_desc(&self, i: u64) -> Result<RecvDesc> {
-        let mut b = [0u8; RECV_DESC_BYTES];
-        // SAFETY: inside the mapping; published by the receiver's release store.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.slot_ptr(self.geo.recv_descs(), RECV_DESC_BYTES, i),
-                b.as_mut_ptr(),
-                RECV_DESC_BYTES,
-            )
-        }
-        let size = u64::from_le_bytes(b[0..8].try_into().expect("8"));
-        let offset = u64::from_le_bytes(b[8..16].try_into().expect("8"));
-        let handle = match b[16] {
-            0 => None,
-            1 => Some(IpcMemHandle::from_wire(
-                &b[17..17 + IpcMemHandle::WIRE_LEN],
-            )?),
-            x => return Err(CommError::Protocol(format!("receive descriptor flag {x}"))),
-        };
+        let b = self.read_desc::<RECV_DESC_BYTES>(self.geo.recv_descs(), i);
+        let (size, offset, handle) = decode_desc(&b, "receive")?;
         Ok(RecvDesc {
             size,
             handle,
@@ -218,24 +231,22 @@ impl Channel {
 
     /// Writes send descriptor `i` (sender, before publishing `SendPosted`).
     pub fn write_send_desc(&self, i: u64, d: &SendDesc) {
-        let p = self.slot_ptr(self.geo.send_descs(), SEND_DESC_BYTES, i);
-        // SAFETY: inside the mapping, 8-byte aligned, owned by the sender until published.
-        unsafe {
-            (p as *mut u64).write_volatile(d.size);
-            (p as *mut u64).add(1).write_volatile(d.status);
-        }
+        let mut b = encode_desc::<SEND_DESC_BYTES>(d.size, d.status, d.handle);
+        b[SEND_DESC_BYTES - 8..].copy_from_slice(&d.offset.to_le_bytes());
+        self.write_desc(self.geo.send_descs(), i, b);
     }
 
     /// Reads send descriptor `i` (receiver, after seeing `SendPosted > i`).
-    pub fn read_send_desc(&self, i: u64) -> SendDesc {
-        let p = self.slot_ptr(self.geo.send_descs(), SEND_DESC_BYTES, i);
-        // SAFETY: as above, published by the sender's release store.
-        unsafe {
-            SendDesc {
-                size: (p as *const u64).read_volatile(),
-                status: (p as *const u64).add(1).read_volatile(),
-            }
-        }
+    pub fn read_send_desc(&self, i: u64) -> Result<SendDesc> {
+        let b = self.read_desc::<SEND_DESC_BYTES>(self.geo.send_descs(), i);
+        let (size, status, handle) = decode_desc(&b, "send")?;
+        let offset = u64::from_le_bytes(b[SEND_DESC_BYTES - 8..].try_into().expect("8"));
+        Ok(SendDesc {
+            size,
+            status,
+            handle,
+            offset,
+        })
     }
 
     /// The data slots (staged channels): base pointer and total length.
@@ -287,9 +298,11 @@ mod tests {
             let s = SendDesc {
                 size: i,
                 status: STATUS_SIZE_MISMATCH,
+                handle: (i % 2 == 0).then_some(h),
+                offset: i * 5 + 1,
             };
             tx.write_send_desc(i, &s);
-            assert_eq!(rx.read_send_desc(i), s);
+            assert_eq!(rx.read_send_desc(i).unwrap(), s);
         }
         // SAFETY: both point into the same live 4-slot ring.
         unsafe {

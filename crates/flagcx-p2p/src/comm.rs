@@ -14,7 +14,7 @@ use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::channel::{Channel, Geometry};
 use crate::config::{Config, RankEnv, StreamJoin};
 use crate::error::{CommError, Result};
-use crate::peer::{choose_transport, PeerInfo, TransportKind};
+use crate::peer::{choose_transport, receiver_copies, PeerInfo, TransportKind};
 use crate::proxy::{lock, Dir, Op, PeerConn, Proxy, Shared, Slot};
 use crate::shm::ShmSegment;
 use crate::wire::{Reader, Tag, Writer};
@@ -68,6 +68,8 @@ pub struct Comm<A: DeviceAdaptor> {
     nranks: usize,
     infos: Vec<PeerInfo>,
     transports: Vec<Option<TransportKind>>,
+    /// Per peer: the rank that issues the IPC copies of the pair (`None`: each sender).
+    copiers: Vec<Option<usize>>,
     shared: Arc<Shared>,
     proxy: Option<JoinHandle<()>>,
     next_seq: AtomicU64,
@@ -156,6 +158,26 @@ impl<A: DeviceAdaptor> Comm<A> {
             );
             transports[q] = Some(t);
         }
+        // Per IPC peer: (the peer pulls our sends, we pull its sends).
+        let pulls: Vec<(bool, bool)> = (0..nranks)
+            .map(|q| match transports[q] {
+                Some(TransportKind::Ipc) => (
+                    receiver_copies(&infos[rank], &infos[q]),
+                    receiver_copies(&infos[q], &infos[rank]),
+                ),
+                _ => (false, false),
+            })
+            .collect();
+        for (q, &(peer_pulls, we_pull)) in pulls.iter().enumerate() {
+            if peer_pulls || we_pull {
+                let copier = if we_pull { rank } else { q };
+                tracing::info!(
+                    rank,
+                    peer = q,
+                    "rank {rank} ↔ rank {q}: rank {copier} issues the IPC copies both ways"
+                );
+            }
+        }
         let page = WatermarkPage::new(&adaptor)?;
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Vec::new()),
@@ -168,7 +190,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             first_error: Mutex::new(None),
             busy_polls: AtomicU64::new(0),
         });
-        let peers = connect_channels(&adaptor, &boot, &transports, &config)?;
+        let peers = connect_channels(&adaptor, &boot, &transports, &pulls, &config)?;
         let proxy = Proxy::new(
             adaptor.clone(),
             shared.clone(),
@@ -187,6 +209,13 @@ impl<A: DeviceAdaptor> Comm<A> {
             nranks,
             infos,
             transports,
+            copiers: pulls
+                .iter()
+                .enumerate()
+                .map(|(q, &(peer_pulls, we_pull))| {
+                    (peer_pulls || we_pull).then_some(if we_pull { rank } else { q })
+                })
+                .collect(),
             shared,
             proxy: Some(handle),
             next_seq: AtomicU64::new(1),
@@ -221,6 +250,13 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// The transport used with `peer` (`None` for this rank itself).
     pub fn transport(&self, peer: usize) -> Option<TransportKind> {
         self.transports.get(peer).copied().flatten()
+    }
+
+    /// For an IPC pair whose ranks share one copier (`FLAGCX_P2P_IPC_COPIER`), that rank: it
+    /// pushes its sends into `peer` and pulls `peer`'s sends. `None` when each sender copies
+    /// (or the pair is staged, or `peer` is this rank).
+    pub fn ipc_copier(&self, peer: usize) -> Option<usize> {
+        self.copiers.get(peer).copied().flatten()
     }
 
     /// The configuration in force.
@@ -545,6 +581,7 @@ fn connect_channels<A: DeviceAdaptor>(
     adaptor: &A,
     boot: &Bootstrap,
     transports: &[Option<TransportKind>],
+    pulls: &[(bool, bool)],
     config: &Config,
 ) -> Result<Vec<Option<PeerConn>>> {
     let geometry = |t: TransportKind| match t {
@@ -578,7 +615,7 @@ fn connect_channels<A: DeviceAdaptor>(
             continue;
         };
         match connect_one(adaptor, boot, q, transports, inc, &geometry) {
-            Ok(conn) => peers.push(Some(conn)),
+            Ok(conn) => peers.push(Some(conn.with_pulls(pulls[q]))),
             Err(e) => {
                 // Undo the rings already registered for earlier peers before the channels go.
                 for conn in peers.iter().flatten().filter(|c| c.registered) {

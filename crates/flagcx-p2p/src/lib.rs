@@ -43,6 +43,6 @@ pub mod wire;
 
 pub use bootstrap::{Bootstrap, UniqueId};
 pub use comm::{Comm, Request};
-pub use config::{Config, RankEnv, StreamJoin};
+pub use config::{Config, IpcCopier, RankEnv, StreamJoin};
 pub use error::{CommError, Result};
 pub use peer::{PeerInfo, TransportKind};

@@ -2,7 +2,7 @@
 
 use flagcx_adaptor::{Capabilities, DeviceAdaptor, Vendor};
 
-use crate::config::Config;
+use crate::config::{Config, IpcCopier};
 use crate::error::{CommError, Result};
 use crate::wire::{Reader, Writer};
 
@@ -25,6 +25,8 @@ pub struct PeerInfo {
     pub caps: Capabilities,
     /// Whether it forces the staged transport.
     pub p2p_disable: bool,
+    /// Its `FLAGCX_P2P_IPC_COPIER` setting.
+    pub ipc_copier: IpcCopier,
 }
 
 fn caps_bits(c: &Capabilities) -> u32 {
@@ -85,6 +87,7 @@ impl PeerInfo {
             pid: std::process::id(),
             caps: adaptor.capabilities(),
             p2p_disable: config.p2p_disable,
+            ipc_copier: config.ipc_copier,
         })
     }
 
@@ -99,6 +102,7 @@ impl PeerInfo {
             .u32(self.pid)
             .u32(caps_bits(&self.caps))
             .u8(self.p2p_disable as u8)
+            .u8(self.ipc_copier.code())
             .finish()
     }
 
@@ -125,6 +129,10 @@ impl PeerInfo {
             1 => true,
             x => return Err(CommError::Protocol(format!("peer info: flag {x}"))),
         };
+        let code = r.u8()?;
+        let ipc_copier = IpcCopier::from_code(code).ok_or_else(|| {
+            CommError::Protocol(format!("peer info: unknown IPC copier code {code}"))
+        })?;
         r.end()?;
         Ok(PeerInfo {
             rank,
@@ -135,8 +143,31 @@ impl PeerInfo {
             pid,
             caps,
             p2p_disable,
+            ipc_copier,
         })
     }
+
+    fn same_device(&self, other: &PeerInfo) -> bool {
+        self.vendor == other.vendor
+            && self.host_id == other.host_id
+            && match (&self.pci_bus_id, &other.pci_bus_id) {
+                (Some(a), Some(b)) => a == b,
+                _ => self.device == other.device,
+            }
+    }
+}
+
+/// For an IPC pair, whether the receiver of `sender → receiver` issues the copy itself (pulls
+/// from the sender's buffer) instead of the sender pushing into its buffer. Both ranks compute
+/// it from the same all-gathered facts, so they agree without talking.
+pub fn receiver_copies(sender: &PeerInfo, receiver: &PeerInfo) -> bool {
+    let resolve = |c: IpcCopier| match c {
+        IpcCopier::Auto if sender.same_device(receiver) => IpcCopier::Lower,
+        IpcCopier::Auto => IpcCopier::Sender,
+        c => c,
+    };
+    let (a, b) = (resolve(sender.ipc_copier), resolve(receiver.ipc_copier));
+    a == IpcCopier::Lower && b == IpcCopier::Lower && receiver.rank < sender.rank
 }
 
 /// How a pair of ranks moves bytes.
@@ -190,6 +221,7 @@ mod tests {
                 ..Default::default()
             },
             p2p_disable: false,
+            ipc_copier: IpcCopier::Auto,
         }
     }
 
@@ -214,9 +246,34 @@ mod tests {
         p.host_id = String::new();
         p.pci_bus_id = None;
         let mut b = p.encode();
-        let caps_at = b.len() - 5;
+        let caps_at = b.len() - 6;
         b[caps_at + 1] |= 0x02; // bit 9
         assert!(PeerInfo::decode(&b).is_err());
+    }
+
+    #[test]
+    fn exactly_the_lower_rank_copies_when_both_agree() {
+        let (mut a, mut b) = (info(0, Vendor::Cuda), info(1, Vendor::Cuda));
+        // Same device, auto: rank 0 pushes to 1 and pulls from 1.
+        assert!(receiver_copies(&b, &a));
+        assert!(!receiver_copies(&a, &b));
+        // Different devices, auto: each sender pushes.
+        b.pci_bus_id = Some("0000:3c:00.0".into());
+        assert!(!receiver_copies(&b, &a) && !receiver_copies(&a, &b));
+        // Forced on: lower rank copies whatever the devices.
+        a.ipc_copier = IpcCopier::Lower;
+        b.ipc_copier = IpcCopier::Lower;
+        assert!(receiver_copies(&b, &a) && !receiver_copies(&a, &b));
+        // Disagreement falls back to the sender for both directions.
+        b.ipc_copier = IpcCopier::Sender;
+        assert!(!receiver_copies(&b, &a) && !receiver_copies(&a, &b));
+        // Without bus ids the device index decides.
+        let (mut c, mut d) = (info(2, Vendor::Host), info(5, Vendor::Host));
+        c.pci_bus_id = None;
+        d.pci_bus_id = None;
+        assert!(receiver_copies(&d, &c));
+        d.device = 3;
+        assert!(!receiver_copies(&d, &c));
     }
 
     #[test]

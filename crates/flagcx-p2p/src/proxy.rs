@@ -153,6 +153,10 @@ pub(crate) struct PeerConn {
     pub inc: Channel,
     /// Whether both rings were registered with the adaptor (unregistered at teardown).
     pub registered: bool,
+    /// IPC: the peer pulls what this rank sends (it is the pair's copier).
+    pub peer_pulls: bool,
+    /// IPC: this rank pulls what the peer sends (this rank is the pair's copier).
+    pub we_pull: bool,
     sends: VecDeque<Step>,
     recvs: VecDeque<Step>,
     next_send: u64,
@@ -180,6 +184,8 @@ impl PeerConn {
             out,
             inc,
             registered,
+            peer_pulls: false,
+            we_pull: false,
             sends: VecDeque::new(),
             recvs: VecDeque::new(),
             next_send: 0,
@@ -192,6 +198,13 @@ impl PeerConn {
             recv_chunks: VecDeque::new(),
             lost: None,
         }
+    }
+
+    /// Sets who copies on this IPC pair: `(the peer pulls our sends, we pull the peer's)`.
+    pub fn with_pulls(mut self, (peer_pulls, we_pull): (bool, bool)) -> Self {
+        self.peer_pulls = peer_pulls;
+        self.we_pull = we_pull;
+        self
     }
 
     fn idle(&self) -> bool {
@@ -265,10 +278,19 @@ enum Phase {
     AwaitRecvDesc,
     /// Sender (IPC): the copy into the receiver's memory is in flight.
     Copying(EventHandle),
+    /// Sender (IPC, the receiver pulls): waiting for the caller's stream, then offering the
+    /// source buffer.
+    Offer,
+    /// Sender (IPC, the receiver pulls): waiting for the receiver's verdict after its copy.
+    AwaitVerdict,
     /// Receiver: waiting to announce the receive (start event, descriptor window).
     Announce,
     /// Receiver: waiting for the sender's answer.
     AwaitSendDesc,
+    /// Receiver (IPC, pulling): waiting for the sender's offer.
+    AwaitOffer,
+    /// Receiver (IPC, pulling): the copy out of the sender's memory is in flight.
+    Pulling { ev: EventHandle, size: usize },
     /// Staged, either side: `total` bytes in chunks, `issued` of them issued so far.
     Chunks {
         total: usize,
@@ -394,11 +416,21 @@ impl<A: DeviceAdaptor> Proxy<A> {
         let (index, phase) = match op.dir {
             Dir::Send => {
                 conn.next_send += 1;
-                (conn.next_send - 1, Phase::AwaitRecvDesc)
+                let first = if conn.peer_pulls {
+                    Phase::Offer
+                } else {
+                    Phase::AwaitRecvDesc
+                };
+                (conn.next_send - 1, first)
             }
             Dir::Recv => {
                 conn.next_recv += 1;
-                (conn.next_recv - 1, Phase::Announce)
+                let first = if conn.we_pull {
+                    Phase::AwaitOffer
+                } else {
+                    Phase::Announce
+                };
+                (conn.next_recv - 1, first)
             }
         };
         let step = Step {
@@ -619,6 +651,56 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 answer(&conn.out, step.index, step.op.bytes, STATUS_OK);
                 Ok(Progress::Done(Ok(step.op.bytes)))
             }
+            Phase::Offer => {
+                if conn.out.load(Counter::RecvFault) > step.index {
+                    return Err(remote_failure(p));
+                }
+                // No descriptor-window check: sends to a peer run one at a time, and send `i`
+                // finished only after the receiver's verdict, i.e. after it read descriptor `i`.
+                let bytes = step.op.bytes;
+                let (handle, offset) = if bytes > 0 {
+                    // The receiver's copy engine reads straight from the buffer, so it may only
+                    // be offered once earlier work on the caller's stream is done.
+                    if !self.adaptor.event_query(step.op.start)? {
+                        return Ok(Progress::Idle { on_peer: false });
+                    }
+                    let (base, _) = self.adaptor.mem_get_range(step.op.ptr)?;
+                    let h = self.adaptor.ipc_get_handle(base)?;
+                    (Some(h), step.op.ptr.0 - base.0)
+                } else {
+                    (None, 0)
+                };
+                let sd = SendDesc {
+                    size: bytes as u64,
+                    status: STATUS_OK,
+                    handle,
+                    offset,
+                };
+                conn.out.write_send_desc(step.index, &sd);
+                conn.out.store(Counter::SendPosted, step.index + 1);
+                step.matched = Some(Instant::now());
+                step.phase = Phase::AwaitVerdict;
+                Ok(Progress::Moved)
+            }
+            Phase::AwaitVerdict => {
+                if conn.out.load(Counter::RecvFault) > step.index {
+                    return Err(remote_failure(p));
+                }
+                if conn.out.load(Counter::RecvPosted) <= step.index {
+                    return Ok(Progress::Idle { on_peer: true });
+                }
+                let verdict = conn.out.read_recv_desc(step.index)?;
+                let bytes = step.op.bytes;
+                Ok(Progress::Done(if bytes as u64 > verdict.size {
+                    Err(CommError::SizeMismatch {
+                        peer: p,
+                        send_bytes: bytes,
+                        recv_bytes: verdict.size as usize,
+                    })
+                } else {
+                    Ok(bytes)
+                }))
+            }
             Phase::Chunks {
                 total,
                 ref mut issued,
@@ -677,30 +759,34 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     }
                 })
             }
-            Phase::Announce | Phase::AwaitSendDesc => unreachable!("receive phases"),
+            Phase::Announce | Phase::AwaitSendDesc | Phase::AwaitOffer | Phase::Pulling { .. } => {
+                unreachable!("receive phases")
+            }
         }
+    }
+
+    /// Maps the peer's allocation behind `handle`, or reuses an earlier mapping of it.
+    fn open_ipc(&mut self, handle: Option<IpcMemHandle>) -> Result<DevicePtr> {
+        let handle =
+            handle.ok_or_else(|| CommError::Protocol("IPC descriptor without a handle".into()))?;
+        let key = handle.to_wire();
+        if let Some(&b) = self.ipc_cache.get(&key) {
+            return Ok(b);
+        }
+        if self.ipc_cache.len() >= 256 {
+            self.flush_ipc_cache();
+        }
+        let b = self.adaptor.ipc_open_handle(&handle)?;
+        if let Some(p) = self.profile.as_mut() {
+            p.ipc_opens += 1;
+        }
+        self.ipc_cache.insert(key, b);
+        Ok(b)
     }
 
     /// Opens (or reuses) the receiver's allocation and enqueues the one copy into it.
     fn issue_ipc_copy(&mut self, step: &Step, desc: &RecvDesc) -> Result<EventHandle> {
-        let handle = desc
-            .handle
-            .ok_or_else(|| CommError::Protocol("IPC receive descriptor without a handle".into()))?;
-        let key = handle.to_wire();
-        let base = match self.ipc_cache.get(&key) {
-            Some(&b) => b,
-            None => {
-                if self.ipc_cache.len() >= 256 {
-                    self.flush_ipc_cache();
-                }
-                let b = self.adaptor.ipc_open_handle(&handle)?;
-                if let Some(p) = self.profile.as_mut() {
-                    p.ipc_opens += 1;
-                }
-                self.ipc_cache.insert(key, b);
-                b
-            }
-        };
+        let base = self.open_ipc(desc.handle)?;
         order_after(&self.adaptor, self.send_stream, step.op.start)?;
         let dst = DevicePtr(base.0 + desc.offset);
         // SAFETY: `dst..dst+bytes` lies in the receiver's buffer (it announced `desc.size >=
@@ -715,10 +801,34 @@ impl<A: DeviceAdaptor> Proxy<A> {
         Ok(ev)
     }
 
+    /// Opens (or reuses) the sender's allocation and enqueues the one copy out of it into the
+    /// caller's receive buffer.
+    fn issue_ipc_pull(&mut self, step: &Step, offer: &SendDesc) -> Result<EventHandle> {
+        let base = self.open_ipc(offer.handle)?;
+        order_after(&self.adaptor, self.recv_stream, step.op.start)?;
+        let src = DevicePtr(base.0 + offer.offset);
+        // SAFETY: `src..src+size` lies in the sender's buffer (it offered `size` bytes at
+        // `offset` of that allocation and keeps them until our verdict); the destination is
+        // the caller's buffer with `size <= bytes` (checked by the caller), valid until the
+        // operation completes.
+        unsafe {
+            self.adaptor.memcpy_d2d_async(
+                step.op.ptr,
+                src,
+                offer.size as usize,
+                self.recv_stream,
+            )?
+        };
+        let ev = self.event()?;
+        self.adaptor.event_record(ev, self.recv_stream)?;
+        Ok(ev)
+    }
+
     fn flush_ipc_cache(&mut self) {
         let _ = self.adaptor.stream_synchronize(self.send_stream);
+        let _ = self.adaptor.stream_synchronize(self.recv_stream);
         for (_, base) in self.ipc_cache.drain() {
-            // SAFETY: the send stream is idle, so no copy uses the mapping.
+            // SAFETY: both proxy streams are idle, so no copy uses the mapping.
             let _ = unsafe { self.adaptor.ipc_close(base) };
         }
     }
@@ -768,25 +878,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 if conn.inc.load(Counter::SendPosted) <= step.index {
                     return Ok(Progress::Idle { on_peer: true });
                 }
-                let sd: SendDesc = conn.inc.read_send_desc(step.index);
+                let sd = conn.inc.read_send_desc(step.index)?;
                 let bytes = step.op.bytes;
-                let failed = match sd.status {
-                    STATUS_OK if sd.size as usize <= bytes => None,
-                    STATUS_OK => Some(CommError::Protocol(format!(
-                        "rank {p} sent {} bytes into a {bytes}-byte receive",
-                        sd.size
-                    ))),
-                    STATUS_SIZE_MISMATCH => Some(CommError::SizeMismatch {
-                        peer: p,
-                        send_bytes: sd.size as usize,
-                        recv_bytes: bytes,
-                    }),
-                    STATUS_SENDER_FAILED => Some(CommError::RemoteFailure {
-                        peer: p,
-                        reason: "the sender's copy could not be issued".into(),
-                    }),
-                    s => Some(CommError::Protocol(format!("send status {s}"))),
-                };
+                let failed = send_failure(p, &sd, bytes, false);
                 let size = sd.size as usize;
                 if failed.is_some() || conn.transport == TransportKind::Ipc || size == 0 {
                     conn.inc.store(Counter::RecvDone, step.index + 1);
@@ -798,6 +892,40 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     started: false,
                 };
                 Ok(Progress::Moved)
+            }
+            Phase::AwaitOffer => {
+                if conn.inc.load(Counter::SendFault) > step.index {
+                    return Err(remote_failure(p));
+                }
+                if conn.inc.load(Counter::SendPosted) <= step.index {
+                    return Ok(Progress::Idle { on_peer: true });
+                }
+                let offer = conn.inc.read_send_desc(step.index)?;
+                step.matched = Some(Instant::now());
+                let bytes = step.op.bytes;
+                if let Some(e) = send_failure(p, &offer, bytes, true) {
+                    give_verdict(&conn.inc, step.index, bytes);
+                    return Ok(Progress::Done(Err(e)));
+                }
+                if offer.size == 0 {
+                    give_verdict(&conn.inc, step.index, bytes);
+                    return Ok(Progress::Done(Ok(0)));
+                }
+                let ev = self.issue_ipc_pull(step, &offer)?;
+                step.phase = Phase::Pulling {
+                    ev,
+                    size: offer.size as usize,
+                };
+                Ok(Progress::Moved)
+            }
+            Phase::Pulling { ev, size } => {
+                if !self.adaptor.event_query(ev)? {
+                    return Ok(Progress::Idle { on_peer: false });
+                }
+                self.free_events.push(ev);
+                let conn = self.peers[p].as_mut().expect("present");
+                give_verdict(&conn.inc, step.index, step.op.bytes);
+                Ok(Progress::Done(Ok(size)))
             }
             Phase::Chunks {
                 total,
@@ -856,7 +984,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     }
                 })
             }
-            Phase::AwaitRecvDesc | Phase::Copying(_) => unreachable!("send phases"),
+            Phase::AwaitRecvDesc | Phase::Copying(_) | Phase::Offer | Phase::AwaitVerdict => {
+                unreachable!("send phases")
+            }
         }
     }
 
@@ -949,7 +1079,50 @@ fn answer(out: &Channel, index: u64, bytes: usize, status: u64) {
         &SendDesc {
             size: bytes as u64,
             status,
+            handle: None,
+            offset: 0,
         },
     );
     out.store(Counter::SendPosted, index + 1);
+}
+
+/// The pulling receiver's verdict on message `index`, published once its copy finished (or
+/// it refused): its buffer size, from which the sender tells success from a size mismatch.
+fn give_verdict(inc: &Channel, index: u64, recv_bytes: usize) {
+    let d = RecvDesc {
+        size: recv_bytes as u64,
+        handle: None,
+        offset: 0,
+    };
+    inc.write_recv_desc(index, &d);
+    inc.store(Counter::RecvPosted, index + 1);
+    inc.store(Counter::RecvDone, index + 1);
+}
+
+/// Why a receive of `bytes` cannot take the sender's descriptor `sd`, if it cannot. A pushing
+/// sender checks sizes itself and reports a mismatch in the status; a pulling receiver sees the
+/// sender's size in the offer and is the one to find it too large.
+fn send_failure(peer: usize, sd: &SendDesc, bytes: usize, pulling: bool) -> Option<CommError> {
+    match sd.status {
+        STATUS_OK if sd.size as usize <= bytes => None,
+        STATUS_OK if pulling => Some(CommError::SizeMismatch {
+            peer,
+            send_bytes: sd.size as usize,
+            recv_bytes: bytes,
+        }),
+        STATUS_OK => Some(CommError::Protocol(format!(
+            "rank {peer} sent {} bytes into a {bytes}-byte receive",
+            sd.size
+        ))),
+        STATUS_SIZE_MISMATCH => Some(CommError::SizeMismatch {
+            peer,
+            send_bytes: sd.size as usize,
+            recv_bytes: bytes,
+        }),
+        STATUS_SENDER_FAILED => Some(CommError::RemoteFailure {
+            peer,
+            reason: "the sender's copy could not be issued".into(),
+        }),
+        s => Some(CommError::Protocol(format!("send status {s}"))),
+    }
 }

@@ -4,6 +4,7 @@
 
 use flagcx_adaptor::{Capabilities, IpcMemHandle, Vendor};
 use flagcx_p2p::channel::{Channel, Geometry, RecvDesc};
+use flagcx_p2p::config::IpcCopier;
 use flagcx_p2p::peer::PeerInfo;
 use flagcx_p2p::wire::{self, Reader, Tag, HEADER_LEN, MAX_PAYLOAD};
 use flagcx_p2p::UniqueId;
@@ -27,10 +28,10 @@ fn peer_info() -> impl Strategy<Value = PeerInfo> {
         ".{0,40}",
         any::<u32>(),
         any::<[bool; 8]>(),
-        any::<bool>(),
+        (any::<bool>(), 0u8..3),
     )
         .prop_map(
-            |(rank, vendor, device, pci_bus_id, host_id, pid, c, p2p_disable)| PeerInfo {
+            |(rank, vendor, device, pci_bus_id, host_id, pid, c, (p2p_disable, copier))| PeerInfo {
                 rank,
                 vendor,
                 device,
@@ -48,6 +49,7 @@ fn peer_info() -> impl Strategy<Value = PeerInfo> {
                     capture_mode: c[7],
                 },
                 p2p_disable,
+                ipc_copier: IpcCopier::from_code(copier).expect("0..3 are codes"),
             },
         )
 }
