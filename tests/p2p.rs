@@ -499,6 +499,13 @@ fn each_sender_copies() {
     job(2, &v, "mismatch", &sender);
 }
 
+/// Waiters spin before sleeping (the default on machines with 8+ cores; forced here).
+#[test]
+fn spinning_waiters() {
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    job(2, &v, "bidir", &[("FLAGCX_SPIN_US", "200")]);
+}
+
 #[test]
 fn ring_4_ranks_staged() {
     job(

@@ -115,13 +115,40 @@ struct Snapshot {
     files: Vec<String>,
 }
 
+/// Names of this process's threads.
+fn thread_names() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|t| {
+            std::fs::read_to_string(t.path().join("comm"))
+                .unwrap_or_default()
+                .trim()
+                .to_string()
+        })
+        .collect()
+}
+
+/// The host vendor's copy pool: process-wide and bounded, started by the first large copy.
+fn is_copy_pool(name: &str) -> bool {
+    #[cfg(feature = "host")]
+    let prefix = Some(flagcx::host::COPY_THREAD_PREFIX);
+    #[cfg(not(feature = "host"))]
+    let prefix: Option<&str> = None;
+    prefix.is_some_and(|p| name.starts_with(p))
+}
+
 fn snapshot() -> Snapshot {
     let count = |p: &str| std::fs::read_dir(p).map(|d| d.count()).unwrap_or(0);
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let names = thread_names();
+    let pool = names.iter().filter(|n| is_copy_pool(n)).count();
+    assert!(pool <= 8, "the copy pool grew to {pool} threads");
     Snapshot {
         fds: count("/proc/self/fd"),
         memfd_maps: maps.lines().filter(|l| l.contains("memfd:")).count(),
-        threads: count("/proc/self/task"),
+        threads: names.len() - pool,
         files: named_flagcx_files(),
     }
 }

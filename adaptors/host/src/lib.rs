@@ -17,6 +17,8 @@
 mod memory;
 mod stream;
 
+pub use stream::COPY_THREAD_PREFIX;
+
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};

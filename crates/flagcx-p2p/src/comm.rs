@@ -24,19 +24,22 @@ use crate::wire::{Reader, Tag, Writer};
 pub struct Request {
     slot: Arc<Slot>,
     seq: u64,
+    spin: Duration,
 }
 
 impl Request {
     /// Blocks until the operation finished; returns the bytes moved (for a receive: the bytes
     /// the sender sent, at most the buffer's size).
     pub fn wait(self) -> Result<usize> {
-        self.slot.wait(None).unwrap_or(Err(CommError::Aborted))
+        self.slot
+            .wait(None, self.spin)
+            .unwrap_or(Err(CommError::Aborted))
     }
 
     /// Like [`Request::wait`], giving up after `timeout` (the operation continues).
     pub fn wait_timeout(self, timeout: Duration) -> Result<usize> {
         let seq = self.seq;
-        self.slot.wait(Some(timeout)).unwrap_or_else(|| {
+        self.slot.wait(Some(timeout), self.spin).unwrap_or_else(|| {
             Err(CommError::Timeout {
                 ms: timeout.as_millis() as u64,
                 what: format!("operation {seq}"),
@@ -181,6 +184,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         let page = WatermarkPage::new(&adaptor)?;
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Vec::new()),
+            posted: AtomicU64::new(0),
             shutdown: AtomicBool::new(false),
             aborted: AtomicBool::new(false),
             watermark: Mutex::new(0),
@@ -439,7 +443,11 @@ impl<A: DeviceAdaptor> Comm<A> {
                 self.submit(vec![(op, stream)])?;
             }
         }
-        Ok(Request { slot, seq })
+        Ok(Request {
+            slot,
+            seq,
+            spin: self.config.spin,
+        })
     }
 
     /// Hands operations to the proxy, then makes each stream wait for its last one.
@@ -453,6 +461,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             *e = (*e).max(op.seq);
         }
         lock(&self.shared.inbox).extend(ops.into_iter().map(|(op, _)| op));
+        self.shared.posted.fetch_add(1, Ordering::Release);
         self.shared.wake();
         for (stream, seq) in last {
             self.join_stream(StreamHandle(stream), seq)?;

@@ -40,21 +40,29 @@ pub(crate) enum Dir {
 pub(crate) struct Slot {
     result: Mutex<Option<Result<usize>>>,
     cv: Condvar,
+    /// Set once `result` is filled, for waiters that spin before sleeping.
+    done: AtomicBool,
 }
 
 impl Slot {
     pub fn complete(&self, r: Result<usize>) {
         *lock(&self.result) = Some(r);
+        self.done.store(true, Ordering::Release);
         self.cv.notify_all();
     }
 
     pub fn is_done(&self) -> bool {
-        lock(&self.result).is_some()
+        self.done.load(Ordering::Acquire)
     }
 
-    /// Waits for the result, up to `timeout` if given.
-    pub fn wait(&self, timeout: Option<Duration>) -> Option<Result<usize>> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+    /// Waits for the result, up to `timeout` if given, spinning for up to `spin` first.
+    pub fn wait(&self, timeout: Option<Duration>, spin: Duration) -> Option<Result<usize>> {
+        let t0 = Instant::now();
+        let spin = timeout.map_or(spin, |t| spin.min(t));
+        while !spin.is_zero() && !self.is_done() && t0.elapsed() < spin {
+            std::hint::spin_loop();
+        }
+        let deadline = timeout.map(|t| t0 + t);
         let mut g = lock(&self.result);
         loop {
             if let Some(r) = g.take() {
@@ -94,6 +102,8 @@ pub(crate) struct Op {
 /// State shared between the API side and the proxy thread.
 pub(crate) struct Shared {
     pub inbox: Mutex<Vec<Op>>,
+    /// Bumped after every hand-over into `inbox`, so the proxy can poll it without the lock.
+    pub posted: AtomicU64,
     pub shutdown: AtomicBool,
     /// Set by `Comm::abort`: everything pending fails with `Aborted`, nothing new is accepted.
     pub aborted: AtomicBool,
@@ -310,6 +320,7 @@ pub(crate) struct Proxy<A: DeviceAdaptor> {
     pub chunk: usize,
     timeout: Option<Duration>,
     health_interval: Duration,
+    spin: Duration,
     profile: Option<Profile>,
     free_events: Vec<EventHandle>,
     ipc_cache: HashMap<[u8; IpcMemHandle::WIRE_LEN], DevicePtr>,
@@ -350,6 +361,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
             chunk: config.chunksize,
             timeout: config.timeout,
             health_interval: config.health_interval,
+            spin: config.spin,
             profile: std::env::var_os("FLAGCX_PROFILE").map(|_| Profile::default()),
             free_events: Vec::new(),
             ipc_cache: HashMap::new(),
@@ -366,11 +378,18 @@ impl<A: DeviceAdaptor> Proxy<A> {
         unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
         let mut spins = 0u32;
         let mut last_health = Instant::now();
+        let mut seen_posted = 0;
+        let mut last_moved = Instant::now();
         loop {
-            let new_ops = std::mem::take(&mut *lock(&self.shared.inbox));
-            let mut moved = !new_ops.is_empty();
-            for op in new_ops {
-                self.admit(op);
+            let mut moved = false;
+            let posted = self.shared.posted.load(Ordering::Acquire);
+            if posted != seen_posted {
+                seen_posted = posted;
+                let new_ops = std::mem::take(&mut *lock(&self.shared.inbox));
+                moved = !new_ops.is_empty();
+                for op in new_ops {
+                    self.admit(op);
+                }
             }
             for p in 0..self.peers.len() {
                 moved |= self.progress_peer(p);
@@ -387,6 +406,11 @@ impl<A: DeviceAdaptor> Proxy<A> {
             }
             if moved {
                 spins = 0;
+                last_moved = Instant::now();
+            } else if !self.spin.is_zero() && last_moved.elapsed() < self.spin {
+                // Hot for a while after progress, busy or not: the next step or the next
+                // operation usually comes within microseconds, and a wake-up costs more.
+                std::hint::spin_loop();
             } else if busy {
                 self.shared.busy_polls.fetch_add(1, Ordering::Relaxed);
                 spins = spins.saturating_add(1);
