@@ -144,7 +144,7 @@ fn snapshot() -> Snapshot {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
     let names = thread_names();
     let pool = names.iter().filter(|n| is_copy_pool(n)).count();
-    assert!(pool <= 8, "the copy pool grew to {pool} threads");
+    assert!(pool <= 4, "the copy pool grew to {pool} threads");
     Snapshot {
         fds: count("/proc/self/fd"),
         memfd_maps: maps.lines().filter(|l| l.contains("memfd:")).count(),

@@ -222,28 +222,33 @@ fn value_holds(addr: u64, value: u64, wide: bool, cond: WaitCondition) -> bool {
     }
 }
 
-/// Copies of at least this many bytes are split across threads.
-const PAR_MIN: usize = 256 << 10;
+/// Copies of at least this many bytes are split across threads (below, the fork-join costs
+/// more than it saves).
+const PAR_MIN: usize = 1 << 20;
 /// The smallest piece of a split copy.
-const PAR_PIECE: usize = 128 << 10;
-/// At most this many pieces: a few cores saturate a socket's memory bandwidth.
-const PAR_MAX: usize = 8;
+const PAR_PIECE: usize = 256 << 10;
+/// At most this many pieces: a few cores reach most of a socket's memory bandwidth, and more
+/// threads than free cores make every split copy wait for its slowest, preempted piece.
+const PAR_MAX: usize = 4;
 
 /// Thread-name prefix of the copy pool (tests tell its threads from leaked ones by it).
 pub const COPY_THREAD_PREFIX: &str = "flagcx-copy";
 
-/// The process-wide pool that splits large copies: at most [`PAR_MAX`] threads, started on the
-/// first large copy and kept for the process's life (a fixed cost, not a per-stream one). Its
-/// own pool, so it neither waits behind nor oversubscribes the application's rayon work.
+/// The process-wide pool that splits large copies: a quarter of the cores, at most [`PAR_MAX`]
+/// threads (none below 8 cores), started on the first large copy and kept for the process's
+/// life (a fixed cost, not a per-stream one). Its own pool, so it neither waits behind nor
+/// oversubscribes the application's rayon work.
 fn copy_pool() -> Option<&'static rayon::ThreadPool> {
     static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
     POOL.get_or_init(|| {
+        // A quarter of the cores: the rest belong to the ranks' other threads.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if cores < 2 {
+        let threads = (cores / 4).min(PAR_MAX);
+        if threads < 2 {
             return None;
         }
         rayon::ThreadPoolBuilder::new()
-            .num_threads(cores.min(PAR_MAX))
+            .num_threads(threads)
             .thread_name(|i| format!("{COPY_THREAD_PREFIX}-{i}"))
             .build()
             .ok()
@@ -258,18 +263,23 @@ fn copy_pool() -> Option<&'static rayon::ThreadPool> {
 /// # Safety
 /// Both ranges are valid for `n` bytes for the whole call.
 pub(crate) unsafe fn copy_bytes(dst: u64, src: u64, n: usize) {
+    let pool = if n >= PAR_MIN { copy_pool() } else { None };
+    // SAFETY: the caller's contract.
+    unsafe { copy_on(pool, dst, src, n) }
+}
+
+/// [`copy_bytes`] on a given pool (`None`: one thread).
+///
+/// # Safety
+/// As for [`copy_bytes`].
+unsafe fn copy_on(pool: Option<&rayon::ThreadPool>, dst: u64, src: u64, n: usize) {
     let disjoint = dst.abs_diff(src) >= n as u64;
-    let pool = if n >= PAR_MIN && disjoint {
-        copy_pool()
-    } else {
-        None
-    };
-    let Some(pool) = pool else {
+    let Some(pool) = pool.filter(|_| disjoint && n >= 2 * 64) else {
         // SAFETY: the caller's contract; `copy` allows overlap.
         unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) };
         return;
     };
-    let pieces = (n / PAR_PIECE).clamp(2, pool.current_num_threads());
+    let pieces = (n / PAR_PIECE).clamp(2, pool.current_num_threads().max(2));
     let step = n.div_ceil(pieces).next_multiple_of(64);
     use rayon::prelude::*;
     pool.install(|| {
@@ -293,16 +303,16 @@ pub(crate) unsafe fn copy_bytes(dst: u64, src: u64, n: usize) {
 }
 
 /// How long a stream waiting on a value spins before sleeping on the doorbell: `FLAGCX_SPIN_US`
-/// if set to a number, else 50 µs on machines with 8 or more cores and none below (the same
-/// policy as the p2p layer's waiters).
+/// if it is valid, else the shared rule for the ranks `flagcx-run` announced
+/// ([`flagcx_adaptor::spin::default_spin`]).
 fn wait_spin() -> Duration {
     static SPIN: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
     *SPIN.get_or_init(|| {
-        let env = std::env::var("FLAGCX_SPIN_US")
-            .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok());
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        Duration::from_micros(env.unwrap_or(if cores >= 8 { 50 } else { 0 }).min(10_000))
+        use flagcx_adaptor::spin;
+        match spin::spin_from_env() {
+            Some(Ok(d)) => d,
+            _ => spin::default_spin(spin::ranks_from_env()),
+        }
     })
 }
 
@@ -459,7 +469,22 @@ impl EventState {
 
 #[cfg(test)]
 mod tests {
-    use super::copy_bytes;
+    use super::copy_on;
+
+    /// A pool of its own, so the split path runs even where the machine gets no copy pool.
+    fn pool() -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap()
+    }
+
+    /// Copies through the split path (the pool) or the one-thread path.
+    unsafe fn copy_bytes(dst: u64, src: u64, n: usize) {
+        let p = pool();
+        // SAFETY: the caller's contract.
+        unsafe { copy_on(Some(&p), dst, src, n) }
+    }
 
     fn pattern(n: usize) -> Vec<u8> {
         (0..n).map(|i| (i * 7 + i / 251) as u8).collect()

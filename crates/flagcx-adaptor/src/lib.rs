@@ -22,6 +22,7 @@
 mod adaptor;
 mod error;
 pub mod raii;
+pub mod spin;
 pub mod tracking;
 mod types;
 

@@ -120,6 +120,10 @@ impl<A: DeviceAdaptor> Comm<A> {
         config: Config,
     ) -> Result<Self> {
         config.validate()?;
+        let mut config = config;
+        config
+            .spin
+            .get_or_insert_with(|| flagcx_adaptor::spin::default_spin(nranks));
         let caps = adaptor.capabilities();
         if config.join == StreamJoin::MemOp && !(caps.stream_mem_ops && caps.host_register) {
             return Err(CommError::config(
@@ -446,7 +450,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         Ok(Request {
             slot,
             seq,
-            spin: self.config.spin,
+            spin: self.config.spin.unwrap_or_default(),
         })
     }
 

@@ -61,9 +61,9 @@ pub struct Config {
     pub bootstrap_timeout: Duration,
     /// Force the staged transport for every pair (`FLAGCX_P2P_DISABLE=1`).
     pub p2p_disable: bool,
-    /// Bytes of shared host memory per staged channel (`FLAGCX_P2P_BUFFSIZE`, default 4 MiB).
+    /// Bytes of shared host memory per staged channel (`FLAGCX_P2P_BUFFSIZE`, default 8 MiB).
     pub buffsize: usize,
-    /// Bytes per staged chunk (`FLAGCX_P2P_CHUNKSIZE`, default 512 KiB).
+    /// Bytes per staged chunk (`FLAGCX_P2P_CHUNKSIZE`, default 1 MiB).
     pub chunksize: usize,
     /// Fail an operation that makes no progress for this long (`FLAGCX_TIMEOUT_MS`; unset or 0:
     /// never). The pair is then unusable: its later operations fail at once.
@@ -77,27 +77,16 @@ pub struct Config {
     /// auto). Ranks that disagree fall back to `sender` for their pair.
     pub ipc_copier: IpcCopier,
     /// How long a waiting thread (a [`crate::Request`] wait, the proxy between operations)
-    /// spins before it sleeps (`FLAGCX_SPIN_US`). Spinning takes a core but saves the
-    /// microseconds of a wake-up; the default, [`default_spin`], spins only where cores are
-    /// plentiful.
-    pub spin: Duration,
-}
-
-/// 50 µs on machines with at least 8 cores, else 0: on 2 cores spinners starve the threads
-/// doing the work (measured: 8 B host round trip 28 → 247 µs there).
-pub fn default_spin() -> Duration {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if cores >= 8 {
-        Duration::from_micros(50)
-    } else {
-        Duration::ZERO
-    }
+    /// spins before it sleeps (`FLAGCX_SPIN_US`). `None`: decided at [`crate::Comm::init`] by
+    /// [`flagcx_adaptor::spin::default_spin`] for the job's rank count (spin only where every
+    /// spinner gets a core).
+    pub spin: Option<Duration>,
 }
 
 /// Defaults, documented in the README's environment table.
-pub const DEFAULT_BUFFSIZE: usize = 4 << 20;
+pub const DEFAULT_BUFFSIZE: usize = 8 << 20;
 /// Default staged chunk size.
-pub const DEFAULT_CHUNKSIZE: usize = 512 << 10;
+pub const DEFAULT_CHUNKSIZE: usize = 1 << 20;
 
 impl Default for Config {
     fn default() -> Self {
@@ -110,7 +99,7 @@ impl Default for Config {
             join: StreamJoin::Auto,
             health_interval: Duration::from_millis(10),
             ipc_copier: IpcCopier::Auto,
-            spin: default_spin(),
+            spin: None,
         }
     }
 }
@@ -203,16 +192,9 @@ impl Config {
                 }
             };
         }
-        if let Some(v) = var("FLAGCX_SPIN_US") {
-            let us = parse_usize("FLAGCX_SPIN_US", &v)? as u64;
-            if us > 10_000 {
-                return Err(CommError::config(
-                    "FLAGCX_SPIN_US",
-                    &v,
-                    "must be at most 10000 (10 ms)",
-                ));
-            }
-            c.spin = Duration::from_micros(us);
+        if let Some(r) = flagcx_adaptor::spin::spin_from_env() {
+            let v = var(flagcx_adaptor::spin::SPIN_ENV).unwrap_or_default();
+            c.spin = Some(r.map_err(|why| CommError::config("FLAGCX_SPIN_US", &v, why))?);
         }
         if let Some(v) = var("FLAGCX_HEALTH_INTERVAL_MS") {
             let ms = parse_usize("FLAGCX_HEALTH_INTERVAL_MS", &v)? as u64;

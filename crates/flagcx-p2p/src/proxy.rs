@@ -361,7 +361,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
             chunk: config.chunksize,
             timeout: config.timeout,
             health_interval: config.health_interval,
-            spin: config.spin,
+            spin: config.spin.unwrap_or_default(),
             profile: std::env::var_os("FLAGCX_PROFILE").map(|_| Profile::default()),
             free_events: Vec::new(),
             ipc_cache: HashMap::new(),
