@@ -6,7 +6,7 @@
 //! generation complete — exactly the "last recording" semantics of CUDA events.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Sender};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -62,6 +62,24 @@ struct ProgressInner {
     fault: Option<String>,
 }
 
+/// The worker's next op, `None` once the stream is closed. With spinning enabled
+/// ([`wait_spin`]) an idle worker polls its queue that long before it sleeps, so a stream fed
+/// op after op (a staged transfer's chunk copies) does not pay a wake-up per op.
+fn next_op(rx: &Receiver<Op>) -> Option<Op> {
+    let spin = wait_spin();
+    let t0 = Instant::now();
+    loop {
+        match rx.try_recv() {
+            Ok(op) => return Some(op),
+            Err(TryRecvError::Disconnected) => return None,
+            Err(TryRecvError::Empty) if !spin.is_zero() && t0.elapsed() < spin => {
+                std::hint::spin_loop()
+            }
+            Err(TryRecvError::Empty) => return rx.recv().ok(),
+        }
+    }
+}
+
 /// A live stream: its queue, its counters and its worker.
 pub(crate) struct HostStream {
     tx: Mutex<Option<Sender<Op>>>,
@@ -80,7 +98,7 @@ impl HostStream {
             // Keep back-off naps short (default timer slack is 50 µs).
             // SAFETY: prctl on the calling thread with plain integer arguments.
             unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
-            for op in rx {
+            while let Some(op) = next_op(&rx) {
                 let fault = run(op, &stop);
                 let mut st = p.state.lock().unwrap_or_else(|e| e.into_inner());
                 st.completed += 1;

@@ -189,6 +189,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Vec::new()),
             posted: AtomicU64::new(0),
+            spare_events: Mutex::new(Vec::new()),
             shutdown: AtomicBool::new(false),
             aborted: AtomicBool::new(false),
             watermark: Mutex::new(0),
@@ -421,7 +422,11 @@ impl<A: DeviceAdaptor> Comm<A> {
                 )));
             }
         }
-        let start = self.adaptor.event_create(false)?;
+        let spare = lock(&self.shared.spare_events).pop();
+        let start = match spare {
+            Some(e) => e,
+            None => self.adaptor.event_create(false)?,
+        };
         if let Err(e) = self.adaptor.event_record(start, stream) {
             let _ = self.adaptor.event_destroy(start);
             return Err(e.into());

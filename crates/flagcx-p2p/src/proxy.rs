@@ -104,6 +104,9 @@ pub(crate) struct Shared {
     pub inbox: Mutex<Vec<Op>>,
     /// Bumped after every hand-over into `inbox`, so the proxy can poll it without the lock.
     pub posted: AtomicU64,
+    /// Completed start events, recycled by the API side (creating one per operation costs a
+    /// runtime call and an allocation on the latency path).
+    pub spare_events: Mutex<Vec<EventHandle>>,
     pub shutdown: AtomicBool,
     /// Set by `Comm::abort`: everything pending fails with `Aborted`, nothing new is accepted.
     pub aborted: AtomicBool,
@@ -479,9 +482,15 @@ impl<A: DeviceAdaptor> Proxy<A> {
             }
             tracing::debug!(seq = op.seq, peer = op.peer, "operation failed: {e}");
         }
-        // The start event has served its purpose. Destroying an event that a stream may still
-        // have to pass is allowed (runtimes release it once it completes).
-        let _ = self.adaptor.event_destroy(op.start);
+        // The start event has served its purpose: recycle it if it completed, else destroy it
+        // (allowed while a stream still has to pass it: runtimes release it once it completes).
+        let mut spares = lock(&self.shared.spare_events);
+        if spares.len() < 1024 && self.adaptor.event_query(op.start).unwrap_or(false) {
+            spares.push(op.start);
+        } else {
+            let _ = self.adaptor.event_destroy(op.start);
+        }
+        drop(spares);
         op.slot.complete(r);
         drop(op.keep);
         self.finished.insert(op.seq);
@@ -1061,7 +1070,8 @@ impl<A: DeviceAdaptor> Proxy<A> {
             self.finish(op, Err(CommError::Aborted));
         }
         self.flush_ipc_cache();
-        for e in self.free_events.drain(..) {
+        let spares = std::mem::take(&mut *lock(&self.shared.spare_events));
+        for e in self.free_events.drain(..).chain(spares) {
             let _ = self.adaptor.event_destroy(e);
         }
         for conn in self.peers.iter_mut().flatten() {
