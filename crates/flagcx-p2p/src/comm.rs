@@ -422,15 +422,23 @@ impl<A: DeviceAdaptor> Comm<A> {
                 )));
             }
         }
-        let spare = lock(&self.shared.spare_events).pop();
-        let start = match spare {
-            Some(e) => e,
-            None => self.adaptor.event_create(false)?,
+        // Where the caller's stream has nothing pending, there is nothing to order after: skip
+        // the event (on a GPU its record is work in this process's context, which another
+        // process on the same GPU would have to wait out).
+        let start = if self.adaptor.stream_query(stream)? {
+            None
+        } else {
+            let spare = lock(&self.shared.spare_events).pop();
+            let start = match spare {
+                Some(e) => e,
+                None => self.adaptor.event_create(false)?,
+            };
+            if let Err(e) = self.adaptor.event_record(start, stream) {
+                let _ = self.adaptor.event_destroy(start);
+                return Err(e.into());
+            }
+            Some(start)
         };
-        if let Err(e) = self.adaptor.event_record(start, stream) {
-            let _ = self.adaptor.event_destroy(start);
-            return Err(e.into());
-        }
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(Slot::default());
         let op = Op {

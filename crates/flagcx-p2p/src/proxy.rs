@@ -91,7 +91,8 @@ pub(crate) struct Op {
     pub ptr: DevicePtr,
     pub bytes: usize,
     /// Recorded on the caller's stream at posting: the operation may start once it completes.
-    pub start: EventHandle,
+    /// `None` when the stream was already idle at posting (nothing to wait for).
+    pub start: Option<EventHandle>,
     pub slot: Arc<Slot>,
     /// Keeps a safe API caller's buffer alive until the operation finishes.
     pub keep: Option<Box<dyn std::any::Any + Send>>,
@@ -484,13 +485,14 @@ impl<A: DeviceAdaptor> Proxy<A> {
         }
         // The start event has served its purpose: recycle it if it completed, else destroy it
         // (allowed while a stream still has to pass it: runtimes release it once it completes).
-        let mut spares = lock(&self.shared.spare_events);
-        if spares.len() < 1024 && self.adaptor.event_query(op.start).unwrap_or(false) {
-            spares.push(op.start);
-        } else {
-            let _ = self.adaptor.event_destroy(op.start);
+        if let Some(start) = op.start {
+            let mut spares = lock(&self.shared.spare_events);
+            if spares.len() < 1024 && self.adaptor.event_query(start).unwrap_or(false) {
+                spares.push(start);
+            } else {
+                let _ = self.adaptor.event_destroy(start);
+            }
         }
-        drop(spares);
         op.slot.complete(r);
         drop(op.keep);
         self.finished.insert(op.seq);
@@ -694,7 +696,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 let (handle, offset) = if bytes > 0 {
                     // The receiver's copy engine reads straight from the buffer, so it may only
                     // be offered once earlier work on the caller's stream is done.
-                    if !self.adaptor.event_query(step.op.start)? {
+                    if !started(&self.adaptor, step.op.start)? {
                         return Ok(Progress::Idle { on_peer: false });
                     }
                     let (base, _) = self.adaptor.mem_get_range(step.op.ptr)?;
@@ -881,7 +883,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     TransportKind::Ipc if bytes > 0 => {
                         // The sender's copy engine writes straight into the buffer, so it may
                         // only be announced once earlier work on the caller's stream is done.
-                        if !self.adaptor.event_query(step.op.start)? {
+                        if !started(&self.adaptor, step.op.start)? {
                             return Ok(Progress::Idle { on_peer: false });
                         }
                         let (base, _) = self.adaptor.mem_get_range(step.op.ptr)?;
@@ -1092,11 +1094,23 @@ impl<A: DeviceAdaptor> Proxy<A> {
 
 /// Orders later work on `stream` after the caller's `start` event. When the event has already
 /// completed (the usual case by the time a peer matched), no device-side wait is enqueued.
-fn order_after<A: DeviceAdaptor>(a: &A, stream: StreamHandle, start: EventHandle) -> Result<()> {
-    if !a.event_query(start)? {
+fn order_after<A: DeviceAdaptor>(
+    a: &A,
+    stream: StreamHandle,
+    start: Option<EventHandle>,
+) -> Result<()> {
+    if let Some(start) = start.filter(|_| !started(a, start).unwrap_or(false)) {
         a.stream_wait_event(stream, start)?;
     }
     Ok(())
+}
+
+/// Whether the caller's stream passed the point where the operation was posted.
+fn started<A: DeviceAdaptor>(a: &A, start: Option<EventHandle>) -> Result<bool> {
+    match start {
+        None => Ok(true),
+        Some(e) => Ok(a.event_query(e)?),
+    }
 }
 
 fn remote_failure(peer: usize) -> CommError {
