@@ -306,6 +306,8 @@ sweep ipc-pingpong   "$perf" -t pingpong --transport ipc -b 8 -e 1G -f 4 -n 50 -
 sweep staged-sendrecv "$perf" -t sendrecv --transport staged -b 8 -e 1G -f 4 -n 10 -w 3 -c
 sweep staged-pingpong "$perf" -t pingpong --transport staged -b 8 -e 1G -f 8 -n 10 -w 3
 FLAGCX_P2P_CHUNKSIZE=4M FLAGCX_P2P_BUFFSIZE=32M sweep staged-pingpong-4m "$perf" -t pingpong --transport staged -b 64M -e 1G -f 4 -n 10 -w 3
+sweep ipc-pingpong-big "$perf" -t pingpong --transport ipc -b 64M -e 1G -f 2 -n 50 -w 10
+sweep ipc-sendrecv-big "$perf" -t sendrecv --transport ipc -b 64M -e 1G -f 2 -n 20 -w 5 -c
 FLAGCX_P2P_IPC_COPIER=sender sweep ipc-sendrecv-push "$perf" -t sendrecv --transport ipc -b 8 -e 1G -f 4 -n 20 -w 5 -c
 FLAGCX_P2P_IPC_COPIER=sender sweep ipc-pingpong-push "$perf" -t pingpong --transport ipc -b 8 -e 1G -f 4 -n 50 -w 10
 FLAGCX_STREAM_JOIN=none sweep ipc-pingpong-nojoin "$perf" -t pingpong --transport ipc -b 8 -e 1G -f 8 -n 50 -w 10
