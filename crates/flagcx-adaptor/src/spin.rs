@@ -26,16 +26,21 @@ fn spin_rule(cores: usize, ranks: usize) -> Duration {
     }
 }
 
+/// Parses a `FLAGCX_SPIN_US` value; `Err` says what is wrong with it.
+pub fn parse_spin(v: &str) -> std::result::Result<Duration, String> {
+    match v.trim().parse::<u64>() {
+        Ok(us) if us <= 10_000 => Ok(Duration::from_micros(us)),
+        Ok(_) => Err("must be at most 10000 (10 ms)".into()),
+        Err(_) => Err("expected a whole number of microseconds".into()),
+    }
+}
+
 /// `FLAGCX_SPIN_US` parsed: `None` when unset, `Some(Err(reason))` when malformed.
 pub fn spin_from_env() -> Option<std::result::Result<Duration, String>> {
     let v = std::env::var(SPIN_ENV)
         .ok()
         .filter(|v| !v.trim().is_empty())?;
-    Some(match v.trim().parse::<u64>() {
-        Ok(us) if us <= 10_000 => Ok(Duration::from_micros(us)),
-        Ok(_) => Err("must be at most 10000 (10 ms)".into()),
-        Err(_) => Err("expected a whole number of microseconds".into()),
-    })
+    Some(parse_spin(&v))
 }
 
 /// The ranks on this machine as far as a vendor library can tell without a communicator:

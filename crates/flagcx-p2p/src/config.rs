@@ -104,10 +104,6 @@ impl Default for Config {
     }
 }
 
-fn var(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
-}
-
 /// Parses a byte size: a number with an optional K/M/G suffix (powers of two).
 pub fn parse_size(name: &str, v: &str) -> Result<usize> {
     let t = v.trim();
@@ -145,6 +141,13 @@ fn parse_usize(name: &str, v: &str) -> Result<usize> {
 impl Config {
     /// Reads `FLAGCX_*` variables over the defaults.
     pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Like [`Config::from_env`], reading variables through `lookup` (blank values count as
+    /// unset).
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let var = |name: &str| lookup(name).filter(|v| !v.trim().is_empty());
         let mut c = Config::default();
         if let Some(v) = var("FLAGCX_BOOTSTRAP_TIMEOUT_MS") {
             c.bootstrap_timeout =
@@ -192,9 +195,10 @@ impl Config {
                 }
             };
         }
-        if let Some(r) = flagcx_adaptor::spin::spin_from_env() {
-            let v = var(flagcx_adaptor::spin::SPIN_ENV).unwrap_or_default();
-            c.spin = Some(r.map_err(|why| CommError::config("FLAGCX_SPIN_US", &v, why))?);
+        if let Some(v) = var(flagcx_adaptor::spin::SPIN_ENV) {
+            let spin = flagcx_adaptor::spin::parse_spin(&v)
+                .map_err(|why| CommError::config("FLAGCX_SPIN_US", &v, why))?;
+            c.spin = Some(spin);
         }
         if let Some(v) = var("FLAGCX_HEALTH_INTERVAL_MS") {
             let ms = parse_usize("FLAGCX_HEALTH_INTERVAL_MS", &v)? as u64;
@@ -260,7 +264,7 @@ impl RankEnv {
     /// `OMPI_COMM_WORLD_*`. Without `FLAGCX_UNIQUE_ID` the id is derived from the launcher's
     /// job identifier (see [`UniqueId::derived`]).
     pub fn from_env() -> Result<Self> {
-        Self::from_lookup(var)
+        Self::from_lookup(|name| std::env::var(name).ok().filter(|v| !v.trim().is_empty()))
     }
 
     /// [`RankEnv::from_env`] over any variable lookup (tests pass a map).
@@ -410,6 +414,36 @@ mod tests {
             ("FLAGCX_UNIQUE_ID", "fx1-zz"),
         ];
         assert!(RankEnv::from_lookup(lookup(&forged)).is_err());
+    }
+
+    #[test]
+    fn copier_and_spin_parse_strictly() {
+        let c = Config::from_lookup(lookup(&[
+            ("FLAGCX_P2P_IPC_COPIER", " Lower "),
+            ("FLAGCX_SPIN_US", "20"),
+        ]))
+        .unwrap();
+        assert_eq!(c.ipc_copier, IpcCopier::Lower);
+        assert_eq!(c.spin, Some(Duration::from_micros(20)));
+        let d = Config::from_lookup(lookup(&[("FLAGCX_SPIN_US", " ")])).unwrap();
+        assert_eq!(
+            (d.ipc_copier, d.spin),
+            (IpcCopier::Auto, None),
+            "blank is unset"
+        );
+        for (k, v) in [
+            ("FLAGCX_P2P_IPC_COPIER", "upper"),
+            ("FLAGCX_SPIN_US", "-1"),
+            ("FLAGCX_SPIN_US", "10001"),
+            ("FLAGCX_SPIN_US", "5us"),
+        ] {
+            let e = Config::from_lookup(lookup(&[(k, v)])).unwrap_err();
+            assert!(e.to_string().contains(k), "{k}={v}: {e}");
+        }
+        for c in [IpcCopier::Auto, IpcCopier::Sender, IpcCopier::Lower] {
+            assert_eq!(IpcCopier::from_code(c.code()), Some(c));
+        }
+        assert_eq!(IpcCopier::from_code(3), None);
     }
 
     #[test]
