@@ -175,9 +175,15 @@ impl<A: DeviceAdaptor> Comm<A> {
                 _ => (false, false),
             })
             .collect();
-        for (q, &(peer_pulls, we_pull)) in pulls.iter().enumerate() {
-            if peer_pulls || we_pull {
-                let copier = if we_pull { rank } else { q };
+        let copiers: Vec<Option<usize>> = pulls
+            .iter()
+            .enumerate()
+            .map(|(q, &(peer_pulls, we_pull))| {
+                (peer_pulls || we_pull).then_some(if we_pull { rank } else { q })
+            })
+            .collect();
+        for (q, copier) in copiers.iter().enumerate() {
+            if let Some(copier) = copier {
                 tracing::info!(
                     rank,
                     peer = q,
@@ -218,13 +224,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             nranks,
             infos,
             transports,
-            copiers: pulls
-                .iter()
-                .enumerate()
-                .map(|(q, &(peer_pulls, we_pull))| {
-                    (peer_pulls || we_pull).then_some(if we_pull { rank } else { q })
-                })
-                .collect(),
+            copiers,
             shared,
             proxy: Some(handle),
             next_seq: AtomicU64::new(1),

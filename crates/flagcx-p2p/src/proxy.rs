@@ -699,9 +699,8 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     if !started(&self.adaptor, step.op.start)? {
                         return Ok(Progress::Idle { on_peer: false });
                     }
-                    let (base, _) = self.adaptor.mem_get_range(step.op.ptr)?;
-                    let h = self.adaptor.ipc_get_handle(base)?;
-                    (Some(h), step.op.ptr.0 - base.0)
+                    let (h, offset) = export(&self.adaptor, step.op.ptr)?;
+                    (Some(h), offset)
                 } else {
                     (None, 0)
                 };
@@ -886,11 +885,11 @@ impl<A: DeviceAdaptor> Proxy<A> {
                         if !started(&self.adaptor, step.op.start)? {
                             return Ok(Progress::Idle { on_peer: false });
                         }
-                        let (base, _) = self.adaptor.mem_get_range(step.op.ptr)?;
+                        let (h, offset) = export(&self.adaptor, step.op.ptr)?;
                         RecvDesc {
                             size: bytes as u64,
-                            handle: Some(self.adaptor.ipc_get_handle(base)?),
-                            offset: step.op.ptr.0 - base.0,
+                            handle: Some(h),
+                            offset,
                         }
                     }
                     _ => RecvDesc {
@@ -1103,6 +1102,13 @@ fn order_after<A: DeviceAdaptor>(
         a.stream_wait_event(stream, start)?;
     }
     Ok(())
+}
+
+/// The IPC handle of the allocation holding `ptr`, and `ptr`'s offset in it: what a peer needs
+/// to reach the buffer (the receiver's for a push, the sender's for a pull).
+fn export<A: DeviceAdaptor>(a: &A, ptr: DevicePtr) -> Result<(IpcMemHandle, u64)> {
+    let (base, _) = a.mem_get_range(ptr)?;
+    Ok((a.ipc_get_handle(base)?, ptr.0 - base.0))
 }
 
 /// Whether the caller's stream passed the point where the operation was posted.
