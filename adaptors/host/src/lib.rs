@@ -25,10 +25,10 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use flagcx_adaptor::hostmem::{self, HostMemHandle};
 use flagcx_adaptor::{
     AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceProperties, DevicePtr,
     EventHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor, WaitCondition,
-    IPC_HANDLE_BYTES,
 };
 
 use memory::{registry, RangeKind};
@@ -38,7 +38,6 @@ use stream::{EventState, HostStream, Op};
 pub const DEVICES_ENV: &str = "FLAGCX_HOST_DEVICES";
 /// Host devices presented when [`DEVICES_ENV`] is unset.
 pub const DEFAULT_DEVICES: usize = 8;
-const HANDLE_MAGIC: &[u8; 4] = b"FXH1";
 const VENDOR: Vendor = Vendor::Host;
 
 thread_local! {
@@ -214,56 +213,7 @@ impl HostAdaptor {
 
 /// Encodes a byte-form handle naming descriptor `fd` of this process.
 fn encode_handle(fd: &OwnedFd, size: usize) -> Result<IpcMemHandle> {
-    let (ino, dev) = memory::fd_identity(fd)?;
-    let mut b = [0u8; IPC_HANDLE_BYTES];
-    b[0..4].copy_from_slice(HANDLE_MAGIC);
-    b[4..8].copy_from_slice(&std::process::id().to_le_bytes());
-    b[8..12].copy_from_slice(&fd.as_raw_fd().to_le_bytes());
-    b[16..24].copy_from_slice(&(size as u64).to_le_bytes());
-    b[24..32].copy_from_slice(&ino.to_le_bytes());
-    b[32..40].copy_from_slice(&dev.to_le_bytes());
-    Ok(IpcMemHandle {
-        vendor: VENDOR,
-        bytes: b,
-    })
-}
-
-struct DecodedHandle {
-    pid: u32,
-    fd: i32,
-    size: usize,
-    ino: u64,
-    dev: u64,
-}
-
-fn decode_handle(h: &IpcMemHandle) -> Result<DecodedHandle> {
-    const OP: &str = "ipc_open_handle";
-    if h.vendor != VENDOR {
-        return Err(AdaptorError::invalid(
-            OP,
-            format!("a {} handle cannot be opened by the host vendor", h.vendor),
-        ));
-    }
-    let b = &h.bytes;
-    if &b[0..4] != HANDLE_MAGIC || b[40..].iter().any(|&x| x != 0) {
-        return Err(AdaptorError::invalid(OP, "not a host-vendor IPC handle"));
-    }
-    let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-    let d = DecodedHandle {
-        pid: u32::from_le_bytes(b[4..8].try_into().expect("4 bytes")),
-        fd: i32::from_le_bytes(b[8..12].try_into().expect("4 bytes")),
-        size: usize::try_from(u64_at(16))
-            .map_err(|_| AdaptorError::invalid(OP, "size does not fit this platform"))?,
-        ino: u64_at(24),
-        dev: u64_at(32),
-    };
-    if d.fd < 0 || d.size == 0 || d.pid == 0 {
-        return Err(AdaptorError::invalid(
-            OP,
-            "malformed host-vendor IPC handle",
-        ));
-    }
-    Ok(d)
+    Ok(HostMemHandle::of_fd(fd, size)?.encode())
 }
 
 fn dup_cloexec(op: &'static str, fd: &OwnedFd) -> Result<OwnedFd> {
@@ -620,30 +570,8 @@ impl DeviceAdaptor for HostAdaptor {
 
     fn ipc_open_handle(&self, handle: &IpcMemHandle) -> Result<DevicePtr> {
         const OP: &str = "ipc_open_handle";
-        let d = decode_handle(handle)?;
-        let path = format!("/proc/{}/fd/{}\0", d.pid, d.fd);
-        // SAFETY: `path` is NUL-terminated; the result is checked.
-        let raw = unsafe { libc::open(path.as_ptr().cast(), libc::O_RDWR | libc::O_CLOEXEC) };
-        if raw < 0 {
-            let err = std::io::Error::last_os_error();
-            return Err(AdaptorError::invalid(
-                OP,
-                format!(
-                    "cannot reach the exporter's allocation (pid {}, fd {}): {err}; \
-                     the exporting process or allocation is gone, or the handle is forged",
-                    d.pid, d.fd
-                ),
-            ));
-        }
-        // SAFETY: a new descriptor we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // The fd number may have been reused by the exporter: the inode proves identity.
-        if memory::fd_identity(&fd)? != (d.ino, d.dev) || memory::fd_size(&fd)? < d.size {
-            return Err(AdaptorError::invalid(
-                OP,
-                "the handle's allocation no longer exists (stale handle)",
-            ));
-        }
+        let d = HostMemHandle::decode(OP, handle)?;
+        let fd = d.open(OP)?;
         map_opened(OP, fd, d.size)
     }
 
@@ -684,7 +612,7 @@ impl DeviceAdaptor for HostAdaptor {
             return Err(AdaptorError::invalid(OP, "zero-size handle"));
         }
         let fd = dup_cloexec(OP, &handle.fd)?;
-        let have = memory::fd_size(&fd)?;
+        let have = hostmem::fd_size(&fd)?;
         if have < handle.size {
             return Err(AdaptorError::invalid(
                 OP,

@@ -53,24 +53,7 @@ pub(crate) fn memfd(len: usize) -> Result<OwnedFd> {
     Ok(fd)
 }
 
-/// Maps `len` bytes of `fd` shared and read-write.
-pub(crate) fn map_shared(fd: &OwnedFd, len: usize) -> Result<u64> {
-    // SAFETY: a new mapping at an address the kernel picks; result checked.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd.as_raw_fd(),
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(AdaptorError::last_os("mmap"));
-    }
-    Ok(p as u64)
-}
+pub(crate) use flagcx_adaptor::hostmem::map_shared;
 
 /// Maps `len` bytes of private anonymous memory.
 pub(crate) fn map_anonymous(len: usize) -> Result<u64> {
@@ -100,28 +83,6 @@ pub(crate) unsafe fn unmap(base: u64, len: usize) {
     unsafe {
         libc::munmap(base as *mut libc::c_void, len);
     }
-}
-
-/// The inode and device of an fd, used to recognise an allocation across processes.
-pub(crate) fn fd_identity(fd: &OwnedFd) -> Result<(u64, u64)> {
-    // SAFETY: fstat fills the zeroed struct for a valid descriptor.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(AdaptorError::last_os("fstat"));
-    }
-    Ok((st.st_ino, st.st_dev))
-}
-
-/// The size of the file behind an fd.
-pub(crate) fn fd_size(fd: &OwnedFd) -> Result<usize> {
-    // SAFETY: as in fd_identity.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        return Err(AdaptorError::last_os("fstat"));
-    }
-    Ok(st.st_size as usize)
 }
 
 /// The system's physical memory, the host device's "total memory".
