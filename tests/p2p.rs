@@ -77,12 +77,24 @@ impl Rank {
     /// One group in which this rank sends to every `to` and receives from every `from`
     /// (`(peer, bytes)`, bytes may be 0), then checks every byte received.
     fn exchange(&self, to: &[(usize, usize)], from: &[(usize, usize)], tag: u64) {
-        let me = self.comm.rank();
         let sends: Vec<_> = to
             .iter()
             .map(|&(p, n)| (p, n, self.filled(p, tag, n)))
             .collect();
         let recvs: Vec<_> = from.iter().map(|&(p, n)| (p, n, self.buffer(n))).collect();
+        self.exchange_in(&sends, &recvs, tag);
+    }
+
+    /// Like [`Rank::exchange`] in buffers the caller keeps (filled for sends), so that a
+    /// buffer is used again and again.
+    #[allow(clippy::type_complexity)]
+    fn exchange_in(
+        &self,
+        sends: &[(usize, usize, Arc<DeviceBuffer<Adaptor>>)],
+        recvs: &[(usize, usize, Arc<DeviceBuffer<Adaptor>>)],
+        tag: u64,
+    ) {
+        let me = self.comm.rank();
         let h = self.stream.handle();
         let (sreq, rreq) = self
             .comm
@@ -101,14 +113,14 @@ impl Rank {
                 Ok((s, r))
             })
             .expect("post");
-        for (req, (p, n, _)) in sreq.into_iter().zip(&sends) {
+        for (req, (p, n, _)) in sreq.into_iter().zip(sends) {
             assert_eq!(
                 req.wait()
                     .unwrap_or_else(|e| panic!("rank {me} send to {p}: {e}")),
                 *n
             );
         }
-        for (req, (p, n, _)) in rreq.into_iter().zip(&recvs) {
+        for (req, (p, n, _)) in rreq.into_iter().zip(recvs) {
             assert_eq!(
                 req.wait()
                     .unwrap_or_else(|e| panic!("rank {me} recv from {p}: {e}")),
@@ -116,7 +128,7 @@ impl Rank {
             );
         }
         self.stream.synchronize().expect("sync");
-        for (p, n, b) in &recvs {
+        for (p, n, b) in recvs {
             self.check(b, *p, tag, *n);
         }
     }
@@ -191,6 +203,32 @@ fn rank_worker() {
             }
         }
         "mismatch" => mismatch(&r, next, prev),
+        "reuse" => {
+            // The same two buffers for every message (as a KV-cache pool or a benchmark uses
+            // them): the direct path maps a host rank's buffer once and then copies straight
+            // into and out of it.
+            let (sbuf, rbuf) = (r.buffer(big), r.buffer(big));
+            for round in 0..12u64 {
+                let s = match round % 4 {
+                    0 => big,
+                    1 => (round as usize * 7919) % 4096 + 1,
+                    2 => big / 3 + 5,
+                    _ => (1 << 20) + round as usize,
+                };
+                let data = payload(me, next, 20_000 + round, s);
+                sbuf.write(0, &data, &r.stream).expect("fill");
+                r.exchange_in(
+                    &[(next, s, sbuf.clone())],
+                    &[(prev, s, rbuf.clone())],
+                    20_000 + round,
+                );
+                if round == 0 {
+                    // Registration of a mapped buffer runs in the background (milliseconds
+                    // per hundred MiB on a GPU): give it time so later rounds go direct.
+                    std::thread::sleep(std::time::Duration::from_millis(300));
+                }
+            }
+        }
         "use_after_drop" => {
             use_after_drop(r, prev);
             println!("worker ok: rank {me} of {n}, request outlived its communicator");
@@ -244,11 +282,25 @@ fn rank_worker() {
             }
         }
     }
+    let stats = r.comm.stats();
+    if std::env::var("FLAGCX_TEST_EXPECT_DIRECT").as_deref() == Ok("1") {
+        for q in (0..n).filter(|&q| q != me) {
+            assert!(
+                r.comm.direct_copier(q).is_some(),
+                "rank {me}: no direct path with rank {q}"
+            );
+        }
+        assert!(
+            stats.direct_bytes > 0,
+            "rank {me}: nothing went direct: {stats:?}"
+        );
+    }
     println!(
-        "worker ok: rank {me} of {n}, {} via {:?}, copier {:?}",
+        "worker ok: rank {me} of {n}, {} via {:?}, copier {:?}, direct copier {:?}, {stats:?}",
         r.adaptor.vendor(),
         r.comm.transport(next),
-        r.comm.ipc_copier(next)
+        r.comm.ipc_copier(next),
+        r.comm.direct_copier(next)
     );
 }
 
@@ -601,7 +653,47 @@ fn stress_8_ranks_both_transports() {
 
 #[test]
 fn mixed_vendor_job() {
-    // Ranks alternate over the listed vendors; with two different vendors the pairs are staged.
-    job(2, &vendors("FLAGCX_P2P_TEST_MIXED"), "ring", &[]);
-    job(4, &vendors("FLAGCX_P2P_TEST_MIXED"), "pairs", &[]);
+    // Ranks alternate over the listed vendors; with two different vendors the pairs are staged
+    // (and direct where one of them is the host vendor).
+    let v = vendors("FLAGCX_P2P_TEST_MIXED");
+    job(2, &v, "ring", &[]);
+    job(4, &v, "pairs", &[]);
+    let list: Vec<&str> = v.split(',').collect();
+    if list.len() == 2 && list[0] != list[1] && list.contains(&"host") {
+        let expect = [
+            ("FLAGCX_TEST_EXPECT_DIRECT", "1"),
+            ("FLAGCX_TEST_MAX", "8388608"),
+        ];
+        job(2, &v, "reuse", &expect);
+        job(2, &v, "bidir", &[]);
+        job(2, &v, "mismatch", &[]);
+        // The ring path stays covered for such pairs.
+        let off = [
+            ("FLAGCX_P2P_HOST_DIRECT", "off"),
+            ("FLAGCX_TEST_MAX", "8388608"),
+        ];
+        job(2, &v, "reuse", &off);
+    }
+}
+
+/// The direct path between two host ranks (forced: they would use IPC): the lower rank maps
+/// the other's buffers and copies both ways, falling back to the ring for buffers not mapped
+/// yet.
+#[test]
+fn direct_path_between_host_ranks() {
+    let direct = [
+        ("FLAGCX_P2P_DISABLE", "1"),
+        ("FLAGCX_P2P_HOST_DIRECT", "on"),
+        ("FLAGCX_TEST_MAX", "8388608"),
+    ];
+    let mut expect = direct.to_vec();
+    expect.push(("FLAGCX_TEST_EXPECT_DIRECT", "1"));
+    job(2, "host", "reuse", &expect);
+    job(2, "host", "bidir", &direct);
+    job(2, "host", "mismatch", &direct);
+    job(4, "host", "random", &direct);
+    // A budget smaller than one buffer: everything takes the ring, and still arrives.
+    let mut tiny = direct.to_vec();
+    tiny.push(("FLAGCX_P2P_HOST_MAP_MAX", "4K"));
+    job(2, "host", "reuse", &tiny);
 }

@@ -189,7 +189,7 @@ fn assert_no_leaks(before: &Snapshot, what: &str) {
 }
 
 /// A zero-byte exchange with `peer`: both ranks are past setup once it returns.
-fn rendezvous(comm: &Comm<Adaptor>, peer: usize, stream: &Stream<Adaptor>) {
+fn rendezvous<A: flagcx::DeviceAdaptor>(comm: &Comm<A>, peer: usize, stream: &Stream<A>) {
     let b = Arc::new(DeviceBuffer::new(comm.adaptor(), 1).expect("alloc"));
     let (s, r) = comm
         .group(|| {
@@ -357,6 +357,7 @@ fn reliability_worker() {
             println!("survivor ok: rank {me} formed the job");
         }
         "fault" => fault_scenario(adaptor, me, peer, &before),
+        "direct_fault" => direct_fault_scenario(adaptor, me, peer, &before),
         "expect_bootstrap_failure" => match Comm::from_env(adaptor.clone()) {
             Err(CommError::Bootstrap(e)) => println!("survivor ok: refused: {e}"),
             other => panic!("expected a bootstrap error, got {other:?}"),
@@ -369,7 +370,7 @@ fn reliability_worker() {
 /// `FLAGCX_TEST_FAULT_RANK` fails its `FLAGCX_TEST_FAULT_OP` copy once. Both sides must report
 /// an error.
 fn fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
-    use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor, INJECTED_CODE};
+    use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor};
     let faulty_rank: usize = std::env::var("FLAGCX_TEST_FAULT_RANK")
         .unwrap()
         .parse()
@@ -404,7 +405,31 @@ fn fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
     .expect("post");
     let r = req.wait_timeout(Duration::from_secs(20));
     let local = me == faulty_rank;
-    match (&r, local) {
+    check_fault_outcome(&comm, &a, &r, me, local, sender, &buf, &stream);
+    stream
+        .synchronize()
+        .expect("the caller's stream was released");
+    drop((comm, stream, buf));
+    assert_no_leaks(before, "fault");
+    println!("survivor ok: rank {me} saw {}", r.unwrap_err());
+}
+
+/// Both sides of a faulted transfer report it: the faulty rank the injected vendor error, the
+/// other a remote failure; the faulty side's pair is retired.
+#[allow(clippy::too_many_arguments)]
+fn check_fault_outcome(
+    comm: &Comm<flagcx_adaptor::testing::FaultyAdaptor<Adaptor>>,
+    a: &flagcx_adaptor::testing::FaultyAdaptor<Adaptor>,
+    r: &Result<usize, CommError>,
+    me: usize,
+    local: bool,
+    sender: usize,
+    buf: &Arc<DeviceBuffer<flagcx_adaptor::testing::FaultyAdaptor<Adaptor>>>,
+    stream: &Stream<flagcx_adaptor::testing::FaultyAdaptor<Adaptor>>,
+) {
+    use flagcx_adaptor::testing::INJECTED_CODE;
+    let peer = 1 - me;
+    match (r, local) {
         (Err(CommError::Adaptor(flagcx::AdaptorError::Vendor { code, .. })), true)
             if *code == INJECTED_CODE => {}
         (Err(CommError::RemoteFailure { .. }), false) => {}
@@ -417,9 +442,9 @@ fn fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
     // The pair is retired on the faulty side: a later operation fails at once.
     if local {
         let again = if me == sender {
-            comm.send(&buf, peer, &stream)
+            comm.send(buf, peer, stream)
         } else {
-            comm.recv(&buf, peer, &stream)
+            comm.recv(buf, peer, stream)
         };
         let again = again.and_then(|q| q.wait_timeout(Duration::from_secs(5)));
         assert!(
@@ -427,11 +452,88 @@ fn fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
             "after a fault: {again:?}"
         );
     }
+}
+
+/// The direct path (two host ranks, forced; rank 0 copies): a few exchanges in the same two
+/// buffers until they go direct, then, as in [`fault_scenario`], one transfer whose copy fails
+/// on `FLAGCX_TEST_FAULT_RANK`. With `FLAGCX_TEST_FAULT_OP=register` the fault is armed from
+/// the start instead: the first mapping's registration fails, and that buffer's messages must
+/// all arrive through the ring.
+fn direct_fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
+    use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor};
+    let env = |k: &str| std::env::var(k).unwrap();
+    let faulty_rank: usize = env("FLAGCX_TEST_FAULT_RANK").parse().unwrap();
+    let op: FaultOp = env("FLAGCX_TEST_FAULT_OP").parse().unwrap();
+    let sender: usize = env("FLAGCX_TEST_FAULT_SENDER").parse().unwrap();
+    let local = me == faulty_rank;
+    let a = FaultyAdaptor::new(adaptor, op, usize::MAX >> 1);
+    let comm = Comm::from_env(a.clone()).expect("comm");
+    assert_eq!(comm.direct_copier(peer), Some(0), "a direct pair");
+    let stream = Stream::new(&a).expect("stream");
+    let register_fault = op == FaultOp::Register;
+    if register_fault && local {
+        a.arm(0);
+    }
+    let n = 4 << 20;
+    let (sbuf, rbuf) = (
+        Arc::new(DeviceBuffer::new(&a, n).expect("alloc")),
+        Arc::new(DeviceBuffer::new(&a, n).expect("alloc")),
+    );
+    for round in 0..4u8 {
+        sbuf.write(0, &vec![me as u8 ^ round; n], &stream)
+            .expect("fill");
+        let (s, r) = comm
+            .group(|| {
+                Ok((
+                    comm.send(&sbuf, peer, &stream)?,
+                    comm.recv(&rbuf, peer, &stream)?,
+                ))
+            })
+            .expect("post");
+        assert_eq!(s.wait().expect("warm-up send"), n);
+        assert_eq!(r.wait().expect("warm-up recv"), n);
+        let mut got = vec![0u8; n];
+        rbuf.read(0, &mut got, &stream).expect("read");
+        assert!(
+            got.iter().all(|&b| b == peer as u8 ^ round),
+            "round {round}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let stats = comm.stats();
+    if register_fault {
+        assert!(!local || a.fired(), "registration was never attempted");
+        // The buffer whose registration failed stays on the ring for good (4 rounds of one
+        // direction); the other one may go direct. Every byte arrived either way (checked).
+        assert_eq!(
+            stats.staged_bytes + stats.direct_bytes,
+            8 * n as u64,
+            "{stats:?}"
+        );
+        assert!(stats.staged_bytes >= 4 * n as u64, "{stats:?}");
+        drop((comm, stream, sbuf, rbuf));
+        assert_no_leaks(before, "direct registration fault");
+        println!("survivor ok: rank {me}, registration failed, all through the ring");
+        return;
+    }
+    assert!(stats.direct_bytes > 0, "never went direct: {stats:?}");
+    rendezvous(&comm, peer, &stream);
+    if local {
+        a.arm(0);
+    }
+    let req = if me == sender {
+        comm.send(&sbuf, peer, &stream)
+    } else {
+        comm.recv(&rbuf, peer, &stream)
+    }
+    .expect("post");
+    let r = req.wait_timeout(Duration::from_secs(20));
+    check_fault_outcome(&comm, &a, &r, me, local, sender, &sbuf, &stream);
     stream
         .synchronize()
         .expect("the caller's stream was released");
-    drop((comm, stream, buf));
-    assert_no_leaks(before, "fault");
+    drop((comm, stream, sbuf, rbuf));
+    assert_no_leaks(before, "direct fault");
     println!("survivor ok: rank {me} saw {}", r.unwrap_err());
 }
 
@@ -557,6 +659,39 @@ fn failed_copy_on_the_sender_errors_both_sides_staged() {
 #[test]
 fn failed_copy_on_the_receiver_errors_both_sides_staged() {
     fault_pair("h2d", "1", true);
+}
+
+/// A direct pair of host ranks (rank 0 maps rank 1's buffers): one copy of `op` fails on
+/// `faulty_rank` while `sender` sends.
+fn direct_fault_pair(op: &str, faulty_rank: &str, sender: &str) {
+    if vendor() != "host" {
+        // The forced direct pair needs two host-vendor ranks.
+        return;
+    }
+    let env = [
+        ("FLAGCX_P2P_DISABLE", "1"),
+        ("FLAGCX_P2P_HOST_DIRECT", "on"),
+        ("FLAGCX_TEST_FAULT_OP", op),
+        ("FLAGCX_TEST_FAULT_RANK", faulty_rank),
+        ("FLAGCX_TEST_FAULT_SENDER", sender),
+    ];
+    let (r0, r1) = pair("direct_fault", &env);
+    let what = format!("direct path, {op} fault on rank {faulty_rank}, rank {sender} sends");
+    assert_survived(&r0, &format!("rank 0, {what}"));
+    assert_survived(&r1, &format!("rank 1, {what}"));
+}
+
+#[test]
+fn failed_direct_copy_errors_both_sides() {
+    // The copier's push into the host rank's mapped buffer fails.
+    direct_fault_pair("d2h", "0", "0");
+    // The copier's pull out of the host rank's mapped buffer fails.
+    direct_fault_pair("h2d", "0", "1");
+}
+
+#[test]
+fn failed_registration_keeps_the_ring() {
+    direct_fault_pair("register", "0", "0");
 }
 
 #[test]

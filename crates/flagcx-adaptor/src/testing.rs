@@ -22,6 +22,8 @@ pub enum FaultOp {
     CopyD2H,
     /// `memcpy_d2d_async`.
     CopyD2D,
+    /// `host_register`.
+    Register,
 }
 
 impl std::str::FromStr for FaultOp {
@@ -31,9 +33,10 @@ impl std::str::FromStr for FaultOp {
             "h2d" => Ok(FaultOp::CopyH2D),
             "d2h" => Ok(FaultOp::CopyD2H),
             "d2d" => Ok(FaultOp::CopyD2D),
+            "register" => Ok(FaultOp::Register),
             _ => Err(AdaptorError::invalid(
                 "FaultOp",
-                format!("{s:?}: expected h2d, d2h or d2d"),
+                format!("{s:?}: expected h2d, d2h, d2d or register"),
             )),
         }
     }
@@ -58,6 +61,11 @@ impl<A: DeviceAdaptor> FaultyAdaptor<A> {
             op,
             left: Arc::new(AtomicIsize::new(after as isize)),
         }
+    }
+
+    /// Re-arms the fault: the `after + 1`-th `op` call from now fails (shared by clones).
+    pub fn arm(&self, after: usize) {
+        self.left.store(after as isize, Ordering::Release);
     }
 
     /// Whether the fault has fired.
@@ -115,6 +123,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         unsafe { self.inner.host_free(ptr) }
     }
     unsafe fn host_register(&self, ptr: *mut u8, size: usize) -> Result<DevicePtr> {
+        self.check(FaultOp::Register, "host_register")?;
         // SAFETY: forwarded contract.
         unsafe { self.inner.host_register(ptr, size) }
     }

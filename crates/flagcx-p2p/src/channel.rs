@@ -5,10 +5,10 @@
 //!
 //! | field | writer | meaning |
 //! |---|---|---|
-//! | `recv_posted` | receiver | receives announced (descriptor `i` = size, IPC handle, offset); when the receiver pulls, its verdict after the copy |
+//! | `recv_posted` | receiver | receives announced (descriptor `i` = size, IPC handle, offset); when the receiver pulls, its verdict after the copy (or, on the direct path, "send chunks") |
 //! | `recv_done` | receiver | receives finished (send descriptor `i` may be reused) |
 //! | `head` | receiver | staged chunks drained from the ring (slots free again) |
-//! | `send_posted` | sender | sends answered (descriptor `i` = size, status); when the receiver pulls, the offer (size, IPC handle, offset of the source) |
+//! | `send_posted` | sender | sends answered (descriptor `i` = size, status — `DELIVERED` when the direct path already copied); when the receiver pulls, the offer (size, IPC handle, offset of the source) |
 //! | `tail` | sender | staged chunks written into the ring |
 //! | `send_fault`, `recv_fault` | each side | `i + 1` when that side of message `i` failed (a vendor error): the other side fails the message too instead of waiting |
 //!
@@ -36,6 +36,9 @@ pub const STATUS_OK: u64 = 0;
 pub const STATUS_SIZE_MISMATCH: u64 = 1;
 /// The sender failed (a vendor error); no data moved.
 pub const STATUS_SENDER_FAILED: u64 = 2;
+/// Staged pair, direct path: the sender already copied the data into the receive buffer (which
+/// the receiver's descriptor exported); no chunks follow.
+pub const STATUS_DELIVERED: u64 = 3;
 
 /// Counter offsets in the control page, each on its own cache line.
 #[derive(Clone, Copy)]
@@ -66,6 +69,9 @@ pub struct RecvDesc {
     pub handle: Option<IpcMemHandle>,
     /// For IPC: the buffer's offset in that allocation.
     pub offset: u64,
+    /// In a pulling receiver's verdict: it did not pull (the direct path's buffer is not
+    /// mapped yet), so the sender is to send the data through the staging ring.
+    pub chunks: bool,
 }
 
 /// What a sender answers for one send (or, when the receiver pulls, offers).
@@ -214,7 +220,8 @@ impl Channel {
 
     /// Writes receive descriptor `i` (receiver, before publishing `RecvPosted`).
     pub fn write_recv_desc(&self, i: u64, d: &RecvDesc) {
-        let b = encode_desc::<RECV_DESC_BYTES>(d.size, d.offset, d.handle);
+        let mut b = encode_desc::<RECV_DESC_BYTES>(d.size, d.offset, d.handle);
+        b[RECV_DESC_BYTES - 1] = d.chunks as u8;
         self.write_desc(self.geo.recv_descs(), i, b);
     }
 
@@ -222,10 +229,16 @@ impl Channel {
     pub fn read_recv_desc(&self, i: u64) -> Result<RecvDesc> {
         let b = self.read_desc::<RECV_DESC_BYTES>(self.geo.recv_descs(), i);
         let (size, offset, handle) = decode_desc(&b, "receive")?;
+        let chunks = match b[RECV_DESC_BYTES - 1] {
+            0 => false,
+            1 => true,
+            x => return Err(CommError::Protocol(format!("receive descriptor mode {x}"))),
+        };
         Ok(RecvDesc {
             size,
             handle,
             offset,
+            chunks,
         })
     }
 
@@ -290,6 +303,7 @@ mod tests {
                 size: 10 + i,
                 handle: Some(h),
                 offset: i * 3,
+                chunks: i % 2 == 1,
             };
             rx.write_recv_desc(i, &d);
             rx.store(Counter::RecvPosted, i + 1);

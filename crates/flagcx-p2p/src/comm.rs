@@ -14,10 +14,11 @@ use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::channel::{Channel, Geometry};
 use crate::config::{Config, RankEnv, StreamJoin};
 use crate::error::{CommError, Result};
-use crate::peer::{choose_transport, receiver_copies, PeerInfo, TransportKind};
-use crate::proxy::{lock, Dir, Op, PeerConn, Proxy, Shared, Slot};
+use crate::peer::{choose_transport, direct_copier, receiver_copies, PeerInfo, TransportKind};
+use crate::proxy::{lock, Dir, Op, PeerConn, Proxy, Roles, Shared, Slot};
 use crate::shm::ShmSegment;
 use crate::wire::{Reader, Tag, Writer};
+use crate::PathStats;
 
 /// A handle to one posted operation.
 #[derive(Debug)]
@@ -73,6 +74,9 @@ pub struct Comm<A: DeviceAdaptor> {
     transports: Vec<Option<TransportKind>>,
     /// Per peer: the rank that issues the IPC copies of the pair (`None`: each sender).
     copiers: Vec<Option<usize>>,
+    /// Per staged peer: the rank that copies straight into and out of the host-vendor rank's
+    /// buffers (`None`: no direct path).
+    direct: Vec<Option<usize>>,
     shared: Arc<Shared>,
     proxy: Option<JoinHandle<()>>,
     next_seq: AtomicU64,
@@ -165,21 +169,44 @@ impl<A: DeviceAdaptor> Comm<A> {
             );
             transports[q] = Some(t);
         }
-        // Per IPC peer: (the peer pulls our sends, we pull its sends).
-        let pulls: Vec<(bool, bool)> = (0..nranks)
-            .map(|q| match transports[q] {
-                Some(TransportKind::Ipc) => (
-                    receiver_copies(&infos[rank], &infos[q]),
-                    receiver_copies(&infos[q], &infos[rank]),
-                ),
-                _ => (false, false),
+        let direct: Vec<Option<usize>> = (0..nranks)
+            .map(|q| (q != rank).then(|| direct_copier(&infos[rank], &infos[q]))?)
+            .collect();
+        let roles: Vec<Roles> = (0..nranks)
+            .map(|q| match (transports[q], direct[q]) {
+                (Some(TransportKind::Ipc), _) => Roles {
+                    peer_pulls: receiver_copies(&infos[rank], &infos[q]),
+                    we_pull: receiver_copies(&infos[q], &infos[rank]),
+                    ..Roles::default()
+                },
+                // The direct copier pushes its sends and pulls the host rank's.
+                (Some(TransportKind::Staged), Some(c)) => Roles {
+                    peer_pulls: c == q,
+                    we_pull: c == rank,
+                    maps_peer: c == rank,
+                    peer_maps: c == q,
+                },
+                _ => Roles::default(),
             })
             .collect();
-        let copiers: Vec<Option<usize>> = pulls
+        for (q, c) in direct.iter().enumerate() {
+            if let Some(c) = c {
+                tracing::info!(
+                    rank,
+                    peer = q,
+                    "rank {rank} ↔ rank {q}: rank {c} copies directly into and out of the host \
+                     rank's buffers once they are mapped (the staging ring until then)"
+                );
+            }
+        }
+        let copiers: Vec<Option<usize>> = roles
             .iter()
             .enumerate()
-            .map(|(q, &(peer_pulls, we_pull))| {
-                (peer_pulls || we_pull).then_some(if we_pull { rank } else { q })
+            .map(|(q, r)| match transports[q] {
+                Some(TransportKind::Ipc) if r.peer_pulls || r.we_pull => {
+                    Some(if r.we_pull { rank } else { q })
+                }
+                _ => None,
             })
             .collect();
         for (q, copier) in copiers.iter().enumerate() {
@@ -204,8 +231,9 @@ impl<A: DeviceAdaptor> Comm<A> {
             thread: Mutex::new(None),
             first_error: Mutex::new(None),
             busy_polls: AtomicU64::new(0),
+            path_bytes: Default::default(),
         });
-        let peers = connect_channels(&adaptor, &boot, &transports, &pulls, &config)?;
+        let peers = connect_channels(&adaptor, &boot, &transports, &roles, &config)?;
         let proxy = Proxy::new(
             adaptor.clone(),
             shared.clone(),
@@ -225,6 +253,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             infos,
             transports,
             copiers,
+            direct,
             shared,
             proxy: Some(handle),
             next_seq: AtomicU64::new(1),
@@ -266,6 +295,20 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// (or the pair is staged, or `peer` is this rank).
     pub fn ipc_copier(&self, peer: usize) -> Option<usize> {
         self.copiers.get(peer).copied().flatten()
+    }
+
+    /// For a staged pair with a host-vendor rank, the rank that copies straight into and out
+    /// of the host rank's buffers (`FLAGCX_P2P_HOST_DIRECT`); `None` when the pair always goes
+    /// through the staging ring. A buffer takes the direct path once the copier has it mapped
+    /// (and registered with its runtime, which runs in the background): [`Comm::stats`] shows
+    /// how many bytes did.
+    pub fn direct_copier(&self, peer: usize) -> Option<usize> {
+        self.direct.get(peer).copied().flatten()
+    }
+
+    /// Bytes this rank's finished operations moved, by path.
+    pub fn stats(&self) -> PathStats {
+        self.shared.stats()
     }
 
     /// The configuration in force.
@@ -607,7 +650,7 @@ fn connect_channels<A: DeviceAdaptor>(
     adaptor: &A,
     boot: &Bootstrap,
     transports: &[Option<TransportKind>],
-    pulls: &[(bool, bool)],
+    roles: &[Roles],
     config: &Config,
 ) -> Result<Vec<Option<PeerConn>>> {
     let geometry = |t: TransportKind| match t {
@@ -641,7 +684,7 @@ fn connect_channels<A: DeviceAdaptor>(
             continue;
         };
         match connect_one(adaptor, boot, q, transports, inc, &geometry) {
-            Ok(conn) => peers.push(Some(conn.with_pulls(pulls[q]))),
+            Ok(conn) => peers.push(Some(conn.with_roles(roles[q]))),
             Err(e) => {
                 // Undo the rings already registered for earlier peers before the channels go.
                 for conn in peers.iter().flatten().filter(|c| c.registered) {

@@ -54,6 +54,38 @@ impl IpcCopier {
     }
 }
 
+/// Whether a heterogeneous pair copies straight into / out of a host-vendor rank's memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostDirect {
+    /// Direct for a pair of different vendors where one rank is the host vendor (unless
+    /// `FLAGCX_P2P_DISABLE` is set): the other rank maps the host rank's buffers and copies
+    /// device↔host in one step instead of two through the staging ring.
+    Auto,
+    /// Direct for every staged pair where a rank is the host vendor, `FLAGCX_P2P_DISABLE` or
+    /// not (two host ranks: the lower one copies). For tests and comparisons.
+    On,
+    /// Never: staged pairs always go through the ring.
+    Off,
+}
+
+impl HostDirect {
+    /// Wire code (all-gathered with the peer info).
+    pub fn code(self) -> u8 {
+        match self {
+            HostDirect::Auto => 0,
+            HostDirect::On => 1,
+            HostDirect::Off => 2,
+        }
+    }
+
+    /// Inverse of [`HostDirect::code`].
+    pub fn from_code(c: u8) -> Option<Self> {
+        [HostDirect::Auto, HostDirect::On, HostDirect::Off]
+            .into_iter()
+            .find(|x| x.code() == c)
+    }
+}
+
 /// Tunables of a communicator. [`Config::from_env`] reads them from `FLAGCX_*` variables.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -81,12 +113,22 @@ pub struct Config {
     /// [`flagcx_adaptor::spin::default_spin`] for the job's rank count (spin only where every
     /// spinner gets a core).
     pub spin: Option<Duration>,
+    /// Direct copies for pairs with a host-vendor rank (`FLAGCX_P2P_HOST_DIRECT=auto|on|off`,
+    /// default auto). Both ranks must allow it.
+    pub host_direct: HostDirect,
+    /// Most bytes of host-vendor peers' memory a rank keeps mapped (and registered with its
+    /// runtime) for direct copies (`FLAGCX_P2P_HOST_MAP_MAX`, default 16 GiB). Past it, buffers
+    /// not yet mapped go through the ring; mappings of buffers their owner freed are dropped
+    /// when room is needed.
+    pub host_map_max: usize,
 }
 
 /// Defaults, documented in the README's environment table.
 pub const DEFAULT_BUFFSIZE: usize = 8 << 20;
 /// Default staged chunk size.
 pub const DEFAULT_CHUNKSIZE: usize = 1 << 20;
+/// Default [`Config::host_map_max`].
+pub const DEFAULT_HOST_MAP_MAX: usize = 16 << 30;
 
 impl Default for Config {
     fn default() -> Self {
@@ -100,6 +142,8 @@ impl Default for Config {
             health_interval: Duration::from_millis(10),
             ipc_copier: IpcCopier::Auto,
             spin: None,
+            host_direct: HostDirect::Auto,
+            host_map_max: DEFAULT_HOST_MAP_MAX,
         }
     }
 }
@@ -194,6 +238,23 @@ impl Config {
                     ))
                 }
             };
+        }
+        if let Some(v) = var("FLAGCX_P2P_HOST_DIRECT") {
+            c.host_direct = match v.trim().to_ascii_lowercase().as_str() {
+                "auto" => HostDirect::Auto,
+                "on" | "1" => HostDirect::On,
+                "off" | "0" => HostDirect::Off,
+                _ => {
+                    return Err(CommError::config(
+                        "FLAGCX_P2P_HOST_DIRECT",
+                        &v,
+                        "expected auto, on or off",
+                    ))
+                }
+            };
+        }
+        if let Some(v) = var("FLAGCX_P2P_HOST_MAP_MAX") {
+            c.host_map_max = parse_size("FLAGCX_P2P_HOST_MAP_MAX", &v)?;
         }
         if let Some(v) = var(flagcx_adaptor::spin::SPIN_ENV) {
             let spin = flagcx_adaptor::spin::parse_spin(&v)
@@ -436,6 +497,8 @@ mod tests {
             ("FLAGCX_SPIN_US", "-1"),
             ("FLAGCX_SPIN_US", "10001"),
             ("FLAGCX_SPIN_US", "5us"),
+            ("FLAGCX_P2P_HOST_DIRECT", "maybe"),
+            ("FLAGCX_P2P_HOST_MAP_MAX", "lots"),
         ] {
             let e = Config::from_lookup(lookup(&[(k, v)])).unwrap_err();
             assert!(e.to_string().contains(k), "{k}={v}: {e}");
@@ -444,6 +507,17 @@ mod tests {
             assert_eq!(IpcCopier::from_code(c.code()), Some(c));
         }
         assert_eq!(IpcCopier::from_code(3), None);
+        let h = Config::from_lookup(lookup(&[
+            ("FLAGCX_P2P_HOST_DIRECT", "OFF"),
+            ("FLAGCX_P2P_HOST_MAP_MAX", "2G"),
+        ]))
+        .unwrap();
+        assert_eq!((h.host_direct, h.host_map_max), (HostDirect::Off, 2 << 30));
+        assert_eq!(Config::default().host_direct, HostDirect::Auto);
+        for d in [HostDirect::Auto, HostDirect::On, HostDirect::Off] {
+            assert_eq!(HostDirect::from_code(d.code()), Some(d));
+        }
+        assert_eq!(HostDirect::from_code(3), None);
     }
 
     #[test]

@@ -35,6 +35,7 @@ pub mod channel;
 mod comm;
 pub mod config;
 mod error;
+mod hostmap;
 pub mod launch;
 pub mod peer;
 mod proxy;
@@ -43,6 +44,18 @@ pub mod wire;
 
 pub use bootstrap::{Bootstrap, UniqueId};
 pub use comm::{Comm, Request};
-pub use config::{Config, IpcCopier, RankEnv, StreamJoin};
+pub use config::{Config, HostDirect, IpcCopier, RankEnv, StreamJoin};
 pub use error::{CommError, Result};
 pub use peer::{PeerInfo, TransportKind};
+
+/// Bytes a rank's finished operations moved (sent plus received), by path. See
+/// [`Comm::stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PathStats {
+    /// One copy between the two ranks' device memory (same vendor).
+    pub ipc_bytes: u64,
+    /// Through the staging ring in shared host memory.
+    pub staged_bytes: u64,
+    /// Staged pairs' direct copies into or out of a host-vendor rank's buffer.
+    pub direct_bytes: u64,
+}

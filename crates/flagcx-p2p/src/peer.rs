@@ -2,7 +2,7 @@
 
 use flagcx_adaptor::{Capabilities, DeviceAdaptor, Vendor};
 
-use crate::config::{Config, IpcCopier};
+use crate::config::{Config, HostDirect, IpcCopier};
 use crate::error::{CommError, Result};
 use crate::wire::{Reader, Writer};
 
@@ -27,6 +27,8 @@ pub struct PeerInfo {
     pub p2p_disable: bool,
     /// Its `FLAGCX_P2P_IPC_COPIER` setting.
     pub ipc_copier: IpcCopier,
+    /// Its `FLAGCX_P2P_HOST_DIRECT` setting.
+    pub host_direct: HostDirect,
 }
 
 fn caps_bits(c: &Capabilities) -> u32 {
@@ -88,6 +90,7 @@ impl PeerInfo {
             caps: adaptor.capabilities(),
             p2p_disable: config.p2p_disable,
             ipc_copier: config.ipc_copier,
+            host_direct: config.host_direct,
         })
     }
 
@@ -103,6 +106,7 @@ impl PeerInfo {
             .u32(caps_bits(&self.caps))
             .u8(self.p2p_disable as u8)
             .u8(self.ipc_copier.code())
+            .u8(self.host_direct.code())
             .finish()
     }
 
@@ -133,6 +137,10 @@ impl PeerInfo {
         let ipc_copier = IpcCopier::from_code(code).ok_or_else(|| {
             CommError::Protocol(format!("peer info: unknown IPC copier code {code}"))
         })?;
+        let code = r.u8()?;
+        let host_direct = HostDirect::from_code(code).ok_or_else(|| {
+            CommError::Protocol(format!("peer info: unknown host-direct code {code}"))
+        })?;
         r.end()?;
         Ok(PeerInfo {
             rank,
@@ -144,6 +152,7 @@ impl PeerInfo {
             caps,
             p2p_disable,
             ipc_copier,
+            host_direct,
         })
     }
 
@@ -168,6 +177,31 @@ pub fn receiver_copies(sender: &PeerInfo, receiver: &PeerInfo) -> bool {
     };
     let (a, b) = (resolve(sender.ipc_copier), resolve(receiver.ipc_copier));
     a == IpcCopier::Lower && b == IpcCopier::Lower && receiver.rank < sender.rank
+}
+
+/// For a staged pair, the rank that copies straight into and out of the other's memory (the
+/// direct path), if the pair takes it: the other rank must be the host vendor (its device memory
+/// is a memfd any process can map) on the same machine, and both ranks must allow it. A device
+/// rank beside a host rank copies; of two host ranks (only with `FLAGCX_P2P_HOST_DIRECT=on`),
+/// the lower. Symmetric, so both ranks agree without talking.
+pub fn direct_copier(a: &PeerInfo, b: &PeerInfo) -> Option<usize> {
+    if choose_transport(a, b).0 != TransportKind::Staged || a.host_id != b.host_id {
+        return None;
+    }
+    let allows = |x: &PeerInfo| match x.host_direct {
+        HostDirect::Off => false,
+        HostDirect::On => true,
+        HostDirect::Auto => a.vendor != b.vendor && !a.p2p_disable && !b.p2p_disable,
+    };
+    if !(allows(a) && allows(b)) {
+        return None;
+    }
+    match (a.vendor == Vendor::Host, b.vendor == Vendor::Host) {
+        (true, true) => Some(a.rank.min(b.rank)),
+        (true, false) => Some(b.rank),
+        (false, true) => Some(a.rank),
+        (false, false) => None,
+    }
 }
 
 /// How a pair of ranks moves bytes.
@@ -222,6 +256,7 @@ mod tests {
             },
             p2p_disable: false,
             ipc_copier: IpcCopier::Auto,
+            host_direct: HostDirect::Auto,
         }
     }
 
@@ -246,7 +281,7 @@ mod tests {
         p.host_id = String::new();
         p.pci_bus_id = None;
         let mut b = p.encode();
-        let caps_at = b.len() - 6;
+        let caps_at = b.len() - 7;
         b[caps_at + 1] |= 0x02; // bit 9
         assert!(PeerInfo::decode(&b).is_err());
     }
@@ -274,6 +309,38 @@ mod tests {
         assert!(receiver_copies(&d, &c));
         d.device = 3;
         assert!(!receiver_copies(&d, &c));
+    }
+
+    #[test]
+    fn the_device_rank_copies_directly_beside_a_host_rank() {
+        let (c, h) = (info(0, Vendor::Cuda), info(1, Vendor::Host));
+        assert_eq!(direct_copier(&c, &h), Some(0));
+        assert_eq!(direct_copier(&h, &c), Some(0));
+        // Neither side a host rank: no direct path.
+        assert_eq!(direct_copier(&c, &info(1, Vendor::OpenCl)), None);
+        // Either side saying off wins; so does P2P_DISABLE under auto.
+        for f in [
+            |p: &mut PeerInfo| p.host_direct = HostDirect::Off,
+            |p: &mut PeerInfo| p.p2p_disable = true,
+        ] {
+            let mut h2 = h.clone();
+            f(&mut h2);
+            assert_eq!(direct_copier(&c, &h2), None);
+            assert_eq!(direct_copier(&h2, &c), None);
+        }
+        // Different machines: nothing to map.
+        let mut far = h.clone();
+        far.host_id = "other/2".into();
+        assert_eq!(direct_copier(&c, &far), None);
+        // Two host ranks go IPC unless staged is forced; forced and `on`, the lower copies.
+        let (mut a, mut b) = (info(3, Vendor::Host), info(2, Vendor::Host));
+        assert_eq!(direct_copier(&a, &b), None, "an IPC pair");
+        a.p2p_disable = true;
+        assert_eq!(direct_copier(&a, &b), None, "auto needs different vendors");
+        a.host_direct = HostDirect::On;
+        b.host_direct = HostDirect::On;
+        assert_eq!(direct_copier(&a, &b), Some(2));
+        assert_eq!(direct_copier(&b, &a), Some(2));
     }
 
     #[test]

@@ -22,11 +22,13 @@ pub(crate) use flagcx_adaptor::tracking::lock;
 
 use crate::bootstrap::Bootstrap;
 use crate::channel::{
-    Channel, Counter, RecvDesc, SendDesc, DESC_RING, STATUS_OK, STATUS_SENDER_FAILED,
-    STATUS_SIZE_MISMATCH,
+    Channel, Counter, RecvDesc, SendDesc, DESC_RING, STATUS_DELIVERED, STATUS_OK,
+    STATUS_SENDER_FAILED, STATUS_SIZE_MISMATCH,
 };
 use crate::error::{CommError, Result};
+use crate::hostmap::HostMaps;
 use crate::peer::TransportKind;
+use crate::PathStats;
 
 /// Send or receive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,6 +122,8 @@ pub(crate) struct Shared {
     /// The first error any operation hit (sticky, for `Comm::check`).
     pub first_error: Mutex<Option<String>>,
     pub busy_polls: AtomicU64,
+    /// Bytes moved by finished operations, per [`Path`] (for [`crate::Comm::stats`]).
+    pub path_bytes: [AtomicU64; 3],
 }
 
 // SAFETY: `watermark_word` points into a page the communicator keeps mapped for the proxy's
@@ -149,12 +153,47 @@ impl Shared {
 
     /// Publishes the watermark: the device-visible word (through the adaptor, so vendors that
     /// emulate stream waits on the host wake their waiters), then the host-side copy.
+    /// What [`crate::Comm::stats`] reports.
+    pub fn stats(&self) -> PathStats {
+        let b = |p: Path| self.path_bytes[p as usize].load(Ordering::Relaxed);
+        PathStats {
+            ipc_bytes: b(Path::Ipc),
+            staged_bytes: b(Path::Staged),
+            direct_bytes: b(Path::Direct),
+        }
+    }
+
     fn publish_watermark<A: DeviceAdaptor>(&self, adaptor: &A, w: u64) {
         // SAFETY: see the type's Send/Sync argument: a live, aligned word.
         unsafe { adaptor.host_write_value32(self.watermark_word as *mut u32, w as u32) };
         *lock(&self.watermark) = w;
         self.watermark_cv.notify_all();
     }
+}
+
+/// Which path an operation's bytes took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Path {
+    /// One copy between the two ranks' device memory.
+    Ipc = 0,
+    /// Through the staging ring.
+    Staged = 1,
+    /// A staged pair's direct copy into or out of the host-vendor rank's buffer.
+    Direct = 2,
+}
+
+/// Who copies on a pair (see [`crate::peer::receiver_copies`] and
+/// [`crate::peer::direct_copier`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Roles {
+    /// The peer pulls what this rank sends (it is the pair's copier).
+    pub peer_pulls: bool,
+    /// This rank pulls what the peer sends (this rank is the pair's copier).
+    pub we_pull: bool,
+    /// Staged pair, direct path: this rank maps the peer's buffers and copies.
+    pub maps_peer: bool,
+    /// Staged pair, direct path: the peer maps this rank's buffers, so receives announce them.
+    pub peer_maps: bool,
 }
 
 /// Both directions of the link to one peer.
@@ -167,10 +206,8 @@ pub(crate) struct PeerConn {
     pub inc: Channel,
     /// Whether both rings were registered with the adaptor (unregistered at teardown).
     pub registered: bool,
-    /// IPC: the peer pulls what this rank sends (it is the pair's copier).
-    pub peer_pulls: bool,
-    /// IPC: this rank pulls what the peer sends (this rank is the pair's copier).
-    pub we_pull: bool,
+    /// Who copies.
+    pub roles: Roles,
     sends: VecDeque<Step>,
     recvs: VecDeque<Step>,
     next_send: u64,
@@ -198,8 +235,7 @@ impl PeerConn {
             out,
             inc,
             registered,
-            peer_pulls: false,
-            we_pull: false,
+            roles: Roles::default(),
             sends: VecDeque::new(),
             recvs: VecDeque::new(),
             next_send: 0,
@@ -214,10 +250,9 @@ impl PeerConn {
         }
     }
 
-    /// Sets who copies on this IPC pair: `(the peer pulls our sends, we pull the peer's)`.
-    pub fn with_pulls(mut self, (peer_pulls, we_pull): (bool, bool)) -> Self {
-        self.peer_pulls = peer_pulls;
-        self.we_pull = we_pull;
+    /// Sets who copies on this pair.
+    pub fn with_roles(mut self, roles: Roles) -> Self {
+        self.roles = roles;
         self
     }
 
@@ -231,6 +266,8 @@ struct Step {
     op: Op,
     index: u64,
     phase: Phase,
+    /// The path the bytes take (decided per message on a direct-capable staged pair).
+    path: Path,
     /// When the step last made progress (for `FLAGCX_TIMEOUT_MS`).
     progressed: Instant,
     /// When it was admitted, and when it matched its peer (a send saw the receive
@@ -328,6 +365,8 @@ pub(crate) struct Proxy<A: DeviceAdaptor> {
     profile: Option<Profile>,
     free_events: Vec<EventHandle>,
     ipc_cache: HashMap<[u8; IpcMemHandle::WIRE_LEN], DevicePtr>,
+    /// Mapped buffers of host-vendor peers (only when this rank is a direct copier).
+    host_maps: Option<HostMaps<A>>,
     finished: BTreeSet<u64>,
     watermark: u64,
 }
@@ -355,6 +394,11 @@ impl<A: DeviceAdaptor> Proxy<A> {
     ) -> Result<Self> {
         let send_stream = adaptor.stream_create()?;
         let recv_stream = adaptor.stream_create()?;
+        let host_maps = peers
+            .iter()
+            .flatten()
+            .any(|c| c.roles.maps_peer)
+            .then(|| HostMaps::new(adaptor.clone(), boot.rank(), config.host_map_max));
         Ok(Proxy {
             adaptor,
             shared,
@@ -369,6 +413,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
             profile: std::env::var_os("FLAGCX_PROFILE").map(|_| Profile::default()),
             free_events: Vec::new(),
             ipc_cache: HashMap::new(),
+            host_maps,
             finished: BTreeSet::new(),
             watermark: 0,
         })
@@ -444,7 +489,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
         let (index, phase) = match op.dir {
             Dir::Send => {
                 conn.next_send += 1;
-                let first = if conn.peer_pulls {
+                let first = if conn.roles.peer_pulls {
                     Phase::Offer
                 } else {
                     Phase::AwaitRecvDesc
@@ -453,7 +498,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
             }
             Dir::Recv => {
                 conn.next_recv += 1;
-                let first = if conn.we_pull {
+                let first = if conn.roles.we_pull {
                     Phase::AwaitOffer
                 } else {
                     Phase::Announce
@@ -461,10 +506,15 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 (conn.next_recv - 1, first)
             }
         };
+        let path = match conn.transport {
+            TransportKind::Ipc => Path::Ipc,
+            TransportKind::Staged => Path::Staged,
+        };
         let step = Step {
             op,
             index,
             phase,
+            path,
             progressed: Instant::now(),
             admitted: Instant::now(),
             matched: None,
@@ -552,6 +602,10 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 match r {
                     Progress::Done(res) => {
                         moved = true;
+                        if let Ok(n) = res {
+                            self.shared.path_bytes[step.path as usize]
+                                .fetch_add(n as u64, Ordering::Relaxed);
+                        }
                         if let (Some(pr), true) = (self.profile.as_mut(), res.is_ok()) {
                             pr.add(dir, step.op.posted, step.admitted, step.matched);
                         }
@@ -667,6 +721,34 @@ impl<A: DeviceAdaptor> Proxy<A> {
                         }
                     }
                     TransportKind::Staged => {
+                        let mapped = match (conn.roles.maps_peer, desc.handle) {
+                            (true, Some(h)) => self.map_peer(&h),
+                            _ => None,
+                        };
+                        if let Some(base) = mapped {
+                            let dst = (base + desc.offset) as *mut u8;
+                            let (src, stream) = (step.op.ptr, self.send_stream);
+                            let issued = self.enqueue(stream, step.op.start, |a| {
+                                // SAFETY: `dst..dst+bytes` lies in the receiver's buffer (it
+                                // announced `desc.size >= bytes` at `offset` of the mapped
+                                // allocation and keeps it until we answer); `src` is the
+                                // caller's buffer, valid until the operation completes.
+                                unsafe { a.memcpy_d2h_async(dst, src, bytes, stream) }
+                            });
+                            let conn = self.peers[p].as_mut().expect("present");
+                            return match issued {
+                                Ok(ev) => {
+                                    step.path = Path::Direct;
+                                    step.phase = Phase::Copying(ev);
+                                    Ok(Progress::Moved)
+                                }
+                                Err(e) => {
+                                    answer(&conn.out, step.index, bytes, STATUS_SENDER_FAILED);
+                                    Err(e)
+                                }
+                            };
+                        }
+                        let conn = self.peers[p].as_mut().expect("present");
                         answer(&conn.out, step.index, bytes, STATUS_OK);
                         step.phase = Phase::Chunks {
                             total: bytes,
@@ -683,7 +765,11 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 }
                 self.free_events.push(ev);
                 let conn = self.peers[p].as_mut().expect("present");
-                answer(&conn.out, step.index, step.op.bytes, STATUS_OK);
+                let status = match step.path {
+                    Path::Direct => STATUS_DELIVERED,
+                    _ => STATUS_OK,
+                };
+                answer(&conn.out, step.index, step.op.bytes, status);
                 Ok(Progress::Done(Ok(step.op.bytes)))
             }
             Phase::Offer => {
@@ -699,8 +785,12 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     if !started(&self.adaptor, step.op.start)? {
                         return Ok(Progress::Idle { on_peer: false });
                     }
-                    let (h, offset) = export(&self.adaptor, step.op.ptr)?;
-                    (Some(h), offset)
+                    match export(&self.adaptor, step.op.ptr) {
+                        Ok((h, offset)) => (Some(h), offset),
+                        Err(e) if conn.transport == TransportKind::Ipc => return Err(e),
+                        // Direct path: a buffer the peer cannot map goes through the ring.
+                        Err(_) => (None, 0),
+                    }
                 } else {
                     (None, 0)
                 };
@@ -725,15 +815,26 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 }
                 let verdict = conn.out.read_recv_desc(step.index)?;
                 let bytes = step.op.bytes;
-                Ok(Progress::Done(if bytes as u64 > verdict.size {
-                    Err(CommError::SizeMismatch {
+                if bytes as u64 > verdict.size {
+                    return Ok(Progress::Done(Err(CommError::SizeMismatch {
                         peer: p,
                         send_bytes: bytes,
                         recv_bytes: verdict.size as usize,
-                    })
-                } else {
-                    Ok(bytes)
-                }))
+                    })));
+                }
+                if verdict.chunks && conn.transport == TransportKind::Staged {
+                    // The receiver did not pull (our buffer is not mapped there yet).
+                    step.phase = Phase::Chunks {
+                        total: bytes,
+                        issued: 0,
+                        started: false,
+                    };
+                    return Ok(Progress::Moved);
+                }
+                if conn.transport == TransportKind::Staged {
+                    step.path = Path::Direct;
+                }
+                Ok(Progress::Done(Ok(bytes)))
             }
             Phase::Chunks {
                 total,
@@ -821,41 +922,51 @@ impl<A: DeviceAdaptor> Proxy<A> {
     /// Opens (or reuses) the receiver's allocation and enqueues the one copy into it.
     fn issue_ipc_copy(&mut self, step: &Step, desc: &RecvDesc) -> Result<EventHandle> {
         let base = self.open_ipc(desc.handle)?;
-        order_after(&self.adaptor, self.send_stream, step.op.start)?;
         let dst = DevicePtr(base.0 + desc.offset);
-        // SAFETY: `dst..dst+bytes` lies in the receiver's buffer (it announced `desc.size >=
-        // bytes` at `offset` of that allocation, which it keeps until we answer); `src` is the
-        // caller's buffer, valid until the operation completes.
-        unsafe {
-            self.adaptor
-                .memcpy_d2d_async(dst, step.op.ptr, step.op.bytes, self.send_stream)?
-        };
-        let ev = self.event()?;
-        self.adaptor.event_record(ev, self.send_stream)?;
-        Ok(ev)
+        let (src, n, stream) = (step.op.ptr, step.op.bytes, self.send_stream);
+        self.enqueue(stream, step.op.start, |a| {
+            // SAFETY: `dst..dst+n` lies in the receiver's buffer (it announced `desc.size >= n`
+            // at `offset` of that allocation, which it keeps until we answer); `src` is the
+            // caller's buffer, valid until the operation completes.
+            unsafe { a.memcpy_d2d_async(dst, src, n, stream) }
+        })
     }
 
     /// Opens (or reuses) the sender's allocation and enqueues the one copy out of it into the
     /// caller's receive buffer.
     fn issue_ipc_pull(&mut self, step: &Step, offer: &SendDesc) -> Result<EventHandle> {
         let base = self.open_ipc(offer.handle)?;
-        order_after(&self.adaptor, self.recv_stream, step.op.start)?;
         let src = DevicePtr(base.0 + offer.offset);
-        // SAFETY: `src..src+size` lies in the sender's buffer (it offered `size` bytes at
-        // `offset` of that allocation and keeps them until our verdict); the destination is
-        // the caller's buffer with `size <= bytes` (checked by the caller), valid until the
-        // operation completes.
-        unsafe {
-            self.adaptor.memcpy_d2d_async(
-                step.op.ptr,
-                src,
-                offer.size as usize,
-                self.recv_stream,
-            )?
-        };
+        let (dst, n, stream) = (step.op.ptr, offer.size as usize, self.recv_stream);
+        self.enqueue(stream, step.op.start, |a| {
+            // SAFETY: `src..src+n` lies in the sender's buffer (it offered `n` bytes at `offset`
+            // of that allocation and keeps them until our verdict); the destination is the
+            // caller's buffer with `n <= bytes` (checked by the caller), valid until the
+            // operation completes.
+            unsafe { a.memcpy_d2d_async(dst, src, n, stream) }
+        })
+    }
+
+    /// Orders `stream` after the caller's `start`, enqueues `copy` on it and records an event
+    /// that completes with the copy.
+    fn enqueue(
+        &mut self,
+        stream: StreamHandle,
+        start: Option<EventHandle>,
+        copy: impl FnOnce(&A) -> flagcx_adaptor::Result<()>,
+    ) -> Result<EventHandle> {
+        order_after(&self.adaptor, stream, start)?;
+        copy(&self.adaptor)?;
         let ev = self.event()?;
-        self.adaptor.event_record(ev, self.recv_stream)?;
+        self.adaptor.event_record(ev, stream)?;
         Ok(ev)
+    }
+
+    /// Direct path: the host address of the peer allocation behind `handle` if it is mapped
+    /// and ready (see [`HostMaps::lookup`]).
+    fn map_peer(&mut self, handle: &IpcMemHandle) -> Option<u64> {
+        let streams = [self.send_stream, self.recv_stream];
+        self.host_maps.as_mut()?.lookup(handle, streams)
     }
 
     fn flush_ipc_cache(&mut self) {
@@ -878,26 +989,26 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     return Ok(Progress::Idle { on_peer: false });
                 }
                 let bytes = step.op.bytes;
-                let desc = match conn.transport {
-                    TransportKind::Ipc if bytes > 0 => {
-                        // The sender's copy engine writes straight into the buffer, so it may
-                        // only be announced once earlier work on the caller's stream is done.
-                        if !started(&self.adaptor, step.op.start)? {
-                            return Ok(Progress::Idle { on_peer: false });
-                        }
-                        let (h, offset) = export(&self.adaptor, step.op.ptr)?;
-                        RecvDesc {
-                            size: bytes as u64,
-                            handle: Some(h),
-                            offset,
-                        }
-                    }
-                    _ => RecvDesc {
-                        size: bytes as u64,
-                        handle: None,
-                        offset: 0,
-                    },
+                let ipc = conn.transport == TransportKind::Ipc;
+                let mut desc = RecvDesc {
+                    size: bytes as u64,
+                    handle: None,
+                    offset: 0,
+                    chunks: false,
                 };
+                if bytes > 0 && (ipc || conn.roles.peer_maps) {
+                    // The sender's copy engine may write straight into the buffer, so it may
+                    // only be announced once earlier work on the caller's stream is done.
+                    if !started(&self.adaptor, step.op.start)? {
+                        return Ok(Progress::Idle { on_peer: false });
+                    }
+                    match export(&self.adaptor, step.op.ptr) {
+                        Ok((h, offset)) => (desc.handle, desc.offset) = (Some(h), offset),
+                        Err(e) if ipc => return Err(e),
+                        // Direct path: a buffer the peer cannot map takes the ring.
+                        Err(_) => {}
+                    }
+                }
                 let conn = self.peers[p].as_mut().expect("present");
                 conn.inc.write_recv_desc(step.index, &desc);
                 conn.inc.store(Counter::RecvPosted, step.index + 1);
@@ -916,7 +1027,14 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 let bytes = step.op.bytes;
                 let failed = send_failure(p, &sd, bytes, false);
                 let size = sd.size as usize;
-                if failed.is_some() || conn.transport == TransportKind::Ipc || size == 0 {
+                if sd.status == STATUS_DELIVERED {
+                    step.path = Path::Direct;
+                }
+                if failed.is_some()
+                    || conn.transport == TransportKind::Ipc
+                    || sd.status == STATUS_DELIVERED
+                    || size == 0
+                {
                     conn.inc.store(Counter::RecvDone, step.index + 1);
                     return Ok(Progress::Done(failed.map_or(Ok(size), Err)));
                 }
@@ -945,7 +1063,37 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     give_verdict(&conn.inc, step.index, bytes);
                     return Ok(Progress::Done(Ok(0)));
                 }
-                let ev = self.issue_ipc_pull(step, &offer)?;
+                let ev = if conn.transport == TransportKind::Ipc {
+                    self.issue_ipc_pull(step, &offer)?
+                } else {
+                    let Some(base) = offer.handle.and_then(|h| self.map_peer(&h)) else {
+                        // Not mapped (yet): ask for the data through the ring.
+                        let conn = self.peers[p].as_mut().expect("present");
+                        let d = RecvDesc {
+                            size: bytes as u64,
+                            handle: None,
+                            offset: 0,
+                            chunks: true,
+                        };
+                        conn.inc.write_recv_desc(step.index, &d);
+                        conn.inc.store(Counter::RecvPosted, step.index + 1);
+                        step.phase = Phase::Chunks {
+                            total: offer.size as usize,
+                            issued: 0,
+                            started: false,
+                        };
+                        return Ok(Progress::Moved);
+                    };
+                    let src = (base + offer.offset) as *const u8;
+                    let (dst, n, stream) = (step.op.ptr, offer.size as usize, self.recv_stream);
+                    step.path = Path::Direct;
+                    self.enqueue(stream, step.op.start, |a| {
+                        // SAFETY: `src..src+n` lies in the sender's mapped buffer (it offered
+                        // `n` bytes at `offset` and keeps them until our verdict); `dst` is the
+                        // caller's buffer with `n <= bytes`, valid until completion.
+                        unsafe { a.memcpy_h2d_async(dst, src, n, stream) }
+                    })?
+                };
                 step.phase = Phase::Pulling {
                     ev,
                     size: offer.size as usize,
@@ -1071,6 +1219,10 @@ impl<A: DeviceAdaptor> Proxy<A> {
             self.finish(op, Err(CommError::Aborted));
         }
         self.flush_ipc_cache();
+        if let Some(m) = self.host_maps.as_mut() {
+            // Both streams were synchronized above: no copy touches the mappings.
+            m.close();
+        }
         let spares = std::mem::take(&mut *lock(&self.shared.spare_events));
         for e in self.free_events.drain(..).chain(spares) {
             let _ = self.adaptor.event_destroy(e);
@@ -1147,6 +1299,7 @@ fn give_verdict(inc: &Channel, index: u64, recv_bytes: usize) {
         size: recv_bytes as u64,
         handle: None,
         offset: 0,
+        chunks: false,
     };
     inc.write_recv_desc(index, &d);
     inc.store(Counter::RecvPosted, index + 1);
@@ -1158,13 +1311,13 @@ fn give_verdict(inc: &Channel, index: u64, recv_bytes: usize) {
 /// sender's size in the offer and is the one to find it too large.
 fn send_failure(peer: usize, sd: &SendDesc, bytes: usize, pulling: bool) -> Option<CommError> {
     match sd.status {
-        STATUS_OK if sd.size as usize <= bytes => None,
+        STATUS_OK | STATUS_DELIVERED if sd.size as usize <= bytes => None,
         STATUS_OK if pulling => Some(CommError::SizeMismatch {
             peer,
             send_bytes: sd.size as usize,
             recv_bytes: bytes,
         }),
-        STATUS_OK => Some(CommError::Protocol(format!(
+        STATUS_OK | STATUS_DELIVERED => Some(CommError::Protocol(format!(
             "rank {peer} sent {} bytes into a {bytes}-byte receive",
             sd.size
         ))),

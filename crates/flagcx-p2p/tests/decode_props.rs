@@ -4,7 +4,7 @@
 
 use flagcx_adaptor::{Capabilities, IpcMemHandle, Vendor};
 use flagcx_p2p::channel::{Channel, Geometry, RecvDesc};
-use flagcx_p2p::config::IpcCopier;
+use flagcx_p2p::config::{HostDirect, IpcCopier};
 use flagcx_p2p::peer::PeerInfo;
 use flagcx_p2p::wire::{self, Reader, Tag, HEADER_LEN, MAX_PAYLOAD};
 use flagcx_p2p::UniqueId;
@@ -28,28 +28,31 @@ fn peer_info() -> impl Strategy<Value = PeerInfo> {
         ".{0,40}",
         any::<u32>(),
         any::<[bool; 8]>(),
-        (any::<bool>(), 0u8..3),
+        (any::<bool>(), 0u8..3, 0u8..3),
     )
         .prop_map(
-            |(rank, vendor, device, pci_bus_id, host_id, pid, c, (p2p_disable, copier))| PeerInfo {
-                rank,
-                vendor,
-                device,
-                pci_bus_id,
-                host_id,
-                pid,
-                caps: Capabilities {
-                    ipc_bytes: c[0],
-                    ipc_fd: c[1],
-                    host_register: c[2],
-                    peer_access: c[3],
-                    host_functions: c[4],
-                    stream_mem_ops: c[5],
-                    stream_mem_ops_64: c[6],
-                    capture_mode: c[7],
-                },
-                p2p_disable,
-                ipc_copier: IpcCopier::from_code(copier).expect("0..3 are codes"),
+            |(rank, vendor, device, pci_bus_id, host_id, pid, c, (p2p_disable, copier, direct))| {
+                PeerInfo {
+                    rank,
+                    vendor,
+                    device,
+                    pci_bus_id,
+                    host_id,
+                    pid,
+                    caps: Capabilities {
+                        ipc_bytes: c[0],
+                        ipc_fd: c[1],
+                        host_register: c[2],
+                        peer_access: c[3],
+                        host_functions: c[4],
+                        stream_mem_ops: c[5],
+                        stream_mem_ops_64: c[6],
+                        capture_mode: c[7],
+                    },
+                    p2p_disable,
+                    ipc_copier: IpcCopier::from_code(copier).expect("0..3 are codes"),
+                    host_direct: HostDirect::from_code(direct).expect("0..3 are codes"),
+                }
             },
         )
 }
@@ -114,10 +117,11 @@ proptest! {
         garbage in proptest::collection::vec(any::<u8>(), 128),
         size in any::<u64>(),
         offset in any::<u64>(),
+        chunks in any::<bool>(),
     ) {
         let ch = Channel::create(Geometry { slots: 0, chunk: 0 }).unwrap();
         // A well-formed descriptor round-trips...
-        let d = RecvDesc { size, handle: None, offset };
+        let d = RecvDesc { size, handle: None, offset, chunks };
         ch.write_recv_desc(3, &d);
         prop_assert_eq!(ch.read_recv_desc(3).unwrap(), d);
         // ...and arbitrary bytes in its place (a corrupt or hostile peer) never panic.

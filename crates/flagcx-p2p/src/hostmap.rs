@@ -1,0 +1,325 @@
+//! The direct path's mappings: a copier rank's view of its host-vendor peers' buffers.
+//!
+//! A host-vendor rank's device memory is a memfd, so a rank of another vendor can map the very
+//! same pages and copy device↔host straight into or out of them: one copy at the copy engine's
+//! full rate, instead of a device↔ring copy plus a ring↔buffer `memcpy` on the host rank (which
+//! bounds the staged path at host-memcpy speed).
+//!
+//! Mapping is cheap; registering the mapping with the copier's runtime (page-locking it so its
+//! copy engine reaches it asynchronously) is not — about 0.5 ms per MiB on an H200 machine. So
+//! registration runs on a helper thread, and until a buffer is registered its messages go
+//! through the ring: the first use of a large buffer never stalls the proxy, and buffers that
+//! are reused (KV-cache pools, benchmark buffers) soon take the direct path. A runtime without
+//! registration copies to plain host memory; there a mapping is ready at once.
+//!
+//! Mappings are cached per allocation (its memfd's identity) up to [`Config::host_map_max`]
+//! bytes. Past that, mappings of allocations their owner has freed are dropped; if that frees
+//! too little, the new buffer stays on the ring path.
+//!
+//! [`Config::host_map_max`]: crate::Config::host_map_max
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use flagcx_adaptor::hostmem::{self, HostMemHandle};
+use flagcx_adaptor::{DeviceAdaptor, IpcMemHandle, StreamHandle};
+
+const PENDING: u8 = 0;
+const READY: u8 = 1;
+const FAILED: u8 = 2;
+
+/// One mapped allocation of a peer.
+struct Entry {
+    handle: HostMemHandle,
+    base: u64,
+    /// Mapped bytes: the allocation rounded up to whole pages.
+    len: usize,
+    /// Set by whoever finishes preparing the mapping (the helper thread when registering).
+    state: Arc<AtomicU8>,
+    /// Whether the mapping is (to be) registered with the runtime.
+    registers: bool,
+}
+
+/// A registration job: the mapping's range and where to report.
+struct Job {
+    base: u64,
+    len: usize,
+    state: Arc<AtomicU8>,
+}
+
+/// The copier's cache of mapped peer allocations.
+pub(crate) struct HostMaps<A: DeviceAdaptor> {
+    adaptor: A,
+    rank: usize,
+    register: bool,
+    max: usize,
+    mapped: usize,
+    entries: HashMap<(u64, u64), Entry>,
+    jobs: Option<Sender<Job>>,
+    helper: Option<JoinHandle<()>>,
+    /// Times a buffer was left on the ring because the budget was spent (logged once).
+    over_budget_logged: bool,
+}
+
+impl<A: DeviceAdaptor> HostMaps<A> {
+    /// An empty cache for `rank`'s proxy; registers mappings iff the runtime can.
+    pub fn new(adaptor: A, rank: usize, max: usize) -> Self {
+        let register = adaptor.capabilities().host_register;
+        HostMaps {
+            adaptor,
+            rank,
+            register,
+            max,
+            mapped: 0,
+            entries: HashMap::new(),
+            jobs: None,
+            helper: None,
+            over_budget_logged: false,
+        }
+    }
+
+    /// The host address of the peer allocation behind `handle` if it is mapped and ready for
+    /// direct copies; otherwise starts preparing it (when there is room) and returns `None`:
+    /// this message goes through the ring. `streams` are the proxy's streams, drained before a
+    /// stale mapping is dropped.
+    pub fn lookup(&mut self, handle: &IpcMemHandle, streams: [StreamHandle; 2]) -> Option<u64> {
+        const OP: &str = "direct map";
+        let h = match HostMemHandle::decode(OP, handle) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::debug!(rank = self.rank, "not mappable: {e}");
+                return None;
+            }
+        };
+        if let Some(e) = self.entries.get(&(h.ino, h.dev)) {
+            return (e.state.load(Ordering::Acquire) == READY && e.handle.size >= h.size)
+                .then_some(e.base);
+        }
+        let len = h.size.next_multiple_of(page_size());
+        if self.mapped + len > self.max {
+            self.drop_freed(streams);
+            if self.mapped + len > self.max {
+                if !self.over_budget_logged {
+                    self.over_budget_logged = true;
+                    tracing::info!(
+                        rank = self.rank,
+                        "FLAGCX_P2P_HOST_MAP_MAX ({} bytes) reached: buffers not yet mapped \
+                         go through the staging ring",
+                        self.max
+                    );
+                }
+                return None;
+            }
+        }
+        let base = match h.open(OP).and_then(|fd| hostmem::map_shared(&fd, len)) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::debug!(rank = self.rank, "cannot map a peer buffer: {e}");
+                return None;
+            }
+        };
+        let state = Arc::new(AtomicU8::new(if self.register { PENDING } else { READY }));
+        if self.register {
+            let job = Job {
+                base,
+                len,
+                state: state.clone(),
+            };
+            if self.helper().and_then(|tx| tx.send(job).ok()).is_none() {
+                state.store(FAILED, Ordering::Release);
+            }
+        }
+        self.mapped += len;
+        self.entries.insert(
+            (h.ino, h.dev),
+            Entry {
+                handle: h,
+                base,
+                len,
+                state: state.clone(),
+                registers: self.register,
+            },
+        );
+        (state.load(Ordering::Acquire) == READY).then_some(base)
+    }
+
+    /// The registration thread's queue, started on first use.
+    fn helper(&mut self) -> Option<&Sender<Job>> {
+        if self.jobs.is_none() {
+            let (tx, rx) = channel::<Job>();
+            let adaptor = self.adaptor.clone();
+            let rank = self.rank;
+            let spawned = std::thread::Builder::new()
+                .name(format!("flagcx-hostmap-{rank}"))
+                .spawn(move || {
+                    for job in rx {
+                        // SAFETY: `base..base+len` is a live shared mapping owned by the
+                        // cache, which unmaps it only after this thread has exited.
+                        let r = unsafe { adaptor.host_register(job.base as *mut u8, job.len) };
+                        let state = match r {
+                            Ok(_) => READY,
+                            Err(e) => {
+                                tracing::info!(
+                                    rank,
+                                    "registering a peer buffer for direct copies failed ({e}); \
+                                     it stays on the staging ring"
+                                );
+                                FAILED
+                            }
+                        };
+                        job.state.store(state, Ordering::Release);
+                    }
+                });
+            match spawned {
+                Ok(h) => {
+                    self.helper = Some(h);
+                    self.jobs = Some(tx);
+                }
+                Err(e) => {
+                    tracing::info!(rank, "no registration thread ({e}): direct path off");
+                    return None;
+                }
+            }
+        }
+        self.jobs.as_ref()
+    }
+
+    /// Drops mappings of allocations their owner no longer exports (freed, or the process is
+    /// gone), after draining `streams` so no copy can still touch them.
+    fn drop_freed(&mut self, streams: [StreamHandle; 2]) {
+        let dead: Vec<(u64, u64)> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.state.load(Ordering::Acquire) != PENDING)
+            .filter(|(_, e)| !e.handle.still_exported())
+            .map(|(k, _)| *k)
+            .collect();
+        if dead.is_empty() {
+            return;
+        }
+        for s in streams {
+            let _ = self.adaptor.stream_synchronize(s);
+        }
+        for k in dead {
+            if let Some(e) = self.entries.remove(&k) {
+                self.release(e);
+            }
+        }
+    }
+
+    fn release(&mut self, e: Entry) {
+        self.mapped -= e.len;
+        if e.registers && e.state.load(Ordering::Acquire) == READY {
+            // SAFETY: registered by the helper on this mapping; the caller drained every copy.
+            let _ = unsafe { self.adaptor.host_unregister(e.base as *mut u8) };
+        }
+        // SAFETY: the mapping was made by `lookup`; no copy uses it (drained by the caller) and
+        // its registration, if any, was just undone.
+        unsafe { hostmem::unmap(e.base, e.len) };
+    }
+
+    /// Stops the helper and drops every mapping. The caller has drained its streams.
+    pub fn close(&mut self) {
+        self.jobs = None;
+        if let Some(h) = self.helper.take() {
+            let _ = h.join();
+        }
+        let all: Vec<Entry> = self.entries.drain().map(|(_, e)| e).collect();
+        for e in all {
+            self.release(e);
+        }
+    }
+
+    /// Bytes mapped now.
+    #[cfg(test)]
+    fn mapped(&self) -> usize {
+        self.mapped
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)
+}
+
+impl<A: DeviceAdaptor> Drop for HostMaps<A> {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flagcx_host::HostAdaptor;
+    use std::time::{Duration, Instant};
+
+    fn ready_within(m: &mut HostMaps<HostAdaptor>, h: &IpcMemHandle, s: [StreamHandle; 2]) -> u64 {
+        let t0 = Instant::now();
+        loop {
+            if let Some(b) = m.lookup(h, s) {
+                return b;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(10), "never became ready");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_buffer_is_ring_first_then_direct_and_maps_the_same_pages() {
+        let a = HostAdaptor::open(0).unwrap();
+        let s = [a.stream_create().unwrap(), a.stream_create().unwrap()];
+        let buf = a.mem_alloc(10_000).unwrap();
+        let h = a.ipc_get_handle(buf).unwrap();
+        let mut m = HostMaps::new(a.clone(), 0, 1 << 30);
+        // The host vendor registers, so the first lookup only starts the work.
+        assert_eq!(m.lookup(&h, s), None);
+        let base = ready_within(&mut m, &h, s);
+        assert_eq!(m.mapped(), 12_288, "whole pages");
+        // SAFETY: `buf` holds 10 000 bytes; `base` maps the same memfd.
+        unsafe {
+            a.memcpy_h2d_async(buf, [7u8; 16].as_ptr(), 16, s[0])
+                .unwrap();
+            a.stream_synchronize(s[0]).unwrap();
+            assert_eq!(
+                std::slice::from_raw_parts(base as *const u8, 16),
+                &[7u8; 16]
+            );
+        }
+        // Another vendor's handle or garbage: never mapped.
+        let mut other = h;
+        other.vendor = flagcx_adaptor::Vendor::Cuda;
+        assert_eq!(m.lookup(&other, s), None);
+        m.close();
+        assert_eq!(m.mapped(), 0);
+        // SAFETY: no copy is in flight.
+        unsafe { a.mem_free(buf).unwrap() };
+    }
+
+    #[test]
+    fn the_budget_holds_and_freed_buffers_make_room() {
+        let a = HostAdaptor::open(0).unwrap();
+        let s = [a.stream_create().unwrap(), a.stream_create().unwrap()];
+        let mut m = HostMaps::new(a.clone(), 0, 3 * 4096);
+        let b1 = a.mem_alloc(8192).unwrap();
+        let h1 = a.ipc_get_handle(b1).unwrap();
+        ready_within(&mut m, &h1, s);
+        let b2 = a.mem_alloc(8192).unwrap();
+        let h2 = a.ipc_get_handle(b2).unwrap();
+        // No room while b1 lives: b2 stays on the ring, repeatedly.
+        for _ in 0..3 {
+            assert_eq!(m.lookup(&h2, s), None);
+        }
+        assert_eq!(m.mapped(), 8192);
+        // SAFETY: no copy is in flight.
+        unsafe { a.mem_free(b1).unwrap() };
+        ready_within(&mut m, &h2, s);
+        assert_eq!(m.mapped(), 8192, "b1's mapping was dropped for b2's");
+        // SAFETY: as above.
+        unsafe { a.mem_free(b2).unwrap() };
+    }
+}
