@@ -150,6 +150,8 @@ struct Row {
     wrong: usize,
     ceil_us: f64,
     ceil_bw: f64,
+    /// Which path the timed iterations' bytes took (this rank's view).
+    path: &'static str,
 }
 
 fn rank_main(o: &Opts) -> Result<(), Error> {
@@ -179,18 +181,19 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
     let setup_ms = t0.elapsed().as_secs_f64() * 1e3;
     if me == 0 && !o.json {
         let info = comm.peer_info(next).expect("peer");
-        let copier = match comm.ipc_copier(next) {
-            Some(r) => format!(" (rank {r} copies both ways)"),
-            None if kind == TransportKind::Ipc => " (each sender copies)".to_string(),
-            None => String::new(),
+        let copier = match (comm.ipc_copier(next), comm.direct_copier(next)) {
+            (Some(r), _) => format!(" (rank {r} copies both ways)"),
+            (None, _) if kind == TransportKind::Ipc => " (each sender copies)".to_string(),
+            (None, Some(r)) => format!(" (direct: rank {r} copies into/out of host buffers)"),
+            (None, None) => String::new(),
         };
         println!(
             "# flagcx-perf {} | {} ranks | rank 0: {} device {} | rank 1: {} device {} | transport {kind}{copier} | setup + first transfer {setup_ms:.1} ms",
             o.test, n, adaptor.vendor(), adaptor.device(), info.vendor, info.device
         );
         println!(
-            "# {:>12} {:>11} {:>10} {:>10} {:>7} {:>11} {:>10} {:>7}",
-            "bytes", "time_us", "algbw", "busbw", "wrong", "ceil_us", "ceil_bw", "ratio"
+            "# {:>12} {:>11} {:>10} {:>10} {:>7} {:>11} {:>10} {:>7} {:>7}",
+            "bytes", "time_us", "algbw", "busbw", "wrong", "ceil_us", "ceil_bw", "ratio", "path"
         );
     }
     let mut rows = Vec::new();
@@ -201,30 +204,30 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         (s <= o.max).then_some(s)
     })
     .collect();
+    let peers: Vec<usize> = match o.test.as_str() {
+        "pairs" => (0..n).filter(|&q| q != me).collect(),
+        _ => vec![next],
+    };
+    let froms: Vec<usize> = match o.test.as_str() {
+        "pairs" => (0..n).filter(|&q| q != me).collect(),
+        _ => vec![prev],
+    };
+    // As nccl-tests do: one buffer per peer of the largest size, each size using its prefix.
+    // (The direct path maps a host rank's buffer once; fresh buffers per size would measure
+    // their first use.)
+    let max = sizes.last().copied().unwrap_or(1).max(1);
+    let alloc = |_: &usize| DeviceBuffer::new(&adaptor, max).map(Arc::new);
+    let sends: Vec<Arc<DeviceBuffer<Adaptor>>> =
+        peers.iter().map(alloc).collect::<Result<_, _>>()?;
+    let recvs: Vec<Arc<DeviceBuffer<Adaptor>>> =
+        froms.iter().map(alloc).collect::<Result<_, _>>()?;
     for (k, &size) in sizes.iter().enumerate() {
-        let peers: Vec<usize> = match o.test.as_str() {
-            "pairs" => (0..n).filter(|&q| q != me).collect(),
-            _ => vec![next],
-        };
-        let froms: Vec<usize> = match o.test.as_str() {
-            "pairs" => (0..n).filter(|&q| q != me).collect(),
-            _ => vec![prev],
-        };
-        let sends: Vec<Arc<DeviceBuffer<Adaptor>>> = peers
-            .iter()
-            .map(|_| -> Result<_, Error> {
-                let b = Arc::new(DeviceBuffer::new(&adaptor, size)?);
-                if o.check {
-                    let data: Vec<u8> = (0..size).map(|i| byte(me, size, i)).collect();
-                    b.write(0, &data, &stream)?;
-                }
-                Ok(b)
-            })
-            .collect::<Result<_, _>>()?;
-        let recvs: Vec<Arc<DeviceBuffer<Adaptor>>> = froms
-            .iter()
-            .map(|_| DeviceBuffer::new(&adaptor, size).map(Arc::new))
-            .collect::<Result<_, _>>()?;
+        if o.check {
+            let data: Vec<u8> = (0..size).map(|i| byte(me, size, i)).collect();
+            for b in &sends {
+                b.write(0, &data, &stream)?;
+            }
+        }
         // The ceiling in the same traffic pattern: for sendrecv and pairs every rank copies at
         // once (on one GPU they share its memory bandwidth); for pingpong one copy at a time.
         barrier(&comm, &stream, next, prev)?;
@@ -235,29 +238,35 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         };
         barrier(&comm, &stream, next, prev)?;
         let mut start = Instant::now();
+        let mut before = comm.stats();
+        let h = stream.handle();
         for i in 0..o.warmup + o.iters {
             if i == o.warmup {
                 stream.synchronize()?;
                 start = Instant::now();
+                before = comm.stats();
             }
             match o.test.as_str() {
-                "pingpong" => {
+                // SAFETY: every buffer holds `max >= size` bytes and outlives each wait.
+                "pingpong" => unsafe {
                     if me == 0 {
-                        comm.send(&sends[0], 1, &stream)?.wait()?;
-                        comm.recv(&recvs[0], 1, &stream)?.wait()?;
+                        comm.send_raw(sends[0].ptr(), size, 1, h)?.wait()?;
+                        comm.recv_raw(recvs[0].ptr(), size, 1, h)?.wait()?;
                     } else {
-                        comm.recv(&recvs[0], 0, &stream)?.wait()?;
-                        comm.send(&recvs[0], 0, &stream)?.wait()?;
+                        comm.recv_raw(recvs[0].ptr(), size, 0, h)?.wait()?;
+                        comm.send_raw(recvs[0].ptr(), size, 0, h)?.wait()?;
                     }
-                }
+                },
                 _ => {
                     let reqs = comm.group(|| {
                         let mut r = Vec::new();
                         for (b, &p) in sends.iter().zip(&peers) {
-                            r.push(comm.send(b, p, &stream)?);
+                            // SAFETY: as above.
+                            r.push(unsafe { comm.send_raw(b.ptr(), size, p, h)? });
                         }
                         for (b, &p) in recvs.iter().zip(&froms) {
-                            r.push(comm.recv(b, p, &stream)?);
+                            // SAFETY: as above.
+                            r.push(unsafe { comm.recv_raw(b.ptr(), size, p, h)? });
                         }
                         Ok(r)
                     })?;
@@ -268,6 +277,7 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             }
         }
         stream.synchronize()?;
+        let path = path_taken(before, comm.stats());
         let t = start.elapsed().as_secs_f64() / o.iters as f64;
         let mut wrong = 0;
         if o.check {
@@ -296,6 +306,7 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             wrong,
             ceil_us,
             ceil_bw,
+            path,
         };
         if me == 0 {
             print_row(&row, o, kind, n);
@@ -326,6 +337,22 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
     Ok(())
 }
 
+/// Names the path the bytes between two stats snapshots took: one path, or `mixed` (a direct
+/// pair whose buffer was still being registered, say).
+fn path_taken(a: flagcx::PathStats, b: flagcx::PathStats) -> &'static str {
+    let d = [
+        ("ipc", b.ipc_bytes - a.ipc_bytes),
+        ("staged", b.staged_bytes - a.staged_bytes),
+        ("direct", b.direct_bytes - a.direct_bytes),
+    ];
+    let used: Vec<&str> = d.iter().filter(|x| x.1 > 0).map(|x| x.0).collect();
+    match used.as_slice() {
+        [] => "-",
+        [one] => one,
+        _ => "mixed",
+    }
+}
+
 fn print_row(r: &Row, o: &Opts, kind: TransportKind, n: usize) {
     let ratio = if r.ceil_bw > 0.0 {
         r.busbw / r.ceil_bw
@@ -334,13 +361,13 @@ fn print_row(r: &Row, o: &Opts, kind: TransportKind, n: usize) {
     };
     if o.json {
         println!(
-            "{{\"test\":\"{}\",\"ranks\":{n},\"transport\":\"{kind}\",\"bytes\":{},\"time_us\":{:.3},\"algbw_gbs\":{:.4},\"busbw_gbs\":{:.4},\"wrong\":{},\"ceiling_us\":{:.3},\"ceiling_gbs\":{:.4},\"ratio\":{:.4}}}",
-            o.test, r.bytes, r.time_us, r.algbw, r.busbw, r.wrong, r.ceil_us, r.ceil_bw, ratio
+            "{{\"test\":\"{}\",\"ranks\":{n},\"transport\":\"{kind}\",\"bytes\":{},\"time_us\":{:.3},\"algbw_gbs\":{:.4},\"busbw_gbs\":{:.4},\"wrong\":{},\"ceiling_us\":{:.3},\"ceiling_gbs\":{:.4},\"ratio\":{:.4},\"path\":\"{}\"}}",
+            o.test, r.bytes, r.time_us, r.algbw, r.busbw, r.wrong, r.ceil_us, r.ceil_bw, ratio, r.path
         );
     } else {
         println!(
-            "  {:>12} {:>11.2} {:>10.2} {:>10.2} {:>7} {:>11.2} {:>10.2} {:>7.3}",
-            r.bytes, r.time_us, r.algbw, r.busbw, r.wrong, r.ceil_us, r.ceil_bw, ratio
+            "  {:>12} {:>11.2} {:>10.2} {:>10.2} {:>7} {:>11.2} {:>10.2} {:>7.3} {:>7}",
+            r.bytes, r.time_us, r.algbw, r.busbw, r.wrong, r.ceil_us, r.ceil_bw, ratio, r.path
         );
     }
 }
