@@ -299,13 +299,14 @@ here=$(cd "$(dirname "$0")" && pwd)
 logs=${{FLAGCX_BUNDLE_LOGS:-$here/logs}}
 mkdir -p "$logs"
 perf="$here/bin/flagcx-perf"
-sweep() {{ name=$1; shift; echo "== $name: $*"; "$@" > "$logs/perf-$name.log" 2>&1; echo "   exit $?"; grep -v progress "$logs/perf-$name.log" | tail -n 30; }}
+# FLAGCX_PERF_ONLY=<extended regex>: run only the sweeps whose names match.
+sweep() {{ name=$1; shift; if [ -n "${{FLAGCX_PERF_ONLY:-}}" ] && ! echo "$name" | grep -Eq "$FLAGCX_PERF_ONLY"; then return; fi; echo "== $name: $*"; "$@" > "$logs/perf-$name.log" 2>&1; echo "   exit $?"; grep -v progress "$logs/perf-$name.log" | tail -n 30; }}
 export FLAGCX_VENDOR={vendor}
 sweep ipc-sendrecv   "$perf" -t sendrecv --transport ipc -b 8 -e 1G -f 4 -n 20 -w 5 -c --plot "$logs/ipc-sendrecv.svg"
 sweep ipc-pingpong   "$perf" -t pingpong --transport ipc -b 8 -e 1G -f 4 -n 50 -w 10
 sweep staged-sendrecv "$perf" -t sendrecv --transport staged -b 8 -e 1G -f 4 -n 10 -w 3 -c
 sweep staged-pingpong "$perf" -t pingpong --transport staged -b 8 -e 1G -f 8 -n 10 -w 3
-FLAGCX_P2P_CHUNKSIZE=4M FLAGCX_P2P_BUFFSIZE=32M sweep staged-pingpong-4m "$perf" -t pingpong --transport staged -b 64M -e 1G -f 4 -n 10 -w 3
+for c in 1 8; do FLAGCX_P2P_CHUNKSIZE=${{c}}M FLAGCX_P2P_BUFFSIZE=$((c * 8))M sweep staged-pingpong-${{c}}m "$perf" -t pingpong --transport staged -b 64M -e 1G -f 4 -n 10 -w 3; done
 sweep ipc-pingpong-big "$perf" -t pingpong --transport ipc -b 64M -e 1G -f 2 -n 50 -w 10
 sweep ipc-sendrecv-big "$perf" -t sendrecv --transport ipc -b 64M -e 1G -f 2 -n 20 -w 5 -c
 FLAGCX_P2P_IPC_COPIER=sender sweep ipc-sendrecv-push "$perf" -t sendrecv --transport ipc -b 8 -e 1G -f 4 -n 20 -w 5 -c
@@ -314,6 +315,8 @@ FLAGCX_STREAM_JOIN=none sweep ipc-pingpong-nojoin "$perf" -t pingpong --transpor
 unset FLAGCX_VENDOR
 sweep mixed-sendrecv "$perf" -t sendrecv --vendors {vendor},host -b 8 -e 1G -f 4 -n 10 -w 3 -c
 sweep mixed-pingpong "$perf" -t pingpong --vendors {vendor},host -b 8 -e 1G -f 8 -n 10 -w 3
+FLAGCX_P2P_HOST_DIRECT=off sweep mixed-sendrecv-ring "$perf" -t sendrecv --vendors {vendor},host -b 8 -e 1G -f 4 -n 10 -w 3 -c
+FLAGCX_P2P_HOST_DIRECT=off sweep mixed-pingpong-ring "$perf" -t pingpong --vendors {vendor},host -b 8 -e 1G -f 8 -n 10 -w 3
 sweep host-pingpong  "$perf" -t pingpong --vendor host -b 8 -e 256M -f 4 -n 100 -w 10
 FLAGCX_STREAM_JOIN=none sweep host-pingpong-nojoin "$perf" -t pingpong --vendor host -b 8 -e 256M -f 4 -n 100 -w 10
 for n in 2 4 8; do sweep host-pairs-$n "$perf" -t pairs -N $n --vendor host -b 1M -e 64M -f 8 -n 10 -w 3 -c; done

@@ -93,9 +93,10 @@ pub struct Config {
     pub bootstrap_timeout: Duration,
     /// Force the staged transport for every pair (`FLAGCX_P2P_DISABLE=1`).
     pub p2p_disable: bool,
-    /// Bytes of shared host memory per staged channel (`FLAGCX_P2P_BUFFSIZE`, default 8 MiB).
+    /// Bytes of shared host memory per staged channel (`FLAGCX_P2P_BUFFSIZE`, default 32 MiB).
     pub buffsize: usize,
-    /// Bytes per staged chunk (`FLAGCX_P2P_CHUNKSIZE`, default 1 MiB).
+    /// Bytes per staged ring slot, the largest chunk (`FLAGCX_P2P_CHUNKSIZE`, default 4 MiB).
+    /// A message moves in chunks of about an eighth of its size, 64 KiB to one slot.
     pub chunksize: usize,
     /// Fail an operation that makes no progress for this long (`FLAGCX_TIMEOUT_MS`; unset or 0:
     /// never). The pair is then unusable: its later operations fail at once.
@@ -124,9 +125,9 @@ pub struct Config {
 }
 
 /// Defaults, documented in the README's environment table.
-pub const DEFAULT_BUFFSIZE: usize = 8 << 20;
-/// Default staged chunk size.
-pub const DEFAULT_CHUNKSIZE: usize = 1 << 20;
+pub const DEFAULT_BUFFSIZE: usize = 32 << 20;
+/// Default staged slot (largest chunk) size.
+pub const DEFAULT_CHUNKSIZE: usize = 4 << 20;
 /// Default [`Config::host_map_max`].
 pub const DEFAULT_HOST_MAP_MAX: usize = 16 << 30;
 

@@ -851,7 +851,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                         order_after(&self.adaptor, self.send_stream, step.op.start)?;
                         *started = true;
                     }
-                    let len = chunk.min(total - *issued);
+                    let len = chunk_len(total, chunk).min(total - *issued);
                     let src = DevicePtr(step.op.ptr.0 + *issued as u64);
                     let dst = conn.out.slot(conn.tail_issued);
                     // SAFETY: `dst` is a slot of `chunk` bytes in the live channel mapping that
@@ -1123,7 +1123,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                         order_after(&self.adaptor, self.recv_stream, step.op.start)?;
                         *started = true;
                     }
-                    let len = chunk.min(total - *issued);
+                    let len = chunk_len(total, chunk).min(total - *issued);
                     let dst = DevicePtr(step.op.ptr.0 + *issued as u64);
                     let src = conn.inc.slot(conn.head_issued);
                     // SAFETY: the slot holds a chunk the sender published (tail); `dst` lies in
@@ -1243,6 +1243,15 @@ impl<A: DeviceAdaptor> Proxy<A> {
     }
 }
 
+/// The chunk size of a `total`-byte staged message over slots of `slot` bytes: about an eighth
+/// of the message (so mid-size messages still pipeline their two copies), in 64 KiB steps, at
+/// most a slot (so large messages pay the per-chunk cost of events and hand-offs rarely). Both
+/// sides derive it from the same total, so their chunk boundaries agree.
+pub(crate) fn chunk_len(total: usize, slot: usize) -> usize {
+    const STEP: usize = 64 << 10;
+    total.div_ceil(8).next_multiple_of(STEP).max(STEP).min(slot)
+}
+
 /// Orders later work on `stream` after the caller's `start` event. When the event has already
 /// completed (the usual case by the time a peer matched), no device-side wait is enqueued.
 fn order_after<A: DeviceAdaptor>(
@@ -1331,5 +1340,28 @@ fn send_failure(peer: usize, sd: &SendDesc, bytes: usize, pulling: bool) -> Opti
             reason: "the sender's copy could not be issued".into(),
         }),
         s => Some(CommError::Protocol(format!("send status {s}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chunk_len;
+
+    #[test]
+    fn chunks_are_an_eighth_of_the_message_within_bounds() {
+        let (k, m) = (1 << 10, 1 << 20);
+        let slot = 4 * m;
+        assert_eq!(chunk_len(8, slot), 64 * k, "small messages: one chunk");
+        assert_eq!(chunk_len(2 * m, slot), 256 * k);
+        assert_eq!(chunk_len(2 * m + 1, slot), 320 * k, "rounded up to 64 KiB");
+        assert_eq!(chunk_len(16 * m, slot), 2 * m);
+        assert_eq!(chunk_len(1 << 30, slot), slot, "at most a slot");
+        // Slots smaller than the 64 KiB step (a tiny FLAGCX_P2P_CHUNKSIZE) still bound it.
+        assert_eq!(chunk_len(1 << 30, 4096), 4096);
+        for total in [1, 100, 65_537, 3 * m + 5, 1 << 31] {
+            let c = chunk_len(total, slot);
+            assert!(c > 0 && c <= slot && c % (64 * k) == 0);
+            assert!(total.div_ceil(c) <= 8 || c == slot, "{total}: {c}");
+        }
     }
 }
