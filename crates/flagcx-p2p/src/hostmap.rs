@@ -13,8 +13,9 @@
 //! registration copies to plain host memory; there a mapping is ready at once.
 //!
 //! Mappings are cached per allocation (its memfd's identity) up to [`Config::host_map_max`]
-//! bytes. Past that, mappings of allocations their owner has freed are dropped; if that frees
-//! too little, the new buffer stays on the ring path.
+//! bytes. Whenever a new buffer is seen, mappings of allocations their owner has freed are
+//! dropped first (they would keep its pages alive); past the budget, the new buffer stays on the
+//! ring path.
 //!
 //! [`Config::host_map_max`]: crate::Config::host_map_max
 
@@ -81,11 +82,15 @@ impl<A: DeviceAdaptor> HostMaps<A> {
         }
     }
 
-    /// The host address of the peer allocation behind `handle` if it is mapped and ready for
-    /// direct copies; otherwise starts preparing it (when there is room) and returns `None`:
-    /// this message goes through the ring. `streams` are the proxy's streams, drained before a
-    /// stale mapping is dropped.
-    pub fn lookup(&mut self, handle: &IpcMemHandle, streams: [StreamHandle; 2]) -> Option<u64> {
+    /// The host address and length of the peer allocation behind `handle` if it is mapped and
+    /// ready for direct copies; otherwise starts preparing it (when there is room) and returns
+    /// `None`: this message goes through the ring. `streams` are the proxy's streams, drained
+    /// before a stale mapping is dropped.
+    pub fn lookup(
+        &mut self,
+        handle: &IpcMemHandle,
+        streams: [StreamHandle; 2],
+    ) -> Option<(u64, usize)> {
         const OP: &str = "direct map";
         let h = match HostMemHandle::decode(OP, handle) {
             Ok(h) => h,
@@ -96,23 +101,23 @@ impl<A: DeviceAdaptor> HostMaps<A> {
         };
         if let Some(e) = self.entries.get(&(h.ino, h.dev)) {
             return (e.state.load(Ordering::Acquire) == READY && e.handle.size >= h.size)
-                .then_some(e.base);
+                .then_some((e.base, e.handle.size));
         }
+        // A buffer not seen before: first forget buffers their owner freed, whose pages our
+        // mappings would otherwise keep alive.
+        self.drop_freed(streams);
         let len = h.size.next_multiple_of(page_size());
         if self.mapped + len > self.max {
-            self.drop_freed(streams);
-            if self.mapped + len > self.max {
-                if !self.over_budget_logged {
-                    self.over_budget_logged = true;
-                    tracing::info!(
-                        rank = self.rank,
-                        "FLAGCX_P2P_HOST_MAP_MAX ({} bytes) reached: buffers not yet mapped \
-                         go through the staging ring",
-                        self.max
-                    );
-                }
-                return None;
+            if !self.over_budget_logged {
+                self.over_budget_logged = true;
+                tracing::info!(
+                    rank = self.rank,
+                    "FLAGCX_P2P_HOST_MAP_MAX ({} bytes) reached: buffers not yet mapped go \
+                     through the staging ring",
+                    self.max
+                );
             }
+            return None;
         }
         let base = match h.open(OP).and_then(|fd| hostmem::map_shared(&fd, len)) {
             Ok(b) => b,
@@ -143,7 +148,9 @@ impl<A: DeviceAdaptor> HostMaps<A> {
                 registers: self.register,
             },
         );
-        (state.load(Ordering::Acquire) == READY).then_some(base)
+        // Registering: this message takes the ring even if the helper is already done, so a
+        // buffer's first message behaves the same however the threads are scheduled.
+        (!self.register).then_some((base, h.size))
     }
 
     /// The registration thread's queue, started on first use.
@@ -261,7 +268,7 @@ mod tests {
     fn ready_within(m: &mut HostMaps<HostAdaptor>, h: &IpcMemHandle, s: [StreamHandle; 2]) -> u64 {
         let t0 = Instant::now();
         loop {
-            if let Some(b) = m.lookup(h, s) {
+            if let Some((b, _)) = m.lookup(h, s) {
                 return b;
             }
             assert!(t0.elapsed() < Duration::from_secs(10), "never became ready");
@@ -298,6 +305,24 @@ mod tests {
         assert_eq!(m.mapped(), 0);
         // SAFETY: no copy is in flight.
         unsafe { a.mem_free(buf).unwrap() };
+    }
+
+    #[test]
+    fn freed_buffers_are_forgotten_when_a_new_one_is_mapped() {
+        let a = HostAdaptor::open(0).unwrap();
+        let s = [a.stream_create().unwrap(), a.stream_create().unwrap()];
+        let mut m = HostMaps::new(a.clone(), 0, 1 << 30);
+        let b1 = a.mem_alloc(4096).unwrap();
+        let h1 = a.ipc_get_handle(b1).unwrap();
+        ready_within(&mut m, &h1, s);
+        // SAFETY: no copy is in flight.
+        unsafe { a.mem_free(b1).unwrap() };
+        let b2 = a.mem_alloc(4096).unwrap();
+        let h2 = a.ipc_get_handle(b2).unwrap();
+        ready_within(&mut m, &h2, s);
+        assert_eq!(m.mapped(), 4096, "b1's pages were released");
+        // SAFETY: as above.
+        unsafe { a.mem_free(b2).unwrap() };
     }
 
     #[test]

@@ -722,7 +722,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     }
                     TransportKind::Staged => {
                         let mapped = match (conn.roles.maps_peer, desc.handle) {
-                            (true, Some(h)) => self.map_peer(&h),
+                            (true, Some(h)) => self.map_peer(&h, desc.offset, bytes)?,
                             _ => None,
                         };
                         if let Some(base) = mapped {
@@ -963,10 +963,23 @@ impl<A: DeviceAdaptor> Proxy<A> {
     }
 
     /// Direct path: the host address of the peer allocation behind `handle` if it is mapped
-    /// and ready (see [`HostMaps::lookup`]).
-    fn map_peer(&mut self, handle: &IpcMemHandle) -> Option<u64> {
+    /// and ready (see [`HostMaps::lookup`]). A buffer the peer places outside its allocation
+    /// (`offset + bytes` past its end) is a protocol error, never a copy.
+    fn map_peer(
+        &mut self,
+        handle: &IpcMemHandle,
+        offset: u64,
+        bytes: usize,
+    ) -> Result<Option<u64>> {
         let streams = [self.send_stream, self.recv_stream];
-        self.host_maps.as_mut()?.lookup(handle, streams)
+        let Some(maps) = self.host_maps.as_mut() else {
+            return Ok(None);
+        };
+        let Some((base, len)) = maps.lookup(handle, streams) else {
+            return Ok(None);
+        };
+        placed_within(offset, bytes, len)?;
+        Ok(Some(base))
     }
 
     fn flush_ipc_cache(&mut self) {
@@ -1066,7 +1079,12 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 let ev = if conn.transport == TransportKind::Ipc {
                     self.issue_ipc_pull(step, &offer)?
                 } else {
-                    let Some(base) = offer.handle.and_then(|h| self.map_peer(&h)) else {
+                    let size = offer.size as usize;
+                    let mapped = match offer.handle {
+                        Some(h) => self.map_peer(&h, offer.offset, size)?,
+                        None => None,
+                    };
+                    let Some(base) = mapped else {
                         // Not mapped (yet): ask for the data through the ring.
                         let conn = self.peers[p].as_mut().expect("present");
                         let d = RecvDesc {
@@ -1243,6 +1261,16 @@ impl<A: DeviceAdaptor> Proxy<A> {
     }
 }
 
+/// Checks that a peer's buffer (`bytes` at `offset`) lies inside its `len`-byte allocation.
+fn placed_within(offset: u64, bytes: usize, len: usize) -> Result<()> {
+    match offset.checked_add(bytes as u64) {
+        Some(end) if end <= len as u64 => Ok(()),
+        _ => Err(CommError::Protocol(format!(
+            "the peer placed {bytes} bytes at offset {offset} of a {len}-byte allocation"
+        ))),
+    }
+}
+
 /// The chunk size of a `total`-byte staged message over slots of `slot` bytes: about an eighth
 /// of the message (so mid-size messages still pipeline their two copies), in 64 KiB steps, at
 /// most a slot (so large messages pay the per-chunk cost of events and hand-offs rarely). Both
@@ -1345,7 +1373,15 @@ fn send_failure(peer: usize, sd: &SendDesc, bytes: usize, pulling: bool) -> Opti
 
 #[cfg(test)]
 mod tests {
-    use super::chunk_len;
+    use super::{chunk_len, placed_within};
+
+    #[test]
+    fn a_peer_buffer_outside_its_allocation_is_refused() {
+        assert!(placed_within(0, 4096, 4096).is_ok());
+        assert!(placed_within(4000, 96, 4096).is_ok());
+        assert!(placed_within(4000, 97, 4096).is_err());
+        assert!(placed_within(u64::MAX, 2, 4096).is_err(), "no overflow");
+    }
 
     #[test]
     fn chunks_are_an_eighth_of_the_message_within_bounds() {
