@@ -84,8 +84,8 @@ impl<A: DeviceAdaptor> HostMaps<A> {
 
     /// The host address and length of the peer allocation behind `handle` if it is mapped and
     /// ready for direct copies; otherwise starts preparing it (when there is room) and returns
-    /// `None`: this message goes through the ring. `streams` are the proxy's streams, drained
-    /// before a stale mapping is dropped.
+    /// `None`: this message goes through the ring. `streams` are the proxy's streams: stale
+    /// mappings are dropped only while both are idle.
     pub fn lookup(
         &mut self,
         handle: &IpcMemHandle,
@@ -195,8 +195,18 @@ impl<A: DeviceAdaptor> HostMaps<A> {
     }
 
     /// Drops mappings of allocations their owner no longer exports (freed, or the process is
-    /// gone), after draining `streams` so no copy can still touch them.
+    /// gone) — only while `streams` are idle, so that no copy can still touch them. It never
+    /// waits for them: a proxy stream may be ordered after a caller's stream that itself waits
+    /// for operations only the proxy can finish, so blocking here could deadlock. Busy now
+    /// means: try again at the next new buffer.
     fn drop_freed(&mut self, streams: [StreamHandle; 2]) {
+        if self.entries.is_empty()
+            || streams
+                .iter()
+                .any(|&s| !self.adaptor.stream_query(s).unwrap_or(false))
+        {
+            return;
+        }
         let dead: Vec<(u64, u64)> = self
             .entries
             .iter()
@@ -204,12 +214,6 @@ impl<A: DeviceAdaptor> HostMaps<A> {
             .filter(|(_, e)| !e.handle.still_exported())
             .map(|(k, _)| *k)
             .collect();
-        if dead.is_empty() {
-            return;
-        }
-        for s in streams {
-            let _ = self.adaptor.stream_synchronize(s);
-        }
         for k in dead {
             if let Some(e) = self.entries.remove(&k) {
                 self.release(e);
@@ -220,11 +224,12 @@ impl<A: DeviceAdaptor> HostMaps<A> {
     fn release(&mut self, e: Entry) {
         self.mapped -= e.len;
         if e.registers && e.state.load(Ordering::Acquire) == READY {
-            // SAFETY: registered by the helper on this mapping; the caller drained every copy.
+            // SAFETY: registered by the helper on this mapping; no copy uses it (the caller's
+            // streams are idle).
             let _ = unsafe { self.adaptor.host_unregister(e.base as *mut u8) };
         }
-        // SAFETY: the mapping was made by `lookup`; no copy uses it (drained by the caller) and
-        // its registration, if any, was just undone.
+        // SAFETY: the mapping was made by `lookup`; no copy uses it (see above) and its
+        // registration, if any, was just undone.
         unsafe { hostmem::unmap(e.base, e.len) };
     }
 

@@ -908,7 +908,10 @@ impl<A: DeviceAdaptor> Proxy<A> {
         if let Some(&b) = self.ipc_cache.get(&key) {
             return Ok(b);
         }
-        if self.ipc_cache.len() >= 256 {
+        // Bounded, but flushed only while both streams are idle: a proxy stream may be ordered
+        // after a caller's stream that waits for operations only this thread can finish, so
+        // waiting for it here could deadlock. Until then the cache grows past the bound.
+        if self.ipc_cache.len() >= 256 && self.streams_idle() {
             self.flush_ipc_cache();
         }
         let b = self.adaptor.ipc_open_handle(&handle)?;
@@ -980,6 +983,12 @@ impl<A: DeviceAdaptor> Proxy<A> {
         };
         placed_within(offset, bytes, len)?;
         Ok(Some(base))
+    }
+
+    fn streams_idle(&self) -> bool {
+        [self.send_stream, self.recv_stream]
+            .iter()
+            .all(|&s| self.adaptor.stream_query(s).unwrap_or(false))
     }
 
     fn flush_ipc_cache(&mut self) {
