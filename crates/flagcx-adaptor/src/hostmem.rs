@@ -117,17 +117,6 @@ impl HostMemHandle {
         }
         Ok(fd)
     }
-
-    /// Whether the exporter still holds the allocation under the same descriptor (a cheap
-    /// liveness probe: one `stat` of `/proc/<pid>/fd/<n>`).
-    pub fn still_exported(&self) -> bool {
-        let path = format!("/proc/{}/fd/{}\0", self.pid, self.fd);
-        // SAFETY: stat fills the zeroed struct; `path` is NUL-terminated.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let r = unsafe { libc::stat(path.as_ptr().cast(), &mut st) };
-        r == 0 && (st.st_ino, st.st_dev) == (self.ino, self.dev)
-    }
 }
 
 /// The inode and device of an fd, which recognise an allocation across processes.
@@ -202,7 +191,6 @@ mod tests {
         let h = HostMemHandle::of_fd(&fd, 8192).unwrap();
         let wire = h.encode();
         assert_eq!(HostMemHandle::decode("t", &wire).unwrap(), h);
-        assert!(h.still_exported());
         let a = map_shared(&fd, 8192).unwrap();
         let other = h.open("t").unwrap();
         let b = map_shared(&other, 8192).unwrap();
@@ -228,9 +216,8 @@ mod tests {
         // Larger than the file: refused on open.
         let big = HostMemHandle { size: 1 << 20, ..h };
         assert!(big.open("t").is_err());
-        // The allocation is gone: refused, and the probe says so.
+        // The allocation is gone: refused.
         drop(fd);
-        assert!(!h.still_exported());
         assert!(h.open("t").is_err());
     }
 }

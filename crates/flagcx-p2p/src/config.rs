@@ -119,8 +119,8 @@ pub struct Config {
     pub host_direct: HostDirect,
     /// Most bytes of host-vendor peers' memory a rank keeps mapped (and registered with its
     /// runtime) for direct copies (`FLAGCX_P2P_HOST_MAP_MAX`, default 16 GiB). Past it, buffers
-    /// not yet mapped go through the ring; mappings of buffers their owner freed are dropped
-    /// when room is needed.
+    /// not yet mapped go through the ring. Mappings last as long as the communicator (a freed
+    /// buffer's pages stay alive until then).
     pub host_map_max: usize,
 }
 

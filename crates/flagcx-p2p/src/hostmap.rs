@@ -13,9 +13,11 @@
 //! registration copies to plain host memory; there a mapping is ready at once.
 //!
 //! Mappings are cached per allocation (its memfd's identity) up to [`Config::host_map_max`]
-//! bytes. Whenever a new buffer is seen, mappings of allocations their owner has freed are
-//! dropped first (they would keep its pages alive); past the budget, the new buffer stays on the
-//! ring path.
+//! bytes and released when the communicator is destroyed; past the budget, new buffers stay on
+//! the ring path. Nothing is unregistered while the communicator runs: on an H200, dropping a
+//! registration mid-run (even on a helper thread) hung the job — the runtime call waits for the
+//! device context, whose callers' streams wait for operations only the proxy finishes. So a
+//! mapping of a buffer its owner freed keeps those pages until teardown (bounded by the budget).
 //!
 //! [`Config::host_map_max`]: crate::Config::host_map_max
 
@@ -26,7 +28,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use flagcx_adaptor::hostmem::{self, HostMemHandle};
-use flagcx_adaptor::{DeviceAdaptor, IpcMemHandle, StreamHandle};
+use flagcx_adaptor::{DeviceAdaptor, IpcMemHandle};
 
 const PENDING: u8 = 0;
 const READY: u8 = 1;
@@ -44,11 +46,22 @@ struct Entry {
     registers: bool,
 }
 
-/// A registration job: the mapping's range and where to report.
-struct Job {
-    base: u64,
-    len: usize,
-    state: Arc<AtomicU8>,
+/// Work for the helper thread: runtime calls that may block (registration takes ~0.5 ms/MiB;
+/// unregistering may wait for the whole device context, including callers' streams that wait
+/// for operations only the proxy finishes — so the proxy thread itself must never make them).
+enum Job {
+    /// Register `base..base+len` and report in `state`.
+    Register {
+        base: u64,
+        len: usize,
+        state: Arc<AtomicU8>,
+    },
+    /// Unregister (if `registered`) and unmap `base..base+len`.
+    Release {
+        base: u64,
+        len: usize,
+        registered: bool,
+    },
 }
 
 /// The copier's cache of mapped peer allocations.
@@ -84,13 +97,8 @@ impl<A: DeviceAdaptor> HostMaps<A> {
 
     /// The host address and length of the peer allocation behind `handle` if it is mapped and
     /// ready for direct copies; otherwise starts preparing it (when there is room) and returns
-    /// `None`: this message goes through the ring. `streams` are the proxy's streams: stale
-    /// mappings are dropped only while both are idle.
-    pub fn lookup(
-        &mut self,
-        handle: &IpcMemHandle,
-        streams: [StreamHandle; 2],
-    ) -> Option<(u64, usize)> {
+    /// `None`: this message goes through the ring.
+    pub fn lookup(&mut self, handle: &IpcMemHandle) -> Option<(u64, usize)> {
         const OP: &str = "direct map";
         let h = match HostMemHandle::decode(OP, handle) {
             Ok(h) => h,
@@ -103,9 +111,6 @@ impl<A: DeviceAdaptor> HostMaps<A> {
             return (e.state.load(Ordering::Acquire) == READY && e.handle.size >= h.size)
                 .then_some((e.base, e.handle.size));
         }
-        // A buffer not seen before: first forget buffers their owner freed, whose pages our
-        // mappings would otherwise keep alive.
-        self.drop_freed(streams);
         let len = h.size.next_multiple_of(page_size());
         if self.mapped + len > self.max {
             if !self.over_budget_logged {
@@ -128,7 +133,7 @@ impl<A: DeviceAdaptor> HostMaps<A> {
         };
         let state = Arc::new(AtomicU8::new(if self.register { PENDING } else { READY }));
         if self.register {
-            let job = Job {
+            let job = Job::Register {
                 base,
                 len,
                 state: state.clone(),
@@ -163,21 +168,7 @@ impl<A: DeviceAdaptor> HostMaps<A> {
                 .name(format!("flagcx-hostmap-{rank}"))
                 .spawn(move || {
                     for job in rx {
-                        // SAFETY: `base..base+len` is a live shared mapping owned by the
-                        // cache, which unmaps it only after this thread has exited.
-                        let r = unsafe { adaptor.host_register(job.base as *mut u8, job.len) };
-                        let state = match r {
-                            Ok(_) => READY,
-                            Err(e) => {
-                                tracing::info!(
-                                    rank,
-                                    "registering a peer buffer for direct copies failed ({e}); \
-                                     it stays on the staging ring"
-                                );
-                                FAILED
-                            }
-                        };
-                        job.state.store(state, Ordering::Release);
+                        run_job(&adaptor, rank, job);
                     }
                 });
             match spawned {
@@ -194,54 +185,35 @@ impl<A: DeviceAdaptor> HostMaps<A> {
         self.jobs.as_ref()
     }
 
-    /// Drops mappings of allocations their owner no longer exports (freed, or the process is
-    /// gone) — only while `streams` are idle, so that no copy can still touch them. It never
-    /// waits for them: a proxy stream may be ordered after a caller's stream that itself waits
-    /// for operations only the proxy can finish, so blocking here could deadlock. Busy now
-    /// means: try again at the next new buffer.
-    fn drop_freed(&mut self, streams: [StreamHandle; 2]) {
-        if self.entries.is_empty()
-            || streams
-                .iter()
-                .any(|&s| !self.adaptor.stream_query(s).unwrap_or(false))
-        {
-            return;
-        }
-        let dead: Vec<(u64, u64)> = self
-            .entries
-            .iter()
-            .filter(|(_, e)| e.state.load(Ordering::Acquire) != PENDING)
-            .filter(|(_, e)| !e.handle.still_exported())
-            .map(|(k, _)| *k)
-            .collect();
-        for k in dead {
-            if let Some(e) = self.entries.remove(&k) {
-                self.release(e);
-            }
-        }
-    }
-
+    /// Forgets a mapping that no copy uses any more; the helper (if this cache registers)
+    /// undoes its registration and unmaps it, in order after any earlier job.
     fn release(&mut self, e: Entry) {
         self.mapped -= e.len;
-        if e.registers && e.state.load(Ordering::Acquire) == READY {
-            // SAFETY: registered by the helper on this mapping; no copy uses it (the caller's
-            // streams are idle).
-            let _ = unsafe { self.adaptor.host_unregister(e.base as *mut u8) };
+        let job = Job::Release {
+            base: e.base,
+            len: e.len,
+            registered: e.registers && e.state.load(Ordering::Acquire) == READY,
+        };
+        match self.jobs.as_ref() {
+            Some(tx) => {
+                if let Err(std::sync::mpsc::SendError(job)) = tx.send(job) {
+                    run_job(&self.adaptor, self.rank, job);
+                }
+            }
+            None => run_job(&self.adaptor, self.rank, job),
         }
-        // SAFETY: the mapping was made by `lookup`; no copy uses it (see above) and its
-        // registration, if any, was just undone.
-        unsafe { hostmem::unmap(e.base, e.len) };
     }
 
-    /// Stops the helper and drops every mapping. The caller has drained its streams.
+    /// Drops every mapping and stops the helper. The caller has drained its streams and every
+    /// operation has finished (so waiting on the runtime cannot deadlock here).
     pub fn close(&mut self) {
-        self.jobs = None;
-        if let Some(h) = self.helper.take() {
-            let _ = h.join();
-        }
         let all: Vec<Entry> = self.entries.drain().map(|(_, e)| e).collect();
         for e in all {
             self.release(e);
+        }
+        self.jobs = None;
+        if let Some(h) = self.helper.take() {
+            let _ = h.join();
         }
     }
 
@@ -249,6 +221,42 @@ impl<A: DeviceAdaptor> HostMaps<A> {
     #[cfg(test)]
     fn mapped(&self) -> usize {
         self.mapped
+    }
+}
+
+/// Runs one helper job (on the helper thread, or inline where there is none).
+fn run_job<A: DeviceAdaptor>(adaptor: &A, rank: usize, job: Job) {
+    match job {
+        Job::Register { base, len, state } => {
+            // SAFETY: `base..base+len` is a live shared mapping owned by the cache, which
+            // releases it only through a later job on this same queue.
+            let r = unsafe { adaptor.host_register(base as *mut u8, len) };
+            let s = match r {
+                Ok(_) => READY,
+                Err(e) => {
+                    tracing::info!(
+                        rank,
+                        "registering a peer buffer for direct copies failed ({e}); it stays on \
+                         the staging ring"
+                    );
+                    FAILED
+                }
+            };
+            state.store(s, Ordering::Release);
+        }
+        Job::Release {
+            base,
+            len,
+            registered,
+        } => {
+            if registered {
+                // SAFETY: registered by an earlier job on this mapping; the cache forgot it
+                // only when no copy could use it any more.
+                let _ = unsafe { adaptor.host_unregister(base as *mut u8) };
+            }
+            // SAFETY: a mapping made by `lookup`, unused (as above), its registration undone.
+            unsafe { hostmem::unmap(base, len) };
+        }
     }
 }
 
@@ -270,10 +278,10 @@ mod tests {
     use flagcx_host::HostAdaptor;
     use std::time::{Duration, Instant};
 
-    fn ready_within(m: &mut HostMaps<HostAdaptor>, h: &IpcMemHandle, s: [StreamHandle; 2]) -> u64 {
+    fn ready_within(m: &mut HostMaps<HostAdaptor>, h: &IpcMemHandle) -> u64 {
         let t0 = Instant::now();
         loop {
-            if let Some((b, _)) = m.lookup(h, s) {
+            if let Some((b, _)) = m.lookup(h) {
                 return b;
             }
             assert!(t0.elapsed() < Duration::from_secs(10), "never became ready");
@@ -289,8 +297,8 @@ mod tests {
         let h = a.ipc_get_handle(buf).unwrap();
         let mut m = HostMaps::new(a.clone(), 0, 1 << 30);
         // The host vendor registers, so the first lookup only starts the work.
-        assert_eq!(m.lookup(&h, s), None);
-        let base = ready_within(&mut m, &h, s);
+        assert_eq!(m.lookup(&h), None);
+        let base = ready_within(&mut m, &h);
         assert_eq!(m.mapped(), 12_288, "whole pages");
         // SAFETY: `buf` holds 10 000 bytes; `base` maps the same memfd.
         unsafe {
@@ -305,7 +313,7 @@ mod tests {
         // Another vendor's handle or garbage: never mapped.
         let mut other = h;
         other.vendor = flagcx_adaptor::Vendor::Cuda;
-        assert_eq!(m.lookup(&other, s), None);
+        assert_eq!(m.lookup(&other), None);
         m.close();
         assert_eq!(m.mapped(), 0);
         // SAFETY: no copy is in flight.
@@ -313,43 +321,25 @@ mod tests {
     }
 
     #[test]
-    fn freed_buffers_are_forgotten_when_a_new_one_is_mapped() {
+    fn the_budget_holds() {
         let a = HostAdaptor::open(0).unwrap();
-        let s = [a.stream_create().unwrap(), a.stream_create().unwrap()];
-        let mut m = HostMaps::new(a.clone(), 0, 1 << 30);
-        let b1 = a.mem_alloc(4096).unwrap();
-        let h1 = a.ipc_get_handle(b1).unwrap();
-        ready_within(&mut m, &h1, s);
-        // SAFETY: no copy is in flight.
-        unsafe { a.mem_free(b1).unwrap() };
-        let b2 = a.mem_alloc(4096).unwrap();
-        let h2 = a.ipc_get_handle(b2).unwrap();
-        ready_within(&mut m, &h2, s);
-        assert_eq!(m.mapped(), 4096, "b1's pages were released");
-        // SAFETY: as above.
-        unsafe { a.mem_free(b2).unwrap() };
-    }
-
-    #[test]
-    fn the_budget_holds_and_freed_buffers_make_room() {
-        let a = HostAdaptor::open(0).unwrap();
-        let s = [a.stream_create().unwrap(), a.stream_create().unwrap()];
         let mut m = HostMaps::new(a.clone(), 0, 3 * 4096);
         let b1 = a.mem_alloc(8192).unwrap();
         let h1 = a.ipc_get_handle(b1).unwrap();
-        ready_within(&mut m, &h1, s);
+        ready_within(&mut m, &h1);
         let b2 = a.mem_alloc(8192).unwrap();
         let h2 = a.ipc_get_handle(b2).unwrap();
         // No room while b1 lives: b2 stays on the ring, repeatedly.
         for _ in 0..3 {
-            assert_eq!(m.lookup(&h2, s), None);
+            assert_eq!(m.lookup(&h2), None);
         }
         assert_eq!(m.mapped(), 8192);
+        m.close();
+        assert_eq!(m.mapped(), 0);
         // SAFETY: no copy is in flight.
-        unsafe { a.mem_free(b1).unwrap() };
-        ready_within(&mut m, &h2, s);
-        assert_eq!(m.mapped(), 8192, "b1's mapping was dropped for b2's");
-        // SAFETY: as above.
-        unsafe { a.mem_free(b2).unwrap() };
+        unsafe {
+            a.mem_free(b1).unwrap();
+            a.mem_free(b2).unwrap();
+        }
     }
 }

@@ -974,11 +974,10 @@ impl<A: DeviceAdaptor> Proxy<A> {
         offset: u64,
         bytes: usize,
     ) -> Result<Option<u64>> {
-        let streams = [self.send_stream, self.recv_stream];
         let Some(maps) = self.host_maps.as_mut() else {
             return Ok(None);
         };
-        let Some((base, len)) = maps.lookup(handle, streams) else {
+        let Some((base, len)) = maps.lookup(handle) else {
             return Ok(None);
         };
         placed_within(offset, bytes, len)?;
