@@ -151,8 +151,6 @@ impl Shared {
         }
     }
 
-    /// Publishes the watermark: the device-visible word (through the adaptor, so vendors that
-    /// emulate stream waits on the host wake their waiters), then the host-side copy.
     /// What [`crate::Comm::stats`] reports.
     pub fn stats(&self) -> PathStats {
         let b = |p: Path| self.path_bytes[p as usize].load(Ordering::Relaxed);
@@ -163,6 +161,8 @@ impl Shared {
         }
     }
 
+    /// Publishes the watermark: the device-visible word (through the adaptor, so vendors that
+    /// emulate stream waits on the host wake their waiters), then the host-side copy.
     fn publish_watermark<A: DeviceAdaptor>(&self, adaptor: &A, w: u64) {
         // SAFETY: see the type's Send/Sync argument: a live, aligned word.
         unsafe { adaptor.host_write_value32(self.watermark_word as *mut u32, w as u32) };
