@@ -74,7 +74,7 @@ pub(crate) struct HostMaps<A: DeviceAdaptor> {
     entries: HashMap<(u64, u64), Entry>,
     jobs: Option<Sender<Job>>,
     helper: Option<JoinHandle<()>>,
-    /// Times a buffer was left on the ring because the budget was spent (logged once).
+    /// Whether "the budget is spent" was logged (once per communicator).
     over_budget_logged: bool,
 }
 
