@@ -177,6 +177,16 @@ fn parse_bool(name: &str, v: &str) -> Result<bool> {
     }
 }
 
+/// One of the named `choices` (case-insensitive, surrounding blanks ignored).
+fn parse_choice<T: Copy>(name: &str, v: &str, choices: &[(&str, T)], expected: &str) -> Result<T> {
+    let key = v.trim().to_ascii_lowercase();
+    choices
+        .iter()
+        .find(|(k, _)| *k == key)
+        .map(|&(_, t)| t)
+        .ok_or_else(|| CommError::config(name, v, expected))
+}
+
 fn parse_usize(name: &str, v: &str) -> Result<usize> {
     v.trim()
         .parse()
@@ -212,47 +222,43 @@ impl Config {
             c.timeout = (ms > 0).then(|| Duration::from_millis(ms));
         }
         if let Some(v) = var("FLAGCX_STREAM_JOIN") {
-            c.join = match v.trim().to_ascii_lowercase().as_str() {
-                "auto" => StreamJoin::Auto,
-                "memop" => StreamJoin::MemOp,
-                "hostfn" => StreamJoin::HostFn,
-                "none" => StreamJoin::None,
-                _ => {
-                    return Err(CommError::config(
-                        "FLAGCX_STREAM_JOIN",
-                        &v,
-                        "expected auto, memop, hostfn or none",
-                    ))
-                }
-            };
+            c.join = parse_choice(
+                "FLAGCX_STREAM_JOIN",
+                &v,
+                &[
+                    ("auto", StreamJoin::Auto),
+                    ("memop", StreamJoin::MemOp),
+                    ("hostfn", StreamJoin::HostFn),
+                    ("none", StreamJoin::None),
+                ],
+                "expected auto, memop, hostfn or none",
+            )?;
         }
         if let Some(v) = var("FLAGCX_P2P_IPC_COPIER") {
-            c.ipc_copier = match v.trim().to_ascii_lowercase().as_str() {
-                "auto" => IpcCopier::Auto,
-                "sender" => IpcCopier::Sender,
-                "lower" => IpcCopier::Lower,
-                _ => {
-                    return Err(CommError::config(
-                        "FLAGCX_P2P_IPC_COPIER",
-                        &v,
-                        "expected auto, sender or lower",
-                    ))
-                }
-            };
+            c.ipc_copier = parse_choice(
+                "FLAGCX_P2P_IPC_COPIER",
+                &v,
+                &[
+                    ("auto", IpcCopier::Auto),
+                    ("sender", IpcCopier::Sender),
+                    ("lower", IpcCopier::Lower),
+                ],
+                "expected auto, sender or lower",
+            )?;
         }
         if let Some(v) = var("FLAGCX_P2P_HOST_DIRECT") {
-            c.host_direct = match v.trim().to_ascii_lowercase().as_str() {
-                "auto" => HostDirect::Auto,
-                "on" | "1" => HostDirect::On,
-                "off" | "0" => HostDirect::Off,
-                _ => {
-                    return Err(CommError::config(
-                        "FLAGCX_P2P_HOST_DIRECT",
-                        &v,
-                        "expected auto, on or off",
-                    ))
-                }
-            };
+            c.host_direct = parse_choice(
+                "FLAGCX_P2P_HOST_DIRECT",
+                &v,
+                &[
+                    ("auto", HostDirect::Auto),
+                    ("on", HostDirect::On),
+                    ("1", HostDirect::On),
+                    ("off", HostDirect::Off),
+                    ("0", HostDirect::Off),
+                ],
+                "expected auto, on or off",
+            )?;
         }
         if let Some(v) = var("FLAGCX_P2P_HOST_MAP_MAX") {
             c.host_map_max = parse_size("FLAGCX_P2P_HOST_MAP_MAX", &v)?;
