@@ -785,11 +785,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     if !started(&self.adaptor, step.op.start)? {
                         return Ok(Progress::Idle { on_peer: false });
                     }
-                    match export(&self.adaptor, step.op.ptr) {
-                        Ok((h, offset)) => (Some(h), offset),
-                        Err(e) if conn.transport == TransportKind::Ipc => return Err(e),
-                        // Direct path: a buffer the peer cannot map goes through the ring.
-                        Err(_) => (None, 0),
+                    match export(&self.adaptor, step.op.ptr, conn.transport)? {
+                        Some((h, offset)) => (Some(h), offset),
+                        None => (None, 0),
                     }
                 } else {
                     (None, 0)
@@ -1023,11 +1021,8 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     if !started(&self.adaptor, step.op.start)? {
                         return Ok(Progress::Idle { on_peer: false });
                     }
-                    match export(&self.adaptor, step.op.ptr) {
-                        Ok((h, offset)) => (desc.handle, desc.offset) = (Some(h), offset),
-                        Err(e) if ipc => return Err(e),
-                        // Direct path: a buffer the peer cannot map takes the ring.
-                        Err(_) => {}
+                    if let Some((h, offset)) = export(&self.adaptor, step.op.ptr, conn.transport)? {
+                        (desc.handle, desc.offset) = (Some(h), offset);
                     }
                 }
                 let conn = self.peers[p].as_mut().expect("present");
@@ -1302,10 +1297,22 @@ fn order_after<A: DeviceAdaptor>(
 }
 
 /// The IPC handle of the allocation holding `ptr`, and `ptr`'s offset in it: what a peer needs
-/// to reach the buffer (the receiver's for a push, the sender's for a pull).
-fn export<A: DeviceAdaptor>(a: &A, ptr: DevicePtr) -> Result<(IpcMemHandle, u64)> {
-    let (base, _) = a.mem_get_range(ptr)?;
-    Ok((a.ipc_get_handle(base)?, ptr.0 - base.0))
+/// to reach the buffer (the receiver's for a push, the sender's for a pull). An IPC pair cannot
+/// do without it (the failure is the operation's); on the direct path a buffer that cannot be
+/// exported (not host-vendor device memory) just takes the ring: `None`.
+fn export<A: DeviceAdaptor>(
+    a: &A,
+    ptr: DevicePtr,
+    transport: TransportKind,
+) -> Result<Option<(IpcMemHandle, u64)>> {
+    let exported = a
+        .mem_get_range(ptr)
+        .and_then(|(base, _)| Ok((a.ipc_get_handle(base)?, ptr.0 - base.0)));
+    match exported {
+        Ok(x) => Ok(Some(x)),
+        Err(e) if transport == TransportKind::Ipc => Err(e.into()),
+        Err(_) => Ok(None),
+    }
 }
 
 /// Whether the caller's stream passed the point where the operation was posted.
