@@ -42,26 +42,14 @@ struct Entry {
     len: usize,
     /// Set by whoever finishes preparing the mapping (the helper thread when registering).
     state: Arc<AtomicU8>,
-    /// Whether the mapping is (to be) registered with the runtime.
-    registers: bool,
 }
 
-/// Work for the helper thread: runtime calls that may block (registration takes ~0.5 ms/MiB;
-/// unregistering may wait for the whole device context, including callers' streams that wait
-/// for operations only the proxy finishes — so the proxy thread itself must never make them).
-enum Job {
-    /// Register `base..base+len` and report in `state`.
-    Register {
-        base: u64,
-        len: usize,
-        state: Arc<AtomicU8>,
-    },
-    /// Unregister (if `registered`) and unmap `base..base+len`.
-    Release {
-        base: u64,
-        len: usize,
-        registered: bool,
-    },
+/// A registration for the helper thread (it takes ~0.5 ms/MiB, too long for the proxy): the
+/// mapping's range and where to report.
+struct Job {
+    base: u64,
+    len: usize,
+    state: Arc<AtomicU8>,
 }
 
 /// The copier's cache of mapped peer allocations.
@@ -133,7 +121,7 @@ impl<A: DeviceAdaptor> HostMaps<A> {
         };
         let state = Arc::new(AtomicU8::new(if self.register { PENDING } else { READY }));
         if self.register {
-            let job = Job::Register {
+            let job = Job {
                 base,
                 len,
                 state: state.clone(),
@@ -150,7 +138,6 @@ impl<A: DeviceAdaptor> HostMaps<A> {
                 base,
                 len,
                 state: state.clone(),
-                registers: self.register,
             },
         );
         // Registering: this message takes the ring even if the helper is already done, so a
@@ -168,7 +155,7 @@ impl<A: DeviceAdaptor> HostMaps<A> {
                 .name(format!("flagcx-hostmap-{rank}"))
                 .spawn(move || {
                     for job in rx {
-                        run_job(&adaptor, rank, job);
+                        register(&adaptor, rank, job);
                     }
                 });
             match spawned {
@@ -185,35 +172,23 @@ impl<A: DeviceAdaptor> HostMaps<A> {
         self.jobs.as_ref()
     }
 
-    /// Forgets a mapping that no copy uses any more; the helper (if this cache registers)
-    /// undoes its registration and unmaps it, in order after any earlier job.
-    fn release(&mut self, e: Entry) {
-        self.mapped -= e.len;
-        let job = Job::Release {
-            base: e.base,
-            len: e.len,
-            registered: e.registers && e.state.load(Ordering::Acquire) == READY,
-        };
-        match self.jobs.as_ref() {
-            Some(tx) => {
-                if let Err(std::sync::mpsc::SendError(job)) = tx.send(job) {
-                    run_job(&self.adaptor, self.rank, job);
-                }
-            }
-            None => run_job(&self.adaptor, self.rank, job),
-        }
-    }
-
-    /// Drops every mapping and stops the helper. The caller has drained its streams and every
-    /// operation has finished (so waiting on the runtime cannot deadlock here).
+    /// Stops the helper and drops every mapping. Runs at teardown only: the caller has drained
+    /// its streams and every operation has finished, so the runtime may wait for the device
+    /// context here (unregistering does) without waiting on the proxy.
     pub fn close(&mut self) {
-        let all: Vec<Entry> = self.entries.drain().map(|(_, e)| e).collect();
-        for e in all {
-            self.release(e);
-        }
         self.jobs = None;
         if let Some(h) = self.helper.take() {
             let _ = h.join();
+        }
+        for (_, e) in self.entries.drain() {
+            self.mapped -= e.len;
+            if self.register && e.state.load(Ordering::Acquire) == READY {
+                // SAFETY: registered by the helper (which has exited) on this mapping; no copy
+                // uses it any more (see above).
+                let _ = unsafe { self.adaptor.host_unregister(e.base as *mut u8) };
+            }
+            // SAFETY: a mapping made by `lookup`, unused, its registration (if any) undone.
+            unsafe { hostmem::unmap(e.base, e.len) };
         }
     }
 
@@ -224,40 +199,23 @@ impl<A: DeviceAdaptor> HostMaps<A> {
     }
 }
 
-/// Runs one helper job (on the helper thread, or inline where there is none).
-fn run_job<A: DeviceAdaptor>(adaptor: &A, rank: usize, job: Job) {
-    match job {
-        Job::Register { base, len, state } => {
-            // SAFETY: `base..base+len` is a live shared mapping owned by the cache, which
-            // releases it only through a later job on this same queue.
-            let r = unsafe { adaptor.host_register(base as *mut u8, len) };
-            let s = match r {
-                Ok(_) => READY,
-                Err(e) => {
-                    tracing::info!(
-                        rank,
-                        "registering a peer buffer for direct copies failed ({e}); it stays on \
-                         the staging ring"
-                    );
-                    FAILED
-                }
-            };
-            state.store(s, Ordering::Release);
+/// The helper's work: registers one mapping and reports the outcome.
+fn register<A: DeviceAdaptor>(adaptor: &A, rank: usize, job: Job) {
+    // SAFETY: `base..base+len` is a live shared mapping owned by the cache, which unmaps it only
+    // in `close`, after this thread has exited.
+    let r = unsafe { adaptor.host_register(job.base as *mut u8, job.len) };
+    let state = match r {
+        Ok(_) => READY,
+        Err(e) => {
+            tracing::info!(
+                rank,
+                "registering a peer buffer for direct copies failed ({e}); it stays on the \
+                 staging ring"
+            );
+            FAILED
         }
-        Job::Release {
-            base,
-            len,
-            registered,
-        } => {
-            if registered {
-                // SAFETY: registered by an earlier job on this mapping; the cache forgot it
-                // only when no copy could use it any more.
-                let _ = unsafe { adaptor.host_unregister(base as *mut u8) };
-            }
-            // SAFETY: a mapping made by `lookup`, unused (as above), its registration undone.
-            unsafe { hostmem::unmap(base, len) };
-        }
-    }
+    };
+    job.state.store(state, Ordering::Release);
 }
 
 fn page_size() -> usize {
