@@ -325,18 +325,7 @@ fn fuzz(args: &[String]) -> Result {
             .parse()
             .map_err(|_| format!("fuzz: {a:?} is not a number of seconds"))?,
     };
-    let have = cargo()
-        .args(["fuzz", "--version"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !have {
-        run(
-            "installing cargo-fuzz",
-            cargo().args(["install", "cargo-fuzz", "--locked"]),
-        )?;
-    }
+    ensure_cargo_tool("fuzz", "cargo-fuzz")?;
     run(
         &format!("cargo fuzz run wire for {secs} s"),
         cargo()
@@ -418,22 +407,28 @@ fn bench(args: &[String]) -> Result {
     Ok(())
 }
 
-/// The dependency check. Bans, licenses and sources work offline (deny.toml); the advisories
-/// check needs the RustSec database from GitHub and is reported, not failed, where that is
-/// unreachable — say so rather than pass silently.
-fn audit() -> Result {
+/// Installs `krate` unless `cargo <sub> --version` already works.
+fn ensure_cargo_tool(sub: &str, krate: &str) -> Result {
     let have = cargo()
-        .args(["deny", "--version"])
+        .args([sub, "--version"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
     if !have {
         run(
-            "installing cargo-deny",
-            cargo().args(["install", "cargo-deny", "--locked"]),
+            &format!("installing {krate}"),
+            cargo().args(["install", krate, "--locked"]),
         )?;
     }
+    Ok(())
+}
+
+/// The dependency check. Bans, licenses and sources work offline (deny.toml); the advisories
+/// check needs the RustSec database from GitHub and is reported, not failed, where that is
+/// unreachable — say so rather than pass silently.
+fn audit() -> Result {
+    ensure_cargo_tool("deny", "cargo-deny")?;
     run(
         "cargo deny check bans licenses sources",
         cargo().args(["deny", "check", "bans", "licenses", "sources"]),
