@@ -146,11 +146,12 @@ fn rank_main() -> Result<(), Error> {
         let st = comm.stats();
         println!(
             "pingpong: every echo checked byte for byte; sweep took {:.2} s; bytes by path: \
-             ipc {}, staged ring {}, direct {}",
+             ipc {}, staged ring {}, direct {}, eager {}",
             setup.elapsed().as_secs_f64(),
             st.ipc_bytes,
             st.staged_bytes,
-            st.direct_bytes
+            st.direct_bytes,
+            st.eager_bytes
         );
     }
     Ok(())

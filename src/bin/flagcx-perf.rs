@@ -344,6 +344,7 @@ fn path_taken(a: flagcx::PathStats, b: flagcx::PathStats) -> &'static str {
         ("ipc", b.ipc_bytes - a.ipc_bytes),
         ("staged", b.staged_bytes - a.staged_bytes),
         ("direct", b.direct_bytes - a.direct_bytes),
+        ("eager", b.eager_bytes - a.eager_bytes),
     ];
     let used: Vec<&str> = d.iter().filter(|x| x.1 > 0).map(|x| x.0).collect();
     match used.as_slice() {

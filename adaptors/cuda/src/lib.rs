@@ -186,6 +186,7 @@ impl CudaAdaptor {
             stream_mem_ops: ops32,
             stream_mem_ops_64: ops64,
             capture_mode: true,
+            host_addressable: false,
         };
         Ok(CudaAdaptor {
             inner: Arc::new(inner),

@@ -205,6 +205,7 @@ impl HipAdaptor {
                     stream_mem_ops: ops32,
                     stream_mem_ops_64: ops64,
                     capture_mode: true,
+                    host_addressable: false,
                 },
                 granularity,
                 streams: HandleSet::new("stream"),

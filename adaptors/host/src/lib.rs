@@ -271,6 +271,7 @@ impl DeviceAdaptor for HostAdaptor {
             stream_mem_ops: true,
             stream_mem_ops_64: true,
             capture_mode: true,
+            host_addressable: true,
         }
     }
 

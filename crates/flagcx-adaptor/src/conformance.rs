@@ -128,6 +128,7 @@ pub fn device_properties<A: DeviceAdaptor>(a: &A) {
                 "stream_mem_ops" => c.stream_mem_ops,
                 "stream_mem_ops_64" => c.stream_mem_ops_64,
                 "capture_mode" => c.capture_mode,
+                "host_addressable" => c.host_addressable,
                 other => panic!("{EXPECT_CAPS_ENV}: unknown capability {other}"),
             };
             assert!(
@@ -387,6 +388,33 @@ pub fn events<A: DeviceAdaptor>(a: &A) {
     assert!(
         tail.iter().all(|&b| b == 4),
         "s2 ran before the event it waited on"
+    );
+}
+
+/// A vendor claiming `host_addressable` means it: once a stream finished writing a buffer the
+/// CPU reads those bytes at the device address, and CPU writes there are what the stream copies
+/// out next. Vendors without it have nothing to check.
+pub fn host_addressable_memory<A: DeviceAdaptor>(a: &A) {
+    if !a.capabilities().host_addressable {
+        return;
+    }
+    let s = Stream::new(a).expect("stream");
+    let n = 10_000usize;
+    let d = DeviceBuffer::new(a, n).expect("alloc");
+    let data: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
+    d.write(0, &data, &s).expect("write");
+    s.synchronize().expect("sync");
+    // SAFETY: the capability says the device address is ordinary memory of this process, `n`
+    // bytes long, and the stream that wrote it has finished.
+    let seen = unsafe { std::slice::from_raw_parts(d.ptr().0 as *const u8, n) }.to_vec();
+    assert_eq!(seen, data, "the CPU reads what the stream wrote");
+    // SAFETY: as above; nothing else touches the buffer now.
+    unsafe { std::ptr::write_bytes(d.ptr().0 as *mut u8, 0x5A, n) };
+    let mut back = vec![0u8; n];
+    d.read(0, &mut back, &s).expect("read");
+    assert!(
+        back.iter().all(|&b| b == 0x5A),
+        "the stream copies what the CPU wrote"
     );
 }
 
@@ -872,7 +900,7 @@ macro_rules! conformance_tests {
                 device_properties, memory_round_trip_odd_sizes, pinned_host_copies,
                 zero_and_huge_sizes, null_and_foreign_pointers, allocation_range,
                 invalid_handles, stream_ordering_many_ops, events, host_functions,
-                host_register_shared_mapping, stream_memory_ops, peer_access,
+                host_addressable_memory, host_register_shared_mapping, stream_memory_ops, peer_access,
                 capture_mode_guard, ipc_fd_same_process);
 
             #[test]

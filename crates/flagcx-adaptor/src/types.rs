@@ -214,6 +214,10 @@ pub struct Capabilities {
     pub stream_mem_ops_64: bool,
     /// [`crate::DeviceAdaptor::exchange_capture_mode`] is meaningful.
     pub capture_mode: bool,
+    /// Device pointers are addresses of this process's ordinary, coherent memory: once the
+    /// stream work touching a buffer has completed, the CPU may read and write it directly
+    /// (the host vendor). Lets small messages skip copy launches entirely.
+    pub host_addressable: bool,
 }
 
 /// The thread's stream-capture mode (CUDA graph capture semantics).

@@ -12,6 +12,11 @@
 //! | `tail` | sender | staged chunks written into the ring |
 //! | `send_fault`, `recv_fault` | each side | `i + 1` when that side of message `i` failed (a vendor error): the other side fails the message too instead of waiting |
 //!
+//! Between two ranks whose device memory the CPU addresses, the channel also has one eager slot
+//! per send descriptor: a small message is copied into slot `i` and published as send
+//! descriptor `i` with status `EAGER`, without waiting for the receive descriptor. The receiver
+//! copies it out and publishes `recv_posted` and `recv_done` past `i` (its verdict).
+//!
 //! Every counter only grows; a descriptor is written before its counter is published with
 //! release ordering and read after an acquire load, so each ring is a plain SPSC queue.
 
@@ -39,6 +44,10 @@ pub const STATUS_SENDER_FAILED: u64 = 2;
 /// Staged pair, direct path: the sender already copied the data into the receive buffer (which
 /// the receiver's descriptor exported); no chunks follow.
 pub const STATUS_DELIVERED: u64 = 3;
+
+/// Sender, eager: the data is in the channel's eager slot of the same index (`size` bytes); the
+/// sender is done with the message.
+pub const STATUS_EAGER: u64 = 4;
 
 /// Counter offsets in the control page, each on its own cache line.
 #[derive(Clone, Copy)]
@@ -119,6 +128,8 @@ pub struct Geometry {
     pub slots: usize,
     /// Bytes per slot.
     pub chunk: usize,
+    /// Bytes per eager slot, one per descriptor (0: the channel carries no eager messages).
+    pub eager: usize,
 }
 
 impl Geometry {
@@ -128,8 +139,11 @@ impl Geometry {
     fn send_descs(&self) -> usize {
         self.recv_descs() + DESC_RING as usize * RECV_DESC_BYTES
     }
-    fn ring(&self) -> usize {
+    fn lane(&self) -> usize {
         (self.send_descs() + DESC_RING as usize * SEND_DESC_BYTES).next_multiple_of(PAGE)
+    }
+    fn ring(&self) -> usize {
+        (self.lane() + DESC_RING as usize * self.eager).next_multiple_of(PAGE)
     }
     /// Total bytes of the segment.
     pub fn len(&self) -> usize {
@@ -262,6 +276,64 @@ impl Channel {
         })
     }
 
+    /// Whether send descriptor `i` (and eager slot `i`) may be written: the receiver finished
+    /// the message that used it last.
+    pub fn send_window_open(&self, i: u64) -> bool {
+        i < self.load(Counter::RecvDone) + DESC_RING
+    }
+
+    /// Sender: copies `n` bytes at `src` into eager slot `i` and publishes them as send
+    /// descriptor `i` (`SendPosted = i + 1`).
+    ///
+    /// # Safety
+    /// `src..src+n` is readable and `n <= geometry().eager`; the caller owns send index `i`:
+    /// every earlier send was answered and [`Channel::send_window_open`] holds for `i`.
+    pub unsafe fn post_eager(&self, i: u64, src: *const u8, n: usize) {
+        debug_assert!(n <= self.geo.eager);
+        // SAFETY: slot `i % DESC_RING` of the lane lies inside the mapping and is the writer's
+        // until it publishes the counter (the caller's contract); `src` is readable.
+        unsafe { std::ptr::copy_nonoverlapping(src, self.eager_slot(i), n) };
+        self.write_send_desc(
+            i,
+            &SendDesc {
+                size: n as u64,
+                status: STATUS_EAGER,
+                handle: None,
+                offset: 0,
+            },
+        );
+        self.store(Counter::SendPosted, i + 1);
+    }
+
+    /// Receiver: copies eager message `i` (described by `sd`, which said `STATUS_EAGER`) to
+    /// `dst` and returns its size. A size beyond the eager slots is a protocol error.
+    ///
+    /// # Safety
+    /// `dst..dst+sd.size` is writable memory nothing else touches; `sd` was read after seeing
+    /// `SendPosted > i`.
+    pub unsafe fn take_eager(&self, i: u64, sd: &SendDesc, dst: *mut u8) -> Result<usize> {
+        let n = sd.size as usize;
+        if n > self.geo.eager {
+            return Err(CommError::Protocol(format!(
+                "an eager message of {n} bytes in {}-byte slots",
+                self.geo.eager
+            )));
+        }
+        // SAFETY: the slot lies inside the mapping and holds `n` bytes the sender published
+        // before the counter our caller observed; `dst` is writable (the caller's contract).
+        unsafe { std::ptr::copy_nonoverlapping(self.eager_slot(i), dst, n) };
+        Ok(n)
+    }
+
+    fn eager_slot(&self, i: u64) -> *mut u8 {
+        // SAFETY: `i % DESC_RING` slots of `eager` bytes each lie inside the lane.
+        unsafe {
+            self.seg
+                .as_ptr()
+                .add(self.geo.lane() + (i % DESC_RING) as usize * self.geo.eager)
+        }
+    }
+
     /// The data slots (staged channels): base pointer and total length.
     pub fn ring(&self) -> (*mut u8, usize) {
         // SAFETY: the ring follows the descriptors inside the mapping.
@@ -289,6 +361,7 @@ mod tests {
         let geo = Geometry {
             slots: 4,
             chunk: 4096,
+            eager: 0,
         };
         let rx = Channel::create(geo).unwrap();
         let seg =
@@ -324,5 +397,49 @@ mod tests {
             assert_eq!(*rx.slot(1), 9, "slot index wraps modulo the slot count");
         }
         assert!(geo.len() >= 4 * 4096 + 4096);
+    }
+
+    #[test]
+    fn eager_slots_carry_messages_beside_the_ring() {
+        let geo = Geometry {
+            slots: 2,
+            chunk: 4096,
+            eager: 100,
+        };
+        let rx = Channel::create(geo).unwrap();
+        let seg =
+            ShmSegment::open(rx.segment().fd().try_clone_to_owned().unwrap(), geo.len()).unwrap();
+        let tx = Channel::open(seg, geo).unwrap();
+        // The lane does not overlap the descriptors or the ring.
+        assert!(geo.ring() >= geo.lane() + 64 * 100);
+        assert!(geo.lane() >= geo.send_descs() + 64 * SEND_DESC_BYTES);
+        for i in [0u64, 1, 63, 64, 130] {
+            assert!(tx.send_window_open(i) == (i < 64), "window at {i}");
+            let msg: Vec<u8> = (0..(i as usize % 100) + 1)
+                .map(|j| (i as usize + j) as u8)
+                .collect();
+            // SAFETY: `msg` is readable and fits a slot; the test owns every index.
+            unsafe { tx.post_eager(i, msg.as_ptr(), msg.len()) };
+            // SAFETY: the ring slot is ours; writing it must not disturb the lane.
+            unsafe { std::ptr::write_bytes(rx.slot(i), 0xFF, 4096) };
+            assert_eq!(rx.load(Counter::SendPosted), i + 1);
+            let sd = rx.read_send_desc(i).unwrap();
+            assert_eq!((sd.size, sd.status), (msg.len() as u64, STATUS_EAGER));
+            let mut got = vec![0u8; 100];
+            // SAFETY: `got` holds 100 >= sd.size bytes.
+            let n = unsafe { rx.take_eager(i, &sd, got.as_mut_ptr()) }.unwrap();
+            assert_eq!(&got[..n], &msg[..]);
+            rx.store(Counter::RecvDone, i + 1);
+        }
+        let forged = SendDesc {
+            size: 101,
+            status: STATUS_EAGER,
+            handle: None,
+            offset: 0,
+        };
+        let mut got = vec![0u8; 101];
+        // SAFETY: `got` is large enough; the size check fails first anyway.
+        let e = unsafe { rx.take_eager(0, &forged, got.as_mut_ptr()) }.unwrap_err();
+        assert!(matches!(e, CommError::Protocol(_)), "{e}");
     }
 }

@@ -11,11 +11,13 @@ use flagcx_adaptor::{
 };
 
 use crate::bootstrap::{Bootstrap, UniqueId};
-use crate::channel::{Channel, Geometry};
-use crate::config::{Config, RankEnv, StreamJoin};
+use crate::channel::{Channel, Counter, Geometry, STATUS_EAGER};
+use crate::config::{Config, RankEnv, StreamJoin, MAX_EAGER_MAX};
 use crate::error::{CommError, Result};
 use crate::peer::{choose_transport, direct_copier, receiver_copies, PeerInfo, TransportKind};
-use crate::proxy::{lock, Dir, Op, PeerConn, Proxy, Roles, Shared, Slot};
+use crate::proxy::{
+    lock, receive_eager, Dir, Inbox, Op, Path, PeerConn, Proxy, Roles, Shared, Slot,
+};
 use crate::shm::ShmSegment;
 use crate::wire::{Reader, Tag, Writer};
 use crate::PathStats;
@@ -54,6 +56,18 @@ impl Request {
     }
 }
 
+/// The API side's handle on one pair's eager slots (see [`Config::eager_max`]).
+struct EagerLink {
+    /// This rank → peer.
+    out: Arc<Channel>,
+    /// Peer → this rank.
+    inc: Arc<Channel>,
+    /// Largest message this rank sends eagerly to the peer (0: none).
+    send_max: usize,
+    /// Largest message the peer can send eagerly to this rank (0: none).
+    recv_max: usize,
+}
+
 /// A page the callers' streams can wait on: the low 32 bits of the completion watermark.
 struct WatermarkPage {
     host: *mut u8,
@@ -77,6 +91,8 @@ pub struct Comm<A: DeviceAdaptor> {
     /// Per staged peer: the rank that copies straight into and out of the host-vendor rank's
     /// buffers (`None`: no direct path).
     direct: Vec<Option<usize>>,
+    /// Per peer: the eager slots, where both ranks' device memory is host addressable.
+    eager: Vec<Option<EagerLink>>,
     shared: Arc<Shared>,
     proxy: Option<JoinHandle<()>>,
     next_seq: AtomicU64,
@@ -220,7 +236,12 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         let page = WatermarkPage::new(&adaptor)?;
         let shared = Arc::new(Shared {
-            inbox: Mutex::new(Vec::new()),
+            inbox: Mutex::new(Inbox {
+                ops: Vec::new(),
+                next: vec![[0; 2]; nranks],
+            }),
+            pending: (0..nranks).map(|_| Default::default()).collect(),
+            lost: (0..nranks).map(|_| AtomicBool::new(false)).collect(),
             posted: AtomicU64::new(0),
             spare_events: Mutex::new(Vec::new()),
             shutdown: AtomicBool::new(false),
@@ -233,7 +254,30 @@ impl<A: DeviceAdaptor> Comm<A> {
             busy_polls: AtomicU64::new(0),
             path_bytes: Default::default(),
         });
-        let peers = connect_channels(&adaptor, &boot, &transports, &roles, &config)?;
+        // Eager slots where both ranks' device memory is host addressable: the sender's CPU
+        // copies into them and the receiver's out of them.
+        let lanes: Vec<bool> = (0..nranks)
+            .map(|q| {
+                q != rank && infos[rank].caps.host_addressable && infos[q].caps.host_addressable
+            })
+            .collect();
+        let peers = connect_channels(&adaptor, &boot, &transports, &roles, &lanes, &config)?;
+        let eager = peers
+            .iter()
+            .map(|c| {
+                let c = c.as_ref()?;
+                let (send_max, recv_max) = (
+                    c.out.geometry().eager.min(config.eager_max),
+                    c.inc.geometry().eager,
+                );
+                (send_max > 0 || recv_max > 0).then(|| EagerLink {
+                    out: c.out.clone(),
+                    inc: c.inc.clone(),
+                    send_max,
+                    recv_max,
+                })
+            })
+            .collect();
         let proxy = Proxy::new(
             adaptor.clone(),
             shared.clone(),
@@ -254,6 +298,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             transports,
             copiers,
             direct,
+            eager,
             shared,
             proxy: Some(handle),
             next_seq: AtomicU64::new(1),
@@ -468,7 +513,13 @@ impl<A: DeviceAdaptor> Comm<A> {
         // Where the caller's stream has nothing pending, there is nothing to order after: skip
         // the event (on a GPU its record is work in this process's context, which another
         // process on the same GPU would have to wait out).
-        let start = if self.adaptor.stream_query(stream)? {
+        let idle = self.adaptor.stream_query(stream)?;
+        if idle {
+            if let Some(r) = self.try_eager(dir, ptr, bytes, peer)? {
+                return Ok(r);
+            }
+        }
+        let start = if idle {
             None
         } else {
             let spare = lock(&self.shared.spare_events).pop();
@@ -488,6 +539,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             seq,
             dir,
             peer,
+            index: 0, // numbered in `submit`
             ptr,
             bytes,
             start,
@@ -520,13 +572,121 @@ impl<A: DeviceAdaptor> Comm<A> {
             let e = last.entry(s.0).or_default();
             *e = (*e).max(op.seq);
         }
-        lock(&self.shared.inbox).extend(ops.into_iter().map(|(op, _)| op));
+        {
+            let mut inbox = lock(&self.shared.inbox);
+            for (mut op, _) in ops {
+                let d = op.dir as usize;
+                op.index = inbox.next[op.peer][d];
+                inbox.next[op.peer][d] += 1;
+                self.shared.pending[op.peer][d].fetch_add(1, Ordering::AcqRel);
+                inbox.ops.push(op);
+            }
+        }
         self.shared.posted.fetch_add(1, Ordering::Release);
         self.shared.wake();
         for (stream, seq) in last {
             self.join_stream(StreamHandle(stream), seq)?;
         }
         Ok(())
+    }
+
+    /// The eager path: a small message between host-addressable ranks, posted outside a group
+    /// on an idle stream while no earlier operation of its pair and direction is with the
+    /// proxy, is moved by this thread. A send copies into the peer's channel; a receive takes
+    /// a message already there (waiting up to the spin time for one the size of the eager
+    /// slots). `None`: not taken, post normally.
+    fn try_eager(
+        &self,
+        dir: Dir,
+        ptr: DevicePtr,
+        bytes: usize,
+        peer: usize,
+    ) -> Result<Option<Request>> {
+        let Some(link) = self.eager.get(peer).and_then(|l| l.as_ref()) else {
+            return Ok(None);
+        };
+        let d = dir as usize;
+        let max = match dir {
+            Dir::Send => link.send_max,
+            Dir::Recv => link.recv_max,
+        };
+        if max == 0 || (dir == Dir::Send && bytes > max) || lock(&self.group).is_some() {
+            return Ok(None);
+        }
+        // Whether the pair and direction is free for this thread: nothing of it with the proxy,
+        // not retired. Checked (again) under the inbox lock, which numbers messages.
+        let free = |inbox: &Inbox, index: u64| {
+            inbox.next[peer][d] == index
+                && self.shared.pending[peer][d].load(Ordering::Acquire) == 0
+                && !self.shared.lost[peer].load(Ordering::Acquire)
+        };
+        let r = match dir {
+            Dir::Send => {
+                let mut inbox = lock(&self.shared.inbox);
+                let k = inbox.next[peer][d];
+                if !free(&inbox, k)
+                    || !link.out.send_window_open(k)
+                    || link.out.load(Counter::RecvFault) != 0
+                {
+                    return Ok(None);
+                }
+                // SAFETY: `ptr..ptr+bytes` was checked to lie in one allocation of this
+                // adaptor, whose memory is host addressable (the pair has eager slots only
+                // then), and the caller's stream is idle, so earlier work on it has finished
+                // writing it; `bytes <= send_max <= ` the slot size; message `k` is ours under
+                // the lock, with every earlier send finished (answered) and its slot free.
+                unsafe { link.out.post_eager(k, ptr.0 as *const u8, bytes) };
+                inbox.next[peer][d] = k + 1;
+                Ok(bytes)
+            }
+            Dir::Recv => {
+                let k = lock(&self.shared.inbox).next[peer][d];
+                // Wait without the lock for a message that may well come eagerly: only where
+                // any message this receive can take fits the eager slots.
+                let spin = if bytes <= max {
+                    self.config.spin.unwrap_or_default()
+                } else {
+                    Duration::ZERO
+                };
+                let t0 = std::time::Instant::now();
+                while link.inc.load(Counter::SendPosted) <= k {
+                    if t0.elapsed() >= spin {
+                        return Ok(None);
+                    }
+                    std::hint::spin_loop();
+                }
+                let mut inbox = lock(&self.shared.inbox);
+                if !free(&inbox, k) || link.inc.load(Counter::SendFault) > k {
+                    return Ok(None);
+                }
+                let sd = match link.inc.read_send_desc(k) {
+                    Ok(sd) if sd.status == STATUS_EAGER => sd,
+                    // An offer or answer of the proxy's protocol, or a malformed descriptor:
+                    // the proxy handles (or fails) it.
+                    _ => return Ok(None),
+                };
+                let r = receive_eager(&link.inc, k, &sd, ptr, bytes, peer);
+                inbox.next[peer][d] = k + 1;
+                if matches!(r, Err(CommError::Protocol(_))) {
+                    self.shared.mark_lost(peer);
+                }
+                r
+            }
+        };
+        match &r {
+            Ok(n) => {
+                self.shared.path_bytes[Path::Eager as usize]
+                    .fetch_add(*n as u64, Ordering::Relaxed);
+            }
+            Err(e) => self.shared.record_error(e),
+        }
+        let slot = Arc::new(Slot::default());
+        slot.complete(r);
+        Ok(Some(Request {
+            slot,
+            seq: 0,
+            spin: Duration::ZERO,
+        }))
     }
 
     /// Makes `stream` wait until operation `seq` (and all before it) finished.
@@ -651,14 +811,25 @@ fn connect_channels<A: DeviceAdaptor>(
     boot: &Bootstrap,
     transports: &[Option<TransportKind>],
     roles: &[Roles],
+    lanes: &[bool],
     config: &Config,
 ) -> Result<Vec<Option<PeerConn>>> {
-    let geometry = |t: TransportKind| match t {
-        TransportKind::Ipc => Geometry { slots: 0, chunk: 0 },
-        TransportKind::Staged => Geometry {
-            slots: config.slots(),
-            chunk: config.chunksize,
-        },
+    // The channel a rank creates for peer `q`'s sends; its eager slots are sized by the
+    // creating (receiving) rank's setting.
+    let geometry = |q: usize| {
+        let eager = if lanes[q] { config.eager_max } else { 0 };
+        match transports[q] {
+            Some(TransportKind::Staged) => Geometry {
+                slots: config.slots(),
+                chunk: config.chunksize,
+                eager,
+            },
+            _ => Geometry {
+                slots: 0,
+                chunk: 0,
+                eager,
+            },
+        }
     };
     let mut incoming = Vec::new();
     for (q, t) in transports.iter().enumerate() {
@@ -666,12 +837,13 @@ fn connect_channels<A: DeviceAdaptor>(
             incoming.push(None);
             continue;
         };
-        let geo = geometry(t);
+        let geo = geometry(q);
         let ch = Channel::create(geo)?;
         let desc = Writer::new()
             .u8(matches!(t, TransportKind::Staged) as u8)
             .u64(geo.slots as u64)
             .u64(geo.chunk as u64)
+            .u64(geo.eager as u64)
             .u64(geo.len() as u64)
             .finish();
         boot.send(q, Tag::Connect, &desc, &[ch.segment().fd()])?;
@@ -683,7 +855,7 @@ fn connect_channels<A: DeviceAdaptor>(
             peers.push(None);
             continue;
         };
-        match connect_one(adaptor, boot, q, transports, inc, &geometry) {
+        match connect_one(adaptor, boot, q, transports, inc, &geometry, lanes[q]) {
             Ok(conn) => peers.push(Some(conn.with_roles(roles[q]))),
             Err(e) => {
                 // Undo the rings already registered for earlier peers before the channels go.
@@ -708,7 +880,8 @@ fn connect_one<A: DeviceAdaptor>(
     q: usize,
     transports: &[Option<TransportKind>],
     inc: Channel,
-    geometry: &dyn Fn(TransportKind) -> Geometry,
+    geometry: &dyn Fn(usize) -> Geometry,
+    lane: bool,
 ) -> Result<PeerConn> {
     let t = transports[q].expect("a transport for every peer");
     let (payload, mut fds) = boot.recv(q, Tag::Connect)?;
@@ -717,11 +890,17 @@ fn connect_one<A: DeviceAdaptor>(
     let geo = Geometry {
         slots: r.u64()? as usize,
         chunk: r.u64()? as usize,
+        eager: r.u64()? as usize,
     };
     let len = r.u64()? as usize;
     r.end()?;
+    let want = geometry(q);
+    // The receiver sizes the eager slots by its own FLAGCX_P2P_EAGER_MAX; any size within the
+    // bounds works for the sender (it sends eagerly up to the smaller of the two settings).
+    let eager_ok = geo.eager == 0 || (lane && geo.eager <= MAX_EAGER_MAX);
     if staged != matches!(t, TransportKind::Staged)
-        || geo != geometry(t)
+        || (geo.slots, geo.chunk) != (want.slots, want.chunk)
+        || !eager_ok
         || len != geo.len()
         || fds.len() != 1
     {
@@ -731,7 +910,8 @@ fn connect_one<A: DeviceAdaptor>(
             fds.len()
         )));
     }
-    let out = Channel::open(ShmSegment::open(fds.remove(0), len)?, geo)?;
+    let out = Arc::new(Channel::open(ShmSegment::open(fds.remove(0), len)?, geo)?);
+    let inc = Arc::new(inc);
     let registered = staged && adaptor.capabilities().host_register;
     if registered {
         let (p, n) = out.ring();

@@ -122,6 +122,13 @@ pub struct Config {
     /// not yet mapped go through the ring. Mappings last as long as the communicator (a freed
     /// buffer's pages stay alive until then).
     pub host_map_max: usize,
+    /// Largest message sent eagerly between two ranks whose device memory the CPU addresses
+    /// (host vendor on both sides) (`FLAGCX_P2P_EAGER_MAX`, default 4 KiB, at most 64 KiB; 0
+    /// turns it off). Such a send, posted outside a group on an idle stream, is copied into the
+    /// receiver's channel by the calling thread and complete on return; the receiver copies it
+    /// out on its own thread. The receiver's setting sizes its channel's eager slots (64 per
+    /// direction); the smaller of the two settings applies.
+    pub eager_max: usize,
 }
 
 /// Defaults, documented in the README's environment table.
@@ -130,6 +137,10 @@ pub const DEFAULT_BUFFSIZE: usize = 32 << 20;
 pub const DEFAULT_CHUNKSIZE: usize = 4 << 20;
 /// Default [`Config::host_map_max`].
 pub const DEFAULT_HOST_MAP_MAX: usize = 16 << 30;
+/// Default [`Config::eager_max`].
+pub const DEFAULT_EAGER_MAX: usize = 4 << 10;
+/// Largest allowed [`Config::eager_max`].
+pub const MAX_EAGER_MAX: usize = 64 << 10;
 
 impl Default for Config {
     fn default() -> Self {
@@ -145,6 +156,7 @@ impl Default for Config {
             spin: None,
             host_direct: HostDirect::Auto,
             host_map_max: DEFAULT_HOST_MAP_MAX,
+            eager_max: DEFAULT_EAGER_MAX,
         }
     }
 }
@@ -263,6 +275,9 @@ impl Config {
         if let Some(v) = var("FLAGCX_P2P_HOST_MAP_MAX") {
             c.host_map_max = parse_size("FLAGCX_P2P_HOST_MAP_MAX", &v)?;
         }
+        if let Some(v) = var("FLAGCX_P2P_EAGER_MAX") {
+            c.eager_max = parse_size("FLAGCX_P2P_EAGER_MAX", &v)?;
+        }
         if let Some(v) = var(flagcx_adaptor::spin::SPIN_ENV) {
             let spin = flagcx_adaptor::spin::parse_spin(&v)
                 .map_err(|why| CommError::config("FLAGCX_SPIN_US", &v, why))?;
@@ -283,8 +298,15 @@ impl Config {
         Ok(c)
     }
 
-    /// Checks the staged ring geometry.
+    /// Checks the staged ring geometry and the eager limit.
     pub fn validate(&self) -> Result<()> {
+        if self.eager_max > MAX_EAGER_MAX {
+            return Err(CommError::config(
+                "FLAGCX_P2P_EAGER_MAX",
+                &self.eager_max.to_string(),
+                format!("must be at most {MAX_EAGER_MAX} bytes (64K)"),
+            ));
+        }
         if self.chunksize == 0 || self.chunksize % 64 != 0 {
             return Err(CommError::config(
                 "FLAGCX_P2P_CHUNKSIZE",
@@ -482,6 +504,18 @@ mod tests {
             ("FLAGCX_UNIQUE_ID", "fx1-zz"),
         ];
         assert!(RankEnv::from_lookup(lookup(&forged)).is_err());
+    }
+
+    #[test]
+    fn eager_limit_parses_and_is_bounded() {
+        assert_eq!(Config::default().eager_max, 4096);
+        let c = Config::from_lookup(lookup(&[("FLAGCX_P2P_EAGER_MAX", "16K")])).unwrap();
+        assert_eq!(c.eager_max, 16 << 10);
+        let off = Config::from_lookup(lookup(&[("FLAGCX_P2P_EAGER_MAX", "0")])).unwrap();
+        assert_eq!(off.eager_max, 0);
+        let e = Config::from_lookup(lookup(&[("FLAGCX_P2P_EAGER_MAX", "65537")])).unwrap_err();
+        assert!(e.to_string().contains("FLAGCX_P2P_EAGER_MAX"), "{e}");
+        assert!(Config::from_lookup(lookup(&[("FLAGCX_P2P_EAGER_MAX", "lots")])).is_err());
     }
 
     #[test]

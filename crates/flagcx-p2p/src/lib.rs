@@ -58,4 +58,7 @@ pub struct PathStats {
     pub staged_bytes: u64,
     /// Staged pairs' direct copies into or out of a host-vendor rank's buffer.
     pub direct_bytes: u64,
+    /// Small messages through the channels' eager slots (host-addressable pairs,
+    /// [`Config::eager_max`]).
+    pub eager_bytes: u64,
 }

@@ -41,6 +41,7 @@ fn caps_bits(c: &Capabilities) -> u32 {
         c.stream_mem_ops,
         c.stream_mem_ops_64,
         c.capture_mode,
+        c.host_addressable,
     ]
     .iter()
     .enumerate()
@@ -58,6 +59,7 @@ fn bits_caps(b: u32) -> Capabilities {
         stream_mem_ops: f(5),
         stream_mem_ops_64: f(6),
         capture_mode: f(7),
+        host_addressable: f(8),
     }
 }
 
@@ -122,7 +124,7 @@ impl PeerInfo {
         let host_id = r.str()?;
         let pid = r.u32()?;
         let bits = r.u32()?;
-        if bits >> 8 != 0 {
+        if bits >> 9 != 0 {
             return Err(CommError::Protocol(format!(
                 "peer info: unknown capability bits {bits:#x}"
             )));

@@ -22,7 +22,7 @@ pub(crate) use flagcx_adaptor::tracking::lock;
 
 use crate::bootstrap::Bootstrap;
 use crate::channel::{
-    Channel, Counter, RecvDesc, SendDesc, DESC_RING, STATUS_DELIVERED, STATUS_OK,
+    Channel, Counter, RecvDesc, SendDesc, DESC_RING, STATUS_DELIVERED, STATUS_EAGER, STATUS_OK,
     STATUS_SENDER_FAILED, STATUS_SIZE_MISMATCH,
 };
 use crate::error::{CommError, Result};
@@ -90,6 +90,8 @@ pub(crate) struct Op {
     pub seq: u64,
     pub dir: Dir,
     pub peer: usize,
+    /// The message's number on its pair and direction, given at submission (see [`Inbox`]).
+    pub index: u64,
     pub ptr: DevicePtr,
     pub bytes: usize,
     /// Recorded on the caller's stream at posting: the operation may start once it completes.
@@ -102,9 +104,27 @@ pub(crate) struct Op {
     pub posted: Instant,
 }
 
+/// Operations on their way to the proxy, and the message numbering they get on the way.
+///
+/// Both the proxy and the API side's eager path (which completes small messages without the
+/// proxy) consume message numbers; numbering under this one lock keeps every pair's and
+/// direction's messages in posting order on both paths.
+#[derive(Default)]
+pub(crate) struct Inbox {
+    pub ops: Vec<Op>,
+    /// Per peer and [`Dir`]: the next message number.
+    pub next: Vec<[u64; 2]>,
+}
+
 /// State shared between the API side and the proxy thread.
 pub(crate) struct Shared {
-    pub inbox: Mutex<Vec<Op>>,
+    pub inbox: Mutex<Inbox>,
+    /// Per peer and [`Dir`]: operations handed to the proxy and not finished yet. The eager
+    /// path only runs while its pair and direction has none (they still own channel counters).
+    pub pending: Vec<[AtomicU64; 2]>,
+    /// Per peer: the pair was retired (a failure, a timeout, the peer hung up); the eager path
+    /// leaves it to the proxy, which fails what comes.
+    pub lost: Vec<AtomicBool>,
     /// Bumped after every hand-over into `inbox`, so the proxy can poll it without the lock.
     pub posted: AtomicU64,
     /// Completed start events, recycled by the API side (creating one per operation costs a
@@ -123,7 +143,7 @@ pub(crate) struct Shared {
     pub first_error: Mutex<Option<String>>,
     pub busy_polls: AtomicU64,
     /// Bytes moved by finished operations, per [`Path`] (for [`crate::Comm::stats`]).
-    pub path_bytes: [AtomicU64; 3],
+    pub path_bytes: [AtomicU64; 4],
 }
 
 // SAFETY: `watermark_word` points into a page the communicator keeps mapped for the proxy's
@@ -151,6 +171,21 @@ impl Shared {
         }
     }
 
+    /// Keeps the first error of any operation (for [`crate::Comm::check`]).
+    pub fn record_error(&self, e: &CommError) {
+        let mut first = lock(&self.first_error);
+        if first.is_none() {
+            *first = Some(e.to_string());
+        }
+    }
+
+    /// Records that the pair with `peer` was retired (see [`Shared::lost`]).
+    pub fn mark_lost(&self, peer: usize) {
+        if let Some(l) = self.lost.get(peer) {
+            l.store(true, Ordering::Release);
+        }
+    }
+
     /// What [`crate::Comm::stats`] reports.
     pub fn stats(&self) -> PathStats {
         let b = |p: Path| self.path_bytes[p as usize].load(Ordering::Relaxed);
@@ -158,6 +193,7 @@ impl Shared {
             ipc_bytes: b(Path::Ipc),
             staged_bytes: b(Path::Staged),
             direct_bytes: b(Path::Direct),
+            eager_bytes: b(Path::Eager),
         }
     }
 
@@ -180,6 +216,8 @@ pub(crate) enum Path {
     Staged = 1,
     /// A staged pair's direct copy into or out of the host-vendor rank's buffer.
     Direct = 2,
+    /// Through the channel's eager slots (small messages between host-addressable ranks).
+    Eager = 3,
 }
 
 /// Who copies on a pair (see [`crate::peer::receiver_copies`] and
@@ -200,18 +238,16 @@ pub(crate) struct Roles {
 pub(crate) struct PeerConn {
     pub peer: usize,
     pub transport: TransportKind,
-    /// This rank → peer (created by the peer).
-    pub out: Channel,
-    /// Peer → this rank (created here).
-    pub inc: Channel,
+    /// This rank → peer (created by the peer); shared with the API side's eager path.
+    pub out: Arc<Channel>,
+    /// Peer → this rank (created here); shared with the API side's eager path.
+    pub inc: Arc<Channel>,
     /// Whether both rings were registered with the adaptor (unregistered at teardown).
     pub registered: bool,
     /// Who copies.
     pub roles: Roles,
     sends: VecDeque<Step>,
     recvs: VecDeque<Step>,
-    next_send: u64,
-    next_recv: u64,
     tail_issued: u64,
     tail: u64,
     head_issued: u64,
@@ -225,8 +261,8 @@ impl PeerConn {
     pub fn new(
         peer: usize,
         transport: TransportKind,
-        out: Channel,
-        inc: Channel,
+        out: Arc<Channel>,
+        inc: Arc<Channel>,
         registered: bool,
     ) -> Self {
         PeerConn {
@@ -238,8 +274,6 @@ impl PeerConn {
             roles: Roles::default(),
             sends: VecDeque::new(),
             recvs: VecDeque::new(),
-            next_send: 0,
-            next_recv: 0,
             tail_issued: 0,
             tail: 0,
             head_issued: 0,
@@ -434,7 +468,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
             let posted = self.shared.posted.load(Ordering::Acquire);
             if posted != seen_posted {
                 seen_posted = posted;
-                let new_ops = std::mem::take(&mut *lock(&self.shared.inbox));
+                let new_ops = std::mem::take(&mut lock(&self.shared.inbox).ops);
                 moved = !new_ops.is_empty();
                 for op in new_ops {
                     self.admit(op);
@@ -486,25 +520,12 @@ impl<A: DeviceAdaptor> Proxy<A> {
         if let Some(reason) = conn.lost.clone() {
             return self.finish(op, Err(CommError::PeerLost { peer, reason }));
         }
-        let (index, phase) = match op.dir {
-            Dir::Send => {
-                conn.next_send += 1;
-                let first = if conn.roles.peer_pulls {
-                    Phase::Offer
-                } else {
-                    Phase::AwaitRecvDesc
-                };
-                (conn.next_send - 1, first)
-            }
-            Dir::Recv => {
-                conn.next_recv += 1;
-                let first = if conn.roles.we_pull {
-                    Phase::AwaitOffer
-                } else {
-                    Phase::Announce
-                };
-                (conn.next_recv - 1, first)
-            }
+        let index = op.index;
+        let phase = match (op.dir, conn.roles.peer_pulls, conn.roles.we_pull) {
+            (Dir::Send, true, _) => Phase::Offer,
+            (Dir::Send, false, _) => Phase::AwaitRecvDesc,
+            (Dir::Recv, _, true) => Phase::AwaitOffer,
+            (Dir::Recv, _, false) => Phase::Announce,
         };
         let path = match conn.transport {
             TransportKind::Ipc => Path::Ipc,
@@ -527,10 +548,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
 
     fn finish(&mut self, op: Op, r: Result<usize>) {
         if let Err(e) = &r {
-            let mut first = lock(&self.shared.first_error);
-            if first.is_none() {
-                *first = Some(e.to_string());
-            }
+            self.shared.record_error(e);
             tracing::debug!(seq = op.seq, peer = op.peer, "operation failed: {e}");
         }
         // The start event has served its purpose: recycle it if it completed, else destroy it
@@ -545,6 +563,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
         }
         op.slot.complete(r);
         drop(op.keep);
+        if let Some(p) = self.shared.pending.get(op.peer) {
+            p[op.dir as usize].fetch_sub(1, Ordering::AcqRel);
+        }
         self.finished.insert(op.seq);
         let mut w = self.watermark;
         while self.finished.remove(&(w + 1)) {
@@ -595,6 +616,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                             };
                             ch.store(counter, step.index + 1);
                             c.lost = Some(format!("a local {dir:?} failed: {e}"));
+                            self.shared.mark_lost(p);
                         }
                         Progress::Done(Err(e))
                     }
@@ -635,6 +657,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                                 if let Some(c) = self.peers[p].as_mut() {
                                     c.lost = Some(format!("an operation timed out ({what})"));
                                 }
+                                self.shared.mark_lost(p);
                                 let e = CommError::Timeout {
                                     ms: t.as_millis() as u64,
                                     what,
@@ -776,8 +799,11 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 if conn.out.load(Counter::RecvFault) > step.index {
                     return Err(remote_failure(p));
                 }
-                // No descriptor-window check: sends to a peer run one at a time, and send `i`
-                // finished only after the receiver's verdict, i.e. after it read descriptor `i`.
+                // Sends to a peer run one at a time and each waits for the verdict, but eager
+                // sends before this one may still sit unread in their slots.
+                if !conn.out.send_window_open(step.index) {
+                    return Ok(Progress::Idle { on_peer: true });
+                }
                 let bytes = step.op.bytes;
                 let (handle, offset) = if bytes > 0 {
                     // The receiver's copy engine reads straight from the buffer, so it may only
@@ -1040,6 +1066,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     return Ok(Progress::Idle { on_peer: true });
                 }
                 let sd = conn.inc.read_send_desc(step.index)?;
+                if sd.status == STATUS_EAGER {
+                    return self.take_eager(p, step, &sd);
+                }
                 let bytes = step.op.bytes;
                 let failed = send_failure(p, &sd, bytes, false);
                 let size = sd.size as usize;
@@ -1070,6 +1099,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 }
                 let offer = conn.inc.read_send_desc(step.index)?;
                 step.matched = Some(Instant::now());
+                if offer.status == STATUS_EAGER {
+                    return self.take_eager(p, step, &offer);
+                }
                 let bytes = step.op.bytes;
                 if let Some(e) = send_failure(p, &offer, bytes, true) {
                     give_verdict(&conn.inc, step.index, bytes);
@@ -1193,6 +1225,21 @@ impl<A: DeviceAdaptor> Proxy<A> {
         }
     }
 
+    /// A receive whose sender sent eagerly (either receive phase): once the caller's stream
+    /// passed the posting point, copies the message out of its eager slot.
+    fn take_eager(&mut self, p: usize, step: &mut Step, sd: &SendDesc) -> Result<Progress> {
+        if !started(&self.adaptor, step.op.start)? {
+            return Ok(Progress::Idle { on_peer: false });
+        }
+        let conn = self.peers[p].as_ref().expect("checked by caller");
+        step.path = Path::Eager;
+        let r = receive_eager(&conn.inc, step.index, sd, step.op.ptr, step.op.bytes, p);
+        match r {
+            Err(e @ CommError::Protocol(_)) => Err(e),
+            r => Ok(Progress::Done(r)),
+        }
+    }
+
     /// Marks peers whose bootstrap socket hung up; their stuck operations then fail.
     fn check_peers(&mut self) {
         for conn in self.peers.iter_mut().flatten() {
@@ -1212,6 +1259,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
             if n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
                 tracing::warn!(peer = conn.peer, "peer hung up");
                 conn.lost = Some("the process exited or closed its communicator".into());
+                self.shared.mark_lost(conn.peer);
             }
         }
     }
@@ -1233,7 +1281,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     .map(|s| s.op),
             );
         }
-        left.extend(std::mem::take(&mut *lock(&self.shared.inbox)));
+        left.extend(std::mem::take(&mut lock(&self.shared.inbox).ops));
         let _ = self.adaptor.stream_synchronize(self.send_stream);
         let _ = self.adaptor.stream_synchronize(self.recv_stream);
         for op in left {
@@ -1356,6 +1404,41 @@ fn give_verdict(inc: &Channel, index: u64, recv_bytes: usize) {
     inc.write_recv_desc(index, &d);
     inc.store(Counter::RecvPosted, index + 1);
     inc.store(Counter::RecvDone, index + 1);
+}
+
+/// Receives eager message `index` of `inc`, described by `sd`, into `dst` (`cap` bytes), and
+/// gives the verdict. A message larger than `cap` is refused (a size mismatch: the sender was
+/// done with it, so only this side fails) and the pair goes on.
+pub(crate) fn receive_eager(
+    inc: &Channel,
+    index: u64,
+    sd: &SendDesc,
+    dst: DevicePtr,
+    cap: usize,
+    peer: usize,
+) -> Result<usize> {
+    let lane = inc.geometry().eager;
+    if sd.size as usize > lane {
+        return Err(CommError::Protocol(format!(
+            "rank {peer} sent an eager message of {} bytes; this channel's eager slots hold {lane}",
+            sd.size
+        )));
+    }
+    let r = if sd.size as usize > cap {
+        Err(CommError::SizeMismatch {
+            peer,
+            send_bytes: sd.size as usize,
+            recv_bytes: cap,
+        })
+    } else {
+        // SAFETY: a channel has eager slots only where this rank's device memory is host
+        // addressable (`Capabilities::host_addressable`), and a message too big for them is
+        // refused before copying; so `dst` is a CPU address of `cap >= sd.size` writable bytes:
+        // the caller's buffer, whose earlier stream work has completed.
+        unsafe { inc.take_eager(index, sd, dst.0 as *mut u8) }
+    };
+    give_verdict(inc, index, cap);
+    r
 }
 
 /// Why a receive of `bytes` cannot take the sender's descriptor `sd`, if it cannot. A pushing

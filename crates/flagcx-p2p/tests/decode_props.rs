@@ -27,7 +27,7 @@ fn peer_info() -> impl Strategy<Value = PeerInfo> {
         proptest::option::of("[0-9a-f:.]{0,16}".prop_filter("non-empty", |s| !s.is_empty())),
         ".{0,40}",
         any::<u32>(),
-        any::<[bool; 8]>(),
+        any::<[bool; 9]>(),
         (any::<bool>(), 0u8..3, 0u8..3),
     )
         .prop_map(
@@ -48,6 +48,7 @@ fn peer_info() -> impl Strategy<Value = PeerInfo> {
                         stream_mem_ops: c[5],
                         stream_mem_ops_64: c[6],
                         capture_mode: c[7],
+                        host_addressable: c[8],
                     },
                     p2p_disable,
                     ipc_copier: IpcCopier::from_code(copier).expect("0..3 are codes"),
@@ -119,7 +120,11 @@ proptest! {
         offset in any::<u64>(),
         chunks in any::<bool>(),
     ) {
-        let ch = Channel::create(Geometry { slots: 0, chunk: 0 }).unwrap();
+        let ch = Channel::create(Geometry {
+            slots: 0,
+            chunk: 0,
+            eager: 0,
+        }).unwrap();
         // A well-formed descriptor round-trips...
         let d = RecvDesc { size, handle: None, offset, chunks };
         ch.write_recv_desc(3, &d);
