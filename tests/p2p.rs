@@ -203,6 +203,7 @@ fn rank_worker() {
             }
         }
         "mismatch" => mismatch(&r, next, prev),
+        "eager" => eager(&r, next, prev),
         "reuse" => {
             // The same two buffers for every message (as a KV-cache pool or a benchmark uses
             // them): the direct path maps a host rank's buffer once and then copies straight
@@ -283,6 +284,13 @@ fn rank_worker() {
         }
     }
     let stats = r.comm.stats();
+    if std::env::var("FLAGCX_TEST_EXPECT_EAGER").as_deref() == Ok("1") {
+        assert!(r.comm.eager_limit(next) > 0, "rank {me}: no eager path");
+        assert!(
+            stats.eager_bytes > 0,
+            "rank {me}: nothing went eagerly: {stats:?}"
+        );
+    }
     if std::env::var("FLAGCX_TEST_EXPECT_DIRECT").as_deref() == Ok("1") {
         for q in (0..n).filter(|&q| q != me) {
             assert!(
@@ -321,6 +329,151 @@ fn zero_byte_ring(r: &Rank, next: usize, prev: usize) {
         .expect("post zero-byte");
     assert_eq!(s.wait().expect("zero-byte send"), 0);
     assert_eq!(q.wait().expect("zero-byte recv"), 0);
+}
+
+/// Messages posted one by one (no group), as a latency-bound caller does: small ones take the
+/// eager path where the pair has one, interleaved with ones that cannot (too large, a busy
+/// stream, more than the eager window in flight). Every byte is checked, in posting order.
+fn eager(r: &Rank, next: usize, prev: usize) {
+    let me = r.comm.rank();
+    // Sends and receives on their own streams, so a receive waiting on one does not make the
+    // other busy.
+    let (ss, rs) = (
+        Stream::new(&r.adaptor).expect("stream"),
+        Stream::new(&r.adaptor).expect("stream"),
+    );
+    let limit = r.comm.eager_limit(next);
+    // Exactly `n` bytes of `buf` (a zero-byte message still has a one-byte buffer).
+    let send = |buf: &DeviceBuffer<Adaptor>, n: usize, s: &Stream<Adaptor>| {
+        // SAFETY: `buf` holds at least `n` bytes and outlives the request's wait below.
+        unsafe { r.comm.send_raw(buf.ptr(), n, next, s.handle()) }.expect("send")
+    };
+    let recv = |buf: &DeviceBuffer<Adaptor>, n: usize| {
+        // SAFETY: as above.
+        unsafe { r.comm.recv_raw(buf.ptr(), n, prev, rs.handle()) }.expect("recv")
+    };
+    let sizes = [
+        8,
+        0,
+        4096,
+        4097,
+        100,
+        1 << 20,
+        3,
+        4095,
+        70_000,
+        1,
+        64 << 10,
+        2,
+    ];
+    // One at a time: post the send, then the receive, then wait for both.
+    for round in 0..3u64 {
+        for (i, &n) in sizes.iter().enumerate() {
+            let tag = 30_000 + round * 100 + i as u64;
+            let src = r.filled(next, tag, n);
+            let dst = r.buffer(n);
+            r.stream.synchronize().expect("fill");
+            if round == 2 && i % 3 == 0 {
+                // Keep the send stream busy for a moment: that send goes through the proxy.
+                let scratch = r.buffer(32 << 20);
+                // SAFETY: the scratch buffer outlives the stream synchronize below.
+                unsafe {
+                    r.adaptor
+                        .memset_async(scratch.ptr(), 1, 32 << 20, ss.handle())
+                        .expect("memset")
+                };
+                let s = send(&src, n, &ss);
+                let q = recv(&dst, n);
+                assert_eq!(s.wait().expect("send"), n);
+                assert_eq!(q.wait().expect("recv"), n);
+                ss.synchronize().expect("sync");
+            } else {
+                let s = send(&src, n, &ss);
+                let q = recv(&dst, n);
+                assert_eq!(s.wait().expect("send"), n);
+                assert_eq!(q.wait().expect("recv"), n);
+            }
+            rs.synchronize().expect("sync");
+            r.check(&dst, prev, tag, n);
+        }
+    }
+    // A burst of small sends, more than the 64 eager slots, before any receive: the first
+    // ones go eagerly, the rest wait in the proxy for slots; all arrive in order. One
+    // direction at a time (rank 0 to 1, then back): without a group, a stream's later
+    // operation waits for every earlier one of the communicator, so two ranks that both post
+    // all their sends before their receives would wait on each other (as in NCCL).
+    for (from, to) in [(0, 1), (1, 0)] {
+        let sizes: Vec<usize> = (0..150).map(|i| (i * 37) % 300 + 1).collect();
+        let tag = |i: usize| 40_000 + 1000 * from as u64 + i as u64;
+        if me == from {
+            let bufs: Vec<_> = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| r.filled(to, tag(i), n))
+                .collect();
+            r.stream.synchronize().expect("fill");
+            let reqs: Vec<_> = bufs
+                .iter()
+                .map(|b| r.comm.send(b, to, &ss).expect("send"))
+                .collect();
+            for (q, n) in reqs.into_iter().zip(&sizes) {
+                assert_eq!(q.wait().expect("burst send"), *n);
+            }
+        } else if me == to {
+            let dsts: Vec<_> = sizes.iter().map(|_| r.buffer(300)).collect();
+            let reqs: Vec<_> = dsts
+                .iter()
+                .map(|b| r.comm.recv(b, from, &rs).expect("recv"))
+                .collect();
+            for (q, n) in reqs.into_iter().zip(&sizes) {
+                assert_eq!(q.wait().expect("burst recv"), *n);
+            }
+            rs.synchronize().expect("sync");
+            for (i, (d, &n)) in dsts.iter().zip(&sizes).enumerate() {
+                let mut got = vec![0u8; n];
+                d.read(0, &mut got, &r.stream).expect("read back");
+                assert!(
+                    got == payload(from, me, tag(i), n),
+                    "rank {me}: burst message {i} from {from} differs"
+                );
+            }
+        }
+    }
+    // Too large for its receive: refused at the receiver, which is left untouched. An eager
+    // sender was done with the message when it posted, so only it succeeds.
+    let big = r.filled(next, 41_000, 2000);
+    let small = r.buffer(1000);
+    small.fill(0xEE, &r.stream).expect("fill");
+    r.stream.synchronize().expect("fill");
+    ss.synchronize().expect("idle send stream"); // so that the send can go eagerly
+    let s = r.comm.send(&big, next, &ss).expect("send");
+    let q = r.comm.recv(&small, prev, &rs).expect("recv");
+    match (s.wait(), 2000 <= limit) {
+        (Ok(2000), true) | (Err(CommError::SizeMismatch { .. }), false) => {}
+        (other, eager) => panic!("rank {me}: sender (eager {eager}) got {other:?}"),
+    }
+    match q.wait() {
+        Err(CommError::SizeMismatch {
+            send_bytes: 2000,
+            recv_bytes: 1000,
+            ..
+        }) => {}
+        other => panic!("rank {me}: receiver expected a size mismatch, got {other:?}"),
+    }
+    let mut untouched = vec![0u8; 1000];
+    small.read(0, &mut untouched, &r.stream).expect("read");
+    assert!(
+        untouched.iter().all(|&b| b == 0xEE),
+        "a refused message wrote into the receiver"
+    );
+    // The pair goes on.
+    let ok = r.filled(next, 41_001, 999);
+    let s = r.comm.send(&ok, next, &ss).expect("send");
+    let q = r.comm.recv(&small, prev, &rs).expect("recv");
+    assert_eq!(s.wait().expect("send after refusal"), 999);
+    assert_eq!(q.wait().expect("recv after refusal"), 999);
+    rs.synchronize().expect("sync");
+    r.check(&small, prev, 41_001, 999);
 }
 
 /// A sender larger than its receiver fails on both sides, then the pair still works.
@@ -673,6 +826,40 @@ fn mixed_vendor_job() {
             ("FLAGCX_TEST_MAX", "8388608"),
         ];
         job(2, &v, "reuse", &off);
+    }
+}
+
+/// Small messages posted one by one take the eager path between host ranks, interleaved with
+/// proxy messages, over either transport; with it turned off the same traffic goes through
+/// the proxy. In mixed jobs (a GPU rank with a host rank) there is no eager path, and the
+/// scenario checks the usual semantics.
+#[test]
+fn eager_small_messages() {
+    let expect = [("FLAGCX_TEST_EXPECT_EAGER", "1")];
+    job(2, "host", "eager", &expect);
+    job(
+        3,
+        "host",
+        "eager",
+        &[
+            ("FLAGCX_TEST_EXPECT_EAGER", "1"),
+            ("FLAGCX_P2P_DISABLE", "1"),
+        ],
+    );
+    job(
+        2,
+        "host",
+        "eager",
+        &[("FLAGCX_TEST_EXPECT_EAGER", "1"), ("FLAGCX_SPIN_US", "50")],
+    );
+    job(2, "host", "eager", &[("FLAGCX_P2P_EAGER_MAX", "0")]);
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    if v != "host" {
+        job(2, &v, "eager", &[]);
+    }
+    let mixed = vendors("FLAGCX_P2P_TEST_MIXED");
+    if mixed.contains(',') {
+        job(2, &mixed, "eager", &[]);
     }
 }
 

@@ -413,8 +413,12 @@ mod tests {
         // The lane does not overlap the descriptors or the ring.
         assert!(geo.ring() >= geo.lane() + 64 * 100);
         assert!(geo.lane() >= geo.send_descs() + 64 * SEND_DESC_BYTES);
+        // Slot `i` is free once the receiver finished message `i - 64`.
+        assert!(tx.send_window_open(63) && !tx.send_window_open(64));
         for i in [0u64, 1, 63, 64, 130] {
-            assert!(tx.send_window_open(i) == (i < 64), "window at {i}");
+            rx.store(Counter::RecvDone, i.saturating_sub(63));
+            assert!(tx.send_window_open(i), "window at {i}");
+            assert!(!tx.send_window_open(i + 64), "window past {i}");
             let msg: Vec<u8> = (0..(i as usize % 100) + 1)
                 .map(|j| (i as usize + j) as u8)
                 .collect();

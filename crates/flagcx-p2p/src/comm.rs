@@ -351,6 +351,16 @@ impl<A: DeviceAdaptor> Comm<A> {
         self.direct.get(peer).copied().flatten()
     }
 
+    /// The largest message this rank sends eagerly to `peer` (0: none): the eager path exists
+    /// where both ranks' device memory is host addressable, up to the smaller of the two
+    /// ranks' `FLAGCX_P2P_EAGER_MAX`. See [`Config::eager_max`] for when it is taken.
+    pub fn eager_limit(&self, peer: usize) -> usize {
+        self.eager
+            .get(peer)
+            .and_then(|l| l.as_ref())
+            .map_or(0, |l| l.send_max)
+    }
+
     /// Bytes this rank's finished operations moved, by path.
     pub fn stats(&self) -> PathStats {
         self.shared.stats()

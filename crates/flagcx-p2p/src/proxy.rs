@@ -561,11 +561,13 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 let _ = self.adaptor.event_destroy(start);
             }
         }
-        op.slot.complete(r);
-        drop(op.keep);
+        // Before the request completes: a caller that waited for it may post the next message
+        // eagerly, which needs this one to be off the books.
         if let Some(p) = self.shared.pending.get(op.peer) {
             p[op.dir as usize].fetch_sub(1, Ordering::AcqRel);
         }
+        op.slot.complete(r);
+        drop(op.keep);
         self.finished.insert(op.seq);
         let mut w = self.watermark;
         while self.finished.remove(&(w + 1)) {
