@@ -13,9 +13,10 @@
 //! | `send_fault`, `recv_fault` | each side | `i + 1` when that side of message `i` failed (a vendor error): the other side fails the message too instead of waiting |
 //!
 //! Between two ranks whose device memory the CPU addresses, the channel also has one eager slot
-//! per send descriptor: a small message is copied into slot `i` and published as send
-//! descriptor `i` with status `EAGER`, without waiting for the receive descriptor. The receiver
-//! copies it out and publishes `recv_posted` and `recv_done` past `i` (its verdict).
+//! per send descriptor: a small message is copied into slot `i` (up to 48 bytes: into the
+//! descriptor's first cache line itself) and published as send descriptor `i` with status
+//! `EAGER`, without waiting for the receive descriptor. The receiver copies it out and
+//! publishes `recv_done` past `i`; `recv_posted` is left alone (nobody waits for it).
 //!
 //! Every counter only grows; a descriptor is written before its counter is published with
 //! release ordering and read after an acquire load, so each ring is a plain SPSC queue.
@@ -31,8 +32,12 @@ use crate::shm::ShmSegment;
 /// queues more locally).
 pub const DESC_RING: u64 = 64;
 const CTRL_BYTES: usize = 4096;
-const RECV_DESC_BYTES: usize = 128;
-const SEND_DESC_BYTES: usize = 128;
+const DESC_BYTES: usize = 128;
+const RECV_DESC_BYTES: usize = DESC_BYTES;
+const SEND_DESC_BYTES: usize = DESC_BYTES;
+/// Eager messages up to this size travel inside their descriptor's first cache line, after
+/// the 16-byte head (size, status): one line for the receiver to fetch instead of two.
+pub const EAGER_INLINE: usize = 48;
 const PAGE: usize = 4096;
 
 /// Status of a send descriptor.
@@ -209,26 +214,29 @@ impl Channel {
         self.counter(c).store(v, Ordering::Release)
     }
 
-    fn slot_ptr(&self, base: usize, size: usize, i: u64) -> *mut u8 {
+    /// Descriptor `i` of the ring at `base` (both rings have `DESC_BYTES` descriptors).
+    fn desc_ptr(&self, base: usize, i: u64) -> *mut u8 {
         // SAFETY: `i % DESC_RING` keeps the offset inside the descriptor area of the mapping.
         unsafe {
             self.seg
                 .as_ptr()
-                .add(base + (i % DESC_RING) as usize * size)
+                .add(base + (i % DESC_RING) as usize * DESC_BYTES)
         }
     }
 
     fn write_desc<const N: usize>(&self, base: usize, i: u64, b: [u8; N]) {
+        const { assert!(N <= DESC_BYTES) };
         // SAFETY: the descriptor slot is inside the mapping and owned by the writer until it
-        // publishes the counter.
-        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.slot_ptr(base, N, i), N) }
+        // publishes the counter; `N` is at most its size.
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), self.desc_ptr(base, i), N) }
     }
 
     fn read_desc<const N: usize>(&self, base: usize, i: u64) -> [u8; N] {
+        const { assert!(N <= DESC_BYTES) };
         let mut b = [0u8; N];
-        // SAFETY: inside the mapping; published by the writer's release store, which the
-        // caller's acquire load of the counter observed.
-        unsafe { std::ptr::copy_nonoverlapping(self.slot_ptr(base, N, i), b.as_mut_ptr(), N) }
+        // SAFETY: inside the mapping (`N` is at most the descriptor size); published by the
+        // writer's release store, which the caller's acquire load of the counter observed.
+        unsafe { std::ptr::copy_nonoverlapping(self.desc_ptr(base, i), b.as_mut_ptr(), N) }
         b
     }
 
@@ -265,6 +273,20 @@ impl Channel {
 
     /// Reads send descriptor `i` (receiver, after seeing `SendPosted > i`).
     pub fn read_send_desc(&self, i: u64) -> Result<SendDesc> {
+        // An eager descriptor is its first 16 bytes (the rest of the line is its payload).
+        let head = self.read_desc::<16>(self.geo.send_descs(), i);
+        let (size, status) = (
+            u64::from_le_bytes(head[0..8].try_into().expect("8")),
+            u64::from_le_bytes(head[8..16].try_into().expect("8")),
+        );
+        if status == STATUS_EAGER {
+            return Ok(SendDesc {
+                size,
+                status,
+                handle: None,
+                offset: 0,
+            });
+        }
         let b = self.read_desc::<SEND_DESC_BYTES>(self.geo.send_descs(), i);
         let (size, status, handle) = decode_desc(&b, "send")?;
         let offset = u64::from_le_bytes(b[SEND_DESC_BYTES - 8..].try_into().expect("8"));
@@ -290,18 +312,21 @@ impl Channel {
     /// every earlier send was answered and [`Channel::send_window_open`] holds for `i`.
     pub unsafe fn post_eager(&self, i: u64, src: *const u8, n: usize) {
         debug_assert!(n <= self.geo.eager);
-        // SAFETY: slot `i % DESC_RING` of the lane lies inside the mapping and is the writer's
-        // until it publishes the counter (the caller's contract); `src` is readable.
-        unsafe { std::ptr::copy_nonoverlapping(src, self.eager_slot(i), n) };
-        self.write_send_desc(
-            i,
-            &SendDesc {
-                size: n as u64,
-                status: STATUS_EAGER,
-                handle: None,
-                offset: 0,
-            },
-        );
+        let desc = self.desc_ptr(self.geo.send_descs(), i);
+        let dst = if n <= EAGER_INLINE {
+            // SAFETY: descriptors are 128 bytes; 16 + 48 stay in the first line.
+            unsafe { desc.add(16) }
+        } else {
+            self.eager_slot(i)
+        };
+        // SAFETY: the descriptor and slot `i % DESC_RING` of the lane lie inside the mapping
+        // and are the writer's until it publishes the counter (the caller's contract); `src`
+        // is readable and `n` fits either place.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+        let mut head = [0u8; 16];
+        head[0..8].copy_from_slice(&(n as u64).to_le_bytes());
+        head[8..16].copy_from_slice(&STATUS_EAGER.to_le_bytes());
+        self.write_desc(self.geo.send_descs(), i, head);
         self.store(Counter::SendPosted, i + 1);
     }
 
@@ -319,9 +344,15 @@ impl Channel {
                 self.geo.eager
             )));
         }
-        // SAFETY: the slot lies inside the mapping and holds `n` bytes the sender published
+        let src = if n <= EAGER_INLINE {
+            // SAFETY: as in `post_eager`.
+            unsafe { self.desc_ptr(self.geo.send_descs(), i).add(16) }
+        } else {
+            self.eager_slot(i)
+        };
+        // SAFETY: `src` lies inside the mapping and holds `n` bytes the sender published
         // before the counter our caller observed; `dst` is writable (the caller's contract).
-        unsafe { std::ptr::copy_nonoverlapping(self.eager_slot(i), dst, n) };
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
         Ok(n)
     }
 
@@ -419,9 +450,9 @@ mod tests {
             rx.store(Counter::RecvDone, i.saturating_sub(63));
             assert!(tx.send_window_open(i), "window at {i}");
             assert!(!tx.send_window_open(i + 64), "window past {i}");
-            let msg: Vec<u8> = (0..(i as usize % 100) + 1)
-                .map(|j| (i as usize + j) as u8)
-                .collect();
+            // Sizes on both sides of the inline limit.
+            let len = [1, 48, 49, 100, 0][(i % 5) as usize];
+            let msg: Vec<u8> = (0..len).map(|j| (i as usize + j) as u8).collect();
             // SAFETY: `msg` is readable and fits a slot; the test owns every index.
             unsafe { tx.post_eager(i, msg.as_ptr(), msg.len()) };
             // SAFETY: the ring slot is ours; writing it must not disturb the lane.

@@ -11,7 +11,7 @@ use flagcx_adaptor::{
 };
 
 use crate::bootstrap::{Bootstrap, UniqueId};
-use crate::channel::{Channel, Counter, Geometry, STATUS_EAGER};
+use crate::channel::{Channel, Counter, Geometry, DESC_RING, STATUS_EAGER};
 use crate::config::{Config, RankEnv, StreamJoin, MAX_EAGER_MAX};
 use crate::error::{CommError, Result};
 use crate::peer::{choose_transport, direct_copier, receiver_copies, PeerInfo, TransportKind};
@@ -66,6 +66,9 @@ struct EagerLink {
     send_max: usize,
     /// Largest message the peer can send eagerly to this rank (0: none).
     recv_max: usize,
+    /// The peer's `RecvDone` as last read: slots below it + 64 are free without reading the
+    /// counter again (a cache line the peer writes on every message). Under the inbox lock.
+    freed: AtomicU64,
 }
 
 /// A page the callers' streams can wait on: the low 32 bits of the completion watermark.
@@ -275,6 +278,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                     inc: c.inc.clone(),
                     send_max,
                     recv_max,
+                    freed: AtomicU64::new(0),
                 })
             })
             .collect();
@@ -634,10 +638,12 @@ impl<A: DeviceAdaptor> Comm<A> {
             Dir::Send => {
                 let mut inbox = lock(&self.shared.inbox);
                 let k = inbox.next[peer][d];
-                if !free(&inbox, k)
-                    || !link.out.send_window_open(k)
-                    || link.out.load(Counter::RecvFault) != 0
-                {
+                let window_open = k < link.freed.load(Ordering::Relaxed) + DESC_RING || {
+                    let done = link.out.load(Counter::RecvDone);
+                    link.freed.store(done, Ordering::Relaxed);
+                    k < done + DESC_RING
+                };
+                if !free(&inbox, k) || !window_open || link.out.load(Counter::RecvFault) != 0 {
                     return Ok(None);
                 }
                 // SAFETY: `ptr..ptr+bytes` was checked to lie in one allocation of this

@@ -1419,7 +1419,7 @@ fn give_verdict(inc: &Channel, index: u64, recv_bytes: usize) {
 }
 
 /// Receives eager message `index` of `inc`, described by `sd`, into `dst` (`cap` bytes), and
-/// gives the verdict. A message larger than `cap` is refused (a size mismatch: the sender was
+/// frees its slot. A message larger than `cap` is refused (a size mismatch: the sender was
 /// done with it, so only this side fails) and the pair goes on.
 pub(crate) fn receive_eager(
     inc: &Channel,
@@ -1449,7 +1449,9 @@ pub(crate) fn receive_eager(
         // the caller's buffer, whose earlier stream work has completed.
         unsafe { inc.take_eager(index, sd, dst.0 as *mut u8) }
     };
-    give_verdict(inc, index, cap);
+    // Only the slot's release matters to the sender, which was done with the message;
+    // `RecvPosted` stays (a later message's announcement or verdict moves it on).
+    inc.store(Counter::RecvDone, index + 1);
     r
 }
 
