@@ -397,6 +397,7 @@ fn eager(r: &Rank, next: usize, prev: usize) {
             r.check(&dst, prev, tag, n);
         }
     }
+    println!("eager: rank {me}: one-by-one rounds checked");
     // A burst of small sends, more than the 64 eager slots, before any receive: the first
     // ones go eagerly, the rest wait in the proxy for slots; all arrive in order. One
     // direction at a time (rank 0 to 1, then back): without a group, a stream's later
@@ -439,6 +440,7 @@ fn eager(r: &Rank, next: usize, prev: usize) {
             }
         }
     }
+    println!("eager: rank {me}: bursts checked");
     // Too large for its receive: refused at the receiver, which is left untouched. An eager
     // sender was done with the message when it posted, so only it succeeds.
     let big = r.filled(next, 41_000, 2000);

@@ -319,6 +319,9 @@ FLAGCX_P2P_HOST_DIRECT=off sweep mixed-sendrecv-ring "$perf" -t sendrecv --vendo
 FLAGCX_P2P_HOST_DIRECT=off sweep mixed-pingpong-ring "$perf" -t pingpong --vendors {vendor},host -b 8 -e 1G -f 8 -n 10 -w 3
 sweep host-pingpong  "$perf" -t pingpong --vendor host -b 8 -e 256M -f 4 -n 100 -w 10
 FLAGCX_STREAM_JOIN=none sweep host-pingpong-nojoin "$perf" -t pingpong --vendor host -b 8 -e 256M -f 4 -n 100 -w 10
+# Small-message latency needs many iterations; eager path on (default) and off.
+sweep host-latency "$perf" -t pingpong --vendor host -b 8 -e 64K -f 2 -n 20000 -w 1000
+FLAGCX_P2P_EAGER_MAX=0 sweep host-latency-noeager "$perf" -t pingpong --vendor host -b 8 -e 64K -f 2 -n 20000 -w 1000
 for n in 2 4 8; do sweep host-pairs-$n "$perf" -t pairs -N $n --vendor host -b 1M -e 64M -f 8 -n 10 -w 3 -c; done
 FLAGCX_VENDOR={vendor} FLAGCX_PROFILE=1 sweep ipc-profile "$perf" -t pingpong --transport ipc -b 8 -e 4K -f 8 -n 200 -w 20
 FLAGCX_VENDOR={vendor} FLAGCX_PROFILE=1 sweep staged-profile "$perf" -t pingpong --transport staged -b 8 -e 4K -f 8 -n 200 -w 20

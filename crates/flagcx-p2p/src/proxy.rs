@@ -30,6 +30,10 @@ use crate::hostmap::HostMaps;
 use crate::peer::TransportKind;
 use crate::PathStats;
 
+/// Peer allocations the proxy keeps open for IPC copies before it closes them all, at the next
+/// moment without operations in flight.
+const IPC_CACHE_MAX: usize = 256;
+
 /// Send or receive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Dir {
@@ -515,6 +519,17 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     std::thread::sleep(Duration::from_micros(20));
                 }
             } else {
+                // Closing IPC mappings may wait for the whole device context — including
+                // callers' streams that wait for this communicator's operations — so the cache
+                // is trimmed only here, with nothing in flight (it grows past its bound while
+                // traffic never pauses). Seen on an H200: a close between operations hung.
+                if self.ipc_cache.len() > IPC_CACHE_MAX
+                    && self.shared.posted.load(Ordering::Acquire) == seen_posted
+                    && self.streams_idle()
+                {
+                    self.flush_ipc_cache();
+                    continue;
+                }
                 std::thread::park_timeout(Duration::from_millis(100));
             }
         }
@@ -943,12 +958,6 @@ impl<A: DeviceAdaptor> Proxy<A> {
         let key = handle.to_wire();
         if let Some(&b) = self.ipc_cache.get(&key) {
             return Ok(b);
-        }
-        // Bounded, but flushed only while both streams are idle: a proxy stream may be ordered
-        // after a caller's stream that waits for operations only this thread can finish, so
-        // waiting for it here could deadlock. Until then the cache grows past the bound.
-        if self.ipc_cache.len() >= 256 && self.streams_idle() {
-            self.flush_ipc_cache();
         }
         let b = self.adaptor.ipc_open_handle(&handle)?;
         if let Some(p) = self.profile.as_mut() {
