@@ -331,6 +331,9 @@ struct Profile {
     dirs: [(u64, f64, f64, f64); 2],
     /// IPC handles opened (cache misses).
     ipc_opens: u64,
+    /// IPC mappings closed while running (cache trims), and the seconds that took.
+    ipc_closes: u64,
+    ipc_close_secs: f64,
 }
 
 impl Profile {
@@ -346,8 +349,10 @@ impl Profile {
 
     fn report(&self, rank: usize) {
         eprintln!(
-            "flagcx profile rank {rank}: {} IPC handle opens",
-            self.ipc_opens
+            "flagcx profile rank {rank}: {} IPC handle opens, {} closed while running ({:.1} ms)",
+            self.ipc_opens,
+            self.ipc_closes,
+            self.ipc_close_secs * 1e3
         );
         for (dir, (n, a, b, c)) in ["send", "recv"].iter().zip(self.dirs) {
             if n == 0 {
@@ -412,7 +417,9 @@ pub(crate) struct Proxy<A: DeviceAdaptor> {
     spin: Duration,
     profile: Option<Profile>,
     free_events: Vec<EventHandle>,
-    ipc_cache: HashMap<[u8; IpcMemHandle::WIRE_LEN], DevicePtr>,
+    /// Open peer allocations: their mapping and when they were last used (`ipc_uses`).
+    ipc_cache: HashMap<[u8; IpcMemHandle::WIRE_LEN], (DevicePtr, u64)>,
+    ipc_uses: u64,
     /// Mapped buffers of host-vendor peers (only when this rank is a direct copier).
     host_maps: Option<HostMaps<A>>,
     finished: BTreeSet<u64>,
@@ -461,6 +468,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
             profile: std::env::var_os("FLAGCX_PROFILE").map(|_| Profile::default()),
             free_events: Vec::new(),
             ipc_cache: HashMap::new(),
+            ipc_uses: 0,
             host_maps,
             finished: BTreeSet::new(),
             watermark: 0,
@@ -520,14 +528,17 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 }
             } else {
                 // Closing IPC mappings may wait for the whole device context — including
-                // callers' streams that wait for this communicator's operations — so the cache
-                // is trimmed only here, with nothing in flight (it grows past its bound while
-                // traffic never pauses). Seen on an H200: a close between operations hung.
+                // callers' streams that wait for this communicator's operations — and costs
+                // milliseconds each on a GPU, so the cache is trimmed only here, with nothing
+                // in flight, a few least recently used mappings per pass (new work is looked
+                // at in between). It grows past its bound while traffic never pauses. Seen on
+                // an H200: closing between operations hung; closing hundreds at once stalled
+                // the next operation for seconds.
                 if self.ipc_cache.len() > IPC_CACHE_MAX
                     && self.shared.posted.load(Ordering::Acquire) == seen_posted
                     && self.streams_idle()
                 {
-                    self.flush_ipc_cache();
+                    self.trim_ipc_cache(8);
                     continue;
                 }
                 std::thread::park_timeout(Duration::from_millis(100));
@@ -956,14 +967,16 @@ impl<A: DeviceAdaptor> Proxy<A> {
         let handle =
             handle.ok_or_else(|| CommError::Protocol("IPC descriptor without a handle".into()))?;
         let key = handle.to_wire();
-        if let Some(&b) = self.ipc_cache.get(&key) {
-            return Ok(b);
+        self.ipc_uses += 1;
+        if let Some(e) = self.ipc_cache.get_mut(&key) {
+            e.1 = self.ipc_uses;
+            return Ok(e.0);
         }
         let b = self.adaptor.ipc_open_handle(&handle)?;
         if let Some(p) = self.profile.as_mut() {
             p.ipc_opens += 1;
         }
-        self.ipc_cache.insert(key, b);
+        self.ipc_cache.insert(key, (b, self.ipc_uses));
         Ok(b)
     }
 
@@ -1038,9 +1051,27 @@ impl<A: DeviceAdaptor> Proxy<A> {
     fn flush_ipc_cache(&mut self) {
         let _ = self.adaptor.stream_synchronize(self.send_stream);
         let _ = self.adaptor.stream_synchronize(self.recv_stream);
-        for (_, base) in self.ipc_cache.drain() {
+        for (_, (base, _)) in self.ipc_cache.drain() {
             // SAFETY: both proxy streams are idle, so no copy uses the mapping.
             let _ = unsafe { self.adaptor.ipc_close(base) };
+        }
+    }
+
+    /// Closes up to `n` of the least recently used mappings beyond the bound (the caller
+    /// checked that both proxy streams are idle).
+    fn trim_ipc_cache(&mut self, n: usize) {
+        let t0 = Instant::now();
+        let victims = lru_victims(&self.ipc_cache, IPC_CACHE_MAX, n);
+        let closed = victims.len() as u64;
+        for key in victims {
+            if let Some((base, _)) = self.ipc_cache.remove(&key) {
+                // SAFETY: both proxy streams are idle, so no copy uses the mapping.
+                let _ = unsafe { self.adaptor.ipc_close(base) };
+            }
+        }
+        if let Some(p) = self.profile.as_mut() {
+            p.ipc_closes += closed;
+            p.ipc_close_secs += t0.elapsed().as_secs_f64();
         }
     }
 
@@ -1384,6 +1415,15 @@ fn export<A: DeviceAdaptor>(
     }
 }
 
+/// The keys of up to `n` entries of `cache` (values: `(_, last use)`) to drop so that it holds
+/// at most `max`, least recently used first.
+fn lru_victims<K: Copy, V>(cache: &HashMap<K, (V, u64)>, max: usize, n: usize) -> Vec<K> {
+    let excess = cache.len().saturating_sub(max).min(n);
+    let mut by_age: Vec<(u64, K)> = cache.iter().map(|(k, v)| (v.1, *k)).collect();
+    by_age.sort_unstable_by_key(|&(used, _)| used);
+    by_age.into_iter().take(excess).map(|(_, k)| k).collect()
+}
+
 /// Whether the caller's stream passed the point where the operation was posted.
 fn started<A: DeviceAdaptor>(a: &A, start: Option<EventHandle>) -> Result<bool> {
     match start {
@@ -1494,7 +1534,21 @@ fn send_failure(peer: usize, sd: &SendDesc, bytes: usize, pulling: bool) -> Opti
 
 #[cfg(test)]
 mod tests {
-    use super::{chunk_len, placed_within};
+    use super::{chunk_len, lru_victims, placed_within};
+
+    #[test]
+    fn ipc_cache_trims_least_recently_used_beyond_the_bound() {
+        // Key i last used at (i * 7) % 10: ages 0, 7, 4, 1, 8, 5, 2, 9, 6, 3.
+        let cache: std::collections::HashMap<u32, ((), u64)> =
+            (0..10).map(|i| (i, ((), (i as u64 * 7) % 10))).collect();
+        assert!(lru_victims(&cache, 10, 8).is_empty(), "within the bound");
+        assert_eq!(lru_victims(&cache, 7, 8), vec![0, 3, 6], "the three oldest");
+        assert_eq!(
+            lru_victims(&cache, 2, 4),
+            vec![0, 3, 6, 9],
+            "at most n per pass"
+        );
+    }
 
     #[test]
     fn a_peer_buffer_outside_its_allocation_is_refused() {
