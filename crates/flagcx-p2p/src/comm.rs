@@ -245,6 +245,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             }),
             pending: (0..nranks).map(|_| Default::default()).collect(),
             lost: (0..nranks).map(|_| AtomicBool::new(false)).collect(),
+            trimming: AtomicBool::new(false),
             posted: AtomicU64::new(0),
             spare_events: Mutex::new(Vec::new()),
             shutdown: AtomicBool::new(false),
@@ -588,6 +589,14 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         {
             let mut inbox = lock(&self.shared.inbox);
+            // The proxy may be closing IPC mappings, which can wait for the device context:
+            // no stream may start waiting for a new operation until it is done (well under a
+            // millisecond).
+            while self.shared.trimming.load(Ordering::Acquire) {
+                drop(inbox);
+                std::thread::yield_now();
+                inbox = lock(&self.shared.inbox);
+            }
             for (mut op, _) in ops {
                 let d = op.dir as usize;
                 op.index = inbox.next[op.peer][d];

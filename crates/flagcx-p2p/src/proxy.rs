@@ -139,6 +139,10 @@ pub(crate) struct Shared {
     /// Per peer: the pair was retired (a failure, a timeout, the peer hung up); the eager path
     /// leaves it to the proxy, which fails what comes.
     pub lost: Vec<AtomicBool>,
+    /// Set (under the inbox lock, with nothing in flight) while the proxy closes IPC mappings,
+    /// which may wait for the device context: meanwhile no caller may hand over an operation
+    /// and make a stream wait for it.
+    pub trimming: AtomicBool,
     /// Bumped after every hand-over into `inbox`, so the proxy can poll it without the lock.
     pub posted: AtomicU64,
     /// Completed start events, recycled by the API side (creating one per operation costs a
@@ -527,19 +531,25 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     std::thread::sleep(Duration::from_micros(20));
                 }
             } else {
-                // Closing IPC mappings may wait for the whole device context — including
-                // callers' streams that wait for this communicator's operations — and costs
-                // milliseconds each on a GPU, so the cache is trimmed only here, with nothing
-                // in flight, a few least recently used mappings per pass (new work is looked
-                // at in between). It grows past its bound while traffic never pauses. Seen on
-                // an H200: closing between operations hung; closing hundreds at once stalled
-                // the next operation for seconds.
-                if self.ipc_cache.len() > IPC_CACHE_MAX
-                    && self.shared.posted.load(Ordering::Acquire) == seen_posted
-                    && self.streams_idle()
-                {
-                    self.trim_ipc_cache(8);
-                    continue;
+                // Closing IPC mappings may wait for the whole device context, including
+                // callers' streams that wait for this communicator's operations, so the cache
+                // is trimmed only here: nothing in flight, and callers held off handing over
+                // new operations (`Shared::trimming`) for the few least recently used mappings
+                // closed per pass (~45 µs each on an H200). It grows past its bound while
+                // traffic never pauses. Seen on an H200: closing between operations hung, and
+                // closing at idle while a caller posted the next operation stalled it.
+                if self.ipc_cache.len() > IPC_CACHE_MAX && self.streams_idle() {
+                    let quiet = {
+                        let inbox = lock(&self.shared.inbox);
+                        let quiet = inbox.ops.is_empty();
+                        self.shared.trimming.store(quiet, Ordering::Release);
+                        quiet
+                    };
+                    if quiet {
+                        self.trim_ipc_cache(8);
+                        self.shared.trimming.store(false, Ordering::Release);
+                        continue;
+                    }
                 }
                 std::thread::park_timeout(Duration::from_millis(100));
             }
