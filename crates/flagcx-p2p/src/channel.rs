@@ -15,7 +15,9 @@
 //! Between two ranks whose device memory the CPU addresses, the channel also has one eager slot
 //! per send descriptor: a small message is copied into slot `i` (up to 48 bytes: into the
 //! descriptor's first cache line itself) and published as send descriptor `i` with status
-//! `EAGER`, without waiting for the receive descriptor. The receiver copies it out and
+//! `EAGER`, without waiting for the receive descriptor. The status word of an eager descriptor
+//! also carries `i + 1` and is stored last, so a receiver can wait on that one cache line
+//! instead of on `send_posted` (which follows). The receiver copies the message out and
 //! publishes `recv_done` past `i`; `recv_posted` is left alone (nobody waits for it).
 //!
 //! Every counter only grows; a descriptor is written before its counter is published with
@@ -268,23 +270,28 @@ impl Channel {
     pub fn write_send_desc(&self, i: u64, d: &SendDesc) {
         let mut b = encode_desc::<SEND_DESC_BYTES>(d.size, d.status, d.handle);
         b[SEND_DESC_BYTES - 8..].copy_from_slice(&d.offset.to_le_bytes());
-        self.write_desc(self.geo.send_descs(), i, b);
+        let p = self.desc_ptr(self.geo.send_descs(), i);
+        // SAFETY: the descriptor is inside the mapping and the writer's until it publishes
+        // the counter. The status word (bytes 8..16) is stored atomically: an eager receiver
+        // may be polling it (see `eager_arrived`); every other byte is read only after the
+        // counter says the descriptor is complete.
+        unsafe {
+            std::ptr::copy_nonoverlapping(b.as_ptr(), p, 8);
+            std::ptr::copy_nonoverlapping(b[16..].as_ptr(), p.add(16), SEND_DESC_BYTES - 16);
+        }
+        self.eager_word(i).store(d.status, Ordering::Release);
     }
 
     /// Reads send descriptor `i` (receiver, after seeing `SendPosted > i`).
     pub fn read_send_desc(&self, i: u64) -> Result<SendDesc> {
         // An eager descriptor is its first 16 bytes (the rest of the line is its payload).
-        let head = self.read_desc::<16>(self.geo.send_descs(), i);
-        let (size, status) = (
-            u64::from_le_bytes(head[0..8].try_into().expect("8")),
-            u64::from_le_bytes(head[8..16].try_into().expect("8")),
-        );
-        if status == STATUS_EAGER {
-            return Ok(SendDesc {
-                size,
-                status,
-                handle: None,
-                offset: 0,
+        let word = self.eager_word(i).load(Ordering::Acquire);
+        if word & 0xFF == STATUS_EAGER {
+            return self.eager_arrived(i).ok_or_else(|| {
+                CommError::Protocol(format!(
+                    "eager descriptor {i} carries message number {}",
+                    (word >> 8).wrapping_sub(1)
+                ))
             });
         }
         let b = self.read_desc::<SEND_DESC_BYTES>(self.geo.send_descs(), i);
@@ -323,10 +330,9 @@ impl Channel {
         // and are the writer's until it publishes the counter (the caller's contract); `src`
         // is readable and `n` fits either place.
         unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
-        let mut head = [0u8; 16];
-        head[0..8].copy_from_slice(&(n as u64).to_le_bytes());
-        head[8..16].copy_from_slice(&STATUS_EAGER.to_le_bytes());
-        self.write_desc(self.geo.send_descs(), i, head);
+        self.write_desc(self.geo.send_descs(), i, (n as u64).to_le_bytes());
+        self.eager_word(i)
+            .store(STATUS_EAGER | ((i + 1) << 8), Ordering::Release);
         self.store(Counter::SendPosted, i + 1);
     }
 
@@ -354,6 +360,29 @@ impl Channel {
         // before the counter our caller observed; `dst` is writable (the caller's contract).
         unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
         Ok(n)
+    }
+
+    /// Receiver: eager message `i`'s descriptor if it has been published (its status word
+    /// names message `i`), without touching `SendPosted`.
+    pub fn eager_arrived(&self, i: u64) -> Option<SendDesc> {
+        if self.eager_word(i).load(Ordering::Acquire) != STATUS_EAGER | ((i + 1) << 8) {
+            return None;
+        }
+        let head = self.read_desc::<8>(self.geo.send_descs(), i);
+        Some(SendDesc {
+            size: u64::from_le_bytes(head),
+            status: STATUS_EAGER,
+            handle: None,
+            offset: 0,
+        })
+    }
+
+    /// The status word of send descriptor `i` (bytes 8..16), as an atomic.
+    fn eager_word(&self, i: u64) -> &AtomicU64 {
+        // SAFETY: descriptors are 128-byte aligned inside the page-aligned mapping, so bytes
+        // 8..16 of one are an aligned u64 that outlives `self`; every access to it that can
+        // race (the eager status word) is atomic.
+        unsafe { &*(self.desc_ptr(self.geo.send_descs(), i).add(8) as *const AtomicU64) }
     }
 
     fn eager_slot(&self, i: u64) -> *mut u8 {
@@ -460,6 +489,13 @@ mod tests {
             assert_eq!(rx.load(Counter::SendPosted), i + 1);
             let sd = rx.read_send_desc(i).unwrap();
             assert_eq!((sd.size, sd.status), (msg.len() as u64, STATUS_EAGER));
+            assert_eq!(rx.eager_arrived(i), Some(sd));
+            // The slot's next use (message i + 64) is not there yet; neither is the one before.
+            assert_eq!(rx.eager_arrived(i + 64), None);
+            assert!(
+                rx.read_send_desc(i + 64).is_err(),
+                "a stale eager descriptor"
+            );
             let mut got = vec![0u8; 100];
             // SAFETY: `got` holds 100 >= sd.size bytes.
             let n = unsafe { rx.take_eager(i, &sd, got.as_mut_ptr()) }.unwrap();

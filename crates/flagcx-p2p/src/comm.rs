@@ -11,7 +11,7 @@ use flagcx_adaptor::{
 };
 
 use crate::bootstrap::{Bootstrap, UniqueId};
-use crate::channel::{Channel, Counter, Geometry, DESC_RING, STATUS_EAGER};
+use crate::channel::{Channel, Counter, Geometry, DESC_RING};
 use crate::config::{Config, RankEnv, StreamJoin, MAX_EAGER_MAX};
 use crate::error::{CommError, Result};
 use crate::peer::{choose_transport, direct_copier, receiver_copies, PeerInfo, TransportKind};
@@ -25,34 +25,52 @@ use crate::PathStats;
 /// A handle to one posted operation.
 #[derive(Debug)]
 pub struct Request {
-    slot: Arc<Slot>,
+    state: State,
     seq: u64,
     spin: Duration,
+}
+
+/// Where a request's result is.
+#[derive(Debug)]
+enum State {
+    /// Finished while it was posted (the eager path): nothing shared, nothing to wait for.
+    Done(Result<usize>),
+    /// With the proxy, which fills the slot.
+    Pending(Arc<Slot>),
 }
 
 impl Request {
     /// Blocks until the operation finished; returns the bytes moved (for a receive: the bytes
     /// the sender sent, at most the buffer's size).
     pub fn wait(self) -> Result<usize> {
-        self.slot
-            .wait(None, self.spin)
-            .unwrap_or(Err(CommError::Aborted))
+        match self.state {
+            State::Done(r) => r,
+            State::Pending(slot) => slot
+                .wait(None, self.spin)
+                .unwrap_or(Err(CommError::Aborted)),
+        }
     }
 
     /// Like [`Request::wait`], giving up after `timeout` (the operation continues).
     pub fn wait_timeout(self, timeout: Duration) -> Result<usize> {
         let seq = self.seq;
-        self.slot.wait(Some(timeout), self.spin).unwrap_or_else(|| {
-            Err(CommError::Timeout {
-                ms: timeout.as_millis() as u64,
-                what: format!("operation {seq}"),
-            })
-        })
+        match self.state {
+            State::Done(r) => r,
+            State::Pending(slot) => slot.wait(Some(timeout), self.spin).unwrap_or_else(|| {
+                Err(CommError::Timeout {
+                    ms: timeout.as_millis() as u64,
+                    what: format!("operation {seq}"),
+                })
+            }),
+        }
     }
 
     /// True once the operation finished.
     pub fn is_done(&self) -> bool {
-        self.slot.is_done()
+        match &self.state {
+            State::Done(_) => true,
+            State::Pending(slot) => slot.is_done(),
+        }
     }
 }
 
@@ -571,7 +589,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
         }
         Ok(Request {
-            slot,
+            state: State::Pending(slot),
             seq,
             spin: self.config.spin.unwrap_or_default(),
         })
@@ -673,26 +691,29 @@ impl<A: DeviceAdaptor> Comm<A> {
                 } else {
                     Duration::ZERO
                 };
+                // Poll the descriptor's status word: an eager message publishes it last (one
+                // cache line to fetch); a message of the proxy's protocol shows in `SendPosted`
+                // and is left to the proxy.
                 let t0 = std::time::Instant::now();
                 let mut polls = 0u32;
-                while link.inc.load(Counter::SendPosted) <= k {
-                    // The clock costs more than a poll: read it every 64 polls.
+                let sd = loop {
+                    if let Some(sd) = link.inc.eager_arrived(k) {
+                        break sd;
+                    }
+                    // The clock and the counter cost more than a poll: every 64 polls.
                     polls = polls.wrapping_add(1);
-                    if polls % 64 == 0 && t0.elapsed() >= spin || spin.is_zero() {
+                    if spin.is_zero()
+                        || polls % 64 == 0
+                            && (link.inc.load(Counter::SendPosted) > k || t0.elapsed() >= spin)
+                    {
                         return Ok(None);
                     }
                     std::hint::spin_loop();
-                }
+                };
                 let mut inbox = lock(&self.shared.inbox);
                 if !free(&inbox, k) || link.inc.load(Counter::SendFault) > k {
                     return Ok(None);
                 }
-                let sd = match link.inc.read_send_desc(k) {
-                    Ok(sd) if sd.status == STATUS_EAGER => sd,
-                    // An offer or answer of the proxy's protocol, or a malformed descriptor:
-                    // the proxy handles (or fails) it.
-                    _ => return Ok(None),
-                };
                 let r = receive_eager(&link.inc, k, &sd, ptr, bytes, peer);
                 inbox.next[peer][d] = k + 1;
                 if matches!(r, Err(CommError::Protocol(_))) {
@@ -709,7 +730,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             Err(e) => self.shared.record_error(e),
         }
         Ok(Some(Request {
-            slot: Arc::new(Slot::finished(r)),
+            state: State::Done(r),
             seq: 0,
             spin: Duration::ZERO,
         }))

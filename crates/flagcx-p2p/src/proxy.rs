@@ -51,16 +51,6 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
-    /// A slot that is already complete (an operation finished while it was posted): no waiter
-    /// can exist yet, so there is nobody to wake.
-    pub fn finished(r: Result<usize>) -> Self {
-        Slot {
-            result: Mutex::new(Some(r)),
-            cv: Condvar::new(),
-            done: AtomicBool::new(true),
-        }
-    }
-
     pub fn complete(&self, r: Result<usize>) {
         *lock(&self.result) = Some(r);
         self.done.store(true, Ordering::Release);
