@@ -702,11 +702,16 @@ impl<A: DeviceAdaptor> Comm<A> {
                     }
                     // The clock and the counter cost more than a poll: every 64 polls.
                     polls = polls.wrapping_add(1);
-                    if spin.is_zero()
-                        || polls % 64 == 0
-                            && (link.inc.load(Counter::SendPosted) > k || t0.elapsed() >= spin)
-                    {
+                    if spin.is_zero() || polls % 64 == 0 && t0.elapsed() >= spin {
                         return Ok(None);
+                    }
+                    if polls % 64 == 0 && link.inc.load(Counter::SendPosted) > k {
+                        // Message `k` is published. An eager one stored its status word
+                        // before the counter, so this look settles which kind it is.
+                        match link.inc.eager_arrived(k) {
+                            Some(sd) => break sd,
+                            None => return Ok(None),
+                        }
                     }
                     std::hint::spin_loop();
                 };
