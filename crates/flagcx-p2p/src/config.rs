@@ -123,7 +123,7 @@ pub struct Config {
     /// buffer's pages stay alive until then).
     pub host_map_max: usize,
     /// Largest message sent eagerly between two ranks whose device memory the CPU addresses
-    /// (host vendor on both sides) (`FLAGCX_P2P_EAGER_MAX`, default 4 KiB, at most 64 KiB; 0
+    /// (host vendor on both sides) (`FLAGCX_P2P_EAGER_MAX`, default 32 KiB, at most 64 KiB; 0
     /// turns it off). Such a send, posted outside a group on an idle stream, is copied into the
     /// receiver's channel by the calling thread and complete on return; the receiver copies it
     /// out on its own thread. The receiver's setting sizes its channel's eager slots (64 per
@@ -138,7 +138,7 @@ pub const DEFAULT_CHUNKSIZE: usize = 4 << 20;
 /// Default [`Config::host_map_max`].
 pub const DEFAULT_HOST_MAP_MAX: usize = 16 << 30;
 /// Default [`Config::eager_max`].
-pub const DEFAULT_EAGER_MAX: usize = 4 << 10;
+pub const DEFAULT_EAGER_MAX: usize = 32 << 10;
 /// Largest allowed [`Config::eager_max`].
 pub const MAX_EAGER_MAX: usize = 64 << 10;
 
@@ -508,7 +508,7 @@ mod tests {
 
     #[test]
     fn eager_limit_parses_and_is_bounded() {
-        assert_eq!(Config::default().eager_max, 4096);
+        assert_eq!(Config::default().eager_max, 32 << 10);
         let c = Config::from_lookup(lookup(&[("FLAGCX_P2P_EAGER_MAX", "16K")])).unwrap();
         assert_eq!(c.eager_max, 16 << 10);
         let off = Config::from_lookup(lookup(&[("FLAGCX_P2P_EAGER_MAX", "0")])).unwrap();
