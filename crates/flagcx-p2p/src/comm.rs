@@ -123,6 +123,8 @@ pub struct Comm<A: DeviceAdaptor> {
     /// on it, so the watermark page outlives every wait on it even if the caller already
     /// destroyed the stream (a destroyed stream still runs what was queued).
     joined: Mutex<HashMap<u64, EventHandle>>,
+    /// Per joined stream, the operation its last join waits for.
+    last_join: Mutex<HashMap<u64, u64>>,
     page: WatermarkPage,
     config: Config,
     _boot: Arc<Bootstrap>,
@@ -327,6 +329,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             next_seq: AtomicU64::new(1),
             group: Mutex::new(None),
             joined: Mutex::new(HashMap::new()),
+            last_join: Mutex::new(HashMap::new()),
             page,
             config,
             _boot: boot,
@@ -546,7 +549,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         // Where the caller's stream has nothing pending, there is nothing to order after: skip
         // the event (on a GPU its record is work in this process's context, which another
         // process on the same GPU would have to wait out).
-        let idle = self.adaptor.stream_query(stream)?;
+        let idle = self.idle_or_soon(stream, peer)?;
         if idle {
             if let Some(r) = self.try_eager(dir, ptr, bytes, peer)? {
                 return Ok(r);
@@ -778,7 +781,34 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
         };
         self.adaptor.event_record(ev, stream)?;
+        lock(&self.last_join).insert(stream.0, seq);
         Ok(())
+    }
+
+    /// Whether `stream` is idle, waiting up to the spin time when all it may still hold is
+    /// this communicator's join of an operation that already finished: a caller that waited
+    /// for a request posts its next operation before the stream has passed that (satisfied)
+    /// wait, and only an idle stream lets the next message go eagerly. Without this, one
+    /// message through the proxy keeps every later one there.
+    fn idle_or_soon(&self, stream: StreamHandle, peer: usize) -> Result<bool> {
+        if self.adaptor.stream_query(stream)? {
+            return Ok(true);
+        }
+        let spin = self.config.spin.unwrap_or_default();
+        let eager = self.eager.get(peer).is_some_and(|l| l.is_some());
+        let passed = |seq: u64| *lock(&self.shared.watermark) >= seq;
+        match lock(&self.last_join).get(&stream.0).copied() {
+            Some(seq) if eager && !spin.is_zero() && passed(seq) => {}
+            _ => return Ok(false),
+        }
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < spin {
+            std::hint::spin_loop();
+            if self.adaptor.stream_query(stream)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 }
 
