@@ -397,6 +397,20 @@ fn eager(r: &Rank, next: usize, prev: usize) {
             r.check(&dst, prev, tag, n);
         }
     }
+    // A zero-byte message needs no buffer at all.
+    // SAFETY: zero bytes: nothing is read or written.
+    let (s, q) = unsafe {
+        (
+            r.comm
+                .send_raw(flagcx::DevicePtr::NULL, 0, next, ss.handle())
+                .expect("send"),
+            r.comm
+                .recv_raw(flagcx::DevicePtr::NULL, 0, prev, rs.handle())
+                .expect("recv"),
+        )
+    };
+    assert_eq!(s.wait().expect("null zero-byte send"), 0);
+    assert_eq!(q.wait().expect("null zero-byte recv"), 0);
     println!("eager: rank {me}: one-by-one rounds checked");
     // A burst of small sends, more than the 64 eager slots, before any receive: the first
     // ones go eagerly, the rest wait in the proxy for slots; all arrive in order. One

@@ -315,7 +315,8 @@ impl Channel {
     /// descriptor `i` (`SendPosted = i + 1`).
     ///
     /// # Safety
-    /// `src..src+n` is readable and `n <= geometry().eager`; the caller owns send index `i`:
+    /// `src..src+n` is readable (`src` may be null when `n` is 0) and `n <= geometry().eager`;
+    /// the caller owns send index `i`:
     /// every earlier send was answered and [`Channel::send_window_open`] holds for `i`.
     pub unsafe fn post_eager(&self, i: u64, src: *const u8, n: usize) {
         debug_assert!(n <= self.geo.eager);
@@ -326,10 +327,13 @@ impl Channel {
         } else {
             self.eager_slot(i)
         };
-        // SAFETY: the descriptor and slot `i % DESC_RING` of the lane lie inside the mapping
-        // and are the writer's until it publishes the counter (the caller's contract); `src`
-        // is readable and `n` fits either place.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+        if n > 0 {
+            // SAFETY: the descriptor and slot `i % DESC_RING` of the lane lie inside the
+            // mapping and are the writer's until it publishes the counter (the caller's
+            // contract); `src` is readable and `n` fits either place. (A zero-byte message may
+            // come with a null `src`, which no copy may be given.)
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+        }
         self.write_desc(self.geo.send_descs(), i, (n as u64).to_le_bytes());
         self.eager_word(i)
             .store(STATUS_EAGER | ((i + 1) << 8), Ordering::Release);
@@ -340,8 +344,8 @@ impl Channel {
     /// `dst` and returns its size. A size beyond the eager slots is a protocol error.
     ///
     /// # Safety
-    /// `dst..dst+sd.size` is writable memory nothing else touches; `sd` was read after seeing
-    /// `SendPosted > i`.
+    /// `dst..dst+sd.size` is writable memory nothing else touches (`dst` may be null when the
+    /// size is 0); `sd` was read after the message was published.
     pub unsafe fn take_eager(&self, i: u64, sd: &SendDesc, dst: *mut u8) -> Result<usize> {
         let n = sd.size as usize;
         if n > self.geo.eager {
@@ -356,9 +360,12 @@ impl Channel {
         } else {
             self.eager_slot(i)
         };
-        // SAFETY: `src` lies inside the mapping and holds `n` bytes the sender published
-        // before the counter our caller observed; `dst` is writable (the caller's contract).
-        unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+        if n > 0 {
+            // SAFETY: `src` lies inside the mapping and holds `n` bytes the sender published
+            // before the counter our caller observed; `dst` is writable (the caller's
+            // contract; a zero-byte receive may have a null one, never given to a copy).
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+        }
         Ok(n)
     }
 
@@ -502,6 +509,13 @@ mod tests {
             assert_eq!(&got[..n], &msg[..]);
             rx.store(Counter::RecvDone, i + 1);
         }
+        // A zero-byte message may come from, and go to, a null pointer.
+        // SAFETY: zero bytes; the test owns index 150 (its window is open: RecvDone is 131).
+        unsafe { tx.post_eager(150, std::ptr::null(), 0) };
+        let sd = rx.eager_arrived(150).expect("published");
+        // SAFETY: zero bytes.
+        let n = unsafe { rx.take_eager(150, &sd, std::ptr::null_mut()) };
+        assert_eq!(n.unwrap(), 0);
         let forged = SendDesc {
             size: 101,
             status: STATUS_EAGER,

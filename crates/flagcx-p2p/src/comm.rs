@@ -795,7 +795,9 @@ impl<A: DeviceAdaptor> Comm<A> {
             return Ok(true);
         }
         let spin = self.config.spin.unwrap_or_default();
-        let eager = self.eager.get(peer).is_some_and(|l| l.is_some());
+        // Only where the eager path could follow: a pair that has one, outside a group.
+        let eager =
+            self.eager.get(peer).is_some_and(|l| l.is_some()) && lock(&self.group).is_none();
         let passed = |seq: u64| *lock(&self.shared.watermark) >= seq;
         match lock(&self.last_join).get(&stream.0).copied() {
             Some(seq) if eager && !spin.is_zero() && passed(seq) => {}
