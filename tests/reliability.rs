@@ -270,6 +270,55 @@ fn reliability_worker() {
                 t2.elapsed().as_millis()
             );
         }
+        "peer_killed_eager" => {
+            let comm = Comm::from_env(adaptor.clone()).expect("comm");
+            let stream = Stream::new(&adaptor).expect("stream");
+            rendezvous(&comm, peer, &stream);
+            if me == 1 {
+                std::thread::sleep(Duration::from_millis(300));
+                // SAFETY: killing ourselves on purpose.
+                unsafe { libc::raise(libc::SIGKILL) };
+            }
+            std::thread::sleep(Duration::from_millis(600));
+            // Small sends one by one to the dead peer: eager ones complete while the peer's
+            // slots last (nobody learns of the death without the proxy); then a send goes
+            // through the proxy, which notices the hang-up.
+            let msg = Arc::new(DeviceBuffer::new(&adaptor, 8).expect("alloc"));
+            let t = Instant::now();
+            let mut done = 0usize;
+            loop {
+                stream.synchronize().expect("idle stream");
+                match comm
+                    .send(&msg, peer, &stream)
+                    .and_then(|r| r.wait_timeout(Duration::from_secs(10)))
+                {
+                    Ok(8) => done += 1,
+                    Err(CommError::PeerLost { .. }) => break,
+                    other => panic!("send {done} to a dead peer: {other:?}"),
+                }
+                assert!(
+                    done <= 64,
+                    "more eager sends completed than the peer has slots"
+                );
+            }
+            if comm.eager_limit(peer) > 0 {
+                assert!(done > 0, "no send went eagerly");
+            } else {
+                assert_eq!(
+                    done, 0,
+                    "a send completed to a dead peer without an eager path"
+                );
+            }
+            stream
+                .synchronize()
+                .expect("the caller's stream was released");
+            drop((comm, stream, msg));
+            assert_no_leaks(&before, &scenario);
+            println!(
+                "survivor ok: {done} eager sends completed, then PeerLost after {} ms",
+                t.elapsed().as_millis()
+            );
+        }
         "abort" | "timeout" => {
             let comm = Arc::new(Comm::from_env(adaptor.clone()).expect("comm"));
             let stream = Stream::new(&adaptor).expect("stream");
@@ -573,6 +622,23 @@ fn killed_peer_fails_pending_and_future_ops_with_peer_lost() {
         ms < 300 + 2000,
         "PeerLost took {ms} ms (bound: 2 s after the death)"
     );
+}
+
+/// Eager sends (host ranks) cannot see a peer die: they complete while its 64 slots last; the
+/// next send goes through the proxy and fails with `PeerLost` (docs/architecture.md, "Eager").
+#[test]
+fn killed_peer_is_found_once_the_eager_slots_are_full() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let (r0, r1) = pair("peer_killed_eager", &[]);
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&r1.status),
+        Some(libc::SIGKILL),
+        "rank 1 was supposed to die by SIGKILL:\n{}",
+        text(&r1)
+    );
+    assert_survived(&r0, "eager sender to a SIGKILLed peer");
 }
 
 #[test]
