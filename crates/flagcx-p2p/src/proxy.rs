@@ -30,8 +30,8 @@ use crate::hostmap::HostMaps;
 use crate::peer::TransportKind;
 use crate::PathStats;
 
-/// Peer allocations the proxy keeps open for IPC copies before it closes them all, at the next
-/// moment without operations in flight.
+/// Peer allocations the proxy keeps open for IPC copies; past it, the least recently used are
+/// closed, a few per pass while nothing is in flight (see the idle branch of `Proxy::run`).
 const IPC_CACHE_MAX: usize = 256;
 
 /// Send or receive.
