@@ -305,9 +305,9 @@ impl Channel {
         })
     }
 
-    /// Whether send descriptor `i` (and eager slot `i`) may be written: the receiver finished
-    /// the message that used it last.
-    pub fn send_window_open(&self, i: u64) -> bool {
+    /// Whether descriptor slot `i` of either ring (and eager slot `i`) may be written: the
+    /// receiver finished message `i - 64`, the last one to use it.
+    pub fn window_open(&self, i: u64) -> bool {
         i < self.load(Counter::RecvDone) + DESC_RING
     }
 
@@ -317,7 +317,7 @@ impl Channel {
     /// # Safety
     /// `src..src+n` is readable (`src` may be null when `n` is 0) and `n <= geometry().eager`;
     /// the caller owns send index `i`:
-    /// every earlier send was answered and [`Channel::send_window_open`] holds for `i`.
+    /// every earlier send was answered and [`Channel::window_open`] holds for `i`.
     pub unsafe fn post_eager(&self, i: u64, src: *const u8, n: usize) {
         debug_assert!(n <= self.geo.eager);
         let desc = self.desc_ptr(self.geo.send_descs(), i);
@@ -481,11 +481,11 @@ mod tests {
         assert!(geo.ring() >= geo.lane() + 64 * 100);
         assert!(geo.lane() >= geo.send_descs() + 64 * SEND_DESC_BYTES);
         // Slot `i` is free once the receiver finished message `i - 64`.
-        assert!(tx.send_window_open(63) && !tx.send_window_open(64));
+        assert!(tx.window_open(63) && !tx.window_open(64));
         for i in [0u64, 1, 63, 64, 130] {
             rx.store(Counter::RecvDone, i.saturating_sub(63));
-            assert!(tx.send_window_open(i), "window at {i}");
-            assert!(!tx.send_window_open(i + 64), "window past {i}");
+            assert!(tx.window_open(i), "window at {i}");
+            assert!(!tx.window_open(i + 64), "window past {i}");
             // Sizes on both sides of the inline limit.
             let len = [1, 48, 49, 100, 0][(i % 5) as usize];
             let msg: Vec<u8> = (0..len).map(|j| (i as usize + j) as u8).collect();

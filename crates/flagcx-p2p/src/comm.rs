@@ -122,9 +122,8 @@ pub struct Comm<A: DeviceAdaptor> {
     /// Per joined stream, an event of ours recorded right after its last join: teardown waits
     /// on it, so the watermark page outlives every wait on it even if the caller already
     /// destroyed the stream (a destroyed stream still runs what was queued).
-    joined: Mutex<HashMap<u64, EventHandle>>,
-    /// Per joined stream, the operation its last join waits for.
-    last_join: Mutex<HashMap<u64, u64>>,
+    /// Beside it, the operation that last join waits for.
+    joined: Mutex<HashMap<u64, (EventHandle, u64)>>,
     page: WatermarkPage,
     config: Config,
     _boot: Arc<Bootstrap>,
@@ -329,7 +328,6 @@ impl<A: DeviceAdaptor> Comm<A> {
             next_seq: AtomicU64::new(1),
             group: Mutex::new(None),
             joined: Mutex::new(HashMap::new()),
-            last_join: Mutex::new(HashMap::new()),
             page,
             config,
             _boot: boot,
@@ -549,8 +547,11 @@ impl<A: DeviceAdaptor> Comm<A> {
         // Where the caller's stream has nothing pending, there is nothing to order after: skip
         // the event (on a GPU its record is work in this process's context, which another
         // process on the same GPU would have to wait out).
-        let idle = self.idle_or_soon(stream, peer)?;
-        if idle {
+        // The eager path is open to this post: its pair has one, and it is not in a group.
+        let eager =
+            self.eager.get(peer).is_some_and(|l| l.is_some()) && lock(&self.group).is_none();
+        let idle = self.idle_or_soon(stream, eager)?;
+        if idle && eager {
             if let Some(r) = self.try_eager(dir, ptr, bytes, peer)? {
                 return Ok(r);
             }
@@ -634,9 +635,9 @@ impl<A: DeviceAdaptor> Comm<A> {
         Ok(())
     }
 
-    /// The eager path: a small message between host-addressable ranks, posted outside a group
-    /// on an idle stream while no earlier operation of its pair and direction is with the
-    /// proxy, is moved by this thread. A send copies into the peer's channel; a receive takes
+    /// The eager path (the caller checked the pair has one, the post is outside a group and
+    /// the stream is idle): a small message, while no earlier operation of its pair and
+    /// direction is with the proxy, is moved by this thread. A send copies into the peer's channel; a receive takes
     /// a message already there (waiting up to the spin time for one the size of the eager
     /// slots). `None`: not taken, post normally.
     fn try_eager(
@@ -654,7 +655,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             Dir::Send => link.send_max,
             Dir::Recv => link.recv_max,
         };
-        if max == 0 || (dir == Dir::Send && bytes > max) || lock(&self.group).is_some() {
+        if max == 0 || (dir == Dir::Send && bytes > max) {
             return Ok(None);
         }
         // Whether the pair and direction is free for this thread: nothing of it with the proxy,
@@ -773,15 +774,11 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         let mut joined = lock(&self.joined);
         let ev = match joined.get(&stream.0) {
-            Some(&e) => e,
-            None => {
-                let e = self.adaptor.event_create(false)?;
-                joined.insert(stream.0, e);
-                e
-            }
+            Some(&(e, _)) => e,
+            None => self.adaptor.event_create(false)?,
         };
+        joined.insert(stream.0, (ev, seq));
         self.adaptor.event_record(ev, stream)?;
-        lock(&self.last_join).insert(stream.0, seq);
         Ok(())
     }
 
@@ -790,16 +787,15 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// for a request posts its next operation before the stream has passed that (satisfied)
     /// wait, and only an idle stream lets the next message go eagerly. Without this, one
     /// message through the proxy keeps every later one there.
-    fn idle_or_soon(&self, stream: StreamHandle, peer: usize) -> Result<bool> {
+    /// Only waits where the eager path could follow (`eager`).
+    fn idle_or_soon(&self, stream: StreamHandle, eager: bool) -> Result<bool> {
         if self.adaptor.stream_query(stream)? {
             return Ok(true);
         }
         let spin = self.config.spin.unwrap_or_default();
-        // Only where the eager path could follow: a pair that has one, outside a group.
-        let eager =
-            self.eager.get(peer).is_some_and(|l| l.is_some()) && lock(&self.group).is_none();
         let passed = |seq: u64| *lock(&self.shared.watermark) >= seq;
-        match lock(&self.last_join).get(&stream.0).copied() {
+        let last = lock(&self.joined).get(&stream.0).map(|&(_, seq)| seq);
+        match last {
             Some(seq) if eager && !spin.is_zero() && passed(seq) => {}
             _ => return Ok(false),
         }
@@ -833,7 +829,7 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
             *lock(&self.shared.watermark) = max;
             self.shared.watermark_cv.notify_all();
         }
-        for (_, ev) in lock(&self.joined).drain() {
+        for (_, (ev, _)) in lock(&self.joined).drain() {
             let _ = self.adaptor.event_synchronize(ev);
             let _ = self.adaptor.event_destroy(ev);
         }

@@ -22,7 +22,7 @@ pub(crate) use flagcx_adaptor::tracking::lock;
 
 use crate::bootstrap::Bootstrap;
 use crate::channel::{
-    Channel, Counter, RecvDesc, SendDesc, DESC_RING, STATUS_DELIVERED, STATUS_EAGER, STATUS_OK,
+    Channel, Counter, RecvDesc, SendDesc, STATUS_DELIVERED, STATUS_EAGER, STATUS_OK,
     STATUS_SENDER_FAILED, STATUS_SIZE_MISMATCH,
 };
 use crate::error::{CommError, Result};
@@ -300,6 +300,12 @@ impl PeerConn {
 
     fn idle(&self) -> bool {
         self.sends.is_empty() && self.recvs.is_empty()
+    }
+
+    /// Retires the pair: its later operations fail, and the eager path stays off it.
+    fn retire(&mut self, shared: &Shared, reason: String) {
+        self.lost = Some(reason);
+        shared.mark_lost(self.peer);
     }
 }
 
@@ -653,8 +659,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                                 Dir::Recv => (&c.inc, Counter::RecvFault),
                             };
                             ch.store(counter, step.index + 1);
-                            c.lost = Some(format!("a local {dir:?} failed: {e}"));
-                            self.shared.mark_lost(p);
+                            c.retire(&self.shared, format!("a local {dir:?} failed: {e}"));
                         }
                         Progress::Done(Err(e))
                     }
@@ -693,9 +698,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                                 let what =
                                     format!("{:?} with rank {p} made no progress", step.op.dir);
                                 if let Some(c) = self.peers[p].as_mut() {
-                                    c.lost = Some(format!("an operation timed out ({what})"));
+                                    let why = format!("an operation timed out ({what})");
+                                    c.retire(&self.shared, why);
                                 }
-                                self.shared.mark_lost(p);
                                 let e = CommError::Timeout {
                                     ms: t.as_millis() as u64,
                                     what,
@@ -839,7 +844,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 }
                 // Sends to a peer run one at a time and each waits for the verdict, but eager
                 // sends before this one may still sit unread in their slots.
-                if !conn.out.send_window_open(step.index) {
+                if !conn.out.window_open(step.index) {
                     return Ok(Progress::Idle { on_peer: true });
                 }
                 let bytes = step.op.bytes;
@@ -1082,7 +1087,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
             Phase::Announce => {
                 // The descriptor window: the sender reuses send descriptor slots only after we
                 // finished the receive 64 back, which in-order completion guarantees here.
-                if step.index >= conn.inc.load(Counter::RecvDone) + DESC_RING {
+                if !conn.inc.window_open(step.index) {
                     return Ok(Progress::Idle { on_peer: false });
                 }
                 let bytes = step.op.bytes;
@@ -1310,8 +1315,8 @@ impl<A: DeviceAdaptor> Proxy<A> {
             let n = unsafe { libc::poll(&mut pfd, 1, 0) };
             if n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
                 tracing::warn!(peer = conn.peer, "peer hung up");
-                conn.lost = Some("the process exited or closed its communicator".into());
-                self.shared.mark_lost(conn.peer);
+                let why = "the process exited or closed its communicator".into();
+                conn.retire(&self.shared, why);
             }
         }
     }
