@@ -11,12 +11,17 @@ use flagcx_adaptor::{
 };
 
 use crate::bootstrap::{Bootstrap, UniqueId};
-use crate::channel::{Channel, Counter, Geometry, DESC_RING};
+use crate::channel::{
+    Channel, Counter, Geometry, RecvDesc, SendDesc, DESC_RING, STATUS_EAGER, STATUS_OK,
+    STATUS_SENDER_FAILED,
+};
 use crate::config::{Config, RankEnv, StreamJoin, MAX_EAGER_MAX};
 use crate::error::{CommError, Result};
 use crate::peer::{choose_transport, direct_copier, receiver_copies, PeerInfo, TransportKind};
 use crate::proxy::{
-    lock, receive_eager, Dir, Inbox, Op, Path, PeerConn, Proxy, Roles, Shared, Slot,
+    answer, export, give_verdict, lock, pull_without_copy, push_without_copy, receive_eager,
+    recycle_event, send_failure, verdict_result, Dir, Inbox, IpcCache, Op, Path, PeerConn, Proxy,
+    Resume, Roles, Shared, Slot,
 };
 use crate::shm::ShmSegment;
 use crate::wire::{Reader, Tag, Writer};
@@ -89,6 +94,27 @@ struct EagerLink {
     freed: AtomicU64,
 }
 
+/// The API side's handle on an IPC pair, for operations the posting thread moves itself
+/// ([`Config::ipc_caller`]).
+struct CallerLink {
+    /// This rank → peer.
+    out: Arc<Channel>,
+    /// Peer → this rank.
+    inc: Arc<Channel>,
+    /// This rank copies what it sends into the peer's buffer (else the peer pulls it).
+    push: bool,
+    /// This rank copies what it receives out of the peer's buffer (else the peer pushes it).
+    pull: bool,
+}
+
+/// What became of an IPC operation the posting thread took on.
+enum Caller {
+    /// Finished.
+    Done(Result<usize>),
+    /// The proxy goes on from here (`None`: from the start).
+    HandOff(Option<Resume>),
+}
+
 /// A page the callers' streams can wait on: the low 32 bits of the completion watermark.
 struct WatermarkPage {
     host: *mut u8,
@@ -114,6 +140,8 @@ pub struct Comm<A: DeviceAdaptor> {
     direct: Vec<Option<usize>>,
     /// Per peer: the eager slots, where both ranks' device memory is host addressable.
     eager: Vec<Option<EagerLink>>,
+    /// Per IPC peer (unless `FLAGCX_P2P_IPC_CALLER=off`): its channels, for the posting thread.
+    caller: Vec<Option<CallerLink>>,
     shared: Arc<Shared>,
     proxy: Option<JoinHandle<()>>,
     next_seq: AtomicU64,
@@ -264,6 +292,8 @@ impl<A: DeviceAdaptor> Comm<A> {
             }),
             pending: (0..nranks).map(|_| Default::default()).collect(),
             lost: (0..nranks).map(|_| AtomicBool::new(false)).collect(),
+            reserved: (0..nranks).map(|_| Default::default()).collect(),
+            ipc: Mutex::new(IpcCache::default()),
             trimming: AtomicBool::new(false),
             posted: AtomicU64::new(0),
             spare_events: Mutex::new(Vec::new()),
@@ -276,6 +306,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             first_error: Mutex::new(None),
             busy_polls: AtomicU64::new(0),
             path_bytes: Default::default(),
+            caller_ops: AtomicU64::new(0),
         });
         // Eager slots where both ranks' device memory is host addressable: the sender's CPU
         // copies into them and the receiver's out of them.
@@ -302,6 +333,18 @@ impl<A: DeviceAdaptor> Comm<A> {
                 })
             })
             .collect();
+        let caller = peers
+            .iter()
+            .map(|c| {
+                let c = c.as_ref()?;
+                (config.ipc_caller && c.transport == TransportKind::Ipc).then(|| CallerLink {
+                    out: c.out.clone(),
+                    inc: c.inc.clone(),
+                    push: !c.roles.peer_pulls,
+                    pull: c.roles.we_pull,
+                })
+            })
+            .collect();
         let proxy = Proxy::new(
             adaptor.clone(),
             shared.clone(),
@@ -323,6 +366,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             copiers,
             direct,
             eager,
+            caller,
             shared,
             proxy: Some(handle),
             next_seq: AtomicU64::new(1),
@@ -547,10 +591,12 @@ impl<A: DeviceAdaptor> Comm<A> {
         // Where the caller's stream has nothing pending, there is nothing to order after: skip
         // the event (on a GPU its record is work in this process's context, which another
         // process on the same GPU would have to wait out).
-        // The eager path is open to this post: its pair has one, and it is not in a group.
-        let eager =
-            self.eager.get(peer).is_some_and(|l| l.is_some()) && lock(&self.group).is_none();
-        let idle = self.idle_or_soon(stream, eager)?;
+        // The posting thread's own paths are open to this post where its pair has them and it
+        // is not in a group: eager slots, or (IPC) moving the operation itself.
+        let ungrouped = lock(&self.group).is_none();
+        let eager = ungrouped && self.eager.get(peer).is_some_and(|l| l.is_some());
+        let caller = ungrouped && self.caller.get(peer).is_some_and(|l| l.is_some());
+        let idle = self.idle_or_soon(stream, eager || caller)?;
         if idle && eager {
             if let Some(r) = self.try_eager(dir, ptr, bytes, peer)? {
                 return Ok(r);
@@ -559,17 +605,14 @@ impl<A: DeviceAdaptor> Comm<A> {
         let start = if idle {
             None
         } else {
-            let spare = lock(&self.shared.spare_events).pop();
-            let start = match spare {
-                Some(e) => e,
-                None => self.adaptor.event_create(false)?,
-            };
-            if let Err(e) = self.adaptor.event_record(start, stream) {
-                let _ = self.adaptor.event_destroy(start);
-                return Err(e.into());
-            }
-            Some(start)
+            Some(self.start_event(stream)?)
         };
+        let mut keep = keep;
+        if caller {
+            if let Some(r) = self.try_caller_ipc(dir, ptr, bytes, peer, stream, start, &mut keep)? {
+                return Ok(r);
+            }
+        }
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(Slot::default());
         let op = Op {
@@ -583,6 +626,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             slot: slot.clone(),
             keep,
             posted: std::time::Instant::now(),
+            resume: None,
         };
         let mut g = lock(&self.group);
         match g.as_mut() {
@@ -610,15 +654,13 @@ impl<A: DeviceAdaptor> Comm<A> {
             *e = (*e).max(op.seq);
         }
         {
-            let mut inbox = lock(&self.shared.inbox);
-            // The proxy may be closing IPC mappings, which can wait for the device context:
-            // no stream may start waiting for a new operation until it is done (well under a
-            // millisecond).
-            while self.shared.trimming.load(Ordering::Acquire) {
-                drop(inbox);
-                std::thread::yield_now();
-                inbox = lock(&self.shared.inbox);
-            }
+            // Behind a message a posting thread is moving itself, the pair's next ones wait
+            // until it is done or handed over (well under a millisecond: its spin time).
+            let mut inbox = self.inbox_for_handover(|| {
+                ops.iter().any(|(op, _)| {
+                    self.shared.reserved[op.peer][op.dir as usize].load(Ordering::Acquire)
+                })
+            });
             for (mut op, _) in ops {
                 let d = op.dir as usize;
                 op.index = inbox.next[op.peer][d];
@@ -745,6 +787,366 @@ impl<A: DeviceAdaptor> Comm<A> {
         }))
     }
 
+    /// The inbox, once operations may be handed over: not while the proxy closes IPC mappings
+    /// (which can wait for the device context: no stream may start waiting for a new operation
+    /// until that is done, well under a millisecond), nor while `blocked` holds.
+    fn inbox_for_handover(&self, blocked: impl Fn() -> bool) -> std::sync::MutexGuard<'_, Inbox> {
+        let mut inbox = lock(&self.shared.inbox);
+        while self.shared.trimming.load(Ordering::Acquire) || blocked() {
+            drop(inbox);
+            std::thread::yield_now();
+            inbox = lock(&self.shared.inbox);
+        }
+        inbox
+    }
+
+    /// An event recorded on `stream` now: where an operation may start.
+    fn start_event(&self, stream: StreamHandle) -> Result<EventHandle> {
+        let spare = lock(&self.shared.spare_events).pop();
+        let start = match spare {
+            Some(e) => e,
+            None => self.adaptor.event_create(false)?,
+        };
+        if let Err(e) = self.adaptor.event_record(start, stream) {
+            let _ = self.adaptor.event_destroy(start);
+            return Err(e.into());
+        }
+        Ok(start)
+    }
+
+    /// The posting thread's IPC path (the caller checked the pair has one and the post is
+    /// outside a group): while nothing earlier of the pair and direction is with the proxy,
+    /// this thread takes the message. Where this rank copies, it waits (up to the spin time)
+    /// for the peer's descriptor and issues the copy on the caller's stream itself, so the
+    /// stream orders it with no event and no wait on the proxy; where the peer copies, it
+    /// publishes its own descriptor (idle streams only: the peer's copy engine may touch the
+    /// buffer at once) and waits for the peer's answer. Whatever is not finished within the
+    /// spin time goes to the proxy from where it stands. `None`: not taken (`start` and `keep`
+    /// stay the caller's), post normally.
+    #[allow(clippy::too_many_arguments)]
+    fn try_caller_ipc(
+        &self,
+        dir: Dir,
+        ptr: DevicePtr,
+        bytes: usize,
+        peer: usize,
+        stream: StreamHandle,
+        start: Option<EventHandle>,
+        keep: &mut Option<Box<dyn std::any::Any + Send>>,
+    ) -> Result<Option<Request>> {
+        let Some(link) = self.caller.get(peer).and_then(|l| l.as_ref()) else {
+            return Ok(None);
+        };
+        let copies = match dir {
+            Dir::Send => link.push,
+            Dir::Recv => link.pull,
+        };
+        if !copies && start.is_some() {
+            return Ok(None);
+        }
+        let d = dir as usize;
+        let k = {
+            let mut inbox = lock(&self.shared.inbox);
+            let k = inbox.next[peer][d];
+            if self.shared.pending[peer][d].load(Ordering::Acquire) != 0
+                || self.shared.lost[peer].load(Ordering::Acquire)
+                || self.shared.trimming.load(Ordering::Acquire)
+            {
+                return Ok(None);
+            }
+            inbox.next[peer][d] = k + 1;
+            self.shared.pending[peer][d].fetch_add(1, Ordering::AcqRel);
+            self.shared.reserved[peer][d].store(true, Ordering::Release);
+            k
+        };
+        let spin = self.config.spin.unwrap_or_default();
+        let outcome = match (dir, copies) {
+            (Dir::Send, true) => self.caller_push(link, k, ptr, bytes, peer, stream, spin),
+            (Dir::Recv, true) => self.caller_pull(link, k, ptr, bytes, peer, stream, spin),
+            (_, false) => self.caller_publish(link, dir, k, ptr, bytes, peer, spin),
+        }
+        .unwrap_or_else(|e| Caller::HandOff(Some(Resume::Failed(e))));
+        let (resume, start) = match outcome {
+            Caller::Done(r) => {
+                self.shared.pending[peer][d].fetch_sub(1, Ordering::AcqRel);
+                self.shared.reserved[peer][d].store(false, Ordering::Release);
+                if let Some(start) = start {
+                    recycle_event(&self.adaptor, &self.shared, start);
+                }
+                match &r {
+                    Ok(n) => {
+                        self.shared.path_bytes[Path::Ipc as usize]
+                            .fetch_add(*n as u64, Ordering::Relaxed);
+                        self.shared.caller_ops.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => self.shared.record_error(e),
+                }
+                drop(keep.take());
+                return Ok(Some(Request {
+                    state: State::Done(r),
+                    seq: 0,
+                    spin: Duration::ZERO,
+                }));
+            }
+            // A copy on the caller's stream needs no start: the stream orders it.
+            Caller::HandOff(Some(r @ (Resume::Pushed(_) | Resume::Pulled { .. }))) => {
+                if let Some(start) = start {
+                    recycle_event(&self.adaptor, &self.shared, start);
+                }
+                (Some(r), None)
+            }
+            Caller::HandOff(r) => (r, start),
+        };
+        // The stream waits for the operation, unless it carries the copy itself (or the
+        // operation failed before anything of it was under way).
+        let join = !matches!(
+            resume,
+            Some(Resume::Pushed(_) | Resume::Pulled { .. } | Resume::Failed(_))
+        );
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let slot = Arc::new(Slot::default());
+        let op = Op {
+            seq,
+            dir,
+            peer,
+            index: k,
+            ptr,
+            bytes,
+            start,
+            slot: slot.clone(),
+            keep: keep.take(),
+            posted: std::time::Instant::now(),
+            resume,
+        };
+        {
+            let mut inbox = self.inbox_for_handover(|| false);
+            inbox.ops.push(op);
+            self.shared.reserved[peer][d].store(false, Ordering::Release);
+        }
+        self.shared.posted.fetch_add(1, Ordering::Release);
+        self.shared.wake();
+        if join {
+            self.join_stream(stream, seq)?;
+        }
+        Ok(Some(Request {
+            state: State::Pending(slot),
+            seq,
+            spin,
+        }))
+    }
+
+    /// This rank copies what it sends: once the receiver announced its buffer, the copy goes
+    /// on the caller's stream.
+    #[allow(clippy::too_many_arguments)]
+    fn caller_push(
+        &self,
+        link: &CallerLink,
+        k: u64,
+        ptr: DevicePtr,
+        bytes: usize,
+        peer: usize,
+        stream: StreamHandle,
+        spin: Duration,
+    ) -> Result<Caller> {
+        let out = &link.out;
+        // A failure on the receiver's side is left to the proxy, which reports it.
+        let seen = poll_for(spin, || {
+            (out.load(Counter::RecvPosted) > k || out.load(Counter::RecvFault) > k).then_some(())
+        });
+        if seen.is_none() || out.load(Counter::RecvFault) > k {
+            return Ok(Caller::HandOff(None));
+        }
+        let desc = out.read_recv_desc(k)?;
+        if let Some(r) = push_without_copy(out, k, bytes, &desc, peer) {
+            return Ok(Caller::Done(r));
+        }
+        let ev = self
+            .caller_copy(stream, desc.handle, desc.offset, ptr, bytes, true)
+            .inspect_err(|_| answer(out, k, bytes, STATUS_SENDER_FAILED))?;
+        Ok(match self.copy_finished(ev, spin) {
+            true => {
+                answer(out, k, bytes, STATUS_OK);
+                Caller::Done(Ok(bytes))
+            }
+            false => Caller::HandOff(Some(Resume::Pushed(ev))),
+        })
+    }
+
+    /// This rank copies what it receives: once the sender offered its buffer, the copy goes on
+    /// the caller's stream.
+    #[allow(clippy::too_many_arguments)]
+    fn caller_pull(
+        &self,
+        link: &CallerLink,
+        k: u64,
+        ptr: DevicePtr,
+        bytes: usize,
+        peer: usize,
+        stream: StreamHandle,
+        spin: Duration,
+    ) -> Result<Caller> {
+        let inc = &link.inc;
+        let seen = poll_for(spin, || {
+            (inc.load(Counter::SendPosted) > k || inc.load(Counter::SendFault) > k).then_some(())
+        });
+        // The proxy reports a failure on the sender's side, or takes an eager message.
+        if seen.is_none() || inc.load(Counter::SendFault) > k {
+            return Ok(Caller::HandOff(None));
+        }
+        let offer = inc.read_send_desc(k)?;
+        if offer.status == STATUS_EAGER {
+            return Ok(Caller::HandOff(None));
+        }
+        if let Some(r) = pull_without_copy(inc, k, bytes, &offer, peer) {
+            return Ok(Caller::Done(r));
+        }
+        let size = offer.size as usize;
+        let ev = self.caller_copy(stream, offer.handle, offer.offset, ptr, size, false)?;
+        Ok(match self.copy_finished(ev, spin) {
+            true => {
+                give_verdict(inc, k, bytes);
+                Caller::Done(Ok(size))
+            }
+            false => Caller::HandOff(Some(Resume::Pulled { ev, size })),
+        })
+    }
+
+    /// The peer copies: publish this side's descriptor (the receive buffer, or the offered
+    /// send buffer), then wait for the peer's answer (or verdict).
+    #[allow(clippy::too_many_arguments)]
+    fn caller_publish(
+        &self,
+        link: &CallerLink,
+        dir: Dir,
+        k: u64,
+        ptr: DevicePtr,
+        bytes: usize,
+        peer: usize,
+        spin: Duration,
+    ) -> Result<Caller> {
+        let (ch, theirs, their_fault) = match dir {
+            Dir::Send => (&link.out, Counter::RecvPosted, Counter::RecvFault),
+            Dir::Recv => (&link.inc, Counter::SendPosted, Counter::SendFault),
+        };
+        if !ch.window_open(k) {
+            return Ok(Caller::HandOff(None));
+        }
+        let (handle, offset) = match bytes {
+            0 => (None, 0),
+            _ => export(&self.adaptor, ptr, TransportKind::Ipc)?
+                .map_or((None, 0), |(h, offset)| (Some(h), offset)),
+        };
+        match dir {
+            Dir::Send => {
+                let sd = SendDesc {
+                    size: bytes as u64,
+                    status: STATUS_OK,
+                    handle,
+                    offset,
+                };
+                ch.write_send_desc(k, &sd);
+                ch.store(Counter::SendPosted, k + 1);
+            }
+            Dir::Recv => {
+                let rd = RecvDesc {
+                    size: bytes as u64,
+                    handle,
+                    offset,
+                    chunks: false,
+                };
+                ch.write_recv_desc(k, &rd);
+                ch.store(Counter::RecvPosted, k + 1);
+            }
+        }
+        let seen = poll_for(spin, || {
+            (ch.load(theirs) > k || ch.load(their_fault) > k).then_some(())
+        });
+        if seen.is_none() || ch.load(their_fault) > k {
+            return Ok(Caller::HandOff(Some(Resume::Published)));
+        }
+        Ok(match dir {
+            Dir::Send => Caller::Done(verdict_result(bytes, &ch.read_recv_desc(k)?, peer)),
+            Dir::Recv => {
+                let sd = ch.read_send_desc(k)?;
+                if sd.status == STATUS_EAGER {
+                    // The proxy takes it out of its slot.
+                    return Ok(Caller::HandOff(Some(Resume::Published)));
+                }
+                let failed = send_failure(peer, &sd, bytes, false);
+                ch.store(Counter::RecvDone, k + 1);
+                Caller::Done(failed.map_or(Ok(sd.size as usize), Err))
+            }
+        })
+    }
+
+    /// Issues an IPC operation's copy on the caller's stream: `n` bytes between `ptr` and the
+    /// peer's buffer at `offset` of the allocation behind `handle` (`push`: into the peer's).
+    /// Returns the event that completes with it; until that is seen, the copy counts in
+    /// [`IpcCache::caller_copies`], so its mapping stays open.
+    fn caller_copy(
+        &self,
+        stream: StreamHandle,
+        handle: Option<flagcx_adaptor::IpcMemHandle>,
+        offset: u64,
+        ptr: DevicePtr,
+        n: usize,
+        push: bool,
+    ) -> Result<EventHandle> {
+        let spare = lock(&self.shared.spare_events).pop();
+        let ev = match spare {
+            Some(e) => e,
+            None => self.adaptor.event_create(false)?,
+        };
+        let issued = {
+            let mut cache = lock(&self.shared.ipc);
+            let issued = cache.open(&self.adaptor, handle).and_then(|base| {
+                let theirs = DevicePtr(base.0 + offset);
+                let (dst, src) = if push { (theirs, ptr) } else { (ptr, theirs) };
+                // SAFETY: the peer's buffer lies at `offset` of its allocation, which it
+                // described for this message (a receive of at least `n` bytes, or an offer of
+                // `n`) and keeps until this side answers; `ptr..ptr+n` was checked to lie in
+                // one allocation of this adaptor (for a pull, `n` is at most the receive's
+                // size), valid until the operation finishes; the stream orders the copy after
+                // the caller's earlier work on the buffer.
+                unsafe { self.adaptor.memcpy_d2d_async(dst, src, n, stream) }?;
+                Ok(())
+            });
+            if issued.is_ok() {
+                cache.caller_copies += 1;
+            }
+            issued
+        };
+        if let Err(e) = issued {
+            recycle_event(&self.adaptor, &self.shared, ev);
+            return Err(e);
+        }
+        if let Err(e) = self.adaptor.event_record(ev, stream) {
+            // Queued but untracked: let it finish before the proxy copies the same bytes again.
+            let _ = self.adaptor.stream_synchronize(stream);
+            lock(&self.shared.ipc).caller_copies -= 1;
+            recycle_event(&self.adaptor, &self.shared, ev);
+            return Err(e.into());
+        }
+        Ok(ev)
+    }
+
+    /// Whether the caller's copy (event `ev`) completes within `spin`; if so, its mapping is
+    /// free to close again and the event back in the pool.
+    fn copy_finished(&self, ev: EventHandle, spin: Duration) -> bool {
+        // An error is the proxy's to report: it queries the event again.
+        let done = poll_for(spin, || match self.adaptor.event_query(ev) {
+            Ok(false) => None,
+            Ok(true) => Some(true),
+            Err(_) => Some(false),
+        });
+        if done != Some(true) {
+            return false;
+        }
+        lock(&self.shared.ipc).caller_copies -= 1;
+        recycle_event(&self.adaptor, &self.shared, ev);
+        true
+    }
+
     /// Makes `stream` wait until operation `seq` (and all before it) finished.
     fn join_stream(&self, stream: StreamHandle, seq: u64) -> Result<()> {
         let join = self.config.join;
@@ -807,6 +1209,23 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
         }
         Ok(false)
+    }
+}
+
+/// Polls `ready` until it gives a value, for up to `spin` (at least once), reading the clock
+/// every 64 polls (it costs more than a poll of shared memory).
+fn poll_for<T>(spin: Duration, mut ready: impl FnMut() -> Option<T>) -> Option<T> {
+    let t0 = std::time::Instant::now();
+    let mut polls = 0u32;
+    loop {
+        if let Some(v) = ready() {
+            return Some(v);
+        }
+        polls = polls.wrapping_add(1);
+        if spin.is_zero() || polls % 64 == 0 && t0.elapsed() >= spin {
+            return None;
+        }
+        std::hint::spin_loop();
     }
 }
 

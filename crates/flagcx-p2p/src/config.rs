@@ -129,6 +129,12 @@ pub struct Config {
     /// out on its own thread. The receiver's setting sizes its channel's eager slots (64 per
     /// direction); the smaller of the two settings applies.
     pub eager_max: usize,
+    /// Whether the posting thread moves an IPC operation itself (`FLAGCX_P2P_IPC_CALLER=on|off`,
+    /// default on). Outside a group, while nothing earlier of its pair and direction is with
+    /// the proxy, the copier issues the copy on the caller's stream as soon as the peer's
+    /// descriptor is there, and the other rank publishes its descriptor (on an idle stream);
+    /// each waits up to the spin time for the peer, then hands the rest to the proxy.
+    pub ipc_caller: bool,
 }
 
 /// Defaults, documented in the README's environment table.
@@ -157,6 +163,7 @@ impl Default for Config {
             host_direct: HostDirect::Auto,
             host_map_max: DEFAULT_HOST_MAP_MAX,
             eager_max: DEFAULT_EAGER_MAX,
+            ipc_caller: true,
         }
     }
 }
@@ -274,6 +281,14 @@ impl Config {
         }
         if let Some(v) = var("FLAGCX_P2P_HOST_MAP_MAX") {
             c.host_map_max = parse_size("FLAGCX_P2P_HOST_MAP_MAX", &v)?;
+        }
+        if let Some(v) = var("FLAGCX_P2P_IPC_CALLER") {
+            c.ipc_caller = parse_choice(
+                "FLAGCX_P2P_IPC_CALLER",
+                &v,
+                &[("on", true), ("1", true), ("off", false), ("0", false)],
+                "expected on or off",
+            )?;
         }
         if let Some(v) = var("FLAGCX_P2P_EAGER_MAX") {
             c.eager_max = parse_size("FLAGCX_P2P_EAGER_MAX", &v)?;
@@ -508,6 +523,11 @@ mod tests {
 
     #[test]
     fn eager_limit_parses_and_is_bounded() {
+        assert!(Config::default().ipc_caller);
+        let off = Config::from_lookup(lookup(&[("FLAGCX_P2P_IPC_CALLER", "off")])).unwrap();
+        assert!(!off.ipc_caller);
+        let e = Config::from_lookup(lookup(&[("FLAGCX_P2P_IPC_CALLER", "maybe")])).unwrap_err();
+        assert!(e.to_string().contains("FLAGCX_P2P_IPC_CALLER"), "{e}");
         assert_eq!(Config::default().eager_max, 32 << 10);
         let c = Config::from_lookup(lookup(&[("FLAGCX_P2P_EAGER_MAX", "16K")])).unwrap();
         assert_eq!(c.eager_max, 16 << 10);

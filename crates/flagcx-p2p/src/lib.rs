@@ -61,4 +61,7 @@ pub struct PathStats {
     /// Small messages through the channels' eager slots (host-addressable pairs,
     /// [`Config::eager_max`]).
     pub eager_bytes: u64,
+    /// IPC operations (sends and receives) that the posting thread finished itself, without
+    /// the proxy ([`Config::ipc_caller`]); their bytes count in `ipc_bytes`.
+    pub caller_ops: u64,
 }

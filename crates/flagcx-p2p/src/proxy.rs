@@ -106,6 +106,26 @@ pub(crate) struct Op {
     pub keep: Option<Box<dyn std::any::Any + Send>>,
     /// When the API thread posted it (for `FLAGCX_PROFILE`).
     pub posted: Instant,
+    /// Where the proxy takes over an operation the posting thread began itself (IPC pairs,
+    /// see `Comm::try_caller_ipc`); `None`: from the start.
+    pub resume: Option<Resume>,
+}
+
+/// How far the posting thread got with an IPC operation before handing it to the proxy.
+#[derive(Debug)]
+pub(crate) enum Resume {
+    /// It issued the copy into the receiver's buffer on the caller's stream; the event (from
+    /// `Shared::spare_events`) completes with it. The proxy answers the receiver then.
+    Pushed(EventHandle),
+    /// It issued the copy out of the sender's buffer (`size` bytes offered) on the caller's
+    /// stream; the proxy gives the verdict once the event completes.
+    Pulled { ev: EventHandle, size: usize },
+    /// It published the receive announcement, or the send offer; the proxy waits for the
+    /// peer's answer, or its verdict.
+    Published,
+    /// Its side failed (a vendor error): the proxy tells the peer and retires the pair, as
+    /// for a failure of its own.
+    Failed(CommError),
 }
 
 /// Operations on their way to the proxy, and the message numbering they get on the way.
@@ -133,6 +153,12 @@ pub(crate) struct Shared {
     /// which may wait for the device context: meanwhile no caller may hand over an operation
     /// and make a stream wait for it.
     pub trimming: AtomicBool,
+    /// Per peer and [`Dir`]: a posting thread is moving the pair's next message itself
+    /// (`Comm::try_caller_ipc`). Later operations of that pair and direction wait until it is
+    /// done or handed over, so the proxy sees every pair's messages in order.
+    pub reserved: Vec<[AtomicBool; 2]>,
+    /// Open peer allocations, shared by the proxy and posting threads that issue IPC copies.
+    pub ipc: Mutex<IpcCache>,
     /// Bumped after every hand-over into `inbox`, so the proxy can poll it without the lock.
     pub posted: AtomicU64,
     /// Completed start events, recycled by the API side (creating one per operation costs a
@@ -152,6 +178,8 @@ pub(crate) struct Shared {
     pub busy_polls: AtomicU64,
     /// Bytes moved by finished operations, per [`Path`] (for [`crate::Comm::stats`]).
     pub path_bytes: [AtomicU64; 4],
+    /// IPC operations the posting thread finished itself (for [`crate::Comm::stats`]).
+    pub caller_ops: AtomicU64,
 }
 
 // SAFETY: `watermark_word` points into a page the communicator keeps mapped for the proxy's
@@ -202,6 +230,7 @@ impl Shared {
             staged_bytes: b(Path::Staged),
             direct_bytes: b(Path::Direct),
             eager_bytes: b(Path::Eager),
+            caller_ops: self.caller_ops.load(Ordering::Relaxed),
         }
     }
 
@@ -212,6 +241,41 @@ impl Shared {
         unsafe { adaptor.host_write_value32(self.watermark_word as *mut u32, w as u32) };
         *lock(&self.watermark) = w;
         self.watermark_cv.notify_all();
+    }
+}
+
+/// Open peer allocations (IPC mappings) and when each was last used.
+#[derive(Default)]
+pub(crate) struct IpcCache {
+    map: HashMap<[u8; IpcMemHandle::WIRE_LEN], (DevicePtr, u64)>,
+    uses: u64,
+    /// Copies that posting threads issued on their own streams through a mapping of this cache
+    /// and whose completion nobody has seen yet: while there are any, no mapping is closed
+    /// (the proxy's streams being idle says nothing about the callers' streams).
+    pub caller_copies: usize,
+    /// Handles opened (cache misses), for `FLAGCX_PROFILE`.
+    pub opens: u64,
+}
+
+impl IpcCache {
+    /// Maps the peer's allocation behind `handle`, or reuses an earlier mapping of it.
+    pub fn open<A: DeviceAdaptor>(
+        &mut self,
+        adaptor: &A,
+        handle: Option<IpcMemHandle>,
+    ) -> Result<DevicePtr> {
+        let handle =
+            handle.ok_or_else(|| CommError::Protocol("IPC descriptor without a handle".into()))?;
+        let key = handle.to_wire();
+        self.uses += 1;
+        if let Some(e) = self.map.get_mut(&key) {
+            e.1 = self.uses;
+            return Ok(e.0);
+        }
+        let b = adaptor.ipc_open_handle(&handle)?;
+        self.opens += 1;
+        self.map.insert(key, (b, self.uses));
+        Ok(b)
     }
 }
 
@@ -417,9 +481,6 @@ pub(crate) struct Proxy<A: DeviceAdaptor> {
     spin: Duration,
     profile: Option<Profile>,
     free_events: Vec<EventHandle>,
-    /// Open peer allocations: their mapping and when they were last used (`ipc_uses`).
-    ipc_cache: HashMap<[u8; IpcMemHandle::WIRE_LEN], (DevicePtr, u64)>,
-    ipc_uses: u64,
     /// Mapped buffers of host-vendor peers (only when this rank is a direct copier).
     host_maps: Option<HostMaps<A>>,
     finished: BTreeSet<u64>,
@@ -467,8 +528,6 @@ impl<A: DeviceAdaptor> Proxy<A> {
             spin: config.spin.unwrap_or_default(),
             profile: std::env::var_os("FLAGCX_PROFILE").map(|_| Profile::default()),
             free_events: Vec::new(),
-            ipc_cache: HashMap::new(),
-            ipc_uses: 0,
             host_maps,
             finished: BTreeSet::new(),
             watermark: 0,
@@ -534,7 +593,12 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 // closed per pass (~45 µs each on an H200). It grows past its bound while
                 // traffic never pauses. Seen on an H200: closing between operations hung, and
                 // closing at idle while a caller posted the next operation stalled it.
-                if self.ipc_cache.len() > IPC_CACHE_MAX && self.streams_idle() {
+                // Posting threads' own copies (`IpcCache::caller_copies`) hold it off too.
+                let over = {
+                    let c = lock(&self.shared.ipc);
+                    c.map.len() > IPC_CACHE_MAX && c.caller_copies == 0
+                };
+                if over && self.streams_idle() {
                     let quiet = {
                         let inbox = lock(&self.shared.inbox);
                         let quiet = inbox.ops.is_empty();
@@ -553,7 +617,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
         self.teardown();
     }
 
-    fn admit(&mut self, op: Op) {
+    fn admit(&mut self, mut op: Op) {
         let peer = op.peer;
         let Some(conn) = self.peers.get_mut(peer).and_then(|c| c.as_mut()) else {
             let e = CommError::InvalidArgument(format!("no connection to rank {peer}"));
@@ -562,12 +626,32 @@ impl<A: DeviceAdaptor> Proxy<A> {
         if let Some(reason) = conn.lost.clone() {
             return self.finish(op, Err(CommError::PeerLost { peer, reason }));
         }
+        if let Some(Resume::Failed(_)) = &op.resume {
+            let Some(Resume::Failed(e)) = op.resume.take() else {
+                unreachable!("matched above")
+            };
+            fail_locally(conn, &self.shared, op.dir, op.index, &e);
+            return self.finish(op, Err(e));
+        }
         let index = op.index;
-        let phase = match (op.dir, conn.roles.peer_pulls, conn.roles.we_pull) {
-            (Dir::Send, true, _) => Phase::Offer,
-            (Dir::Send, false, _) => Phase::AwaitRecvDesc,
-            (Dir::Recv, _, true) => Phase::AwaitOffer,
-            (Dir::Recv, _, false) => Phase::Announce,
+        let phase = match (
+            &op.resume,
+            op.dir,
+            conn.roles.peer_pulls,
+            conn.roles.we_pull,
+        ) {
+            (Some(Resume::Pushed(ev)), ..) => Phase::Copying(*ev),
+            (Some(Resume::Pulled { ev, size }), ..) => Phase::Pulling {
+                ev: *ev,
+                size: *size,
+            },
+            (Some(Resume::Published), Dir::Send, ..) => Phase::AwaitVerdict,
+            (Some(Resume::Published), Dir::Recv, ..) => Phase::AwaitSendDesc,
+            (Some(Resume::Failed(_)), ..) => unreachable!("finished above"),
+            (None, Dir::Send, true, _) => Phase::Offer,
+            (None, Dir::Send, false, _) => Phase::AwaitRecvDesc,
+            (None, Dir::Recv, _, true) => Phase::AwaitOffer,
+            (None, Dir::Recv, _, false) => Phase::Announce,
         };
         let path = match conn.transport {
             TransportKind::Ipc => Path::Ipc,
@@ -593,15 +677,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
             self.shared.record_error(e);
             tracing::debug!(seq = op.seq, peer = op.peer, "operation failed: {e}");
         }
-        // The start event has served its purpose: recycle it if it completed, else destroy it
-        // (allowed while a stream still has to pass it: runtimes release it once it completes).
+        // The start event has served its purpose.
         if let Some(start) = op.start {
-            let mut spares = lock(&self.shared.spare_events);
-            if spares.len() < 1024 && self.adaptor.event_query(start).unwrap_or(false) {
-                spares.push(start);
-            } else {
-                let _ = self.adaptor.event_destroy(start);
-            }
+            recycle_event(&self.adaptor, &self.shared, start);
         }
         // Before the request completes: a caller that waited for it may post the next message
         // eagerly, which needs this one to be off the books.
@@ -619,6 +697,21 @@ impl<A: DeviceAdaptor> Proxy<A> {
             self.watermark = w;
             self.shared.publish_watermark(&self.adaptor, w);
         }
+    }
+
+    /// A copy's event completed: back to the pool it came from. A posting thread's copy (see
+    /// [`Resume`]) no longer holds its IPC mapping open.
+    fn copy_done(&mut self, op: &Op, ev: EventHandle) {
+        if op.resume.is_some() {
+            self.caller_copy_done(ev);
+        } else {
+            self.free_events.push(ev);
+        }
+    }
+
+    fn caller_copy_done(&mut self, ev: EventHandle) {
+        lock(&self.shared.ipc).caller_copies -= 1;
+        recycle_event(&self.adaptor, &self.shared, ev);
     }
 
     fn event(&mut self) -> Result<EventHandle> {
@@ -654,12 +747,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                         // its counters no longer agree with the peer's.
                         self.abandon_chunks(p, dir);
                         if let Some(c) = self.peers[p].as_mut() {
-                            let (ch, counter) = match dir {
-                                Dir::Send => (&c.out, Counter::SendFault),
-                                Dir::Recv => (&c.inc, Counter::RecvFault),
-                            };
-                            ch.store(counter, step.index + 1);
-                            c.retire(&self.shared, format!("a local {dir:?} failed: {e}"));
+                            fail_locally(c, &self.shared, dir, step.index, &e);
                         }
                         Progress::Done(Err(e))
                     }
@@ -759,17 +847,8 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 let desc = conn.out.read_recv_desc(step.index)?;
                 step.matched = Some(Instant::now());
                 let bytes = step.op.bytes;
-                if bytes as u64 > desc.size {
-                    answer(&conn.out, step.index, bytes, STATUS_SIZE_MISMATCH);
-                    return Ok(Progress::Done(Err(CommError::SizeMismatch {
-                        peer: p,
-                        send_bytes: bytes,
-                        recv_bytes: desc.size as usize,
-                    })));
-                }
-                if bytes == 0 {
-                    answer(&conn.out, step.index, 0, STATUS_OK);
-                    return Ok(Progress::Done(Ok(0)));
+                if let Some(r) = push_without_copy(&conn.out, step.index, bytes, &desc, p) {
+                    return Ok(Progress::Done(r));
                 }
                 match conn.transport {
                     TransportKind::Ipc => {
@@ -829,7 +908,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 if !self.adaptor.event_query(ev)? {
                     return Ok(Progress::Idle { on_peer: false });
                 }
-                self.free_events.push(ev);
+                self.copy_done(&step.op, ev);
                 let conn = self.peers[p].as_mut().expect("present");
                 let status = match step.path {
                     Path::Direct => STATUS_DELIVERED,
@@ -882,12 +961,8 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 }
                 let verdict = conn.out.read_recv_desc(step.index)?;
                 let bytes = step.op.bytes;
-                if bytes as u64 > verdict.size {
-                    return Ok(Progress::Done(Err(CommError::SizeMismatch {
-                        peer: p,
-                        send_bytes: bytes,
-                        recv_bytes: verdict.size as usize,
-                    })));
+                if let Err(e) = verdict_result(bytes, &verdict, p) {
+                    return Ok(Progress::Done(Err(e)));
                 }
                 if verdict.chunks && conn.transport == TransportKind::Staged {
                     // The receiver did not pull (our buffer is not mapped there yet).
@@ -969,20 +1044,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
 
     /// Maps the peer's allocation behind `handle`, or reuses an earlier mapping of it.
     fn open_ipc(&mut self, handle: Option<IpcMemHandle>) -> Result<DevicePtr> {
-        let handle =
-            handle.ok_or_else(|| CommError::Protocol("IPC descriptor without a handle".into()))?;
-        let key = handle.to_wire();
-        self.ipc_uses += 1;
-        if let Some(e) = self.ipc_cache.get_mut(&key) {
-            e.1 = self.ipc_uses;
-            return Ok(e.0);
-        }
-        let b = self.adaptor.ipc_open_handle(&handle)?;
-        if let Some(p) = self.profile.as_mut() {
-            p.ipc_opens += 1;
-        }
-        self.ipc_cache.insert(key, (b, self.ipc_uses));
-        Ok(b)
+        lock(&self.shared.ipc).open(&self.adaptor, handle)
     }
 
     /// Opens (or reuses) the receiver's allocation and enqueues the one copy into it.
@@ -1056,8 +1118,10 @@ impl<A: DeviceAdaptor> Proxy<A> {
     fn flush_ipc_cache(&mut self) {
         let _ = self.adaptor.stream_synchronize(self.send_stream);
         let _ = self.adaptor.stream_synchronize(self.recv_stream);
-        for (_, (base, _)) in self.ipc_cache.drain() {
-            // SAFETY: both proxy streams are idle, so no copy uses the mapping.
+        for (_, (base, _)) in lock(&self.shared.ipc).map.drain() {
+            // SAFETY: both proxy streams are idle and no caller is left that could copy (the
+            // communicator is being destroyed, and each caller's copy was waited for before
+            // its operation finished), so no copy uses the mapping.
             let _ = unsafe { self.adaptor.ipc_close(base) };
         }
     }
@@ -1066,11 +1130,17 @@ impl<A: DeviceAdaptor> Proxy<A> {
     /// checked that both proxy streams are idle).
     fn trim_ipc_cache(&mut self, n: usize) {
         let t0 = Instant::now();
-        let victims = lru_victims(&self.ipc_cache, IPC_CACHE_MAX, n);
+        // Held throughout: a posting thread cannot take a mapping while it closes.
+        let mut cache = lock(&self.shared.ipc);
+        if cache.caller_copies > 0 {
+            return;
+        }
+        let victims = lru_victims(&cache.map, IPC_CACHE_MAX, n);
         let closed = victims.len() as u64;
         for key in victims {
-            if let Some((base, _)) = self.ipc_cache.remove(&key) {
-                // SAFETY: both proxy streams are idle, so no copy uses the mapping.
+            if let Some((base, _)) = cache.map.remove(&key) {
+                // SAFETY: both proxy streams are idle and no posting thread's copy is in
+                // flight (`caller_copies`, checked under this lock), so no copy uses it.
                 let _ = unsafe { self.adaptor.ipc_close(base) };
             }
         }
@@ -1160,13 +1230,8 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     return self.take_eager(p, step, &offer);
                 }
                 let bytes = step.op.bytes;
-                if let Some(e) = send_failure(p, &offer, bytes, true) {
-                    give_verdict(&conn.inc, step.index, bytes);
-                    return Ok(Progress::Done(Err(e)));
-                }
-                if offer.size == 0 {
-                    give_verdict(&conn.inc, step.index, bytes);
-                    return Ok(Progress::Done(Ok(0)));
+                if let Some(r) = pull_without_copy(&conn.inc, step.index, bytes, &offer, p) {
+                    return Ok(Progress::Done(r));
                 }
                 let ev = if conn.transport == TransportKind::Ipc {
                     self.issue_ipc_pull(step, &offer)?
@@ -1214,7 +1279,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 if !self.adaptor.event_query(ev)? {
                     return Ok(Progress::Idle { on_peer: false });
                 }
-                self.free_events.push(ev);
+                self.copy_done(&step.op, ev);
                 let conn = self.peers[p].as_mut().expect("present");
                 give_verdict(&conn.inc, step.index, step.op.bytes);
                 Ok(Progress::Done(Ok(size)))
@@ -1322,7 +1387,8 @@ impl<A: DeviceAdaptor> Proxy<A> {
     }
 
     fn teardown(mut self) {
-        if let Some(p) = &self.profile {
+        if let Some(p) = self.profile.as_mut() {
+            p.ipc_opens = lock(&self.shared.ipc).opens;
             p.report(self.boot.rank());
         }
         let aborted = self.shared.aborted.load(Ordering::Acquire);
@@ -1342,6 +1408,12 @@ impl<A: DeviceAdaptor> Proxy<A> {
         let _ = self.adaptor.stream_synchronize(self.send_stream);
         let _ = self.adaptor.stream_synchronize(self.recv_stream);
         for op in left {
+            // A copy a posting thread issued on its stream may still use a mapping, which
+            // closes below: let it finish first.
+            if let Some(Resume::Pushed(ev) | Resume::Pulled { ev, .. }) = op.resume {
+                let _ = self.adaptor.event_synchronize(ev);
+                self.caller_copy_done(ev);
+            }
             self.finish(op, Err(CommError::Aborted));
         }
         self.flush_ipc_cache();
@@ -1366,6 +1438,29 @@ impl<A: DeviceAdaptor> Proxy<A> {
         }
         let _ = self.adaptor.stream_destroy(self.send_stream);
         let _ = self.adaptor.stream_destroy(self.recv_stream);
+    }
+}
+
+/// A local failure (`e`) of message `index` mid-protocol: tells the peer, so its side fails
+/// instead of waiting, and retires the pair — its counters no longer agree with the peer's.
+fn fail_locally(conn: &mut PeerConn, shared: &Shared, dir: Dir, index: u64, e: &CommError) {
+    let (ch, counter) = match dir {
+        Dir::Send => (&conn.out, Counter::SendFault),
+        Dir::Recv => (&conn.inc, Counter::RecvFault),
+    };
+    ch.store(counter, index + 1);
+    conn.retire(shared, format!("a local {dir:?} failed: {e}"));
+}
+
+/// Returns an event of the API side to its pool (`Shared::spare_events`) if it completed, else
+/// destroys it (allowed while a stream still has to pass it: runtimes release it once it
+/// completes).
+pub(crate) fn recycle_event<A: DeviceAdaptor>(adaptor: &A, shared: &Shared, ev: EventHandle) {
+    let mut spares = lock(&shared.spare_events);
+    if spares.len() < 1024 && adaptor.event_query(ev).unwrap_or(false) {
+        spares.push(ev);
+    } else {
+        let _ = adaptor.event_destroy(ev);
     }
 }
 
@@ -1405,7 +1500,7 @@ fn order_after<A: DeviceAdaptor>(
 /// to reach the buffer (the receiver's for a push, the sender's for a pull). An IPC pair cannot
 /// do without it (the failure is the operation's); on the direct path a buffer that cannot be
 /// exported (not host-vendor device memory) just takes the ring: `None`.
-fn export<A: DeviceAdaptor>(
+pub(crate) fn export<A: DeviceAdaptor>(
     a: &A,
     ptr: DevicePtr,
     transport: TransportKind,
@@ -1437,15 +1532,69 @@ fn started<A: DeviceAdaptor>(a: &A, start: Option<EventHandle>) -> Result<bool> 
     }
 }
 
-fn remote_failure(peer: usize) -> CommError {
+pub(crate) fn remote_failure(peer: usize) -> CommError {
     CommError::RemoteFailure {
         peer,
         reason: "its side of the operation failed (a runtime error)".into(),
     }
 }
 
+/// A pushing sender's decision on receive descriptor `desc` where no copy is needed (the
+/// receive is too small, or there is nothing to send): it answers, and this is the result.
+pub(crate) fn push_without_copy(
+    out: &Channel,
+    index: u64,
+    bytes: usize,
+    desc: &RecvDesc,
+    peer: usize,
+) -> Option<Result<usize>> {
+    if bytes as u64 > desc.size {
+        answer(out, index, bytes, STATUS_SIZE_MISMATCH);
+        return Some(Err(CommError::SizeMismatch {
+            peer,
+            send_bytes: bytes,
+            recv_bytes: desc.size as usize,
+        }));
+    }
+    if bytes == 0 {
+        answer(out, index, 0, STATUS_OK);
+        return Some(Ok(0));
+    }
+    None
+}
+
+/// A pulling receiver's decision on offer `offer` where no copy is needed (the sender failed,
+/// the receive is too small, or nothing was sent): it gives its verdict, and this is the result.
+pub(crate) fn pull_without_copy(
+    inc: &Channel,
+    index: u64,
+    bytes: usize,
+    offer: &SendDesc,
+    peer: usize,
+) -> Option<Result<usize>> {
+    let r = match send_failure(peer, offer, bytes, true) {
+        Some(e) => Err(e),
+        None if offer.size == 0 => Ok(0),
+        None => return None,
+    };
+    give_verdict(inc, index, bytes);
+    Some(r)
+}
+
+/// An offering sender's result, from the pulling receiver's verdict (its buffer size).
+pub(crate) fn verdict_result(bytes: usize, verdict: &RecvDesc, peer: usize) -> Result<usize> {
+    if bytes as u64 > verdict.size {
+        return Err(CommError::SizeMismatch {
+            peer,
+            send_bytes: bytes,
+            recv_bytes: verdict.size as usize,
+        });
+    }
+    Ok(bytes)
+}
+
 /// Publishes the sender's answer for descriptor `index`.
-fn answer(out: &Channel, index: u64, bytes: usize, status: u64) {
+pub(crate) fn answer(out: &Channel, index: u64, bytes: usize, status: u64) {
     out.write_send_desc(
         index,
         &SendDesc {
@@ -1460,7 +1609,7 @@ fn answer(out: &Channel, index: u64, bytes: usize, status: u64) {
 
 /// The pulling receiver's verdict on message `index`, published once its copy finished (or
 /// it refused): its buffer size, from which the sender tells success from a size mismatch.
-fn give_verdict(inc: &Channel, index: u64, recv_bytes: usize) {
+pub(crate) fn give_verdict(inc: &Channel, index: u64, recv_bytes: usize) {
     let d = RecvDesc {
         size: recv_bytes as u64,
         handle: None,
@@ -1512,7 +1661,12 @@ pub(crate) fn receive_eager(
 /// Why a receive of `bytes` cannot take the sender's descriptor `sd`, if it cannot. A pushing
 /// sender checks sizes itself and reports a mismatch in the status; a pulling receiver sees the
 /// sender's size in the offer and is the one to find it too large.
-fn send_failure(peer: usize, sd: &SendDesc, bytes: usize, pulling: bool) -> Option<CommError> {
+pub(crate) fn send_failure(
+    peer: usize,
+    sd: &SendDesc,
+    bytes: usize,
+    pulling: bool,
+) -> Option<CommError> {
     match sd.status {
         STATUS_OK | STATUS_DELIVERED if sd.size as usize <= bytes => None,
         STATUS_OK if pulling => Some(CommError::SizeMismatch {
