@@ -204,6 +204,7 @@ fn rank_worker() {
         }
         "mismatch" => mismatch(&r, next, prev),
         "eager" => eager(&r, next, prev),
+        "pingpong" => pingpong(&r, next),
         "reuse" => {
             // The same two buffers for every message (as a KV-cache pool or a benchmark uses
             // them): the direct path maps a host rank's buffer once and then copies straight
@@ -290,6 +291,15 @@ fn rank_worker() {
             stats.eager_bytes > 0,
             "rank {me}: nothing went eagerly: {stats:?}"
         );
+    }
+    if std::env::var("FLAGCX_TEST_EXPECT_CALLER").as_deref() == Ok("1") {
+        assert!(
+            stats.caller_ops > 0,
+            "rank {me}: no operation was moved by its posting thread: {stats:?}"
+        );
+    }
+    if std::env::var("FLAGCX_P2P_IPC_CALLER").as_deref() == Ok("off") {
+        assert_eq!(stats.caller_ops, 0, "rank {me}: the caller path is off");
     }
     if std::env::var("FLAGCX_TEST_EXPECT_DIRECT").as_deref() == Ok("1") {
         for q in (0..n).filter(|&q| q != me) {
@@ -477,6 +487,53 @@ fn eager(r: &Rank, next: usize, prev: usize) {
     assert_eq!(q.wait().expect("recv after refusal"), 999);
     rs.synchronize().expect("sync");
     r.check(&small, prev, 41_001, 999);
+}
+
+/// Two ranks bounce messages one at a time, each waited for before the next is posted (the
+/// latency pattern): on an IPC pair the posting threads move them, the copier issuing every
+/// copy on its caller's stream. Some rounds start with the sender's or the receiver's stream
+/// busy, so copies queue behind other work and operations are handed to the proxy midway.
+fn pingpong(r: &Rank, peer: usize) {
+    let me = r.comm.rank();
+    let sizes = [8, 4096, 0, 100_000, 1 << 20, 1, 65_537, 3 << 20];
+    let scratch = r.buffer(32 << 20);
+    let busy = || {
+        // SAFETY: the scratch buffer outlives every stream synchronize below.
+        unsafe {
+            r.adaptor
+                .memset_async(scratch.ptr(), 1, 32 << 20, r.stream.handle())
+                .expect("memset")
+        }
+    };
+    for round in 0..48u64 {
+        let n = sizes[round as usize % sizes.len()];
+        for from in [0, 1] {
+            let tag = 50_000 + round * 2 + from as u64;
+            if me == from {
+                let src = r.filled(peer, tag, n);
+                r.stream.synchronize().expect("fill");
+                if round % 5 == 1 {
+                    busy();
+                }
+                // SAFETY: `src` holds at least `n` bytes and outlives the wait below.
+                let s = unsafe { r.comm.send_raw(src.ptr(), n, peer, r.stream.handle()) };
+                assert_eq!(s.expect("send").wait().expect("pingpong send"), n);
+                // The send buffer may be dropped (and its memory reused) only after this.
+                r.stream.synchronize().expect("sync");
+            } else {
+                let dst = r.buffer(n);
+                if round % 7 == 3 {
+                    busy();
+                }
+                // SAFETY: as above.
+                let q = unsafe { r.comm.recv_raw(dst.ptr(), n, peer, r.stream.handle()) };
+                assert_eq!(q.expect("recv").wait().expect("pingpong recv"), n);
+                r.stream.synchronize().expect("sync");
+                r.check(&dst, peer, tag, n);
+            }
+        }
+    }
+    println!("pingpong: rank {me}: 96 messages checked");
 }
 
 /// A 1000-byte receive (filled with 0xEE) refused a 2000-byte message: a size mismatch, and
@@ -880,6 +937,32 @@ fn eager_small_messages() {
     let mixed = vendors("FLAGCX_P2P_TEST_MIXED");
     if mixed.contains(',') {
         job(2, &mixed, "eager", &[]);
+    }
+}
+
+/// Latency-pattern traffic on IPC pairs, which the posting threads move themselves
+/// (`FLAGCX_P2P_IPC_CALLER`): with spinning (copies issued by the copier's posting thread),
+/// without (CI's default: every operation handed to the proxy from wherever it stands), and
+/// with the path off.
+#[test]
+fn ipc_pingpong_moved_by_posting_threads() {
+    let no_eager = ("FLAGCX_P2P_EAGER_MAX", "0");
+    let spin = [
+        no_eager,
+        ("FLAGCX_SPIN_US", "100"),
+        ("FLAGCX_TEST_EXPECT_CALLER", "1"),
+    ];
+    job(2, "host", "pingpong", &spin);
+    job(2, "host", "pingpong", &[no_eager, ("FLAGCX_SPIN_US", "0")]);
+    job(
+        2,
+        "host",
+        "pingpong",
+        &[no_eager, ("FLAGCX_P2P_IPC_CALLER", "off")],
+    );
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    if v != "host" {
+        job(2, &v, "pingpong", &[("FLAGCX_TEST_EXPECT_CALLER", "1")]);
     }
 }
 
