@@ -151,7 +151,7 @@ struct Row {
     ceil_us: f64,
     ceil_bw: f64,
     /// Which path the timed iterations' bytes took (this rank's view).
-    path: &'static str,
+    path: String,
 }
 
 fn rank_main(o: &Opts) -> Result<(), Error> {
@@ -277,7 +277,8 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             }
         }
         stream.synchronize()?;
-        let path = path_taken(before, comm.stats());
+        let ops = o.iters * (sends.len() + recvs.len());
+        let path = path_taken(before, comm.stats(), ops);
         let t = start.elapsed().as_secs_f64() / o.iters as f64;
         let mut wrong = 0;
         if o.check {
@@ -339,7 +340,9 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
 
 /// Names the path the bytes between two stats snapshots took: one path, or `mixed` (a direct
 /// pair whose buffer was still being registered, say).
-fn path_taken(a: flagcx::PathStats, b: flagcx::PathStats) -> &'static str {
+/// Which path the bytes of a measurement took; for IPC, how many of its operations the
+/// posting threads finished themselves (`ipc 96% caller`).
+fn path_taken(a: flagcx::PathStats, b: flagcx::PathStats, ops: usize) -> String {
     let d = [
         ("ipc", b.ipc_bytes - a.ipc_bytes),
         ("staged", b.staged_bytes - a.staged_bytes),
@@ -347,10 +350,14 @@ fn path_taken(a: flagcx::PathStats, b: flagcx::PathStats) -> &'static str {
         ("eager", b.eager_bytes - a.eager_bytes),
     ];
     let used: Vec<&str> = d.iter().filter(|x| x.1 > 0).map(|x| x.0).collect();
+    let caller = b.caller_ops - a.caller_ops;
     match used.as_slice() {
-        [] => "-",
-        [one] => one,
-        _ => "mixed",
+        [] => "-".into(),
+        ["ipc"] if caller > 0 && ops > 0 => {
+            format!("ipc {:.0}% caller", 100.0 * caller as f64 / ops as f64)
+        }
+        [one] => one.to_string(),
+        _ => "mixed".into(),
     }
 }
 

@@ -89,6 +89,11 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         out.join("mpi-pingpong.c"),
     )
     .map_err(|e| format!("copy the MPI peer: {e}"))?;
+    std::fs::copy(
+        root().join("benches/probes/ipc_floor.c"),
+        out.join("ipc_floor.c"),
+    )
+    .map_err(|e| format!("copy the IPC floor probe: {e}"))?;
     write_perf_script(&out, &vendor)?;
     let pingpong = |label: &str, env: Vec<(String, String)>, launcher: Option<&str>| Entry {
         label: label.into(),
@@ -311,6 +316,10 @@ sweep ipc-pingpong-big "$perf" -t pingpong --transport ipc -b 64M -e 1G -f 2 -n 
 sweep ipc-sendrecv-big "$perf" -t sendrecv --transport ipc -b 64M -e 1G -f 2 -n 20 -w 5 -c
 FLAGCX_P2P_IPC_COPIER=sender sweep ipc-sendrecv-push "$perf" -t sendrecv --transport ipc -b 8 -e 1G -f 4 -n 20 -w 5 -c
 FLAGCX_P2P_IPC_COPIER=sender sweep ipc-pingpong-push "$perf" -t pingpong --transport ipc -b 8 -e 1G -f 4 -n 50 -w 10
+# Small-message IPC latency: moved by the posting threads (default) and by the proxies only.
+sweep ipc-latency "$perf" -t pingpong --transport ipc -b 8 -e 64K -f 8 -n 2000 -w 100
+FLAGCX_P2P_IPC_CALLER=off sweep ipc-latency-nocaller "$perf" -t pingpong --transport ipc -b 8 -e 64K -f 8 -n 2000 -w 100
+FLAGCX_P2P_IPC_CALLER=off sweep ipc-pingpong-big-nocaller "$perf" -t pingpong --transport ipc -b 64M -e 1G -f 2 -n 50 -w 10
 FLAGCX_STREAM_JOIN=none sweep ipc-pingpong-nojoin "$perf" -t pingpong --transport ipc -b 8 -e 1G -f 8 -n 50 -w 10
 unset FLAGCX_VENDOR
 sweep mixed-sendrecv "$perf" -t sendrecv --vendors {vendor},host -b 8 -e 1G -f 4 -n 10 -w 3 -c
@@ -325,6 +334,12 @@ FLAGCX_P2P_EAGER_MAX=0 sweep host-latency-noeager "$perf" -t pingpong --vendor h
 for n in 2 4 8; do sweep host-pairs-$n "$perf" -t pairs -N $n --vendor host -b 1M -e 64M -f 8 -n 10 -w 3 -c; done
 FLAGCX_VENDOR={vendor} FLAGCX_PROFILE=1 sweep ipc-profile "$perf" -t pingpong --transport ipc -b 8 -e 4K -f 8 -n 200 -w 20
 FLAGCX_VENDOR={vendor} FLAGCX_PROFILE=1 sweep staged-profile "$perf" -t pingpong --transport staged -b 8 -e 4K -f 8 -n 200 -w 20
+# The floor: the same round trips with no flagcx code (benches/probes/ipc_floor.c).
+if command -v cc >/dev/null && cc -O2 -o "$logs/ipc_floor" "$here/ipc_floor.c" -ldl; then
+  sweep ipc-floor sh -c "'$logs/ipc_floor' 20000 8; '$logs/ipc_floor' 300 67108864; '$logs/ipc_floor' 100 268435456"
+else
+  echo "== ipc-floor: skipped: no C compiler"
+fi
 if command -v mpicc >/dev/null; then
   mpicc -O2 -o "$logs/mpi-pingpong" "$here/mpi-pingpong.c" &&
   sweep mpi-pingpong mpirun --allow-run-as-root --oversubscribe -n 2 "$logs/mpi-pingpong" 8 268435456

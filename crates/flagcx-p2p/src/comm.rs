@@ -307,6 +307,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             busy_polls: AtomicU64::new(0),
             path_bytes: Default::default(),
             caller_ops: AtomicU64::new(0),
+            caller_handoffs: Default::default(),
         });
         // Eager slots where both ranks' device memory is host addressable: the sender's CPU
         // copies into them and the receiver's out of them.
@@ -897,6 +898,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
             Caller::HandOff(r) => (r, start),
         };
+        self.shared.caller_handoffs[Resume::handoff_kind(&resume)].fetch_add(1, Ordering::Relaxed);
         // The stream waits for the operation, unless it carries the copy itself (or the
         // operation failed before anything of it was under way).
         let join = !matches!(

@@ -180,6 +180,9 @@ pub(crate) struct Shared {
     pub path_bytes: [AtomicU64; 4],
     /// IPC operations the posting thread finished itself (for [`crate::Comm::stats`]).
     pub caller_ops: AtomicU64,
+    /// IPC operations the posting thread handed to the proxy, by [`Resume`] (`None` first,
+    /// then in declaration order), for `FLAGCX_PROFILE`.
+    pub caller_handoffs: [AtomicU64; 5],
 }
 
 // SAFETY: `watermark_word` points into a page the communicator keeps mapped for the proxy's
@@ -187,6 +190,19 @@ pub(crate) struct Shared {
 unsafe impl Send for Shared {}
 // SAFETY: as above.
 unsafe impl Sync for Shared {}
+
+impl Resume {
+    /// Index into [`Shared::caller_handoffs`] of a hand-over that resumes here.
+    pub fn handoff_kind(r: &Option<Resume>) -> usize {
+        match r {
+            None => 0,
+            Some(Resume::Pushed(_)) => 1,
+            Some(Resume::Pulled { .. }) => 2,
+            Some(Resume::Published) => 3,
+            Some(Resume::Failed(_)) => 4,
+        }
+    }
+}
 
 impl Shared {
     pub fn wake(&self) {
@@ -1390,6 +1406,20 @@ impl<A: DeviceAdaptor> Proxy<A> {
         if let Some(p) = self.profile.as_mut() {
             p.ipc_opens = lock(&self.shared.ipc).opens;
             p.report(self.boot.rank());
+            let n = |i: usize| self.shared.caller_handoffs[i].load(Ordering::Relaxed);
+            eprintln!(
+                "flagcx profile rank {}: {} IPC operations finished by their posting thread; \
+                 handed to the proxy: {} before the peer's descriptor came, {} while the copy \
+                 ran ({} pushes, {} pulls), {} before the peer answered, {} failed",
+                self.boot.rank(),
+                self.shared.caller_ops.load(Ordering::Relaxed),
+                n(0),
+                n(1) + n(2),
+                n(1),
+                n(2),
+                n(3),
+                n(4)
+            );
         }
         let aborted = self.shared.aborted.load(Ordering::Acquire);
         if aborted {
