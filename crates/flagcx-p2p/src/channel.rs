@@ -10,6 +10,7 @@
 //! | `head` | receiver | staged chunks drained from the ring (slots free again) |
 //! | `send_posted` | sender | sends answered (descriptor `i` = size, status — `DELIVERED` when the direct path already copied); when the receiver pulls, the offer (size, IPC handle, offset of the source) |
 //! | `tail` | sender | staged chunks written into the ring |
+//! | `issued` | the IPC copier | the copy of message `i` is running (issued by a posting thread on an idle stream): a hint, see `Comm` |
 //! | `send_fault`, `recv_fault` | each side | `i + 1` when that side of message `i` failed (a vendor error): the other side fails the message too instead of waiting |
 //!
 //! Between two ranks whose device memory the CPU addresses, the channel also has one eager slot
@@ -74,6 +75,10 @@ pub enum Counter {
     SendFault = 320,
     /// Receiver: `i + 1` when its side of message `i` failed locally.
     RecvFault = 384,
+    /// The copier of an IPC pair (either side): `i + 1` once its posting thread issued the copy
+    /// of message `i` on an idle stream, so the copy is running. A hint for the other side's
+    /// posting thread, which then keeps waiting for the answer rather than handing over.
+    Issued = 448,
 }
 
 /// What a receiver announces for one receive.

@@ -862,8 +862,12 @@ impl<A: DeviceAdaptor> Comm<A> {
         };
         let spin = self.config.spin.unwrap_or_default();
         let outcome = match (dir, copies) {
-            (Dir::Send, true) => self.caller_push(link, k, ptr, bytes, peer, stream, spin),
-            (Dir::Recv, true) => self.caller_pull(link, k, ptr, bytes, peer, stream, spin),
+            (Dir::Send, true) => {
+                self.caller_push(link, k, ptr, bytes, peer, stream, start.is_none(), spin)
+            }
+            (Dir::Recv, true) => {
+                self.caller_pull(link, k, ptr, bytes, peer, stream, start.is_none(), spin)
+            }
             (_, false) => self.caller_publish(link, dir, k, ptr, bytes, peer, spin),
         }
         .unwrap_or_else(|e| Caller::HandOff(Some(Resume::Failed(e))));
@@ -948,13 +952,19 @@ impl<A: DeviceAdaptor> Comm<A> {
         bytes: usize,
         peer: usize,
         stream: StreamHandle,
+        idle: bool,
         spin: Duration,
     ) -> Result<Caller> {
         let out = &link.out;
         // A failure on the receiver's side is left to the proxy, which reports it.
-        let seen = poll_for(spin, || {
-            (out.load(Counter::RecvPosted) > k || out.load(Counter::RecvFault) > k).then_some(())
-        });
+        let seen = poll_for(
+            spin,
+            || spin,
+            || {
+                (out.load(Counter::RecvPosted) > k || out.load(Counter::RecvFault) > k)
+                    .then_some(())
+            },
+        );
         if seen.is_none() || out.load(Counter::RecvFault) > k {
             return Ok(Caller::HandOff(None));
         }
@@ -965,13 +975,18 @@ impl<A: DeviceAdaptor> Comm<A> {
         let ev = self
             .caller_copy(stream, desc.handle, desc.offset, ptr, bytes, true)
             .inspect_err(|_| answer(out, k, bytes, STATUS_SENDER_FAILED))?;
-        Ok(match self.copy_finished(ev, spin) {
-            true => {
-                answer(out, k, bytes, STATUS_OK);
-                Caller::Done(Ok(bytes))
-            }
-            false => Caller::HandOff(Some(Resume::Pushed(ev))),
-        })
+        if idle {
+            out.store(Counter::Issued, k + 1);
+        }
+        Ok(
+            match self.copy_finished(ev, running_copy_budget(spin, idle)) {
+                true => {
+                    answer(out, k, bytes, STATUS_OK);
+                    Caller::Done(Ok(bytes))
+                }
+                false => Caller::HandOff(Some(Resume::Pushed(ev))),
+            },
+        )
     }
 
     /// This rank copies what it receives: once the sender offered its buffer, the copy goes on
@@ -985,12 +1000,18 @@ impl<A: DeviceAdaptor> Comm<A> {
         bytes: usize,
         peer: usize,
         stream: StreamHandle,
+        idle: bool,
         spin: Duration,
     ) -> Result<Caller> {
         let inc = &link.inc;
-        let seen = poll_for(spin, || {
-            (inc.load(Counter::SendPosted) > k || inc.load(Counter::SendFault) > k).then_some(())
-        });
+        let seen = poll_for(
+            spin,
+            || spin,
+            || {
+                (inc.load(Counter::SendPosted) > k || inc.load(Counter::SendFault) > k)
+                    .then_some(())
+            },
+        );
         // The proxy reports a failure on the sender's side, or takes an eager message.
         if seen.is_none() || inc.load(Counter::SendFault) > k {
             return Ok(Caller::HandOff(None));
@@ -1004,13 +1025,18 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         let size = offer.size as usize;
         let ev = self.caller_copy(stream, offer.handle, offer.offset, ptr, size, false)?;
-        Ok(match self.copy_finished(ev, spin) {
-            true => {
-                give_verdict(inc, k, bytes);
-                Caller::Done(Ok(size))
-            }
-            false => Caller::HandOff(Some(Resume::Pulled { ev, size })),
-        })
+        if idle {
+            inc.store(Counter::Issued, k + 1);
+        }
+        Ok(
+            match self.copy_finished(ev, running_copy_budget(spin, idle)) {
+                true => {
+                    give_verdict(inc, k, bytes);
+                    Caller::Done(Ok(size))
+                }
+                false => Caller::HandOff(Some(Resume::Pulled { ev, size })),
+            },
+        )
     }
 
     /// The peer copies: publish this side's descriptor (the receive buffer, or the offered
@@ -1060,7 +1086,9 @@ impl<A: DeviceAdaptor> Comm<A> {
                 ch.store(Counter::RecvPosted, k + 1);
             }
         }
-        let seen = poll_for(spin, || {
+        // Past the spin time, only while the peer's copy of this message runs.
+        let budget = || running_copy_budget(spin, ch.load(Counter::Issued) > k);
+        let seen = poll_for(spin, budget, || {
             (ch.load(theirs) > k || ch.load(their_fault) > k).then_some(())
         });
         if seen.is_none() || ch.load(their_fault) > k {
@@ -1132,15 +1160,19 @@ impl<A: DeviceAdaptor> Comm<A> {
         Ok(ev)
     }
 
-    /// Whether the caller's copy (event `ev`) completes within `spin`; if so, its mapping is
-    /// free to close again and the event back in the pool.
-    fn copy_finished(&self, ev: EventHandle, spin: Duration) -> bool {
+    /// Whether the caller's copy (event `ev`) completes within `budget`; if so, its mapping
+    /// is free to close again and the event back in the pool.
+    fn copy_finished(&self, ev: EventHandle, budget: Duration) -> bool {
         // An error is the proxy's to report: it queries the event again.
-        let done = poll_for(spin, || match self.adaptor.event_query(ev) {
-            Ok(false) => None,
-            Ok(true) => Some(true),
-            Err(_) => Some(false),
-        });
+        let done = poll_for(
+            budget,
+            || budget,
+            || match self.adaptor.event_query(ev) {
+                Ok(false) => None,
+                Ok(true) => Some(true),
+                Err(_) => Some(false),
+            },
+        );
         if done != Some(true) {
             return false;
         }
@@ -1214,9 +1246,21 @@ impl<A: DeviceAdaptor> Comm<A> {
     }
 }
 
-/// Polls `ready` until it gives a value, for up to `spin` (at least once), reading the clock
-/// every 64 polls (it costs more than a poll of shared memory).
-fn poll_for<T>(spin: Duration, mut ready: impl FnMut() -> Option<T>) -> Option<T> {
+/// How much longer than the spin time a posting thread waits for a copy that is already
+/// running (its own, or the peer's copy of its message, see [`Counter::Issued`]) before
+/// handing the operation to the proxy. A hand-over costs the pair a stream wait on the device
+/// and a round through both proxies (~20 µs per hop on one H200); waiting for a running copy
+/// is bounded by its size (1 GiB: 0.5 ms on an H200).
+const RUNNING_COPY_WAIT: Duration = Duration::from_millis(2);
+
+/// Polls `ready` until it gives a value, for up to `budget()` (at least once; `spin` zero:
+/// exactly once), reading the clock and the budget every 64 polls (they cost more than a poll
+/// of shared memory).
+fn poll_for<T>(
+    spin: Duration,
+    budget: impl Fn() -> Duration,
+    mut ready: impl FnMut() -> Option<T>,
+) -> Option<T> {
     let t0 = std::time::Instant::now();
     let mut polls = 0u32;
     loop {
@@ -1224,10 +1268,20 @@ fn poll_for<T>(spin: Duration, mut ready: impl FnMut() -> Option<T>) -> Option<T
             return Some(v);
         }
         polls = polls.wrapping_add(1);
-        if spin.is_zero() || polls % 64 == 0 && t0.elapsed() >= spin {
+        if spin.is_zero() || polls % 64 == 0 && t0.elapsed() >= budget() {
             return None;
         }
         std::hint::spin_loop();
+    }
+}
+
+/// The wait budget beside a copy that `running` says is under way: the spin time, plus
+/// [`RUNNING_COPY_WAIT`] while it runs (spinning at all only where the spin time allows it).
+fn running_copy_budget(spin: Duration, running: bool) -> Duration {
+    if running && !spin.is_zero() {
+        spin + RUNNING_COPY_WAIT
+    } else {
+        spin
     }
 }
 
