@@ -1483,3 +1483,51 @@ fn connect_one<A: DeviceAdaptor>(
     }
     Ok(PeerConn::new(q, t, out, inc, registered))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{poll_for, running_copy_budget, RUNNING_COPY_WAIT};
+    use std::cell::Cell;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn without_spinning_a_poll_looks_exactly_once() {
+        let looks = Cell::new(0);
+        let got: Option<()> = poll_for(
+            Duration::ZERO,
+            || Duration::from_secs(1),
+            || {
+                looks.set(looks.get() + 1);
+                None
+            },
+        );
+        assert_eq!((got, looks.get()), (None, 1));
+    }
+
+    #[test]
+    fn a_poll_returns_what_arrives_and_gives_up_after_its_budget() {
+        let looks = Cell::new(0);
+        let spin = Duration::from_millis(5);
+        let got = poll_for(
+            spin,
+            || spin,
+            || {
+                looks.set(looks.get() + 1);
+                (looks.get() == 1000).then_some(7)
+            },
+        );
+        assert_eq!(got, Some(7));
+        let t0 = Instant::now();
+        let budget = Duration::from_millis(20);
+        assert_eq!(poll_for(spin, || budget, || None::<()>), None);
+        assert!(t0.elapsed() >= budget, "gave up early: {:?}", t0.elapsed());
+    }
+
+    #[test]
+    fn only_a_running_copy_extends_the_wait_and_only_where_spinning_is_allowed() {
+        let spin = Duration::from_micros(50);
+        assert_eq!(running_copy_budget(spin, false), spin);
+        assert_eq!(running_copy_budget(spin, true), spin + RUNNING_COPY_WAIT);
+        assert_eq!(running_copy_budget(Duration::ZERO, true), Duration::ZERO);
+    }
+}
