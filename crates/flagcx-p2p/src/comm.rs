@@ -127,6 +127,12 @@ struct WatermarkPage {
 /// them and later work on that stream sees their result. Between a pair of ranks, operations in
 /// one direction match in posting order. Post a bidirectional exchange inside a group
 /// ([`Comm::group`]); otherwise each send waits on its stream for its receiver, as in NCCL.
+///
+/// Outside a group, where nothing earlier of the pair and direction is in flight, the posting
+/// thread moves a message itself where it can: eagerly between host-addressable ranks
+/// ([`Config::eager_max`]), and on IPC pairs ([`Config::ipc_caller`]). Such a post may then take
+/// up to the spin time (plus up to 2 ms while the message's copy runs) and return a request
+/// that is already complete.
 pub struct Comm<A: DeviceAdaptor> {
     adaptor: A,
     rank: usize,

@@ -133,7 +133,8 @@ pub struct Config {
     /// default on). Outside a group, while nothing earlier of its pair and direction is with
     /// the proxy, the copier issues the copy on the caller's stream as soon as the peer's
     /// descriptor is there, and the other rank publishes its descriptor (on an idle stream);
-    /// each waits up to the spin time for the peer, then hands the rest to the proxy.
+    /// each waits up to the spin time for the peer (plus up to 2 ms while the copy of the
+    /// message runs), then hands the rest to the proxy from where it stands.
     pub ipc_caller: bool,
 }
 
