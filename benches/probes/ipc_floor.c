@@ -38,6 +38,7 @@ static CUresult (*cuStreamQuery)(void *);
 static CUresult (*cuEventCreate)(void **, unsigned);
 static CUresult (*cuEventRecord)(void *, void *);
 static CUresult (*cuEventQuery)(void *);
+static CUresult (*cuCtxSetCurrent)(void *);
 
 #define CK(x) do { CUresult r_ = (x); if (r_) { fprintf(stderr, "%s: %d\n", #x, r_); exit(1); } } while (0)
 static void *sym(void *h, const char *n) {
@@ -65,6 +66,7 @@ int main(int argc, char **argv) {
   cuMemcpyDtoDAsync = sym(lib, "cuMemcpyDtoDAsync_v2"); cuStreamSynchronize = sym(lib, "cuStreamSynchronize");
   cuStreamQuery = sym(lib, "cuStreamQuery"); cuEventCreate = sym(lib, "cuEventCreate");
   cuEventRecord = sym(lib, "cuEventRecord"); cuEventQuery = sym(lib, "cuEventQuery");
+  cuCtxSetCurrent = sym(lib, "cuCtxSetCurrent");
   int dev; void *ctx, *s, *ev; CUdeviceptr mine, peer;
   CK(cuInit(0)); CK(cuDeviceGet(&dev, 0));
   CK(cuCtxCreate(&ctx, 1 /* CU_CTX_SCHED_SPIN */, dev));
@@ -107,6 +109,24 @@ int main(int argc, char **argv) {
     atomic_store(&sh->done[me], m + 1);
     while (atomic_load(&sh->done[1 - me]) != m + 1) ;
   }
-  if (me == 0) wait(0);
+  if (me == 0) {
+    /* What single driver calls cost on the latency path (rank 1 idle). */
+    double t;
+    CK(cuStreamSynchronize(s));
+    t = now(); for (int i = 0; i < 100000; i++) CK(cuStreamQuery(s));
+    printf("cuStreamQuery, idle stream   %6.3f us per call\n", (now() - t) / 100000);
+    t = now(); for (int i = 0; i < 100000; i++) CK(cuCtxSetCurrent(ctx));
+    printf("cuCtxSetCurrent, current     %6.3f us per call\n", (now() - t) / 100000);
+    CK(cuEventRecord(ev, s)); CK(cuStreamSynchronize(s));
+    t = now(); for (int i = 0; i < 100000; i++) CK(cuEventQuery(ev));
+    printf("cuEventQuery, completed      %6.3f us per call\n", (now() - t) / 100000);
+    t = now(); for (int i = 0; i < 500; i++) { CK(cuEventRecord(ev, s)); }
+    printf("cuEventRecord                %6.3f us per call\n", (now() - t) / 500);
+    CK(cuStreamSynchronize(s));
+    t = now(); for (int i = 0; i < 500; i++) { CK(cuMemcpyDtoDAsync(mine + cap, mine, 8, s)); }
+    printf("cuMemcpyDtoDAsync 8 B issue  %6.3f us per call\n", (now() - t) / 500);
+    CK(cuStreamSynchronize(s));
+    wait(0);
+  }
   return 0;
 }
