@@ -446,6 +446,13 @@ fn fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
         // Only the sender fills (a receiver's h2d fault must hit the transfer, not this).
         buf.write(0, &vec![7u8; n], &stream).expect("fill");
     }
+    if me != sender {
+        // So that the sender's side is there when the receiver posts (a pulling receiver's
+        // posting thread then issues the copy itself).
+        if let Ok(ms) = std::env::var("FLAGCX_TEST_RECV_DELAY_MS") {
+            std::thread::sleep(Duration::from_millis(ms.parse().expect("milliseconds")));
+        }
+    }
     let req = if me == sender {
         comm.send(&buf, peer, &stream)
     } else {
@@ -702,19 +709,32 @@ fn fault_pair_with(op: &str, faulty_rank: &str, staged: bool, extra: &[(&str, &s
     assert_survived(&r1, &format!("rank 1, {op} fault on rank {faulty_rank}"));
 }
 
+/// The two ways an IPC copy is issued: by the proxy (`FLAGCX_P2P_IPC_CALLER=off`), and by the
+/// posting thread (spinning long enough that it sees the peer's descriptor).
+const IPC_ISSUERS: [(&str, &str); 2] = [
+    ("FLAGCX_P2P_IPC_CALLER", "off"),
+    ("FLAGCX_SPIN_US", "10000"),
+];
+
 #[test]
 fn failed_copy_on_the_sender_errors_both_sides_ipc() {
-    fault_pair("d2d", "0", false);
+    for issuer in IPC_ISSUERS {
+        fault_pair_with("d2d", "0", false, &[issuer]);
+    }
 }
 
 #[test]
 fn failed_pull_on_the_receiver_errors_both_sides_ipc() {
     // Rank 1 sends; rank 0, the pair's copier, pulls and its copy fails.
-    let pull = [
-        ("FLAGCX_P2P_IPC_COPIER", "lower"),
-        ("FLAGCX_TEST_FAULT_SENDER", "1"),
-    ];
-    fault_pair_with("d2d", "0", false, &pull);
+    for issuer in IPC_ISSUERS {
+        let pull = [
+            ("FLAGCX_P2P_IPC_COPIER", "lower"),
+            ("FLAGCX_TEST_FAULT_SENDER", "1"),
+            ("FLAGCX_TEST_RECV_DELAY_MS", "200"),
+            issuer,
+        ];
+        fault_pair_with("d2d", "0", false, &pull);
+    }
 }
 
 #[test]
