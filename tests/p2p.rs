@@ -292,7 +292,8 @@ fn rank_worker() {
             "rank {me}: nothing went eagerly: {stats:?}"
         );
     }
-    if std::env::var("FLAGCX_TEST_EXPECT_CALLER").as_deref() == Ok("1") {
+    let ipc = r.comm.transport(next) == Some(flagcx::TransportKind::Ipc);
+    if ipc && std::env::var("FLAGCX_TEST_EXPECT_CALLER").as_deref() == Ok("1") {
         assert!(
             stats.caller_ops > 0,
             "rank {me}: no operation was moved by its posting thread: {stats:?}"
@@ -941,9 +942,10 @@ fn eager_small_messages() {
 }
 
 /// Latency-pattern traffic on IPC pairs, which the posting threads move themselves
-/// (`FLAGCX_P2P_IPC_CALLER`): with spinning (copies issued by the copier's posting thread),
-/// without (CI's default: every operation handed to the proxy from wherever it stands), and
-/// with the path off.
+/// (`FLAGCX_P2P_IPC_CALLER`): with spinning (copies issued by the copier's posting thread;
+/// each sender copying, and one copier both ways), without (CI's default: most operations
+/// handed to the proxy from wherever they stand), and with the path off. Other vendors run it
+/// too (over IPC, or staged where they have no IPC).
 #[test]
 fn ipc_pingpong_moved_by_posting_threads() {
     let no_eager = ("FLAGCX_P2P_EAGER_MAX", "0");
@@ -953,6 +955,10 @@ fn ipc_pingpong_moved_by_posting_threads() {
         ("FLAGCX_TEST_EXPECT_CALLER", "1"),
     ];
     job(2, "host", "pingpong", &spin);
+    // One copier: the lower rank pushes its sends and pulls the other's.
+    let mut lower = spin.to_vec();
+    lower.push(("FLAGCX_P2P_IPC_COPIER", "lower"));
+    job(2, "host", "pingpong", &lower);
     job(2, "host", "pingpong", &[no_eager, ("FLAGCX_SPIN_US", "0")]);
     job(
         2,
