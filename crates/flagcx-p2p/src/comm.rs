@@ -107,6 +107,27 @@ struct CallerLink {
     pull: bool,
 }
 
+/// One message a posting thread moves: its direction, number, buffer and peer.
+#[derive(Clone, Copy)]
+struct Msg {
+    dir: Dir,
+    k: u64,
+    ptr: DevicePtr,
+    bytes: usize,
+    peer: usize,
+}
+
+impl CallerLink {
+    /// The channel carrying messages of `dir`, and the counters through which the peer
+    /// answers there (its descriptor or answer, and its failure).
+    fn lane(&self, dir: Dir) -> (&Channel, Counter, Counter) {
+        match dir {
+            Dir::Send => (&self.out, Counter::RecvPosted, Counter::RecvFault),
+            Dir::Recv => (&self.inc, Counter::SendPosted, Counter::SendFault),
+        }
+    }
+}
+
 /// What became of an IPC operation the posting thread took on.
 enum Caller {
     /// Finished.
@@ -867,14 +888,17 @@ impl<A: DeviceAdaptor> Comm<A> {
             k
         };
         let spin = self.config.spin.unwrap_or_default();
-        let outcome = match (dir, copies) {
-            (Dir::Send, true) => {
-                self.caller_push(link, k, ptr, bytes, peer, stream, start.is_none(), spin)
-            }
-            (Dir::Recv, true) => {
-                self.caller_pull(link, k, ptr, bytes, peer, stream, start.is_none(), spin)
-            }
-            (_, false) => self.caller_publish(link, dir, k, ptr, bytes, peer, spin),
+        let idle = start.is_none();
+        let m = Msg {
+            dir,
+            k,
+            ptr,
+            bytes,
+            peer,
+        };
+        let outcome = match copies {
+            true => self.caller_copies(link, m, stream, idle, spin),
+            false => self.caller_publish(link, m, spin),
         }
         .unwrap_or_else(|e| Caller::HandOff(Some(Resume::Failed(e))));
         let (resume, start) = match outcome {
@@ -947,121 +971,89 @@ impl<A: DeviceAdaptor> Comm<A> {
         }))
     }
 
-    /// This rank copies what it sends: once the receiver announced its buffer, the copy goes
-    /// on the caller's stream.
-    #[allow(clippy::too_many_arguments)]
-    fn caller_push(
+    /// This rank copies: once the peer described its side of message `k` (the receiver its
+    /// buffer, or the sender its offer), the one copy goes on the caller's stream — into the
+    /// peer's buffer for a send, out of it for a receive.
+    fn caller_copies(
         &self,
         link: &CallerLink,
-        k: u64,
-        ptr: DevicePtr,
-        bytes: usize,
-        peer: usize,
+        m: Msg,
         stream: StreamHandle,
         idle: bool,
         spin: Duration,
     ) -> Result<Caller> {
-        let out = &link.out;
-        // A failure on the receiver's side is left to the proxy, which reports it.
+        let Msg {
+            dir,
+            k,
+            ptr,
+            bytes,
+            peer,
+        } = m;
+        let (ch, theirs, their_fault) = link.lane(dir);
         let seen = poll_for(
             spin,
             || spin,
-            || {
-                (out.load(Counter::RecvPosted) > k || out.load(Counter::RecvFault) > k)
-                    .then_some(())
-            },
+            || (ch.load(theirs) > k || ch.load(their_fault) > k).then_some(()),
         );
-        if seen.is_none() || out.load(Counter::RecvFault) > k {
+        // The proxy reports a failure on the peer's side (and takes an eager message).
+        if seen.is_none() || ch.load(their_fault) > k {
             return Ok(Caller::HandOff(None));
         }
-        let desc = out.read_recv_desc(k)?;
-        if let Some(r) = push_without_copy(out, k, bytes, &desc, peer) {
-            return Ok(Caller::Done(r));
-        }
+        // The peer's buffer (its allocation's handle and the offset in it), and the bytes.
+        let (handle, offset, n) = match dir {
+            Dir::Send => {
+                let desc = ch.read_recv_desc(k)?;
+                if let Some(r) = push_without_copy(ch, k, bytes, &desc, peer) {
+                    return Ok(Caller::Done(r));
+                }
+                (desc.handle, desc.offset, bytes)
+            }
+            Dir::Recv => {
+                let offer = ch.read_send_desc(k)?;
+                if offer.status == STATUS_EAGER {
+                    return Ok(Caller::HandOff(None));
+                }
+                if let Some(r) = pull_without_copy(ch, k, bytes, &offer, peer) {
+                    return Ok(Caller::Done(r));
+                }
+                (offer.handle, offer.offset, offer.size as usize)
+            }
+        };
+        let push = dir == Dir::Send;
         let ev = self
-            .caller_copy(stream, desc.handle, desc.offset, ptr, bytes, true)
-            .inspect_err(|_| answer(out, k, bytes, STATUS_SENDER_FAILED))?;
-        if idle {
-            out.store(Counter::Issued, k + 1);
-        }
-        Ok(
-            match self.copy_finished(ev, running_copy_budget(spin, idle)) {
-                true => {
-                    answer(out, k, bytes, STATUS_OK);
-                    Caller::Done(Ok(bytes))
+            .caller_copy(stream, handle, offset, ptr, n, push)
+            .inspect_err(|_| {
+                if push {
+                    answer(ch, k, bytes, STATUS_SENDER_FAILED);
                 }
-                false => Caller::HandOff(Some(Resume::Pushed(ev))),
-            },
-        )
-    }
-
-    /// This rank copies what it receives: once the sender offered its buffer, the copy goes on
-    /// the caller's stream.
-    #[allow(clippy::too_many_arguments)]
-    fn caller_pull(
-        &self,
-        link: &CallerLink,
-        k: u64,
-        ptr: DevicePtr,
-        bytes: usize,
-        peer: usize,
-        stream: StreamHandle,
-        idle: bool,
-        spin: Duration,
-    ) -> Result<Caller> {
-        let inc = &link.inc;
-        let seen = poll_for(
-            spin,
-            || spin,
-            || {
-                (inc.load(Counter::SendPosted) > k || inc.load(Counter::SendFault) > k)
-                    .then_some(())
-            },
-        );
-        // The proxy reports a failure on the sender's side, or takes an eager message.
-        if seen.is_none() || inc.load(Counter::SendFault) > k {
-            return Ok(Caller::HandOff(None));
-        }
-        let offer = inc.read_send_desc(k)?;
-        if offer.status == STATUS_EAGER {
-            return Ok(Caller::HandOff(None));
-        }
-        if let Some(r) = pull_without_copy(inc, k, bytes, &offer, peer) {
-            return Ok(Caller::Done(r));
-        }
-        let size = offer.size as usize;
-        let ev = self.caller_copy(stream, offer.handle, offer.offset, ptr, size, false)?;
+            })?;
         if idle {
-            inc.store(Counter::Issued, k + 1);
+            ch.store(Counter::Issued, k + 1);
         }
-        Ok(
-            match self.copy_finished(ev, running_copy_budget(spin, idle)) {
-                true => {
-                    give_verdict(inc, k, bytes);
-                    Caller::Done(Ok(size))
-                }
-                false => Caller::HandOff(Some(Resume::Pulled { ev, size })),
-            },
-        )
+        if !self.copy_finished(ev, running_copy_budget(spin, idle)) {
+            return Ok(Caller::HandOff(Some(match dir {
+                Dir::Send => Resume::Pushed(ev),
+                Dir::Recv => Resume::Pulled { ev, size: n },
+            })));
+        }
+        match dir {
+            Dir::Send => answer(ch, k, bytes, STATUS_OK),
+            Dir::Recv => give_verdict(ch, k, bytes),
+        }
+        Ok(Caller::Done(Ok(n)))
     }
 
     /// The peer copies: publish this side's descriptor (the receive buffer, or the offered
     /// send buffer), then wait for the peer's answer (or verdict).
-    #[allow(clippy::too_many_arguments)]
-    fn caller_publish(
-        &self,
-        link: &CallerLink,
-        dir: Dir,
-        k: u64,
-        ptr: DevicePtr,
-        bytes: usize,
-        peer: usize,
-        spin: Duration,
-    ) -> Result<Caller> {
-        let (ch, theirs, their_fault) = match dir {
-            Dir::Send => (&link.out, Counter::RecvPosted, Counter::RecvFault),
-            Dir::Recv => (&link.inc, Counter::SendPosted, Counter::SendFault),
-        };
+    fn caller_publish(&self, link: &CallerLink, m: Msg, spin: Duration) -> Result<Caller> {
+        let Msg {
+            dir,
+            k,
+            ptr,
+            bytes,
+            peer,
+        } = m;
+        let (ch, theirs, their_fault) = link.lane(dir);
         if !ch.window_open(k) {
             return Ok(Caller::HandOff(None));
         }
