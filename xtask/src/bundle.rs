@@ -94,6 +94,11 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         out.join("ipc_floor.c"),
     )
     .map_err(|e| format!("copy the IPC floor probe: {e}"))?;
+    std::fs::copy(
+        root().join("benches/probes/staged_floor.c"),
+        out.join("staged_floor.c"),
+    )
+    .map_err(|e| format!("copy the staged floor probe: {e}"))?;
     write_perf_script(&out, &vendor)?;
     let pingpong = |label: &str, env: Vec<(String, String)>, launcher: Option<&str>| Entry {
         label: label.into(),
@@ -339,6 +344,9 @@ if command -v cc >/dev/null && cc -O2 -o "$logs/ipc_floor" "$here/ipc_floor.c" -
   sweep ipc-floor sh -c "'$logs/ipc_floor' 20000 8; '$logs/ipc_floor' 300 67108864; '$logs/ipc_floor' 100 268435456"
 else
   echo "== ipc-floor: skipped: no C compiler"
+fi
+if command -v cc >/dev/null && cc -O2 -o "$logs/staged_floor" "$here/staged_floor.c" -ldl; then
+  sweep staged-floor sh -c "for n in 67108864 134217728 268435456; do '$logs/staged_floor' 10 \$n; done"
 fi
 if command -v mpicc >/dev/null; then
   mpicc -O2 -o "$logs/mpi-pingpong" "$here/mpi-pingpong.c" &&
