@@ -478,7 +478,15 @@ impl DeviceAdaptor for HostAdaptor {
     }
 
     fn stream_query(&self, stream: StreamHandle) -> Result<bool> {
-        Ok(self.stream(stream)?.idle())
+        // Without cloning the stream's Arc: this is on every post's latency path.
+        let streams = self.inner.streams.lock().unwrap_or_else(|e| e.into_inner());
+        match streams.get(&stream.0) {
+            Some(s) => Ok(s.idle()),
+            None => Err(AdaptorError::InvalidHandle {
+                kind: "stream",
+                value: stream.0,
+            }),
+        }
     }
 
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {

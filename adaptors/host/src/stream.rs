@@ -52,6 +52,11 @@ pub(crate) enum Op {
 pub(crate) struct Progress {
     state: Mutex<ProgressInner>,
     cv: Condvar,
+    /// `submitted - completed`, kept beside them (changed under the lock) so that
+    /// [`HostStream::idle`] — polled on every post of a latency-bound caller — reads one
+    /// atomic instead of taking the lock. Decremented with release ordering once an op's
+    /// effects are done, so a reader that sees 0 (acquire) sees them.
+    outstanding: AtomicU64,
 }
 
 #[derive(Default)]
@@ -102,6 +107,7 @@ impl HostStream {
                 let fault = run(op, &stop);
                 let mut st = p.state.lock().unwrap_or_else(|e| e.into_inner());
                 st.completed += 1;
+                p.outstanding.fetch_sub(1, Ordering::Release);
                 if st.fault.is_none() {
                     st.fault = fault;
                 }
@@ -141,6 +147,7 @@ impl HostStream {
             return true;
         }
         st.submitted += 1;
+        self.progress.outstanding.fetch_add(1, Ordering::Relaxed);
         drop(st);
         if tx.send(op).is_err() {
             let mut st = self
@@ -149,19 +156,16 @@ impl HostStream {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
             st.submitted -= 1;
+            self.progress.outstanding.fetch_sub(1, Ordering::Relaxed);
             return false;
         }
         true
     }
 
-    /// True when every submitted op has completed.
+    /// True when every submitted op has completed (an op a concurrent [`HostStream::push`]
+    /// runs inline is not counted: that push has not returned).
     pub fn idle(&self) -> bool {
-        let st = self
-            .progress
-            .state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        st.completed == st.submitted
+        self.progress.outstanding.load(Ordering::Acquire) == 0
     }
 
     /// Waits for every op submitted so far; returns the first host-function fault, if any.
