@@ -474,6 +474,36 @@ pub fn host_functions<A: DeviceAdaptor>(a: &A) {
     tx.send(()).expect("release");
     s.synchronize()
         .expect("sync after the blocking host function");
+    // A stream is busy while its work runs, and idle only once that work finished, with its
+    // effects visible to whoever saw it idle (callers skip ordering work on idle streams).
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let finished = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let f = finished.clone();
+    a.launch_host_func(
+        s.handle(),
+        Box::new(move || {
+            let _ = rx.recv_timeout(Duration::from_secs(5));
+            f.store(true, std::sync::atomic::Ordering::SeqCst);
+        }),
+    )
+    .expect("launch a blocking host function");
+    assert!(
+        !a.stream_query(s.handle()).expect("stream_query"),
+        "stream_query said idle while a host function blocked the stream"
+    );
+    tx.send(()).expect("release");
+    let t = std::time::Instant::now();
+    while !a.stream_query(s.handle()).expect("stream_query") {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the stream never went idle"
+        );
+        std::thread::yield_now();
+    }
+    assert!(
+        finished.load(std::sync::atomic::Ordering::SeqCst),
+        "stream_query said idle before its host function finished"
+    );
 }
 
 /// Registers a shared (memfd) mapping; the device writes through its alias and a second
