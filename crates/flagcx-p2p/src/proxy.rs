@@ -697,6 +697,10 @@ impl<A: DeviceAdaptor> Proxy<A> {
         if let Some(start) = op.start {
             recycle_event(&self.adaptor, &self.shared, start);
         }
+        // A posting thread's copy the operation still held (it failed or timed out first).
+        if let Some(Resume::Pushed(ev) | Resume::Pulled { ev, .. }) = op.resume {
+            self.caller_copy_over(ev);
+        }
         // Before the request completes: a caller that waited for it may post the next message
         // eagerly, which needs this one to be off the books.
         if let Some(p) = self.shared.pending.get(op.peer) {
@@ -717,16 +721,21 @@ impl<A: DeviceAdaptor> Proxy<A> {
 
     /// A copy's event completed: back to the pool it came from. A posting thread's copy (see
     /// [`Resume`]) no longer holds its IPC mapping open.
-    fn copy_done(&mut self, op: &Op, ev: EventHandle) {
-        if op.resume.is_some() {
-            self.caller_copy_done(ev);
-        } else {
-            self.free_events.push(ev);
+    fn copy_done(&mut self, op: &mut Op, ev: EventHandle) {
+        match op.resume.take() {
+            Some(Resume::Pushed(_) | Resume::Pulled { .. }) => self.caller_copy_over(ev),
+            _ => self.free_events.push(ev),
         }
     }
 
-    fn caller_copy_done(&mut self, ev: EventHandle) {
-        lock(&self.shared.ipc).caller_copies -= 1;
+    /// Settles the event of a posting thread's copy whose operation ends: the copy no longer
+    /// counts in `caller_copies` once its event completed. One that has not (the operation
+    /// failed or timed out around it) keeps counting, so no mapping is ever closed under it;
+    /// that only stops trimming.
+    fn caller_copy_over(&mut self, ev: EventHandle) {
+        if self.adaptor.event_query(ev).unwrap_or(false) {
+            lock(&self.shared.ipc).caller_copies -= 1;
+        }
         recycle_event(&self.adaptor, &self.shared, ev);
     }
 
@@ -924,7 +933,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 if !self.adaptor.event_query(ev)? {
                     return Ok(Progress::Idle { on_peer: false });
                 }
-                self.copy_done(&step.op, ev);
+                self.copy_done(&mut step.op, ev);
                 let conn = self.peers[p].as_mut().expect("present");
                 let status = match step.path {
                     Path::Direct => STATUS_DELIVERED,
@@ -1295,7 +1304,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 if !self.adaptor.event_query(ev)? {
                     return Ok(Progress::Idle { on_peer: false });
                 }
-                self.copy_done(&step.op, ev);
+                self.copy_done(&mut step.op, ev);
                 let conn = self.peers[p].as_mut().expect("present");
                 give_verdict(&conn.inc, step.index, step.op.bytes);
                 Ok(Progress::Done(Ok(size)))
@@ -1439,10 +1448,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
         let _ = self.adaptor.stream_synchronize(self.recv_stream);
         for op in left {
             // A copy a posting thread issued on its stream may still use a mapping, which
-            // closes below: let it finish first.
+            // closes below: let it finish first (`finish` then settles its event).
             if let Some(Resume::Pushed(ev) | Resume::Pulled { ev, .. }) = op.resume {
                 let _ = self.adaptor.event_synchronize(ev);
-                self.caller_copy_done(ev);
             }
             self.finish(op, Err(CommError::Aborted));
         }
