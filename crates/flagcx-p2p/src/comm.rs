@@ -768,26 +768,24 @@ impl<A: DeviceAdaptor> Comm<A> {
                 // Poll the descriptor's status word: an eager message publishes it last (one
                 // cache line to fetch); a message of the proxy's protocol shows in `SendPosted`
                 // and is left to the proxy.
-                let t0 = std::time::Instant::now();
                 let mut polls = 0u32;
-                let sd = loop {
-                    if let Some(sd) = link.inc.eager_arrived(k) {
-                        break sd;
-                    }
-                    // The clock and the counter cost more than a poll: every 64 polls.
-                    polls = polls.wrapping_add(1);
-                    if spin.is_zero() || polls % 64 == 0 && t0.elapsed() >= spin {
-                        return Ok(None);
-                    }
-                    if polls % 64 == 0 && link.inc.load(Counter::SendPosted) > k {
-                        // Message `k` is published. An eager one stored its status word
-                        // before the counter, so this look settles which kind it is.
-                        match link.inc.eager_arrived(k) {
-                            Some(sd) => break sd,
-                            None => return Ok(None),
+                let found = poll_for(
+                    spin,
+                    || spin,
+                    || {
+                        if let Some(sd) = link.inc.eager_arrived(k) {
+                            return Some(Some(sd));
                         }
-                    }
-                    std::hint::spin_loop();
+                        // The counter costs more than a poll: every 64 polls.
+                        polls = polls.wrapping_add(1);
+                        // Message `k` is published. An eager one stored its status word before
+                        // the counter, so this look settles which kind it is.
+                        (polls % 64 == 0 && link.inc.load(Counter::SendPosted) > k)
+                            .then(|| link.inc.eager_arrived(k))
+                    },
+                );
+                let Some(Some(sd)) = found else {
+                    return Ok(None);
                 };
                 let mut inbox = lock(&self.shared.inbox);
                 if !free(&inbox, k) || link.inc.load(Counter::SendFault) > k {
@@ -828,13 +826,18 @@ impl<A: DeviceAdaptor> Comm<A> {
         inbox
     }
 
+    /// An event of the API side's pool (`Shared::spare_events`), or a new one.
+    fn spare_event(&self) -> Result<EventHandle> {
+        let spare = lock(&self.shared.spare_events).pop();
+        match spare {
+            Some(e) => Ok(e),
+            None => Ok(self.adaptor.event_create(false)?),
+        }
+    }
+
     /// An event recorded on `stream` now: where an operation may start.
     fn start_event(&self, stream: StreamHandle) -> Result<EventHandle> {
-        let spare = lock(&self.shared.spare_events).pop();
-        let start = match spare {
-            Some(e) => e,
-            None => self.adaptor.event_create(false)?,
-        };
+        let start = self.spare_event()?;
         if let Err(e) = self.adaptor.event_record(start, stream) {
             let _ = self.adaptor.event_destroy(start);
             return Err(e.into());
@@ -1120,11 +1123,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         n: usize,
         push: bool,
     ) -> Result<EventHandle> {
-        let spare = lock(&self.shared.spare_events).pop();
-        let ev = match spare {
-            Some(e) => e,
-            None => self.adaptor.event_create(false)?,
-        };
+        let ev = self.spare_event()?;
         let issued = {
             let mut cache = lock(&self.shared.ipc);
             let issued = cache.open(&self.adaptor, handle).and_then(|base| {
