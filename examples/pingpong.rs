@@ -39,13 +39,7 @@ fn self_launch() -> Result<(), Error> {
     let exe = std::env::current_exe()?;
     let mut program = vec![exe.to_string_lossy().into_owned()];
     program.extend(std::env::args().skip(1));
-    let out = launch(&LaunchSpec {
-        nranks: 2,
-        vendors: Vec::new(),
-        program,
-        env: Vec::new(),
-        timeout: None,
-    })?;
+    let out = launch(&LaunchSpec::new(2, program))?;
     if out.success() {
         Ok(())
     } else {

@@ -405,6 +405,34 @@ fn reliability_worker() {
             rendezvous(&comm, peer, &stream);
             println!("survivor ok: rank {me} formed the job");
         }
+        "stall" => stall_scenario(adaptor, me, peer, &before),
+        "bootstrap_stall" => {
+            // Both ranks connect; rank 1 then goes silent (as if stopped) past the limit.
+            let config = flagcx::p2p::Config::from_env().expect("config");
+            let env = flagcx::p2p::RankEnv::from_env().expect("rank env");
+            let boot = flagcx::p2p::Bootstrap::connect(me, 2, &env.id, &config).expect("bootstrap");
+            if me == 1 {
+                std::thread::sleep(config.bootstrap_timeout * 3);
+                println!("survivor ok: silent rank done");
+                return;
+            }
+            let t = Instant::now();
+            let r = boot.barrier();
+            let ms = t.elapsed().as_millis();
+            match r {
+                Err(CommError::Timeout { peer: Some(1), .. }) => {}
+                other => panic!("a silent bootstrap peer: expected Timeout, got {other:?}"),
+            }
+            assert!(
+                t.elapsed() <= config.bootstrap_timeout + Duration::from_secs(1),
+                "the barrier gave up after {ms} ms"
+            );
+            println!(
+                "survivor ok: bootstrap barrier timed out after {ms} ms: {}",
+                r.unwrap_err()
+            );
+        }
+        "watchdog" => watchdog_scenario(adaptor, me, peer, &before),
         "fault" => fault_scenario(adaptor, me, peer, &before),
         "direct_fault" => direct_fault_scenario(adaptor, me, peer, &before),
         "expect_bootstrap_failure" => match Comm::from_env(adaptor.clone()) {
@@ -413,6 +441,229 @@ fn reliability_worker() {
         },
         other => panic!("unknown scenario {other}"),
     }
+}
+
+/// A watchdog thread, as a user would write one around NCCL's `ncclCommGetAsyncError`: the
+/// main thread exchanges 1 MiB messages in groups, waiting with plain `wait()`; rank 1 stops
+/// (`FLAGCX_TEST_WATCHDOG=stop`, no `FLAGCX_TIMEOUT_MS`) or dies (`kill`). The watchdog polls
+/// `async_error()` and the main thread's progress; on a failure, or on 500 ms without
+/// progress, it calls `abort()`. The main thread's wait must return within 100 ms of the abort.
+fn watchdog_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let kill = std::env::var("FLAGCX_TEST_WATCHDOG").as_deref() == Ok("kill");
+    let comm = Arc::new(Comm::from_env(adaptor.clone()).expect("comm"));
+    let stream = Stream::new(&adaptor).expect("stream");
+    rendezvous(&comm, peer, &stream);
+    let n = 1 << 20;
+    let sbuf = Arc::new(DeviceBuffer::new(&adaptor, n).expect("alloc"));
+    let rbuf = Arc::new(DeviceBuffer::new(&adaptor, n).expect("alloc"));
+    if me == 1 {
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            let sig = if kill { libc::SIGKILL } else { libc::SIGSTOP };
+            // SAFETY: stopping or killing our own process on purpose.
+            unsafe { libc::kill(libc::getpid(), sig) };
+        });
+    }
+    let epoch = Instant::now();
+    let progress = Arc::new(AtomicU64::new(0));
+    let dog = {
+        let (comm, progress) = (comm.clone(), progress.clone());
+        std::thread::spawn(move || loop {
+            std::thread::sleep(Duration::from_millis(10));
+            let last = Duration::from_micros(progress.load(Ordering::Acquire));
+            let failure = comm.async_error();
+            if failure.is_some() || epoch.elapsed() > last + Duration::from_millis(500) {
+                let at = Instant::now();
+                comm.abort();
+                return (at, failure);
+            }
+        })
+    };
+    let mut iters = 0u64;
+    let err = loop {
+        let step = || -> Result<(), CommError> {
+            let (s, r) = comm.group(|| {
+                Ok((
+                    comm.send(&sbuf, peer, &stream)?,
+                    comm.recv(&rbuf, peer, &stream)?,
+                ))
+            })?;
+            s.wait()?;
+            r.wait()?;
+            Ok(())
+        };
+        if let Err(e) = step() {
+            break e;
+        }
+        iters += 1;
+        progress.store(epoch.elapsed().as_micros() as u64, Ordering::Release);
+    };
+    let returned = Instant::now();
+    let (aborted_at, failure) = dog.join().expect("watchdog");
+    assert!(iters > 0, "no traffic before the fault: {err:?}");
+    if kill {
+        // The proxy saw the peer go: the main thread's own wait failed with it, and the
+        // watchdog saw the same failure through `async_error`.
+        assert!(
+            matches!(err, CommError::PeerLost { peer: 1, .. }),
+            "main: {err:?}"
+        );
+        assert!(
+            matches!(failure, Some(CommError::PeerLost { peer: 1, .. })),
+            "async_error: {failure:?}"
+        );
+    } else {
+        assert!(matches!(err, CommError::Aborted), "main: {err:?}");
+        assert!(
+            failure.is_none(),
+            "a stopped peer is no failure by itself: {failure:?}"
+        );
+        let after = returned.saturating_duration_since(aborted_at);
+        assert!(
+            after <= Duration::from_millis(100),
+            "the wait returned {after:?} after the abort"
+        );
+    }
+    assert!(matches!(
+        comm.send(&sbuf, peer, &stream),
+        Err(CommError::Aborted)
+    ));
+    stream
+        .synchronize()
+        .expect("the caller's stream was released");
+    let ms = returned.saturating_duration_since(aborted_at).as_micros();
+    drop((comm, stream, sbuf, rbuf));
+    assert_no_leaks(before, "watchdog");
+    println!(
+        "survivor ok: {iters} iterations; main thread returned {ms} µs after the abort ({err}); \
+         async_error: {failure:?}"
+    );
+}
+
+/// Both ranks exchange `FLAGCX_TEST_STALL_BYTES` (in a group, or as a ping-pong with
+/// `FLAGCX_TEST_STALL_MODE=pingpong`), every byte checked, waiting with plain `wait()` — only
+/// `FLAGCX_TIMEOUT_MS` can end a wait. Rank 1 stops itself (SIGSTOP, from another thread, at
+/// whatever point its threads are) after `FLAGCX_TEST_STALL_AFTER_MS`; the test continues it
+/// once rank 0 is done. Rank 0 must fail with `Timeout` naming rank 1 within the timeout plus
+/// 1 s of its last progress, fail a later operation at once, release its stream and leak
+/// nothing. Rank 1, continued, must fail cleanly too: its pair was retired.
+fn stall_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
+    let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
+    let n: usize = flagcx::p2p::config::parse_size(
+        "FLAGCX_TEST_STALL_BYTES",
+        &env("FLAGCX_TEST_STALL_BYTES", "1M"),
+    )
+    .unwrap();
+    let pingpong = env("FLAGCX_TEST_STALL_MODE", "group") == "pingpong";
+    let stop_after: u64 = env("FLAGCX_TEST_STALL_AFTER_MS", "300").parse().unwrap();
+    let timeout = Duration::from_millis(env("FLAGCX_TIMEOUT_MS", "0").parse().unwrap());
+    assert!(
+        !timeout.is_zero(),
+        "the stall scenario needs FLAGCX_TIMEOUT_MS"
+    );
+    let comm = Comm::from_env(adaptor.clone()).expect("comm");
+    let stream = Stream::new(&adaptor).expect("stream");
+    rendezvous(&comm, peer, &stream);
+    let sbuf = Arc::new(DeviceBuffer::new(&adaptor, n.max(1)).expect("alloc"));
+    let rbuf = Arc::new(DeviceBuffer::new(&adaptor, n.max(1)).expect("alloc"));
+    if me == 1 {
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(stop_after));
+            // SAFETY: stopping our own process on purpose; the test sends SIGCONT.
+            unsafe { libc::kill(libc::getpid(), libc::SIGSTOP) };
+        });
+    }
+    let pattern = |from: usize, i: u64| (from as u64 * 131 + i * 7) as u8;
+    let mut last_progress = Instant::now();
+    let mut iters = 0u64;
+    let err = loop {
+        sbuf.write(0, &vec![pattern(me, iters); n], &stream)
+            .expect("fill");
+        let step = || -> Result<(), CommError> {
+            if !pingpong {
+                let (s, r) = comm.group(|| {
+                    Ok((
+                        comm.send(&sbuf, peer, &stream)?,
+                        comm.recv(&rbuf, peer, &stream)?,
+                    ))
+                })?;
+                s.wait()?;
+                r.wait()?;
+            } else if me == 0 {
+                comm.send(&sbuf, peer, &stream)?.wait()?;
+                comm.recv(&rbuf, peer, &stream)?.wait()?;
+            } else {
+                comm.recv(&rbuf, peer, &stream)?.wait()?;
+                comm.send(&sbuf, peer, &stream)?.wait()?;
+            }
+            Ok(())
+        };
+        if let Err(e) = step() {
+            break e;
+        }
+        let mut got = vec![0u8; n];
+        rbuf.read(0, &mut got, &stream).expect("read");
+        let want = pattern(peer, iters);
+        assert!(got.iter().all(|&b| b == want), "iteration {iters}: data");
+        iters += 1;
+        last_progress = Instant::now();
+    };
+    let waited = last_progress.elapsed();
+    if me == 1 {
+        // Continued after rank 0 gave up: our pair is retired or the peer is gone.
+        assert!(
+            matches!(
+                err,
+                CommError::PeerLost { .. }
+                    | CommError::Timeout { .. }
+                    | CommError::RemoteFailure { .. }
+            ),
+            "the stopped rank, continued: {err:?}"
+        );
+        drop((comm, stream, sbuf, rbuf));
+        assert_no_leaks(before, "stopped rank");
+        println!("survivor ok: stopped rank failed cleanly after {iters} iterations: {err}");
+        return;
+    }
+    assert!(iters > 0, "no traffic before the stall: {err:?}");
+    match &err {
+        CommError::Timeout { what, .. } => assert!(
+            what.contains(&format!("rank {peer}")),
+            "the timeout names the peer: {err}"
+        ),
+        other => panic!("expected Timeout, got {other:?}"),
+    }
+    assert!(
+        waited <= timeout + Duration::from_secs(1),
+        "Timeout came {waited:?} after the last progress (bound: {timeout:?} + 1 s)"
+    );
+    let t = Instant::now();
+    let again = comm
+        .send(&sbuf, peer, &stream)
+        .and_then(|r| r.wait_timeout(Duration::from_secs(5)));
+    assert!(
+        matches!(again, Err(CommError::PeerLost { .. })),
+        "after a timeout the pair is retired: {again:?}"
+    );
+    let again_ms = t.elapsed().as_millis();
+    stream
+        .synchronize()
+        .expect("the caller's stream was released");
+    let t = Instant::now();
+    drop((comm, stream, sbuf, rbuf));
+    let teardown = t.elapsed();
+    assert!(
+        teardown <= timeout + Duration::from_secs(1),
+        "teardown beside a stopped peer took {teardown:?}"
+    );
+    assert_no_leaks(before, "stall");
+    println!(
+        "survivor ok: {iters} iterations, then Timeout {} ms after the last progress ({err}); \
+         a later op failed in {again_ms} ms; teardown {} ms",
+        waited.as_millis(),
+        teardown.as_millis()
+    );
 }
 
 /// Rank `FLAGCX_TEST_FAULT_SENDER` (default 0) sends 16 MiB to the other; the rank named by
@@ -676,6 +927,156 @@ fn stalled_operation_times_out() {
     let (r0, r1) = pair("timeout", &[("FLAGCX_TIMEOUT_MS", "300")]);
     assert!(r1.status.success(), "{}", text(&r1));
     assert_survived(&r0, "timeout");
+}
+
+/// Rank 1 stops (SIGSTOP) mid-traffic; see [`stall_scenario`]. Returns both outputs.
+fn stall_pair(env: &[(&str, &str)]) -> (Output, Output) {
+    let id = UniqueId::random().expect("id").to_string();
+    let mut env = env.to_vec();
+    env.push(("FLAGCX_TIMEOUT_MS", "1000"));
+    let r0 = spawn_rank(0, 2, &id, "stall", &env);
+    let r1 = spawn_rank(1, 2, &id, "stall", &env);
+    let pid1 = r1.id() as i32;
+    let out0 = finish(r0, Duration::from_secs(30));
+    // SAFETY: continuing our own child.
+    unsafe { libc::kill(pid1, libc::SIGCONT) };
+    let out1 = finish(r1, Duration::from_secs(30));
+    (out0, out1)
+}
+
+fn stalled_peer(what: &str, env: &[(&str, &str)]) {
+    if skip_unless_vendor() {
+        return;
+    }
+    let (r0, r1) = stall_pair(env);
+    assert_survived(&r0, &format!("{what}: survivor of a stopped peer"));
+    assert_survived(&r1, &format!("{what}: the stopped rank, continued"));
+}
+
+#[test]
+fn stopped_peer_times_out_group_ipc() {
+    stalled_peer("group, ipc", &[]);
+}
+
+#[test]
+fn stopped_peer_times_out_group_ipc_spinning() {
+    stalled_peer("group, ipc, spin", &[("FLAGCX_SPIN_US", "200")]);
+}
+
+#[test]
+fn stopped_peer_times_out_pingpong_ipc_spinning() {
+    stalled_peer(
+        "pingpong, ipc, spin",
+        &[
+            ("FLAGCX_TEST_STALL_MODE", "pingpong"),
+            ("FLAGCX_SPIN_US", "200"),
+        ],
+    );
+}
+
+#[test]
+fn stopped_peer_times_out_pingpong_eager() {
+    stalled_peer(
+        "pingpong, eager",
+        &[
+            ("FLAGCX_TEST_STALL_MODE", "pingpong"),
+            ("FLAGCX_TEST_STALL_BYTES", "64"),
+        ],
+    );
+}
+
+#[test]
+fn stopped_peer_times_out_pingpong_eager_spinning() {
+    stalled_peer(
+        "pingpong, eager, spin",
+        &[
+            ("FLAGCX_TEST_STALL_MODE", "pingpong"),
+            ("FLAGCX_TEST_STALL_BYTES", "64"),
+            ("FLAGCX_SPIN_US", "200"),
+        ],
+    );
+}
+
+#[test]
+fn stopped_peer_times_out_group_staged() {
+    stalled_peer("group, staged", &[("FLAGCX_P2P_DISABLE", "1")]);
+}
+
+#[test]
+fn stopped_peer_times_out_pingpong_staged() {
+    stalled_peer(
+        "pingpong, staged",
+        &[
+            ("FLAGCX_P2P_DISABLE", "1"),
+            ("FLAGCX_TEST_STALL_MODE", "pingpong"),
+            ("FLAGCX_TEST_STALL_BYTES", "3M"),
+        ],
+    );
+}
+
+#[test]
+fn stopped_peer_times_out_group_direct() {
+    if vendor() != "host" {
+        // The forced direct pair needs two host-vendor ranks.
+        flagcx_adaptor::conformance::report_skip_reason(
+            "reliability::stopped_peer_times_out_group_direct",
+            &vendor(),
+            "the forced direct pair needs two host-vendor ranks",
+        );
+        return;
+    }
+    stalled_peer(
+        "group, direct",
+        &[
+            ("FLAGCX_P2P_DISABLE", "1"),
+            ("FLAGCX_P2P_HOST_DIRECT", "on"),
+        ],
+    );
+}
+
+#[test]
+fn silent_peer_times_out_a_bootstrap_exchange() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let (r0, r1) = pair(
+        "bootstrap_stall",
+        &[("FLAGCX_BOOTSTRAP_TIMEOUT_MS", "1000")],
+    );
+    assert_survived(&r0, "bootstrap barrier beside a silent peer");
+    assert_survived(&r1, "the silent bootstrap peer");
+}
+
+#[test]
+fn watchdog_aborts_beside_a_stopped_peer() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let id = UniqueId::random().expect("id").to_string();
+    let env = [("FLAGCX_TEST_WATCHDOG", "stop")];
+    let r0 = spawn_rank(0, 2, &id, "watchdog", &env);
+    let r1 = spawn_rank(1, 2, &id, "watchdog", &env);
+    let pid1 = r1.id() as i32;
+    let out0 = finish(r0, Duration::from_secs(30));
+    // SAFETY: ending our own stopped child (SIGKILL works on stopped processes).
+    unsafe { libc::kill(pid1, libc::SIGKILL) };
+    let _ = finish(r1, Duration::from_secs(30));
+    assert_survived(&out0, "watchdog beside a stopped peer");
+}
+
+#[test]
+fn watchdog_sees_a_killed_peer_through_async_error() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let (r0, r1) = pair("watchdog", &[("FLAGCX_TEST_WATCHDOG", "kill")]);
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&r1.status),
+        Some(libc::SIGKILL),
+        "{}",
+        text(&r1)
+    );
+    assert_survived(&r0, "watchdog beside a killed peer");
 }
 
 #[test]

@@ -124,11 +124,9 @@ fn self_launch(o: &Opts, args: &[String]) -> Result<(), Error> {
         env.push(("FLAGCX_P2P_DISABLE".to_string(), "1".to_string()));
     }
     let out = launch(&LaunchSpec {
-        nranks: o.nranks,
         vendors: o.vendors.clone(),
-        program,
         env,
-        timeout: None,
+        ..LaunchSpec::new(o.nranks, program)
     })?;
     if out.success() {
         Ok(())

@@ -58,6 +58,13 @@ pub fn report_skip(test: &str, err: &AdaptorError) {
         AdaptorError::Unavailable { vendor, reason } => (vendor.name(), reason.clone()),
         other => ("?", other.to_string()),
     };
+    report_skip_reason(test, vendor, &reason);
+}
+
+/// Reports that `test` could not check its claim on `vendor` for `reason` (a case that does
+/// not apply to this vendor or placement): prints `skipped: <reason>` and appends a line to
+/// the `FLAGCX_SKIP_LOG` file, so the run counts it like any other skip.
+pub fn report_skip_reason(test: &str, vendor: &str, reason: &str) {
     println!("skipped: {reason}");
     eprintln!("skipped: {test}: {reason}");
     if let Some(path) = std::env::var_os(SKIP_LOG_ENV) {

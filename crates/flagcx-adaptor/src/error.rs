@@ -99,6 +99,80 @@ pub enum AdaptorError {
     },
 }
 
+/// A copy of an OS error: the same errno where there is one, else the same kind and text.
+pub fn clone_io_error(e: &std::io::Error) -> std::io::Error {
+    match e.raw_os_error() {
+        Some(code) => std::io::Error::from_raw_os_error(code),
+        None => std::io::Error::new(e.kind(), e.to_string()),
+    }
+}
+
+/// Errors are values a communicator keeps (its first failure) and hands to every caller that
+/// asks, so they clone; an OS error is copied by [`clone_io_error`].
+impl Clone for AdaptorError {
+    fn clone(&self) -> Self {
+        use AdaptorError::*;
+        match self {
+            Vendor {
+                vendor,
+                op,
+                code,
+                name,
+            } => Vendor {
+                vendor: *vendor,
+                op,
+                code: *code,
+                name: name.clone(),
+            },
+            Unsupported { vendor, op } => Unsupported {
+                vendor: *vendor,
+                op,
+            },
+            Unavailable { vendor, reason } => Unavailable {
+                vendor: *vendor,
+                reason: reason.clone(),
+            },
+            InvalidDevice {
+                vendor,
+                index,
+                count,
+            } => InvalidDevice {
+                vendor: *vendor,
+                index: *index,
+                count: *count,
+            },
+            InvalidArgument { op, reason } => InvalidArgument {
+                op,
+                reason: reason.clone(),
+            },
+            InvalidHandle { kind, value } => InvalidHandle {
+                kind,
+                value: *value,
+            },
+            OutOfMemory {
+                vendor,
+                device,
+                requested,
+                code,
+            } => OutOfMemory {
+                vendor: *vendor,
+                device: *device,
+                requested: *requested,
+                code: *code,
+            },
+            StreamFault { vendor, op, reason } => StreamFault {
+                vendor: *vendor,
+                op,
+                reason: reason.clone(),
+            },
+            Os { op, source } => Os {
+                op,
+                source: clone_io_error(source),
+            },
+        }
+    }
+}
+
 impl AdaptorError {
     /// Shorthand for [`AdaptorError::InvalidArgument`].
     pub fn invalid(op: &'static str, reason: impl Into<String>) -> Self {

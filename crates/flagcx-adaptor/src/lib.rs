@@ -33,7 +33,7 @@ pub mod conformance;
 pub mod testing;
 
 pub use adaptor::{DeviceAdaptor, HostFn};
-pub use error::{AdaptorError, Result};
+pub use error::{clone_io_error, AdaptorError, Result};
 pub use raii::{CaptureModeGuard, DeviceBuffer, Event, IpcMapping, PinnedBuffer, Stream};
 pub use types::{
     Capabilities, CaptureMode, DeviceProperties, DevicePtr, EventHandle, IpcFdHandle, IpcMemHandle,

@@ -211,9 +211,12 @@ impl Bootstrap {
                 Err(e) => return Err(CommError::io("accept", e)),
             }
         }
+        // Every later exchange (peer information, channels, barriers) is bounded by the same
+        // limit: a peer that stops answering (stopped, wedged) fails it with `Timeout`.
         for s in peers.iter().flatten() {
             let s = s.lock().unwrap_or_else(|p| p.into_inner());
-            s.set_read_timeout(None)
+            s.set_read_timeout(Some(timeout))
+                .and_then(|()| s.set_write_timeout(Some(timeout)))
                 .map_err(|e| CommError::io("socket timeout", e))?;
         }
         Ok(Bootstrap {
@@ -259,13 +262,13 @@ impl Bootstrap {
         fds: &[BorrowedFd<'_>],
     ) -> Result<()> {
         let s = self.peer(peer)?;
-        send_frame(&s, tag, payload, fds).map_err(|e| lost_or(peer, e))
+        send_frame(&s, tag, payload, fds).map_err(|e| self.lost_or(peer, tag, e))
     }
 
     /// Receives the next frame from `peer`, which must carry `tag`.
     pub fn recv(&self, peer: usize, tag: Tag) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
         let s = self.peer(peer)?;
-        let (got, payload, fds) = recv_frame(&s).map_err(|e| lost_or(peer, e))?;
+        let (got, payload, fds) = recv_frame(&s).map_err(|e| self.lost_or(peer, tag, e))?;
         if got != tag {
             return Err(CommError::Protocol(format!(
                 "expected a {tag:?} frame from rank {peer}, got {got:?}"
@@ -299,6 +302,26 @@ impl Bootstrap {
     /// The time bootstrap waits for peers.
     pub fn timeout(&self) -> Duration {
         self.timeout
+    }
+
+    /// A socket error with `peer` while exchanging a `tag` frame, as the caller should see
+    /// it: a closed socket is a lost peer, a read or write past the limit a timeout.
+    fn lost_or(&self, peer: usize, tag: Tag, e: CommError) -> CommError {
+        match e {
+            CommError::Io { source, .. }
+                if matches!(
+                    source.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                CommError::Timeout {
+                    ms: self.timeout.as_millis() as u64,
+                    peer: Some(peer),
+                    what: format!("bootstrap: rank {peer} did not exchange its {tag:?} frame"),
+                }
+            }
+            other => lost_or(peer, other),
+        }
     }
 }
 

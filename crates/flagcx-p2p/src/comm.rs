@@ -64,7 +64,8 @@ impl Request {
             State::Pending(slot) => slot.wait(Some(timeout), self.spin).unwrap_or_else(|| {
                 Err(CommError::Timeout {
                     ms: timeout.as_millis() as u64,
-                    what: format!("operation {seq}"),
+                    peer: None,
+                    what: format!("operation {seq} (Request::wait_timeout)"),
                 })
             }),
         }
@@ -551,19 +552,29 @@ impl<A: DeviceAdaptor> Comm<A> {
         Ok(t)
     }
 
-    /// The first error any operation of this communicator hit, if any.
+    /// The first asynchronous failure of this communicator, without waiting: a lost peer, an
+    /// operation that timed out (`FLAGCX_TIMEOUT_MS`), a remote or vendor failure — the
+    /// failures [`CommError::is_async_failure`] names, as the operation that hit it reported
+    /// it. `None` while every operation so far succeeded or failed only for the caller's own
+    /// reasons (a size mismatch, a bad argument, [`Comm::abort`]). Like NCCL's
+    /// `ncclCommGetAsyncError`: a watchdog thread polls it and calls [`Comm::abort`]. A peer
+    /// that dies while nothing is posted to it is noticed by the next operation on it.
+    pub fn async_error(&self) -> Option<CommError> {
+        lock(&self.shared.first_error).clone()
+    }
+
+    /// `Err` with [`Comm::async_error`]'s failure, if there is one.
     pub fn check(&self) -> Result<()> {
-        match lock(&self.shared.first_error).clone() {
+        match self.async_error() {
             None => Ok(()),
-            Some(e) => Err(CommError::RemoteFailure {
-                peer: self.rank,
-                reason: e,
-            }),
+            Some(e) => Err(e),
         }
     }
 
     /// Aborts the communicator from any thread: every pending operation fails with
     /// [`CommError::Aborted`], every waiting stream is released, and later posts are refused.
+    /// Waiters return within milliseconds (the progress thread notices at once, fails what is
+    /// left and advances the watermark); the communicator is unusable afterwards.
     pub fn abort(&self) {
         self.shared.aborted.store(true, Ordering::Release);
         self.shared.wake();

@@ -68,12 +68,15 @@ pub enum CommError {
         /// What it reported.
         reason: String,
     },
-    /// An operation did not complete in time.
+    /// An operation made no progress for `ms` milliseconds (`FLAGCX_TIMEOUT_MS`, or the
+    /// limit given to [`crate::Request::wait_timeout`]).
     #[error("timed out after {ms} ms: {what}")]
     Timeout {
         /// The limit.
         ms: u64,
-        /// What was waited for.
+        /// The rank it waited for, where one operation's peer is known.
+        peer: Option<usize>,
+        /// What was waited for, in words (names the peer).
         what: String,
     },
     /// The communicator was aborted or shut down.
@@ -81,7 +84,71 @@ pub enum CommError {
     Aborted,
 }
 
+impl Clone for CommError {
+    fn clone(&self) -> Self {
+        use CommError::*;
+        match self {
+            Adaptor(e) => Adaptor(e.clone()),
+            Io { op, source } => Io {
+                op,
+                source: flagcx_adaptor::clone_io_error(source),
+            },
+            Bootstrap(s) => Bootstrap(s.clone()),
+            Config {
+                name,
+                value,
+                reason,
+            } => Config {
+                name: name.clone(),
+                value: value.clone(),
+                reason: reason.clone(),
+            },
+            Protocol(s) => Protocol(s.clone()),
+            InvalidArgument(s) => InvalidArgument(s.clone()),
+            SizeMismatch {
+                peer,
+                send_bytes,
+                recv_bytes,
+            } => SizeMismatch {
+                peer: *peer,
+                send_bytes: *send_bytes,
+                recv_bytes: *recv_bytes,
+            },
+            PeerLost { peer, reason } => PeerLost {
+                peer: *peer,
+                reason: reason.clone(),
+            },
+            RemoteFailure { peer, reason } => RemoteFailure {
+                peer: *peer,
+                reason: reason.clone(),
+            },
+            Timeout { ms, peer, what } => Timeout {
+                ms: *ms,
+                peer: *peer,
+                what: what.clone(),
+            },
+            Aborted => Aborted,
+        }
+    }
+}
+
 impl CommError {
+    /// True for failures that leave a pair (or the communicator) unusable and that a
+    /// watchdog should act on: a lost peer, a timeout, a remote or vendor failure, an OS or
+    /// protocol error. A size mismatch, a bad argument or an abort the caller asked for are
+    /// the caller's own and are not.
+    pub fn is_async_failure(&self) -> bool {
+        matches!(
+            self,
+            CommError::Adaptor(_)
+                | CommError::Io { .. }
+                | CommError::Protocol(_)
+                | CommError::PeerLost { .. }
+                | CommError::RemoteFailure { .. }
+                | CommError::Timeout { .. }
+        )
+    }
+
     pub(crate) fn io(op: &'static str, source: std::io::Error) -> Self {
         CommError::Io { op, source }
     }

@@ -173,8 +173,9 @@ pub(crate) struct Shared {
     /// The device-visible word callers' streams wait on (low 32 bits of the watermark).
     pub watermark_word: *const AtomicU32,
     pub thread: Mutex<Option<std::thread::Thread>>,
-    /// The first error any operation hit (sticky, for `Comm::check`).
-    pub first_error: Mutex<Option<String>>,
+    /// The first asynchronous failure ([`CommError::is_async_failure`]) any operation hit:
+    /// sticky, for `Comm::async_error` and `Comm::check`.
+    pub first_error: Mutex<Option<CommError>>,
     pub busy_polls: AtomicU64,
     /// Bytes moved by finished operations, per [`Path`] (for [`crate::Comm::stats`]).
     pub path_bytes: [AtomicU64; 4],
@@ -223,11 +224,16 @@ impl Shared {
         }
     }
 
-    /// Keeps the first error of any operation (for [`crate::Comm::check`]).
+    /// Keeps the first asynchronous failure of any operation (for
+    /// [`crate::Comm::async_error`]); the caller's own errors (a size mismatch, an abort) are
+    /// not kept.
     pub fn record_error(&self, e: &CommError) {
+        if !e.is_async_failure() {
+            return;
+        }
         let mut first = lock(&self.first_error);
         if first.is_none() {
-            *first = Some(e.to_string());
+            *first = Some(e.clone());
         }
     }
 
@@ -481,6 +487,27 @@ enum Phase {
         issued: usize,
         started: bool,
     },
+}
+
+impl Phase {
+    /// What a step in this phase waits for, in words (for [`CommError::Timeout`]).
+    fn waiting_for(&self) -> String {
+        match self {
+            Phase::AwaitRecvDesc => "waiting for the peer to post the matching receive".into(),
+            Phase::Copying(_) => "waiting for the copy into the peer's buffer".into(),
+            Phase::Offer => "waiting for earlier work on the caller's stream".into(),
+            Phase::AwaitVerdict => "waiting for the peer to copy the message out".into(),
+            Phase::Announce => {
+                "waiting for earlier work on the caller's stream or a free descriptor".into()
+            }
+            Phase::AwaitSendDesc => "waiting for the peer's send (or its data)".into(),
+            Phase::AwaitOffer => "waiting for the peer to post the matching send".into(),
+            Phase::Pulling { .. } => "waiting for the copy out of the peer's buffer".into(),
+            Phase::Chunks { total, issued, .. } => {
+                format!("waiting for the peer's side of the staged chunks ({issued} of {total} bytes issued)")
+            }
+        }
+    }
 }
 
 /// The proxy thread's state.
@@ -808,14 +835,22 @@ impl<A: DeviceAdaptor> Proxy<A> {
                                 moved = true;
                                 self.abandon_chunks(p, dir);
                                 // The pair's shared state is now out of step: retire it.
-                                let what =
-                                    format!("{:?} with rank {p} made no progress", step.op.dir);
+                                let what = format!(
+                                    "{} of {} bytes with rank {p} made no progress: {}",
+                                    match step.op.dir {
+                                        Dir::Send => "send",
+                                        Dir::Recv => "receive",
+                                    },
+                                    step.op.bytes,
+                                    step.phase.waiting_for()
+                                );
                                 if let Some(c) = self.peers[p].as_mut() {
                                     let why = format!("an operation timed out ({what})");
                                     c.retire(&self.shared, why);
                                 }
                                 let e = CommError::Timeout {
                                     ms: t.as_millis() as u64,
+                                    peer: Some(p),
                                     what,
                                 };
                                 self.finish(step.op, Err(e));
