@@ -323,8 +323,26 @@ fn reliability_worker() {
             let comm = Arc::new(Comm::from_env(adaptor.clone()).expect("comm"));
             let stream = Stream::new(&adaptor).expect("stream");
             rendezvous(&comm, peer, &stream);
+            if me == 1 && scenario == "abort" {
+                // Waits for a message rank 0 never sends: rank 0's abort must fail it here
+                // at once (rank 0 stays alive for a second after aborting).
+                let buf = Arc::new(DeviceBuffer::new(&adaptor, 1 << 20).expect("alloc"));
+                let t = Instant::now();
+                let r = comm.recv(&buf, peer, &stream).expect("post");
+                match r.wait_timeout(Duration::from_secs(10)) {
+                    Err(CommError::RemoteFailure { peer: 0, reason }) => {
+                        assert!(reason.contains("aborted"), "{reason}")
+                    }
+                    other => panic!("the peer of an aborted rank: got {other:?}"),
+                }
+                let ms = t.elapsed().as_millis();
+                assert!(ms < 1000, "the abort reached the peer after {ms} ms");
+                stream.synchronize().expect("released");
+                println!("survivor ok: the aborted rank's peer failed {ms} ms after posting");
+                return;
+            }
             if me == 1 {
-                // Never sends; stays alive past the other rank's abort/timeout.
+                // Never sends; stays alive past the other rank's timeout.
                 std::thread::sleep(Duration::from_millis(2500));
                 println!("idle peer done");
                 return;
@@ -358,6 +376,10 @@ fn reliability_worker() {
                 }
             }
             let ms = t.elapsed().as_millis();
+            if scenario == "abort" {
+                // Alive while the peer learns of the abort through the channel.
+                std::thread::sleep(Duration::from_millis(1000));
+            }
             stream
                 .synchronize()
                 .expect("the caller's stream was released");
@@ -562,6 +584,7 @@ fn stall_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
         !timeout.is_zero(),
         "the stall scenario needs FLAGCX_TIMEOUT_MS"
     );
+    println!("pid {}", std::process::id());
     let comm = Comm::from_env(adaptor.clone()).expect("comm");
     let stream = Stream::new(&adaptor).expect("stream");
     rendezvous(&comm, peer, &stream);
@@ -627,6 +650,18 @@ fn stall_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
         return;
     }
     assert!(iters > 0, "no traffic before the stall: {err:?}");
+    // The path under test really carried the traffic before the stall.
+    let stats = comm.stats();
+    let path = env("FLAGCX_TEST_STALL_PATH", "");
+    let carried = match path.as_str() {
+        "ipc" => stats.ipc_bytes,
+        "caller" => stats.caller_ops,
+        "eager" => stats.eager_bytes,
+        "staged" => stats.staged_bytes,
+        "direct" => stats.direct_bytes,
+        other => panic!("FLAGCX_TEST_STALL_PATH={other:?}"),
+    };
+    assert!(carried > 0, "the {path} path carried nothing: {stats:?}");
     match &err {
         CommError::Timeout { what, .. } => assert!(
             what.contains(&format!("rank {peer}")),
@@ -664,6 +699,10 @@ fn stall_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
         waited.as_millis(),
         teardown.as_millis()
     );
+    // Under the launcher: fail the job, as an application would on a timeout.
+    if let Ok(code) = std::env::var("FLAGCX_TEST_STALL_EXIT") {
+        std::process::exit(code.parse().expect("exit code"));
+    }
 }
 
 /// Rank `FLAGCX_TEST_FAULT_SENDER` (default 0) sends 16 MiB to the other; the rank named by
@@ -915,7 +954,7 @@ fn abort_from_another_thread_unblocks_waits() {
         return;
     }
     let (r0, r1) = pair("abort", &[]);
-    assert!(r1.status.success(), "{}", text(&r1));
+    assert_survived(&r1, "the peer of an aborted rank");
     assert_survived(&r0, "abort");
 }
 
@@ -948,19 +987,32 @@ fn stalled_peer(what: &str, env: &[(&str, &str)]) {
     if skip_unless_vendor() {
         return;
     }
-    let (r0, r1) = stall_pair(env);
+    // Only host-vendor pairs have eager slots; elsewhere the same small messages go by IPC
+    // (moved by the posting threads where they spin).
+    let mut env = env.to_vec();
+    if vendor() != "host" {
+        for (k, v) in env.iter_mut() {
+            if *k == "FLAGCX_TEST_STALL_PATH" && *v == "eager" {
+                *v = "ipc";
+            }
+        }
+    }
+    let (r0, r1) = stall_pair(&env);
     assert_survived(&r0, &format!("{what}: survivor of a stopped peer"));
     assert_survived(&r1, &format!("{what}: the stopped rank, continued"));
 }
 
 #[test]
 fn stopped_peer_times_out_group_ipc() {
-    stalled_peer("group, ipc", &[]);
+    stalled_peer("group, ipc", &[("FLAGCX_TEST_STALL_PATH", "ipc")]);
 }
 
 #[test]
 fn stopped_peer_times_out_group_ipc_spinning() {
-    stalled_peer("group, ipc, spin", &[("FLAGCX_SPIN_US", "200")]);
+    stalled_peer(
+        "group, ipc, spin",
+        &[("FLAGCX_SPIN_US", "200"), ("FLAGCX_TEST_STALL_PATH", "ipc")],
+    );
 }
 
 #[test]
@@ -970,6 +1022,7 @@ fn stopped_peer_times_out_pingpong_ipc_spinning() {
         &[
             ("FLAGCX_TEST_STALL_MODE", "pingpong"),
             ("FLAGCX_SPIN_US", "200"),
+            ("FLAGCX_TEST_STALL_PATH", "caller"),
         ],
     );
 }
@@ -981,6 +1034,7 @@ fn stopped_peer_times_out_pingpong_eager() {
         &[
             ("FLAGCX_TEST_STALL_MODE", "pingpong"),
             ("FLAGCX_TEST_STALL_BYTES", "64"),
+            ("FLAGCX_TEST_STALL_PATH", "eager"),
         ],
     );
 }
@@ -993,13 +1047,20 @@ fn stopped_peer_times_out_pingpong_eager_spinning() {
             ("FLAGCX_TEST_STALL_MODE", "pingpong"),
             ("FLAGCX_TEST_STALL_BYTES", "64"),
             ("FLAGCX_SPIN_US", "200"),
+            ("FLAGCX_TEST_STALL_PATH", "eager"),
         ],
     );
 }
 
 #[test]
 fn stopped_peer_times_out_group_staged() {
-    stalled_peer("group, staged", &[("FLAGCX_P2P_DISABLE", "1")]);
+    stalled_peer(
+        "group, staged",
+        &[
+            ("FLAGCX_P2P_DISABLE", "1"),
+            ("FLAGCX_TEST_STALL_PATH", "staged"),
+        ],
+    );
 }
 
 #[test]
@@ -1010,6 +1071,7 @@ fn stopped_peer_times_out_pingpong_staged() {
             ("FLAGCX_P2P_DISABLE", "1"),
             ("FLAGCX_TEST_STALL_MODE", "pingpong"),
             ("FLAGCX_TEST_STALL_BYTES", "3M"),
+            ("FLAGCX_TEST_STALL_PATH", "staged"),
         ],
     );
 }
@@ -1030,6 +1092,7 @@ fn stopped_peer_times_out_group_direct() {
         &[
             ("FLAGCX_P2P_DISABLE", "1"),
             ("FLAGCX_P2P_HOST_DIRECT", "on"),
+            ("FLAGCX_TEST_STALL_PATH", "direct"),
         ],
     );
 }
@@ -1077,6 +1140,206 @@ fn watchdog_sees_a_killed_peer_through_async_error() {
         text(&r1)
     );
     assert_survived(&r0, "watchdog beside a killed peer");
+}
+
+// ---- the launcher ----------------------------------------------------------------------------
+
+/// `flagcx-run --grace 1 -- <this binary's stall worker>` with `env`; its stdout lines come
+/// through a channel as they are printed, so a test can act while the job runs.
+fn launch_stall_job(
+    env: &[(&str, &str)],
+) -> (
+    Child,
+    std::sync::mpsc::Receiver<String>,
+    std::thread::JoinHandle<String>,
+) {
+    let exe = std::env::current_exe().expect("exe");
+    // The GPU bundle carries its own launcher (FLAGCX_RUN_BIN); here, cargo's.
+    let launcher = std::env::var_os("FLAGCX_RUN_BIN")
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_flagcx-run").into());
+    let mut cmd = Command::new(launcher);
+    cmd.args(["-n", "2", "--grace", "1", "--vendor", &vendor(), "--"])
+        .arg(exe)
+        .args([
+            "--exact",
+            "reliability_worker",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("FLAGCX_TEST_SCENARIO", "stall")
+        .env("FLAGCX_DEBUG", "warn")
+        .env_remove("FLAGCX_SKIP_LOG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("spawn flagcx-run");
+    let out = child.stdout.take().expect("piped");
+    let err = child.stderr.take().expect("piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let errs = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut { err }, &mut s);
+        s
+    });
+    (child, rx, errs)
+}
+
+/// The ranks' pids, from their `pid N` lines (waits up to 20 s for both).
+fn rank_pids(rx: &std::sync::mpsc::Receiver<String>, lines: &mut Vec<String>) -> Vec<i32> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut pids = Vec::new();
+    while pids.len() < 2 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = rx
+            .recv_timeout(left)
+            .unwrap_or_else(|_| panic!("no pid lines from the ranks: {lines:?}"));
+        if let Some(p) = line.split("pid ").nth(1) {
+            pids.push(p.trim().parse().expect("pid"));
+        }
+        lines.push(line);
+    }
+    pids
+}
+
+/// Waits up to `limit` for every pid to be gone (or a zombie nobody reaped yet).
+fn assert_gone(pids: &[i32], limit: Duration, what: &str) {
+    let deadline = Instant::now() + limit;
+    let alive = |p: &i32| {
+        std::fs::read_to_string(format!("/proc/{p}/stat"))
+            .map(|s| {
+                !s.rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start()
+                    .starts_with('Z')
+            })
+            .unwrap_or(false)
+    };
+    while pids.iter().any(alive) {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: ranks {:?} outlived the job by {limit:?}",
+            pids.iter().filter(|p| alive(p)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn wait_child(c: &mut Child, limit: Duration, what: &str) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(st) = c.try_wait().expect("wait") {
+            return st;
+        }
+        if Instant::now() > deadline {
+            let _ = c.kill();
+            panic!("{what}: flagcx-run still running after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A rank stops mid-traffic: the other times out (`FLAGCX_TIMEOUT_MS`) and exits with 3; the
+/// launcher SIGTERMs the stopped rank, SIGKILLs it after the grace period, and exits with the
+/// failing rank's code, naming it — within timeout + grace + 1 s of the stop.
+#[test]
+fn launcher_ends_a_job_whose_rank_stopped() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let (mut job, rx, errs) = launch_stall_job(&[
+        ("FLAGCX_TIMEOUT_MS", "1000"),
+        ("FLAGCX_TEST_STALL_EXIT", "3"),
+        ("FLAGCX_TEST_STALL_PATH", "ipc"),
+        ("FLAGCX_TEST_STALL_AFTER_MS", "300"),
+    ]);
+    let mut lines = Vec::new();
+    let pids = rank_pids(&rx, &mut lines);
+    let seen = Instant::now();
+    let st = wait_child(&mut job, Duration::from_secs(30), "stopped rank");
+    let took = seen.elapsed();
+    let stderr = errs.join().expect("stderr");
+    lines.extend(rx.try_iter());
+    assert_eq!(st.code(), Some(3), "exit status\n{lines:#?}\n{stderr}");
+    assert!(
+        stderr.contains("rank 0 failed first"),
+        "the message names the rank:\n{stderr}"
+    );
+    // From the ranks' start: 300 ms to the stop, 1 s timeout, 1 s grace, 1 s slack.
+    assert!(
+        took <= Duration::from_millis(300 + 1000 + 1000 + 1000),
+        "the job ended {took:?} after the ranks started"
+    );
+    assert_gone(&pids, Duration::from_millis(100), "stopped rank");
+    println!(
+        "launcher ended the job {} ms after the ranks started",
+        took.as_millis()
+    );
+}
+
+/// SIGTERM to the launcher (Slurm, Kubernetes, a CI timeout) reaches every rank; the launcher
+/// exits with 128 + 15 within the grace period, and no rank outlives it.
+#[test]
+fn launcher_forwards_sigterm_to_every_rank() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let (mut job, rx, errs) = launch_stall_job(&[
+        ("FLAGCX_TIMEOUT_MS", "10000"),
+        ("FLAGCX_TEST_STALL_AFTER_MS", "600000"),
+    ]);
+    let mut lines = Vec::new();
+    let pids = rank_pids(&rx, &mut lines);
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(job.id() as i32, libc::SIGTERM) };
+    let st = wait_child(&mut job, Duration::from_secs(10), "SIGTERM");
+    let took = t.elapsed();
+    let stderr = errs.join().expect("stderr");
+    assert_eq!(
+        st.code(),
+        Some(128 + libc::SIGTERM),
+        "exit status\n{stderr}"
+    );
+    assert!(took <= Duration::from_secs(2), "took {took:?} (grace 1 s)");
+    assert_gone(&pids, Duration::from_millis(100), "SIGTERM");
+    println!(
+        "launcher and ranks gone {} ms after SIGTERM",
+        took.as_millis()
+    );
+}
+
+/// SIGKILL to the launcher cannot be forwarded: the ranks die by `PR_SET_PDEATHSIG`.
+#[test]
+fn ranks_die_with_a_killed_launcher() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let (mut job, rx, _errs) = launch_stall_job(&[
+        ("FLAGCX_TIMEOUT_MS", "10000"),
+        ("FLAGCX_TEST_STALL_AFTER_MS", "600000"),
+    ]);
+    let mut lines = Vec::new();
+    let pids = rank_pids(&rx, &mut lines);
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    job.kill().expect("SIGKILL the launcher");
+    let _ = job.wait();
+    assert_gone(&pids, Duration::from_secs(1), "SIGKILL of the launcher");
+    println!(
+        "ranks gone {} ms after the launcher was killed",
+        t.elapsed().as_millis()
+    );
 }
 
 #[test]
@@ -1152,7 +1415,11 @@ fn failed_copy_on_the_receiver_errors_both_sides_staged() {
 /// `faulty_rank` while `sender` sends.
 fn direct_fault_pair(op: &str, faulty_rank: &str, sender: &str) {
     if vendor() != "host" {
-        // The forced direct pair needs two host-vendor ranks.
+        flagcx_adaptor::conformance::report_skip_reason(
+            &format!("reliability::direct_fault_pair({op}, rank {faulty_rank})"),
+            &vendor(),
+            "the forced direct pair needs two host-vendor ranks",
+        );
         return;
     }
     let env = [

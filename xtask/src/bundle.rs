@@ -45,6 +45,7 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
             (format!("flagcx-{vendor}"), "conformance"),
             ("flagcx".to_string(), "conformance"),
             ("flagcx".to_string(), "p2p"),
+            ("flagcx".to_string(), "reliability"),
         ];
         if !wanted.iter().any(|(k, t)| *k == krate && *t == target) {
             continue;
@@ -64,6 +65,31 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
                 ("FLAGCX_EXPECT_CAPS".into(), EXPECTED_CAPS.into()),
             ]
         };
+        if target == "reliability" {
+            // Faults, stopped peers, aborts and the launcher on GPU ranks. The forced direct
+            // pair is a host-vendor case by construction: it runs on host ranks beside them.
+            let bin = format!("\"$here/bin/{file}\"");
+            let launcher = (
+                "FLAGCX_RUN_BIN".to_string(),
+                "\"$here/bin/flagcx-run\"".to_string(),
+            );
+            entries.push(Entry {
+                label: format!("{krate}::{target}"),
+                file: file.clone(),
+                env: vec![
+                    ("FLAGCX_P2P_TEST_VENDORS".into(), vendor.clone()),
+                    launcher.clone(),
+                ],
+                args: vec![bin.clone(), "--skip".into(), "direct".into()],
+            });
+            entries.push(Entry {
+                label: format!("{krate}::{target} host direct"),
+                file: format!("{file}-host-direct"),
+                env: vec![("FLAGCX_P2P_TEST_VENDORS".into(), "host".into()), launcher],
+                args: vec![bin, "direct".into()],
+            });
+            continue;
+        }
         entries.push(Entry {
             label: format!("{krate}::{target}"),
             file,
@@ -71,8 +97,11 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
             args: vec![],
         });
     }
-    if entries.len() != 3 {
-        return Err(format!("expected 3 test binaries, built {}", entries.len()));
+    if entries.len() != 5 {
+        return Err(format!(
+            "expected 4 test binaries (5 entries), got {} entries",
+            entries.len()
+        ));
     }
     // The launcher, the main-job example and the perf tool, run on the GPU vendor.
     for (kind, name) in [

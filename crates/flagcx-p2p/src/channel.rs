@@ -71,7 +71,8 @@ pub enum Counter {
     SendPosted = 192,
     /// See the module table.
     Tail = 256,
-    /// Sender: `i + 1` when its side of message `i` failed locally (the pair is then retired).
+    /// Sender: `i + 1` when its side of message `i` failed locally (the pair is then retired);
+    /// [`RETIRED`] when it retired the pair for another reason (a timeout, an abort).
     SendFault = 320,
     /// Receiver: `i + 1` when its side of message `i` failed locally.
     RecvFault = 384,
@@ -80,6 +81,10 @@ pub enum Counter {
     /// posting thread, which then keeps waiting for the answer rather than handing over.
     Issued = 448,
 }
+
+/// The value of a fault counter ([`Counter::SendFault`], [`Counter::RecvFault`]) whose side
+/// retired the pair as a whole: every message from then on fails on the other side.
+pub const RETIRED: u64 = u64::MAX;
 
 /// What a receiver announces for one receive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -22,7 +22,7 @@ pub(crate) use flagcx_adaptor::tracking::lock;
 
 use crate::bootstrap::Bootstrap;
 use crate::channel::{
-    Channel, Counter, RecvDesc, SendDesc, STATUS_DELIVERED, STATUS_EAGER, STATUS_OK,
+    Channel, Counter, RecvDesc, SendDesc, RETIRED, STATUS_DELIVERED, STATUS_EAGER, STATUS_OK,
     STATUS_SENDER_FAILED, STATUS_SIZE_MISMATCH,
 };
 use crate::error::{CommError, Result};
@@ -846,7 +846,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                                 );
                                 if let Some(c) = self.peers[p].as_mut() {
                                     let why = format!("an operation timed out ({what})");
-                                    c.retire(&self.shared, why);
+                                    retire_both_ways(c, &self.shared, why);
                                 }
                                 let e = CommError::Timeout {
                                     ms: t.as_millis() as u64,
@@ -898,8 +898,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
         let conn = self.peers[p].as_mut().expect("checked by caller");
         match step.phase {
             Phase::AwaitRecvDesc => {
-                if conn.out.load(Counter::RecvFault) > step.index {
-                    return Err(remote_failure(p));
+                let fault = conn.out.load(Counter::RecvFault);
+                if fault > step.index {
+                    return Err(remote_failure(p, fault));
                 }
                 if conn.out.load(Counter::RecvPosted) <= step.index {
                     return Ok(Progress::Idle { on_peer: true });
@@ -978,8 +979,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 Ok(Progress::Done(Ok(step.op.bytes)))
             }
             Phase::Offer => {
-                if conn.out.load(Counter::RecvFault) > step.index {
-                    return Err(remote_failure(p));
+                let fault = conn.out.load(Counter::RecvFault);
+                if fault > step.index {
+                    return Err(remote_failure(p, fault));
                 }
                 // Sends to a peer run one at a time and each waits for the verdict, but eager
                 // sends before this one may still sit unread in their slots.
@@ -1013,8 +1015,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 Ok(Progress::Moved)
             }
             Phase::AwaitVerdict => {
-                if conn.out.load(Counter::RecvFault) > step.index {
-                    return Err(remote_failure(p));
+                let fault = conn.out.load(Counter::RecvFault);
+                if fault > step.index {
+                    return Err(remote_failure(p, fault));
                 }
                 if conn.out.load(Counter::RecvPosted) <= step.index {
                     return Ok(Progress::Idle { on_peer: true });
@@ -1043,8 +1046,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 ref mut issued,
                 ref mut started,
             } => {
-                if conn.out.load(Counter::RecvFault) > step.index {
-                    return Err(remote_failure(p));
+                let fault = conn.out.load(Counter::RecvFault);
+                if fault > step.index {
+                    return Err(remote_failure(p, fault));
                 }
                 let mut moved = false;
                 let slots = conn.out.geometry().slots as u64;
@@ -1246,8 +1250,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 Ok(Progress::Moved)
             }
             Phase::AwaitSendDesc => {
-                if conn.inc.load(Counter::SendFault) > step.index {
-                    return Err(remote_failure(p));
+                let fault = conn.inc.load(Counter::SendFault);
+                if fault > step.index {
+                    return Err(remote_failure(p, fault));
                 }
                 if conn.inc.load(Counter::SendPosted) <= step.index {
                     return Ok(Progress::Idle { on_peer: true });
@@ -1278,8 +1283,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 Ok(Progress::Moved)
             }
             Phase::AwaitOffer => {
-                if conn.inc.load(Counter::SendFault) > step.index {
-                    return Err(remote_failure(p));
+                let fault = conn.inc.load(Counter::SendFault);
+                if fault > step.index {
+                    return Err(remote_failure(p, fault));
                 }
                 if conn.inc.load(Counter::SendPosted) <= step.index {
                     return Ok(Progress::Idle { on_peer: true });
@@ -1349,8 +1355,9 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 ref mut issued,
                 ref mut started,
             } => {
-                if conn.inc.load(Counter::SendFault) > step.index {
-                    return Err(remote_failure(p));
+                let fault = conn.inc.load(Counter::SendFault);
+                if fault > step.index {
+                    return Err(remote_failure(p, fault));
                 }
                 let mut moved = false;
                 while *issued < total && conn.head_issued < conn.inc.load(Counter::Tail) {
@@ -1468,6 +1475,10 @@ impl<A: DeviceAdaptor> Proxy<A> {
         let aborted = self.shared.aborted.load(Ordering::Acquire);
         if aborted {
             tracing::warn!("communicator aborted: failing every pending operation");
+            // Peers fail what they have with this rank at once instead of waiting for it.
+            for conn in self.peers.iter_mut().flatten() {
+                retire_both_ways(conn, &self.shared, "this rank aborted".into());
+            }
         }
         let mut left = Vec::new();
         for conn in self.peers.iter_mut().flatten() {
@@ -1516,6 +1527,16 @@ impl<A: DeviceAdaptor> Proxy<A> {
 
 /// A local failure (`e`) of message `index` mid-protocol: tells the peer, so its side fails
 /// instead of waiting, and retires the pair — its counters no longer agree with the peer's.
+/// Retires the pair in both directions and tells the peer through the channels' fault
+/// counters ([`RETIRED`]): whatever it has not started yet fails there with `RemoteFailure`
+/// instead of moving bytes into or out of this rank's buffers — the peer may only be stopped,
+/// and continue later.
+fn retire_both_ways(conn: &mut PeerConn, shared: &Shared, why: String) {
+    conn.out.store(Counter::SendFault, RETIRED);
+    conn.inc.store(Counter::RecvFault, RETIRED);
+    conn.retire(shared, why);
+}
+
 fn fail_locally(conn: &mut PeerConn, shared: &Shared, dir: Dir, index: u64, e: &CommError) {
     let (ch, counter) = match dir {
         Dir::Send => (&conn.out, Counter::SendFault),
@@ -1605,10 +1626,15 @@ fn started<A: DeviceAdaptor>(a: &A, start: Option<EventHandle>) -> Result<bool> 
     }
 }
 
-pub(crate) fn remote_failure(peer: usize) -> CommError {
+pub(crate) fn remote_failure(peer: usize, fault: u64) -> CommError {
+    let reason = if fault == RETIRED {
+        "it retired the pair (an operation with this rank timed out there, or it aborted)"
+    } else {
+        "its side of the operation failed (a runtime error)"
+    };
     CommError::RemoteFailure {
         peer,
-        reason: "its side of the operation failed (a runtime error)".into(),
+        reason: reason.into(),
     }
 }
 
