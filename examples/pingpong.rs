@@ -139,7 +139,7 @@ fn rank_main() -> Result<(), Error> {
         // its first messages take the staging ring).
         let st = comm.stats();
         println!(
-            "pingpong: every echo checked byte for byte; sweep took {:.2} s; bytes by path: \
+            "pingpong: the last echo of every size checked byte for byte; sweep took {:.2} s; bytes by path: \
              ipc {}, staged ring {}, direct {}, eager {}",
             setup.elapsed().as_secs_f64(),
             st.ipc_bytes,

@@ -24,7 +24,7 @@
     feature = "hip",
     feature = "opencl"
 )))]
-compile_error!("enable at least one vendor feature of `flagcx` (host, cuda, hip)");
+compile_error!("enable at least one vendor feature of `flagcx` (host, cuda, hip, opencl)");
 
 pub use flagcx_adaptor as adaptor;
 pub use flagcx_adaptor::{

@@ -6,8 +6,13 @@
 //! the mixed-vendor shape, `FLAGCX_P2P_TEST_MIXED` (default `host`; the GPU bundle runs
 //! `cuda,host`).
 
+// tidy: long file: one worker holding every job scenario, and the tests that start it with each vendor and setting.
+
 use std::process::Command;
 use std::sync::Arc;
+
+mod common;
+use common::flagcx_run;
 
 use flagcx::{Adaptor, Comm, CommError, DeviceAdaptor, DeviceBuffer, Stream};
 
@@ -293,7 +298,9 @@ fn rank_worker() {
         );
     }
     let ipc = r.comm.transport(next) == Some(flagcx::TransportKind::Ipc);
-    if ipc && std::env::var("FLAGCX_TEST_EXPECT_CALLER").as_deref() == Ok("1") {
+    if std::env::var("FLAGCX_TEST_EXPECT_CALLER").as_deref() == Ok("1") {
+        // The parent asks for this only where the pair can be IPC.
+        assert!(ipc, "rank {me}: expected an IPC pair with rank {next}");
         assert!(
             stats.caller_ops > 0,
             "rank {me}: no operation was moved by its posting thread: {stats:?}"
@@ -301,6 +308,16 @@ fn rank_worker() {
     }
     if std::env::var("FLAGCX_P2P_IPC_CALLER").as_deref() == Ok("off") {
         assert_eq!(stats.caller_ops, 0, "rank {me}: the caller path is off");
+    }
+    // The copier of a pair that opened more peer allocations than the mapping cache holds
+    // must have trimmed it.
+    if std::env::var("FLAGCX_TEST_EXPECT_TRIM").as_deref() == Ok("1")
+        && r.comm.ipc_copier(next) == Some(me)
+    {
+        assert!(
+            stats.ipc_mappings_closed > 0,
+            "rank {me}: the IPC mapping cache was never trimmed: {stats:?}"
+        );
     }
     if std::env::var("FLAGCX_TEST_EXPECT_DIRECT").as_deref() == Ok("1") {
         for q in (0..n).filter(|&q| q != me) {
@@ -668,20 +685,6 @@ fn vendors(var: &str) -> String {
     std::env::var(var).unwrap_or_else(|_| "host".into())
 }
 
-/// The launcher: `FLAGCX_RUN`, else a `flagcx-run` beside this binary (the GPU bundle), else
-/// the one cargo built with this test.
-fn flagcx_run() -> std::path::PathBuf {
-    if let Some(p) = std::env::var_os("FLAGCX_RUN") {
-        return p.into();
-    }
-    let exe = std::env::current_exe().expect("current_exe");
-    let beside = exe.with_file_name("flagcx-run");
-    if beside.is_file() {
-        return beside;
-    }
-    env!("CARGO_BIN_EXE_flagcx-run").into()
-}
-
 /// Runs a job unless one of its vendors has no device here, which is reported as a skip.
 fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) {
     for v in vendors.split(',') {
@@ -894,6 +897,15 @@ fn mixed_vendor_job() {
             ("FLAGCX_TEST_MAX", "8388608"),
         ];
         job(2, &v, "reuse", &off);
+    } else {
+        flagcx_adaptor::conformance::report_skip_reason(
+            "p2p::mixed_vendor_job (direct path block)",
+            &v,
+            &format!(
+                "FLAGCX_P2P_TEST_MIXED={v}: the direct-path jobs need two different vendors, \
+                 one of them host (e.g. host,opencl)"
+            ),
+        );
     }
 }
 
@@ -929,6 +941,7 @@ fn eager_small_messages() {
         &[
             ("FLAGCX_P2P_EAGER_MAX", "0"),
             ("FLAGCX_P2P_IPC_COPIER", "lower"),
+            ("FLAGCX_TEST_EXPECT_TRIM", "1"),
         ],
     );
     let v = vendors("FLAGCX_P2P_TEST_VENDORS");
@@ -968,7 +981,23 @@ fn ipc_pingpong_moved_by_posting_threads() {
     );
     let v = vendors("FLAGCX_P2P_TEST_VENDORS");
     if v != "host" {
-        job(2, &v, "pingpong", &[("FLAGCX_TEST_EXPECT_CALLER", "1")]);
+        let vendor: flagcx::Vendor = v.parse().expect("vendor name");
+        match Adaptor::open(vendor, 0) {
+            Ok(a) if a.capabilities().ipc_bytes => {
+                job(2, &v, "pingpong", &[("FLAGCX_TEST_EXPECT_CALLER", "1")])
+            }
+            Ok(_) => {
+                // The same traffic over the staged transport, without the claim.
+                job(2, &v, "pingpong", &[]);
+                flagcx_adaptor::conformance::report_skip_reason(
+                    "p2p::ipc_pingpong_moved_by_posting_threads (posting-thread check)",
+                    &v,
+                    &format!("{v} has no IPC handles: its pairs are staged, with no posting-thread IPC path"),
+                );
+            }
+            // `job` reports the vendor's absence as a skip.
+            Err(_) => job(2, &v, "pingpong", &[("FLAGCX_TEST_EXPECT_CALLER", "1")]),
+        }
     }
 }
 

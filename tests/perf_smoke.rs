@@ -87,3 +87,38 @@ fn bad_arguments_are_refused_with_usage() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("usage: flagcx-perf"));
 }
+
+/// `--transport staged` holds under a launcher too (the ranks read it, not the launcher).
+#[test]
+fn staged_transport_is_honoured_under_flagcx_run() {
+    let out = Command::new(env!("CARGO_BIN_EXE_flagcx-run"))
+        .args(["-n", "2", "--vendor", "host", "--"])
+        .arg(env!("CARGO_BIN_EXE_flagcx-perf"))
+        .args([
+            "--transport",
+            "staged",
+            "-b",
+            "64K",
+            "-e",
+            "64K",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "-c",
+        ])
+        .env_remove("FLAGCX_RANK")
+        .output()
+        .expect("run flagcx-run");
+    let t = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{t}");
+    assert!(
+        t.contains("| transport staged"),
+        "the pair was not staged:\n{t}"
+    );
+    assert!(t.contains("# wrong bytes in all: 0"), "{t}");
+}

@@ -5,6 +5,8 @@
 //! `FLAGCX_TEST_SCENARIO`. Workers print `survivor ok …` lines the parent checks. Vendor:
 //! `FLAGCX_P2P_TEST_VENDORS` (default `host`).
 
+// tidy: long file: one worker holding every fault scenario, and the tests that start it.
+
 use std::io::Write;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
@@ -14,6 +16,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use flagcx::p2p::bootstrap::{socket_name, UniqueId};
+
+mod common;
 use flagcx::{Adaptor, Comm, CommError, DeviceBuffer, Stream};
 
 fn vendor() -> String {
@@ -259,6 +263,11 @@ fn reliability_worker() {
                 Err(CommError::PeerLost { .. }) => {}
                 other => panic!("future send: expected PeerLost, got {other:?}"),
             }
+            assert!(
+                t2.elapsed() < Duration::from_secs(1),
+                "a later op on a lost peer took {:?}",
+                t2.elapsed()
+            );
             stream
                 .synchronize()
                 .expect("the caller's stream was released");
@@ -302,7 +311,8 @@ fn reliability_worker() {
                 );
             }
             if comm.eager_limit(peer) > 0 {
-                assert!(done > 0, "no send went eagerly");
+                // The peer died before any of them: every one of its 64 slots was free.
+                assert_eq!(done, 64, "eager sends that completed to a dead peer");
             } else {
                 assert_eq!(
                     done, 0,
@@ -366,14 +376,26 @@ fn reliability_worker() {
                 ));
             } else {
                 match r.wait_timeout(Duration::from_secs(10)) {
-                    Err(CommError::Timeout { .. }) => {}
-                    other => panic!("expected Timeout, got {other:?}"),
+                    Err(CommError::Timeout { peer: Some(1), .. }) => {}
+                    other => panic!("expected Timeout naming rank 1, got {other:?}"),
                 }
+                let waited = t.elapsed();
+                assert!(
+                    waited >= Duration::from_millis(300)
+                        && waited < Duration::from_millis(300 + 1000),
+                    "Timeout after {waited:?} (FLAGCX_TIMEOUT_MS=300)"
+                );
+                let t2 = Instant::now();
                 let again = comm.recv(&buf, peer, &stream).expect("post");
                 match again.wait_timeout(Duration::from_secs(5)) {
                     Err(CommError::PeerLost { .. }) => {}
                     other => panic!("after a timeout the pair is retired; got {other:?}"),
                 }
+                assert!(
+                    t2.elapsed() < Duration::from_secs(1),
+                    "a later op on a retired pair took {:?}",
+                    t2.elapsed()
+                );
             }
             let ms = t.elapsed().as_millis();
             if scenario == "abort" {
@@ -457,10 +479,16 @@ fn reliability_worker() {
         "watchdog" => watchdog_scenario(adaptor, me, peer, &before),
         "fault" => fault_scenario(adaptor, me, peer, &before),
         "direct_fault" => direct_fault_scenario(adaptor, me, peer, &before),
-        "expect_bootstrap_failure" => match Comm::from_env(adaptor.clone()) {
-            Err(CommError::Bootstrap(e)) => println!("survivor ok: refused: {e}"),
-            other => panic!("expected a bootstrap error, got {other:?}"),
-        },
+        "expect_bootstrap_failure" => {
+            let t = Instant::now();
+            match Comm::from_env(adaptor.clone()) {
+                Err(CommError::Bootstrap(e)) => println!(
+                    "survivor ok: refused after {} ms: {e}",
+                    t.elapsed().as_millis()
+                ),
+                other => panic!("expected a bootstrap error, got {other:?}"),
+            }
+        }
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -718,9 +746,10 @@ fn fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
         .unwrap()
         .parse()
         .unwrap();
-    // Only the faulty rank's calls fail; `usize::MAX` successes first means "never".
+    // Only the faulty rank's calls fail, after `FLAGCX_TEST_FAULT_AFTER` successes (default
+    // 0: the first); `usize::MAX` successes first means "never".
     let after = if me == faulty_rank {
-        0
+        std::env::var("FLAGCX_TEST_FAULT_AFTER").map_or(0, |v| v.parse().expect("a count"))
     } else {
         usize::MAX >> 1
     };
@@ -785,6 +814,15 @@ fn check_fault_outcome(
         ),
     }
     assert!(!local || a.fired(), "the fault never fired");
+    // Who issued the failing copy, where the test says: the posting thread or the proxy.
+    if local {
+        let failures = comm.stats().caller_failures;
+        match std::env::var("FLAGCX_TEST_EXPECT_ISSUER").as_deref() {
+            Ok("caller") => assert_eq!(failures, 1, "the posting thread issued the failing copy"),
+            Ok("proxy") => assert_eq!(failures, 0, "the proxy issued the failing copy"),
+            _ => {}
+        }
+    }
     // The pair is retired on the faulty side: a later operation fails at once.
     if local {
         let again = if me == sender {
@@ -946,6 +984,17 @@ fn peer_that_closes_early_is_lost_not_awaited() {
     let (r0, r1) = pair("early_close", &[]);
     assert!(r1.status.success(), "{}", text(&r1));
     assert_survived(&r0, "survivor of an early close");
+    let line = String::from_utf8_lossy(&r0.stdout).to_string();
+    let ms: u128 = line
+        .split("failed ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|s| s.parse().ok())
+        .expect("timing line");
+    assert!(
+        ms < 300 + 2000,
+        "PeerLost took {ms} ms (bound: 2 s after the close)"
+    );
 }
 
 #[test]
@@ -1154,10 +1203,7 @@ fn launch_stall_job(
     std::thread::JoinHandle<String>,
 ) {
     let exe = std::env::current_exe().expect("exe");
-    // The GPU bundle carries its own launcher (FLAGCX_RUN_BIN); here, cargo's.
-    let launcher = std::env::var_os("FLAGCX_RUN_BIN")
-        .unwrap_or_else(|| env!("CARGO_BIN_EXE_flagcx-run").into());
-    let mut cmd = Command::new(launcher);
+    let mut cmd = Command::new(common::flagcx_run());
     cmd.args(["-n", "2", "--grace", "1", "--vendor", &vendor(), "--"])
         .arg(exe)
         .args([
@@ -1375,15 +1421,21 @@ fn fault_pair_with(op: &str, faulty_rank: &str, staged: bool, extra: &[(&str, &s
 
 /// The two ways an IPC copy is issued: by the proxy (`FLAGCX_P2P_IPC_CALLER=off`), and by the
 /// posting thread (spinning long enough that it sees the peer's descriptor).
-const IPC_ISSUERS: [(&str, &str); 2] = [
-    ("FLAGCX_P2P_IPC_CALLER", "off"),
-    ("FLAGCX_SPIN_US", "10000"),
+const IPC_ISSUERS: [[(&str, &str); 2]; 2] = [
+    [
+        ("FLAGCX_P2P_IPC_CALLER", "off"),
+        ("FLAGCX_TEST_EXPECT_ISSUER", "proxy"),
+    ],
+    [
+        ("FLAGCX_SPIN_US", "10000"),
+        ("FLAGCX_TEST_EXPECT_ISSUER", "caller"),
+    ],
 ];
 
 #[test]
 fn failed_copy_on_the_sender_errors_both_sides_ipc() {
     for issuer in IPC_ISSUERS {
-        fault_pair_with("d2d", "0", false, &[issuer]);
+        fault_pair_with("d2d", "0", false, &issuer);
     }
 }
 
@@ -1395,7 +1447,8 @@ fn failed_pull_on_the_receiver_errors_both_sides_ipc() {
             ("FLAGCX_P2P_IPC_COPIER", "lower"),
             ("FLAGCX_TEST_FAULT_SENDER", "1"),
             ("FLAGCX_TEST_RECV_DELAY_MS", "200"),
-            issuer,
+            issuer[0],
+            issuer[1],
         ];
         fault_pair_with("d2d", "0", false, &pull);
     }
@@ -1406,9 +1459,19 @@ fn failed_copy_on_the_sender_errors_both_sides_staged() {
     fault_pair("d2h", "0", true);
 }
 
+/// Mid-message: 16 MiB through an 8 MiB ring (8 chunks of 2 MiB), the receiver's third
+/// host-to-device copy fails while the sender still streams.
 #[test]
 fn failed_copy_on_the_receiver_errors_both_sides_staged() {
-    fault_pair("h2d", "1", true);
+    fault_pair_with(
+        "h2d",
+        "1",
+        true,
+        &[
+            ("FLAGCX_P2P_BUFFSIZE", "8M"),
+            ("FLAGCX_TEST_FAULT_AFTER", "2"),
+        ],
+    );
 }
 
 /// A direct pair of host ranks (rank 0 maps rank 1's buffers): one copy of `op` fails on
@@ -1470,13 +1533,55 @@ fn forged_secret_is_refused_and_logged() {
         "the refusal was not logged:\n{}",
         text(&o0)
     );
+    let refused_ms = |o: &Output| -> u128 {
+        let out = String::from_utf8_lossy(&o.stdout);
+        out.split("refused after ")
+            .nth(1)
+            .and_then(|s| s.split(' ').next())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no timing line:\n{}", text(o)))
+    };
+    // The forger is turned away at its hello: it fails well before its own bootstrap timeout.
+    let forger = refused_ms(&o1);
+    assert!(
+        forger < 1000,
+        "the forger failed after {forger} ms (timeout 1500 ms)"
+    );
+    // The honest rank waits out its timeout and names the rank that never came.
+    let honest = String::from_utf8_lossy(&o0.stdout);
+    assert!(
+        honest.contains("ranks [1] did not connect within 1500 ms"),
+        "the missing rank is not named:\n{honest}"
+    );
+    println!(
+        "forger refused after {forger} ms; honest rank after {} ms",
+        refused_ms(&o0)
+    );
 }
 
 #[test]
 fn truncated_unique_id_is_a_config_error() {
     let id = UniqueId::random().expect("id").to_string();
-    assert!(id[..20].parse::<UniqueId>().is_err());
-    assert!(format!("{id}x").parse::<UniqueId>().is_err());
+    let refused = |s: &str, why: &str| match s.parse::<UniqueId>() {
+        Err(CommError::Config {
+            name,
+            value,
+            reason,
+        }) => {
+            assert_eq!(name, "FLAGCX_UNIQUE_ID");
+            assert_eq!(value, s);
+            assert_eq!(reason, why);
+        }
+        other => panic!("{s:?}: expected a Config error naming FLAGCX_UNIQUE_ID, got {other:?}"),
+    };
+    refused(&id[..20], "bad name part");
+    refused(&id[..50], "bad secret part");
+    refused(&format!("{id}x"), "bad secret part");
+    refused(&format!("{id}-00"), "trailing data");
+    refused(
+        &id.replacen("fx1", "fx2", 1),
+        "expected fx1-<32 hex>-<32 hex>",
+    );
 }
 
 #[test]

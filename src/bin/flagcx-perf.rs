@@ -119,13 +119,8 @@ fn main() -> ExitCode {
 fn self_launch(o: &Opts, args: &[String]) -> Result<(), Error> {
     let mut program = vec![std::env::current_exe()?.to_string_lossy().into_owned()];
     program.extend(args.iter().cloned());
-    let mut env = Vec::new();
-    if o.transport == "staged" {
-        env.push(("FLAGCX_P2P_DISABLE".to_string(), "1".to_string()));
-    }
     let out = launch(&LaunchSpec {
         vendors: o.vendors.clone(),
-        env,
         ..LaunchSpec::new(o.nranks, program)
     })?;
     if out.success() {
@@ -155,7 +150,13 @@ struct Row {
 fn rank_main(o: &Opts) -> Result<(), Error> {
     let adaptor = Adaptor::from_env()?;
     let t0 = Instant::now();
-    let comm = Comm::from_env(adaptor.clone())?;
+    // `--transport staged` holds however the ranks were started (by this tool or a launcher).
+    let mut config = flagcx::p2p::Config::from_env()?;
+    if o.transport == "staged" {
+        config.p2p_disable = true;
+    }
+    let env = flagcx::p2p::RankEnv::from_env()?;
+    let comm = Comm::init(adaptor.clone(), env.rank, env.nranks, &env.id, config)?;
     let (me, n) = (comm.rank(), comm.nranks());
     let stream = Stream::new(&adaptor)?;
     let next = (me + 1) % n;

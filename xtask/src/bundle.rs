@@ -66,20 +66,14 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
             ]
         };
         if target == "reliability" {
-            // Faults, stopped peers, aborts and the launcher on GPU ranks. The forced direct
-            // pair is a host-vendor case by construction: it runs on host ranks beside them.
+            // Faults, stopped peers, aborts and the launcher (the bundle's `flagcx-run`, found
+            // beside the test binary) on GPU ranks. The forced direct pair is a host-vendor
+            // case by construction: it runs on host ranks beside them.
             let bin = format!("\"$here/bin/{file}\"");
-            let launcher = (
-                "FLAGCX_RUN_BIN".to_string(),
-                "\"$here/bin/flagcx-run\"".to_string(),
-            );
             entries.push(Entry {
                 label: format!("{krate}::{target}"),
                 file: file.clone(),
-                env: vec![
-                    ("FLAGCX_P2P_TEST_VENDORS".into(), vendor.clone()),
-                    launcher.clone(),
-                ],
+                env: vec![("FLAGCX_P2P_TEST_VENDORS".into(), vendor.clone())],
                 args: vec![
                     bin.clone(),
                     "--skip direct --skip failed_registration_keeps_the_ring".into(),
@@ -88,7 +82,7 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
             entries.push(Entry {
                 label: format!("{krate}::{target} host direct"),
                 file: format!("{file}-host-direct"),
-                env: vec![("FLAGCX_P2P_TEST_VENDORS".into(), "host".into()), launcher],
+                env: vec![("FLAGCX_P2P_TEST_VENDORS".into(), "host".into())],
                 args: vec![bin, "direct failed_registration_keeps_the_ring".into()],
             });
             continue;

@@ -15,6 +15,8 @@
 //! - Every stream, event and allocation handed out is tracked, so a stale or foreign handle is a
 //!   typed error before it reaches the driver.
 
+// tidy: long file: the whole DeviceAdaptor over one FFI; what it shares with the HIP crate moves into a common driver core.
+
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod error;

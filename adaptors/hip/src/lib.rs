@@ -12,6 +12,8 @@
 //! stream memory operations are probed at open time. Every handle is tracked, as in the other
 //! vendors, so stale or foreign handles are typed errors before they reach the runtime.
 
+// tidy: long file: the whole DeviceAdaptor over one FFI; what it shares with the CUDA crate moves into a common driver core.
+
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod ffi;

@@ -15,6 +15,8 @@
 //!   coherent at map/unmap, which is not what registration promises), peer access, stream memory
 //!   operations and capture modes.
 
+// tidy: long file: the whole DeviceAdaptor over cl3, with its synthetic address space for buffers.
+
 #![deny(unsafe_op_in_unsafe_fn)]
 
 use std::collections::HashMap;

@@ -105,7 +105,8 @@ fn hex(b: &[u8]) -> String {
 }
 
 fn unhex16(s: &str) -> Option<[u8; 16]> {
-    if s.len() != 32 || !s.is_ascii() {
+    // Hex digits only: `u8::from_str_radix` alone would take "+f" as 15.
+    if s.len() != 32 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     let mut out = [0u8; 16];

@@ -136,6 +136,9 @@ pub struct Config {
     /// each waits up to the spin time for the peer (plus up to 2 ms while the copy of the
     /// message runs), then hands the rest to the proxy from where it stands.
     pub ipc_caller: bool,
+    /// Each rank prints where its operations spent their time when its communicator is
+    /// destroyed (`FLAGCX_PROFILE` set to anything, default off).
+    pub profile: bool,
 }
 
 /// Defaults, documented in the README's environment table.
@@ -165,6 +168,7 @@ impl Default for Config {
             host_map_max: DEFAULT_HOST_MAP_MAX,
             eager_max: DEFAULT_EAGER_MAX,
             ipc_caller: true,
+            profile: false,
         }
     }
 }
@@ -283,6 +287,7 @@ impl Config {
         if let Some(v) = var("FLAGCX_P2P_HOST_MAP_MAX") {
             c.host_map_max = parse_size("FLAGCX_P2P_HOST_MAP_MAX", &v)?;
         }
+        c.profile = var("FLAGCX_PROFILE").is_some();
         if let Some(v) = var("FLAGCX_P2P_IPC_CALLER") {
             c.ipc_caller = parse_choice(
                 "FLAGCX_P2P_IPC_CALLER",
@@ -587,10 +592,32 @@ mod tests {
         let mut c = Config::default();
         c.validate().unwrap();
         assert_eq!(c.slots(), 8);
+        let names = |r: Result<()>, var: &str, value: &str| match r {
+            Err(CommError::Config {
+                name,
+                value: v,
+                reason,
+            }) => {
+                assert_eq!(name, var, "{reason}");
+                assert_eq!(v, value);
+            }
+            other => panic!("expected a Config error naming {var}, got {other:?}"),
+        };
         c.chunksize = 100;
-        assert!(c.validate().is_err());
+        names(c.validate(), "FLAGCX_P2P_CHUNKSIZE", "100");
         c.chunksize = 1 << 20;
         c.buffsize = 1 << 20;
-        assert!(c.validate().is_err(), "a one-slot ring cannot pipeline");
+        // A one-slot ring cannot pipeline.
+        names(c.validate(), "FLAGCX_P2P_BUFFSIZE", "1048576");
+        c.buffsize = 2048 << 20;
+        c.chunksize = 1 << 20;
+        names(c.validate(), "FLAGCX_P2P_BUFFSIZE", "2147483648");
+        c.buffsize = 32 << 20;
+        c.eager_max = MAX_EAGER_MAX + 1;
+        names(
+            c.validate(),
+            "FLAGCX_P2P_EAGER_MAX",
+            &(MAX_EAGER_MAX + 1).to_string(),
+        );
     }
 }

@@ -64,4 +64,10 @@ pub struct PathStats {
     /// IPC operations (sends and receives) that the posting thread finished itself, without
     /// the proxy ([`Config::ipc_caller`]); their bytes count in `ipc_bytes`.
     pub caller_ops: u64,
+    /// IPC operations whose posting thread's own copy failed (a vendor error), handed to the
+    /// proxy to tell the peer and retire the pair.
+    pub caller_failures: u64,
+    /// Peer allocations whose IPC mapping was closed while running: the mapping cache (256
+    /// entries) trimmed past its bound.
+    pub ipc_mappings_closed: u64,
 }

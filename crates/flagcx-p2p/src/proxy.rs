@@ -11,6 +11,8 @@
 //! The thread spins while work is in flight (spin → yield → 20 µs naps once a wait grows long)
 //! and parks when idle, so an idle communicator burns no core.
 
+// tidy: long file: the progress engine together with every transport's progress side (IPC, staged, direct, eager); they move into per-transport modules with the engine split.
+
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -253,6 +255,10 @@ impl Shared {
             direct_bytes: b(Path::Direct),
             eager_bytes: b(Path::Eager),
             caller_ops: self.caller_ops.load(Ordering::Relaxed),
+            caller_failures: self.caller_handoffs
+                [Resume::handoff_kind(&Some(Resume::Failed(CommError::Aborted)))]
+            .load(Ordering::Relaxed),
+            ipc_mappings_closed: lock(&self.ipc).closes,
         }
     }
 
@@ -277,6 +283,8 @@ pub(crate) struct IpcCache {
     pub caller_copies: usize,
     /// Handles opened (cache misses), for `FLAGCX_PROFILE`.
     pub opens: u64,
+    /// Mappings closed while running (trimming past the bound), for [`crate::Comm::stats`].
+    pub closes: u64,
 }
 
 impl IpcCache {
@@ -569,7 +577,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
             timeout: config.timeout,
             health_interval: config.health_interval,
             spin: config.spin.unwrap_or_default(),
-            profile: std::env::var_os("FLAGCX_PROFILE").map(|_| Profile::default()),
+            profile: config.profile.then(Profile::default),
             free_events: Vec::new(),
             host_maps,
             finished: BTreeSet::new(),
@@ -1201,6 +1209,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
         }
         let victims = lru_victims(&cache.map, IPC_CACHE_MAX, n);
         let closed = victims.len() as u64;
+        cache.closes += closed;
         for key in victims {
             if let Some((base, _)) = cache.map.remove(&key) {
                 // SAFETY: both proxy streams are idle and no posting thread's copy is in

@@ -6,8 +6,8 @@ use flagcx_adaptor::{Capabilities, IpcMemHandle, Vendor};
 use flagcx_p2p::channel::{Channel, Geometry, RecvDesc};
 use flagcx_p2p::config::{HostDirect, IpcCopier};
 use flagcx_p2p::peer::PeerInfo;
-use flagcx_p2p::wire::{self, Reader, Tag, HEADER_LEN, MAX_PAYLOAD};
-use flagcx_p2p::UniqueId;
+use flagcx_p2p::wire::{self, Reader, Tag, MAX_PAYLOAD};
+use flagcx_p2p::{CommError, UniqueId};
 use proptest::prelude::*;
 
 fn vendor() -> impl Strategy<Value = Vendor> {
@@ -58,13 +58,47 @@ fn peer_info() -> impl Strategy<Value = PeerInfo> {
         )
 }
 
+/// The protocol error's message, or a failure naming what came back instead.
+fn protocol_message<T: std::fmt::Debug>(r: Result<T, CommError>) -> Result<String, TestCaseError> {
+    match r {
+        Err(CommError::Protocol(m)) => Ok(m),
+        other => Err(TestCaseError::fail(format!(
+            "expected a protocol error, got {other:?}"
+        ))),
+    }
+}
+
+/// Byte offsets of `PeerInfo::encode`'s fixed fields from the end: the capability bits, the
+/// staged flag, the copier code and the host-direct code close the frame.
+const CAPS_FROM_END: usize = 7;
+const P2P_FROM_END: usize = 3;
+const COPIER_FROM_END: usize = 2;
+const DIRECT_FROM_END: usize = 1;
+/// The vendor code follows the rank.
+const VENDOR_AT: usize = 4;
+
 proptest! {
     #[test]
-    fn headers_never_panic_and_bound_lengths(bytes in any::<[u8; HEADER_LEN]>()) {
-        if let Ok((tag, len)) = wire::parse_header(&bytes) {
-            prop_assert!(len <= MAX_PAYLOAD);
-            prop_assert_eq!(wire::header(tag, len).unwrap(), bytes);
-        }
+    fn headers_round_trip(tag in 1u32..=5, len in 0usize..=MAX_PAYLOAD) {
+        let tag = Tag::from_u32(tag).unwrap();
+        let h = wire::header(tag, len).unwrap();
+        prop_assert_eq!(wire::parse_header(&h).unwrap(), (tag, len));
+    }
+
+    #[test]
+    fn headers_reject_an_unknown_tag_exactly(tag in any::<u32>().prop_filter("unknown", |t| Tag::from_u32(*t).is_none()), len in 0usize..=MAX_PAYLOAD) {
+        let mut h = wire::header(Tag::Barrier, len).unwrap();
+        h[..4].copy_from_slice(&tag.to_le_bytes());
+        let m = protocol_message(wire::parse_header(&h))?;
+        prop_assert_eq!(m, format!("unknown tag {tag}"));
+    }
+
+    #[test]
+    fn headers_reject_an_oversized_length_exactly(tag in 1u32..=5, len in (MAX_PAYLOAD as u32 + 1)..=u32::MAX) {
+        let mut h = wire::header(Tag::from_u32(tag).unwrap(), 0).unwrap();
+        h[4..].copy_from_slice(&len.to_le_bytes());
+        let m = protocol_message(wire::parse_header(&h))?;
+        prop_assert!(m.starts_with(&format!("frame claims {len} bytes")), "{}", m);
     }
 
     #[test]
@@ -72,16 +106,65 @@ proptest! {
         prop_assert_eq!(PeerInfo::decode(&info.encode()).unwrap(), info);
     }
 
+    /// A valid frame with one field made invalid is refused, with that field named.
     #[test]
-    fn peer_info_rejects_garbage_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
-        let _ = PeerInfo::decode(&bytes);
+    fn peer_info_names_the_one_bad_field(info in peer_info(), field in 0usize..6, junk in any::<u8>()) {
+        let mut b = info.encode();
+        let n = b.len();
+        let expected = match field {
+            0 => {
+                let v = if Vendor::from_code(junk).is_none() { junk } else { 0 };
+                b[VENDOR_AT] = v;
+                format!("peer info: unknown vendor code {v}")
+            }
+            1 => {
+                let bits = u32::from_le_bytes(b[n - CAPS_FROM_END..n - CAPS_FROM_END + 4].try_into().unwrap())
+                    | (1 << (9 + junk as u32 % 23));
+                b[n - CAPS_FROM_END..n - CAPS_FROM_END + 4].copy_from_slice(&bits.to_le_bytes());
+                format!("peer info: unknown capability bits {bits:#x}")
+            }
+            2 => {
+                let x = junk.max(2);
+                b[n - P2P_FROM_END] = x;
+                format!("peer info: flag {x}")
+            }
+            3 => {
+                let x = junk.max(3);
+                b[n - COPIER_FROM_END] = x;
+                format!("peer info: unknown IPC copier code {x}")
+            }
+            4 => {
+                let x = junk.max(3);
+                b[n - DIRECT_FROM_END] = x;
+                format!("peer info: unknown host-direct code {x}")
+            }
+            _ => {
+                b.push(junk);
+                "peer info: 1 trailing bytes".to_string()
+            }
+        };
+        let m = protocol_message(PeerInfo::decode(&b))?;
+        prop_assert_eq!(m, expected);
+    }
+
+    /// The PCI bus id's length prefix claims more bytes than the frame holds.
+    #[test]
+    fn peer_info_refuses_a_string_longer_than_the_frame(info in peer_info(), extra in 1u32..1 << 20) {
+        let mut b = info.encode();
+        let at = 9; // rank (4), vendor (1), device (4), then the bus id's length
+        let len = u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+        let claim = len + b.len() as u32 + extra;
+        b[at..at + 4].copy_from_slice(&claim.to_le_bytes());
+        let m = protocol_message(PeerInfo::decode(&b))?;
+        prop_assert!(m.starts_with("peer info: truncated"), "{}", m);
     }
 
     #[test]
     fn peer_info_rejects_every_truncation(info in peer_info(), cut in 0usize..64) {
         let b = info.encode();
         let cut = cut.min(b.len().saturating_sub(1));
-        prop_assert!(PeerInfo::decode(&b[..cut]).is_err());
+        let m = protocol_message(PeerInfo::decode(&b[..cut]))?;
+        prop_assert!(m.starts_with("peer info: truncated"), "{}", m);
     }
 
     #[test]
@@ -100,9 +183,32 @@ proptest! {
     }
 
     #[test]
-    fn unique_ids_parse_strictly(s in ".{0,80}") {
-        if let Ok(id) = s.parse::<UniqueId>() {
-            prop_assert_eq!(id.to_string(), s.trim().to_ascii_lowercase());
+    fn unique_ids_round_trip(name in any::<[u8; 16]>(), secret in any::<[u8; 16]>()) {
+        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        let s = format!("fx1-{}-{}", hex(&name), hex(&secret));
+        let id: UniqueId = s.parse().unwrap();
+        prop_assert_eq!(id.to_string(), s.clone());
+        // Upper case and surrounding blanks are accepted too.
+        let loud: UniqueId = format!("  {}\n", s.to_ascii_uppercase().replacen("FX1", "fx1", 1)).parse().unwrap();
+        prop_assert_eq!(loud.to_string(), s);
+    }
+
+    /// A valid id with one character replaced by a non-hex one is refused, naming the part.
+    #[test]
+    fn unique_ids_name_the_bad_part(id in any::<[u8; 32]>(), at in 0usize..64, bad in "[g-zG-Z_+ ./]") {
+        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        let mut s = format!("fx1-{}-{}", hex(&id[..16]), hex(&id[16..]));
+        // Characters 4..36 are the name, 37..69 the secret.
+        let pos = if at < 32 { 4 + at } else { 37 + (at - 32) };
+        s.replace_range(pos..pos + 1, &bad);
+        let want = if at < 32 { "bad name part" } else { "bad secret part" };
+        match s.parse::<UniqueId>() {
+            Err(CommError::Config { name, value, reason }) => {
+                prop_assert_eq!(name, "FLAGCX_UNIQUE_ID");
+                prop_assert_eq!(value, s);
+                prop_assert_eq!(reason, want);
+            }
+            other => prop_assert!(false, "{:?}", other),
         }
     }
 

@@ -1,0 +1,218 @@
+//! Tidy checks (rust-analyzer's habit): the docs and the code agree, and no file grows past
+//! what one reader holds without saying why. Run with every `cargo xtask test`.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn read(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// Every `.rs` file under `dir`, recursively.
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            if p.file_name().is_some_and(|n| n == "target") {
+                continue;
+            }
+            out.extend(rust_files(&p));
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// The source folders of the library, its tools and its vendors (not the tests).
+fn source_dirs() -> Vec<PathBuf> {
+    let r = root();
+    let mut dirs = vec![r.join("src"), r.join("xtask/src")];
+    for group in ["crates", "adaptors"] {
+        for e in std::fs::read_dir(r.join(group)).expect(group).flatten() {
+            dirs.push(e.path().join("src"));
+        }
+    }
+    dirs
+}
+
+/// `FLAGCX_…` names in `text` (upper case, digits, underscores).
+fn env_names(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("FLAGCX_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'))
+            .unwrap_or(tail.len());
+        let name = tail[..end].trim_end_matches('_');
+        if name.len() > "FLAGCX_".len() {
+            out.insert(name.to_string());
+        }
+        rest = &tail[end..];
+    }
+    out
+}
+
+/// Every `FLAGCX_*` variable the code names is in the README's environment tables, and every
+/// one there is still named by some code (library, tools or tests). The conformance suite's
+/// child-process plumbing (`FLAGCX_CONFORMANCE_*`) is internal.
+#[test]
+fn environment_variables_match_the_readme() {
+    let readme = read(&root().join("README.md"));
+    let env_section = &readme[readme
+        .find("## Environment")
+        .expect("an Environment section")..];
+    let documented = env_names(env_section);
+    let mut in_code = BTreeSet::new();
+    for dir in source_dirs() {
+        for f in rust_files(&dir) {
+            // String literals and constants only: doc comments mention names too.
+            for line in read(&f).lines() {
+                let code = line.trim_start();
+                if code.starts_with("//") {
+                    continue;
+                }
+                for n in env_names(code) {
+                    if code.contains(&format!("\"{n}")) {
+                        in_code.insert(n);
+                    }
+                }
+            }
+        }
+    }
+    in_code.retain(|n| !n.starts_with("FLAGCX_CONFORMANCE_"));
+    let undocumented: Vec<_> = in_code.difference(&documented).collect();
+    assert!(
+        undocumented.is_empty(),
+        "read in code but not in the README's tables: {undocumented:?}"
+    );
+    let mut anywhere = String::new();
+    for dir in source_dirs().into_iter().chain([root().join("tests")]) {
+        for f in rust_files(&dir) {
+            anywhere.push_str(&read(&f));
+        }
+    }
+    let stale: Vec<_> = documented
+        .iter()
+        .filter(|n| !anywhere.contains(&format!("\"{n}")))
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "in the README but read nowhere: {stale:?}"
+    );
+}
+
+/// The module table of `docs/architecture.md` names every file of `crates/flagcx-p2p/src`,
+/// and no file that is gone.
+#[test]
+fn architecture_module_table_matches_the_p2p_crate() {
+    let doc = read(&root().join("docs/architecture.md"));
+    let table = &doc[doc.find("| module | what |").expect("the module table")..];
+    let named: BTreeSet<String> = table
+        .lines()
+        .take_while(|l| l.starts_with('|'))
+        .filter_map(|l| {
+            let cell = l.split('|').nth(1)?.trim();
+            let name = cell.strip_prefix('`')?.split('`').next()?;
+            name.ends_with(".rs").then(|| name.to_string())
+        })
+        .collect();
+    let src = root().join("crates/flagcx-p2p/src");
+    let files: BTreeSet<String> = rust_files(&src)
+        .iter()
+        .map(|p| {
+            p.strip_prefix(&src)
+                .expect("under src")
+                .display()
+                .to_string()
+        })
+        .collect();
+    let missing: Vec<_> = files.difference(&named).collect();
+    let gone: Vec<_> = named.difference(&files).collect();
+    assert!(missing.is_empty(), "not in the module table: {missing:?}");
+    assert!(gone.is_empty(), "in the module table but gone: {gone:?}");
+}
+
+/// Test names the reliability document cites (`name` in its tables; `a_{b, c}` stands for
+/// `a_b` and `a_c`) exist as test functions.
+#[test]
+fn tests_cited_in_the_reliability_doc_exist() {
+    let doc = read(&root().join("docs/reliability.md"));
+    let mut code = String::new();
+    for dir in [
+        root().join("tests"),
+        root().join("crates"),
+        root().join("adaptors"),
+    ] {
+        for f in rust_files(&dir) {
+            code.push_str(&read(&f));
+        }
+    }
+    let mut cited = BTreeSet::new();
+    for line in doc.lines().filter(|l| l.starts_with('|')) {
+        for (i, span) in line.split('`').enumerate() {
+            if i % 2 == 0 {
+                continue;
+            }
+            let names: Vec<String> = match span.split_once('{') {
+                Some((head, tail)) => tail
+                    .trim_end_matches('}')
+                    .split(',')
+                    .map(|t| format!("{head}{}", t.trim()))
+                    .collect(),
+                None => vec![span.to_string()],
+            };
+            for n in names {
+                // A test name: snake case with at least three words, no path or call.
+                let snake = n
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+                if snake && n.matches('_').count() >= 2 && !n.ends_with(".rs") {
+                    cited.insert(n);
+                }
+            }
+        }
+    }
+    assert!(cited.len() > 20, "found only {cited:?}");
+    let absent: Vec<_> = cited
+        .iter()
+        .filter(|n| !code.contains(&format!("fn {n}(")) && !code.contains(&format!("fn {n}<")))
+        .collect();
+    assert!(
+        absent.is_empty(),
+        "cited in docs/reliability.md but not a function: {absent:?}"
+    );
+}
+
+/// Above this many lines a source file must say why (a line containing `tidy: long file`).
+const LONG_FILE: usize = 800;
+
+#[test]
+fn long_files_say_why() {
+    let mut long = Vec::new();
+    for dir in source_dirs().into_iter().chain([root().join("tests")]) {
+        for f in rust_files(&dir) {
+            let text = read(&f);
+            let n = text.lines().count();
+            if n > LONG_FILE && !text.contains("tidy: long file") {
+                long.push(format!(
+                    "{} ({n} lines)",
+                    f.strip_prefix(root()).unwrap().display()
+                ));
+            }
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "over {LONG_FILE} lines without a `tidy: long file` line saying why: {long:?}"
+    );
+}
