@@ -704,8 +704,9 @@ pub fn stream_memory_ops<A: DeviceAdaptor>(a: &A) {
             a.stream_write_value32(s.handle(), done32, 7)
                 .expect("write_value32");
         }
+        // 1, or 7 already if the wait does not block (caught just below).
         await_word("the stream reaching its wait", || {
-            d32h.load(Ordering::Acquire) == 1
+            d32h.load(Ordering::Acquire) != 0
         });
         // From here a correct wait holds the stream however long we look (no timing can make
         // this fail); a wait that does not block shows itself within the watch.
@@ -755,7 +756,7 @@ pub fn stream_memory_ops<A: DeviceAdaptor>(a: &A) {
                 .expect("write_value64");
         }
         await_word("the stream reaching its 64-bit wait", || {
-            d64h.load(Ordering::Acquire) == 1
+            d64h.load(Ordering::Acquire) != 0
         });
         watch_blocked(
             "the 64-bit wait",
