@@ -592,7 +592,8 @@ impl DeviceAdaptor for CudaAdaptor {
         // SAFETY: valid out-pointers; the driver validates the address.
         check(OP, unsafe {
             sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr.0)
-        })?;
+        })
+        .map_err(|e| not_device_memory(e, ptr))?;
         Ok((DevicePtr(base), size))
     }
 
@@ -1190,5 +1191,16 @@ impl DeviceAdaptor for CudaAdaptor {
         check(OP, unsafe {
             sys::cuStreamWriteValue64_v2(s, addr.0, value, 0)
         })
+    }
+}
+
+/// The driver's "no allocation there" for an address range query (invalid value, 1; not
+/// found, 500) is a foreign pointer: `InvalidArgument`, with the driver's answer in the reason.
+fn not_device_memory(e: AdaptorError, ptr: DevicePtr) -> AdaptorError {
+    match e {
+        AdaptorError::Vendor { op, code, name, .. } if code == 1 || code == 500 => {
+            AdaptorError::invalid(op, format!("{ptr} is not device memory ({name} ({code}))"))
+        }
+        other => other,
     }
 }

@@ -518,7 +518,8 @@ impl DeviceAdaptor for HipAdaptor {
         // SAFETY: valid out-pointers; the runtime validates the address.
         check(OP, unsafe {
             ffi::hipMemGetAddressRange(&mut base, &mut size, ptr.0 as *mut c_void)
-        })?;
+        })
+        .map_err(|e| not_device_memory(e, ptr))?;
         Ok((DevicePtr(base as u64), size))
     }
 
@@ -1069,5 +1070,16 @@ impl DeviceAdaptor for HipAdaptor {
         check(OP, unsafe {
             ffi::hipStreamWriteValue64(s, addr.0 as *mut c_void, value, 0)
         })
+    }
+}
+
+/// The driver's "no allocation there" for an address range query (invalid value, 1; not
+/// found, 500) is a foreign pointer: `InvalidArgument`, with the driver's answer in the reason.
+fn not_device_memory(e: AdaptorError, ptr: DevicePtr) -> AdaptorError {
+    match e {
+        AdaptorError::Vendor { op, code, name, .. } if code == 1 || code == 500 => {
+            AdaptorError::invalid(op, format!("{ptr} is not device memory ({name} ({code}))"))
+        }
+        other => other,
     }
 }
