@@ -15,6 +15,8 @@ command -v hipconfig >/dev/null || need_pkgs+=(hipcc)
 # heterogeneous (host + OpenCL) p2p jobs.
 [ -e /usr/lib/x86_64-linux-gnu/libOpenCL.so ] || need_pkgs+=(ocl-icd-opencl-dev)
 [ -e /etc/OpenCL/vendors/pocl.icd ] || need_pkgs+=(pocl-opencl-icd)
+# A TrueType font: flagcx-perf --plot lays out its labels with it (tests/perf_smoke.rs).
+[ -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need_pkgs+=(fonts-dejavu-core)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   echo "ci: installing ${need_pkgs[*]}"
   sudo_if_needed apt-get update -qq

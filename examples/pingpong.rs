@@ -19,12 +19,26 @@ use flagcx::{Adaptor, Comm, DeviceAdaptor, DeviceBuffer, Stream};
 
 type Error = Box<dyn std::error::Error>;
 
+/// Two processes bounce a device buffer back and forth (sizes 8 B, ×4, up to MAX_MIB MiB) and
+/// report round-trip time and bandwidth per size, checking every byte of the last echo.
+///
+/// Without FLAGCX_RANK it starts its own two ranks; under flagcx-run each process is one rank.
+/// The vendor is FLAGCX_VENDOR or the first one with a device.
+#[derive(clap::Parser)]
+#[command(name = "pingpong")]
+struct Args {
+    /// Largest size, in MiB.
+    #[arg(default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    max_mib: u64,
+}
+
 fn main() -> ExitCode {
     flagcx::init_logging();
+    let args = <Args as clap::Parser>::parse();
     let result = if std::env::var_os("FLAGCX_RANK").is_none() {
         self_launch()
     } else {
-        rank_main()
+        rank_main(args.max_mib as usize)
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -39,7 +53,11 @@ fn self_launch() -> Result<(), Error> {
     let exe = std::env::current_exe()?;
     let mut program = vec![exe.to_string_lossy().into_owned()];
     program.extend(std::env::args().skip(1));
-    let out = launch(&LaunchSpec::new(2, program))?;
+    // Rank 0 prints the table: its output is ours, unprefixed.
+    let out = launch(&LaunchSpec {
+        passthrough: vec![0],
+        ..LaunchSpec::new(2, program)
+    })?;
     if out.success() {
         Ok(())
     } else {
@@ -53,12 +71,7 @@ fn pattern(size: usize, salt: u8) -> Vec<u8> {
         .collect()
 }
 
-fn rank_main() -> Result<(), Error> {
-    let max_mib: usize = std::env::args()
-        .nth(1)
-        .map(|a| a.parse())
-        .transpose()?
-        .unwrap_or(256);
+fn rank_main(max_mib: usize) -> Result<(), Error> {
     let adaptor = Adaptor::from_env()?;
     let comm = Comm::from_env(adaptor.clone())?;
     if comm.nranks() != 2 {

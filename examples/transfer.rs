@@ -21,8 +21,19 @@ fn byte(i: usize) -> u8 {
     (i as u8).wrapping_mul(131) ^ (i >> 12) as u8
 }
 
+/// One process exports a device buffer through IPC; a second process (this program again)
+/// opens it and copies MIB MiB into it; the first checks every byte.
+#[derive(clap::Parser)]
+#[command(name = "transfer")]
+struct Args {
+    /// Bytes to move, in MiB.
+    #[arg(default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    mib: u64,
+}
+
 fn main() -> ExitCode {
-    match run() {
+    let args = <Args as clap::Parser>::parse();
+    match run(args.mib as usize) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("transfer: error: {e}");
@@ -31,12 +42,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run() -> Result<(), Box<dyn std::error::Error>> {
-    let mib: usize = std::env::args()
-        .nth(1)
-        .map(|a| a.parse())
-        .transpose()?
-        .unwrap_or(256);
+fn run(mib: usize) -> Result<(), Box<dyn std::error::Error>> {
     let bytes = mib << 20;
     let adaptor = Adaptor::from_env()?;
     let stream = Stream::new(&adaptor)?;

@@ -56,6 +56,28 @@ pub use flagcx_p2p::{Comm, CommError, PathStats, Request, TransportKind};
 mod dispatch;
 pub use dispatch::Adaptor;
 
+/// The vendors compiled into this build (its cargo features), in detection order.
+pub const COMPILED_VENDORS: &[Vendor] = &[
+    #[cfg(feature = "cuda")]
+    Vendor::Cuda,
+    #[cfg(feature = "hip")]
+    Vendor::Hip,
+    #[cfg(feature = "opencl")]
+    Vendor::OpenCl,
+    #[cfg(feature = "host")]
+    Vendor::Host,
+];
+
+/// `<version> (vendors: host, cuda, …)`: what the command-line tools print for `--version`.
+pub fn version_line() -> String {
+    let vendors: Vec<&str> = COMPILED_VENDORS.iter().map(|v| v.name()).collect();
+    format!(
+        "{} (vendors: {})",
+        env!("CARGO_PKG_VERSION"),
+        vendors.join(", ")
+    )
+}
+
 /// Sets up `tracing` output on stderr from `FLAGCX_DEBUG` (`info`, `debug`, `warn`, or any
 /// `tracing` filter; default `warn`). Binaries and examples call it once at start.
 pub fn init_logging() {

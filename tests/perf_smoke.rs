@@ -19,6 +19,13 @@ fn perf(args: &[&str]) -> String {
     text
 }
 
+/// Table rows: rank 0's lines that start with a size.
+fn rows(t: &str) -> usize {
+    t.lines()
+        .filter(|l| l.starts_with("  ") && l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .count()
+}
+
 #[test]
 fn every_test_runs_a_checked_tiny_sweep() {
     for (test, ranks) in [("sendrecv", "3"), ("pingpong", "2"), ("pairs", "4")] {
@@ -27,65 +34,247 @@ fn every_test_runs_a_checked_tiny_sweep() {
         ]);
         assert!(t.contains("# wrong bytes in all: 0"), "{test}:\n{t}");
         // 8, 256, 8K sizes, each with a ceiling column.
-        assert_eq!(
-            t.lines().filter(|l| l.starts_with("[0]  ")).count(),
-            3,
-            "{test}:\n{t}"
-        );
+        assert_eq!(rows(&t), 3, "{test}:\n{t}");
     }
 }
 
+/// `--json`: stdout is one JSON object per size and nothing else, so `| jq` works; the plot
+/// is an SVG document with one line per measured series.
 #[test]
 fn staged_transport_and_json_and_plot() {
     let dir = std::env::temp_dir().join(format!("flagcx-perf-smoke-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let svg = dir.join("sweep.svg");
+    let out = Command::new(env!("CARGO_BIN_EXE_flagcx-perf"))
+        .args([
+            "--transport",
+            "staged",
+            "-b",
+            "1K",
+            "-e",
+            "1M",
+            "-f",
+            "8",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "-c",
+            "--json",
+            "--plot",
+        ])
+        .arg(&svg)
+        .env("FLAGCX_VENDOR", "host")
+        .env_remove("FLAGCX_RANK")
+        .output()
+        .expect("run flagcx-perf");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l:?}")))
+        .collect();
+    // 1K, 8K, 64K, 512K.
+    assert_eq!(rows.len(), 4, "{stdout}");
+    for (r, bytes) in rows.iter().zip([1024, 8192, 65536, 524288]) {
+        assert_eq!(r["bytes"], bytes, "{r}");
+        assert_eq!(r["transport"], "staged", "{r}");
+        assert_eq!(r["wrong"], 0, "{r}");
+        assert_eq!(r["test"], "sendrecv", "{r}");
+        for key in [
+            "time_us",
+            "algbw_gbs",
+            "busbw_gbs",
+            "ceiling_us",
+            "ceiling_gbs",
+            "ratio",
+        ] {
+            assert!(r[key].as_f64().is_some_and(|v| v >= 0.0), "{key} in {r}");
+        }
+    }
+    let text = std::fs::read_to_string(&svg).expect("plot written");
+    let doc = roxmltree::Document::parse(&text).expect("the plot is well-formed XML");
+    assert_eq!(doc.root_element().tag_name().name(), "svg");
+    // A series is a polyline through every measured size; legend samples have two points.
+    let series = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("polyline"))
+        .filter(|n| {
+            n.attribute("points")
+                .is_some_and(|p| p.split_whitespace().count() == 4)
+        })
+        .count();
+    assert_eq!(series, 2, "bus bandwidth and ceiling");
+    let labels: String = doc
+        .descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .filter_map(|n| n.text())
+        .collect::<Vec<_>>()
+        .join("|");
+    for want in [
+        "message size (bytes)",
+        "bandwidth (GB/s)",
+        "flagcx-rs bus bandwidth",
+        "ceiling",
+    ] {
+        assert!(
+            labels.contains(want),
+            "{want:?} not among the plot's labels: {labels}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--json-file` writes the rows and keeps the table on stdout.
+#[test]
+fn json_file_keeps_the_table() {
+    let dir = std::env::temp_dir().join(format!("flagcx-perf-jsonfile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("rows.json");
     let t = perf(&[
-        "--transport",
-        "staged",
+        "-t",
+        "pingpong",
         "-b",
-        "1K",
+        "8",
         "-e",
-        "1M",
+        "4K",
         "-f",
-        "32",
+        "8",
         "-n",
         "2",
         "-w",
         "1",
         "-c",
-        "--json",
-        "--plot",
-        svg.to_str().unwrap(),
+        "--json-file",
+        file.to_str().unwrap(),
     ]);
-    let rows: Vec<&str> = t.lines().filter(|l| l.contains("{\"test\"")).collect();
-    assert_eq!(rows.len(), 3, "{t}");
-    for r in rows {
-        for key in [
-            "\"transport\":\"staged\"",
-            "\"wrong\":0",
-            "\"ceiling_gbs\":",
-            "\"busbw_gbs\":",
-        ] {
-            assert!(r.contains(key), "{key} missing in {r}");
-        }
-    }
-    let plot = std::fs::read_to_string(&svg).expect("plot written");
-    assert!(
-        plot.starts_with("<svg") && plot.matches("<polyline").count() == 2,
-        "{plot}"
-    );
+    // 8, 64, 512, 4K.
+    assert_eq!(rows(&t), 4, "{t}");
+    let json = std::fs::read_to_string(&file).expect("rows written");
+    let parsed: Vec<serde_json::Value> = json
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON row"))
+        .collect();
+    assert_eq!(parsed.len(), 4, "{json}");
+    assert_eq!(parsed[3]["bytes"], 4096);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+fn run(bin: &str, args: &[&str]) -> std::process::Output {
+    Command::new(bin).args(args).output().expect("run")
+}
+
 #[test]
-fn bad_arguments_are_refused_with_usage() {
-    let out = Command::new(env!("CARGO_BIN_EXE_flagcx-perf"))
-        .args(["-t", "allreduce"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("usage: flagcx-perf"));
+fn help_names_every_option_and_version_names_the_vendors() {
+    for (bin, options) in [
+        (
+            env!("CARGO_BIN_EXE_flagcx-perf"),
+            &[
+                "--test",
+                "--minbytes",
+                "--maxbytes",
+                "--stepfactor",
+                "--iters",
+                "--warmup_iters",
+                "--check",
+                "--nranks",
+                "--vendor",
+                "--transport",
+                "--json",
+                "--json-file",
+                "--plot",
+                "--version",
+                "[default: 64M]",
+                "FLAGCX_VENDOR",
+            ][..],
+        ),
+        (
+            env!("CARGO_BIN_EXE_flagcx-run"),
+            &[
+                "--nranks",
+                "--vendor",
+                "--timeout",
+                "--grace",
+                "--no-prefix",
+                "--version",
+                "[default: 3]",
+                "FLAGCX_RANK",
+                "FLAGCX_UNIQUE_ID",
+                "torchrun",
+                "PR_SET_PDEATHSIG",
+            ][..],
+        ),
+    ] {
+        let out = run(bin, &["--help"]);
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "{bin} --help");
+        for o in options {
+            assert!(
+                help.contains(o),
+                "{bin} --help does not mention {o}:\n{help}"
+            );
+        }
+        let v = run(bin, &["--version"]);
+        let v = String::from_utf8_lossy(&v.stdout);
+        assert!(
+            v.contains(env!("CARGO_PKG_VERSION")) && v.contains("vendors: "),
+            "{v}"
+        );
+        assert!(v.contains("host"), "{v}");
+    }
+}
+
+#[test]
+fn bad_arguments_exit_2_naming_the_option() {
+    for (bin, args, named) in [
+        (
+            env!("CARGO_BIN_EXE_flagcx-perf"),
+            &["-t", "allreduce"][..],
+            "--test",
+        ),
+        (
+            env!("CARGO_BIN_EXE_flagcx-perf"),
+            &["-b", "4Q"][..],
+            "--minbytes",
+        ),
+        (
+            env!("CARGO_BIN_EXE_flagcx-perf"),
+            &["--vendor", "nvidia"][..],
+            "--vendor",
+        ),
+        (
+            env!("CARGO_BIN_EXE_flagcx-perf"),
+            &["--bogus"][..],
+            "--bogus",
+        ),
+        (
+            env!("CARGO_BIN_EXE_flagcx-run"),
+            &["-n", "0", "--", "true"][..],
+            "--nranks",
+        ),
+        (
+            env!("CARGO_BIN_EXE_flagcx-run"),
+            &["-n", "2", "--grace", "soon", "--", "true"][..],
+            "--grace",
+        ),
+        (
+            env!("CARGO_BIN_EXE_flagcx-run"),
+            &["-n", "2"][..],
+            "PROGRAM",
+        ),
+    ] {
+        let out = run(bin, args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bin} {args:?}: {err}");
+        assert!(
+            err.contains(named),
+            "{bin} {args:?} does not name {named}: {err}"
+        );
+    }
 }
 
 /// `--transport staged` holds under a launcher too (the ranks read it, not the launcher).

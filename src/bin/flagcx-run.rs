@@ -1,15 +1,4 @@
-//! `flagcx-run`: start the ranks of a job on this node.
-//!
-//! ```text
-//! flagcx-run -n N [--vendor V | --vendors A,B,…] [--timeout SECS] [--grace SECS]
-//!            [--no-prefix] -- PROGRAM [ARGS…]
-//! ```
-//!
-//! Each rank gets `FLAGCX_RANK`, `FLAGCX_NRANKS`, `FLAGCX_LOCAL_RANK`, `FLAGCX_UNIQUE_ID` and
-//! (with `--vendor`/`--vendors`, cycled over ranks) `FLAGCX_VENDOR`. Output lines are prefixed
-//! with `[rank]`. No rank outlives the job: the first rank that fails, the timeout, or a
-//! `SIGTERM`/`SIGINT`/`SIGHUP` to the launcher stops the others (`SIGTERM`, then `SIGKILL`
-//! after the grace period), and ranks die with the launcher if it is killed outright.
+//! `flagcx-run`: start the ranks of a job on this node (`flagcx-run --help`).
 //!
 //! Exit status: 0 when every rank succeeded; the first failing rank's own exit code (or
 //! 128 + its signal); 124 on `--timeout`; 128 + the signal the launcher received; 2 for bad
@@ -19,69 +8,77 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use flagcx::p2p::launch::{launch, LaunchSpec, DEFAULT_GRACE};
+use clap::{CommandFactory as _, FromArgMatches as _, Parser};
+use flagcx::p2p::launch::{launch, LaunchSpec};
 
-const USAGE: &str = "usage: flagcx-run -n N [--vendor V | --vendors A,B,...] [--timeout SECS] \
-[--grace SECS] [--no-prefix] -- PROGRAM [ARGS...]";
-
-fn seconds(name: &str, v: String) -> Result<Duration, String> {
-    let secs: f64 = v
-        .parse()
-        .map_err(|_| format!("{name} needs seconds, got {v:?}"))?;
-    Duration::try_from_secs_f64(secs).map_err(|_| format!("{name} needs seconds >= 0, got {v:?}"))
+/// Starts N ranks of PROGRAM on this node and stops them together.
+///
+/// Each rank gets FLAGCX_RANK, FLAGCX_NRANKS, FLAGCX_LOCAL_RANK (0..N) and FLAGCX_UNIQUE_ID (a
+/// fresh random job id with its secret), and FLAGCX_VENDOR where --vendor is given; the rest
+/// of the environment is inherited. Programs started by torchrun (RANK, WORLD_SIZE,
+/// LOCAL_RANK) or Open MPI (OMPI_COMM_WORLD_*) find their rank the same way without this
+/// launcher, but then need FLAGCX_UNIQUE_ID or a unique id from the application.
+///
+/// Each output line of a rank is prefixed with "[rank] " (stdout to stdout, stderr to stderr)
+/// unless --no-prefix. No rank outlives the job: the first rank that fails, the timeout, or
+/// SIGTERM/SIGINT/SIGHUP to this launcher sends SIGTERM to every rank and SIGKILL after the
+/// grace period; if the launcher itself is killed, the kernel kills its ranks
+/// (PR_SET_PDEATHSIG).
+#[derive(Parser, Debug)]
+#[command(name = "flagcx-run", after_help = AFTER_HELP)]
+struct Args {
+    /// Number of ranks.
+    #[arg(short = 'n', long = "nranks", value_parser = clap::value_parser!(u64).range(1..))]
+    nranks: u64,
+    /// Vendor of each rank, cycled over ranks (host, cuda, hip, opencl; "cuda,host"
+    /// alternates); sets FLAGCX_VENDOR. Without it the ranks inherit FLAGCX_VENDOR or detect.
+    #[arg(long = "vendor", visible_alias = "vendors", value_delimiter = ',',
+          value_parser = vendor_arg)]
+    vendors: Vec<String>,
+    /// Stop every rank after this many seconds (exit status 124).
+    #[arg(long, value_name = "SECS", value_parser = seconds)]
+    timeout: Option<Duration>,
+    /// Seconds between SIGTERM and SIGKILL when the job is stopped.
+    #[arg(long, value_name = "SECS", default_value = "3", value_parser = seconds)]
+    grace: Duration,
+    /// Pass the ranks' output through unchanged (for machine-readable output).
+    #[arg(long)]
+    no_prefix: bool,
+    /// The program each rank runs, and its arguments.
+    #[arg(required = true, last = true, value_name = "PROGRAM")]
+    program: Vec<String>,
 }
 
-fn parse(args: &[String]) -> Result<LaunchSpec, String> {
-    let mut spec = LaunchSpec::new(0, Vec::new());
-    spec.grace = DEFAULT_GRACE;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut value = |name: &str| it.next().cloned().ok_or(format!("{name} needs a value"));
-        match a.as_str() {
-            "-n" | "--nranks" => {
-                let v = value("-n")?;
-                spec.nranks = v
-                    .parse()
-                    .map_err(|_| format!("-n needs a positive integer, got {v:?}"))?
-            }
-            "--vendor" | "--vendors" => {
-                spec.vendors = value(a)?
-                    .split(',')
-                    .map(|v| v.trim().to_string())
-                    .filter(|v| !v.is_empty())
-                    .collect();
-                for v in &spec.vendors {
-                    v.parse::<flagcx::Vendor>().map_err(|e| e.to_string())?;
-                }
-            }
-            "--timeout" => spec.timeout = Some(seconds("--timeout", value("--timeout")?)?),
-            "--grace" => spec.grace = seconds("--grace", value("--grace")?)?,
-            "--no-prefix" => spec.prefix = false,
-            "--" => {
-                spec.program = it.cloned().collect();
-                break;
-            }
-            "-h" | "--help" => return Err(USAGE.into()),
-            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
-        }
-    }
-    if spec.nranks == 0 {
-        return Err(format!("-n is required\n{USAGE}"));
-    }
-    if spec.program.is_empty() {
-        return Err(format!("no program after --\n{USAGE}"));
-    }
-    Ok(spec)
+const AFTER_HELP: &str = "Exit status: 0 when every rank succeeded; the first failing rank's \
+own code (or 128 + its signal); 124 after --timeout; 128 + the signal the launcher received; \
+2 for bad arguments.
+
+Example:
+  flagcx-run -n 2 --vendors cuda,host -- target/release/examples/pingpong 16";
+
+fn seconds(v: &str) -> Result<Duration, String> {
+    let secs: f64 = v
+        .parse()
+        .map_err(|_| format!("expected seconds, got {v:?}"))?;
+    Duration::try_from_secs_f64(secs).map_err(|_| format!("expected seconds >= 0, got {v:?}"))
+}
+
+fn vendor_arg(v: &str) -> Result<String, String> {
+    let v = v.trim();
+    v.parse::<flagcx::Vendor>().map_err(|e| e.to_string())?;
+    Ok(v.to_string())
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let spec = match parse(&args) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("flagcx-run: {e}");
-            return ExitCode::from(2);
-        }
+    let version: &'static str = Box::leak(flagcx::version_line().into_boxed_str());
+    let m = Args::command().version(version).get_matches();
+    let a = Args::from_arg_matches(&m).unwrap_or_else(|e| e.exit());
+    let spec = LaunchSpec {
+        vendors: a.vendors,
+        timeout: a.timeout,
+        grace: a.grace,
+        prefix: !a.no_prefix,
+        ..LaunchSpec::new(a.nranks as usize, a.program)
     };
     let grace = spec.grace.as_secs_f64();
     match launch(&spec) {

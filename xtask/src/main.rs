@@ -15,31 +15,67 @@ mod bundle;
 
 const VENDORS: [&str; 4] = ["host", "cuda", "hip", "opencl"];
 
+/// The project's tasks, runnable anywhere with just cargo.
+#[derive(clap::Parser)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(clap::Subcommand)]
+enum Task {
+    /// Run the vendor suites (default: every vendor this machine can build); each ends with
+    /// a table of passed and skipped tests, skips with their reasons.
+    Test {
+        /// host, cuda, hip, opencl or all; a list with commas.
+        #[arg(long, visible_alias = "vendors", value_delimiter = ',',
+              value_parser = ["host", "cuda", "hip", "opencl", "all"])]
+        vendor: Vec<String>,
+    },
+    /// What CI runs: fmt check, clippy -D warnings, docs with warnings denied, then test.
+    Ci,
+    /// Stripped release test binaries plus run.sh and perf.sh under target/bundle-<vendor>,
+    /// for a GPU host without Rust.
+    Bundle {
+        /// The GPU vendor (cuda).
+        #[arg(long, visible_alias = "vendors", value_delimiter = ',', required = true,
+              value_parser = ["cuda"])]
+        vendor: Vec<String>,
+    },
+    /// The 8-rank random stress job, long form.
+    Soak {
+        /// Random groups per transport.
+        #[arg(default_value_t = 2000)]
+        iters: u64,
+    },
+    /// cargo-fuzz the wire decoders, then run their property tests with 50k cases.
+    Fuzz {
+        /// Seconds of fuzzing.
+        #[arg(default_value_t = 60)]
+        secs: u64,
+    },
+    /// Criterion benches, a host-vendor flagcx-perf sweep and, with --vs-mpi, Open MPI's
+    /// ping-pong on the same machine.
+    Bench {
+        /// Also run Open MPI's ping-pong (needs mpicc and mpirun).
+        #[arg(long)]
+        vs_mpi: bool,
+    },
+    /// cargo-deny: bans, licenses, sources (deny.toml), then advisories.
+    Audit,
+}
+
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = match args.first().map(String::as_str) {
-        Some("test") => parse_vendors(&args[1..]).and_then(|v| test(&v, false)),
-        Some("ci") => ci(),
-        Some("bundle") => parse_vendors(&args[1..]).and_then(|v| bundle::bundle(&v)),
-        Some("soak") => soak(&args[1..]),
-        Some("fuzz") => fuzz(&args[1..]),
-        Some("bench") => bench(&args[1..]),
-        Some("audit") => audit(),
-        _ => {
-            eprintln!(
-                "usage: cargo xtask <task>\n\n\
-                 tasks:\n  \
-                 test [--vendor host|cuda|hip|opencl|all]   run the vendor suites (default: all buildable)\n  \
-                 ci                                  fmt, clippy -D warnings, docs, then test\n  \
-                 bundle --vendor cuda                GPU test bundle under target/bundle-cuda\n  \
-                 soak [ITERS]                        the 8-rank stress job, long form (default 2000 groups)\n  \
-                 fuzz [SECS]                         cargo-fuzz the wire decoders (default 60 s), then 50k proptest cases\n  \
-                 bench [--vs-mpi]                    criterion benches, a host-vendor flagcx-perf sweep, and\n                                      \
-                 with --vs-mpi Open MPI's ping-pong on the same machine\n  \
-                 audit                               cargo-deny: bans, licenses, sources (deny.toml), then advisories"
-            );
-            Err("no task given".into())
-        }
+    let cli = <Cli as clap::Parser>::parse();
+    let result = match cli.task {
+        Task::Test { vendor } => parse_vendors(&vendor).and_then(|v| test(&v, false)),
+        Task::Ci => ci(),
+        Task::Bundle { vendor } => parse_vendors(&vendor).and_then(|v| bundle::bundle(&v)),
+        Task::Soak { iters } => soak(iters),
+        Task::Fuzz { secs } => fuzz(secs),
+        Task::Bench { vs_mpi } => bench(vs_mpi),
+        Task::Audit => audit(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -53,36 +89,25 @@ fn main() -> ExitCode {
 type Result<T = ()> = std::result::Result<T, String>;
 
 /// `--vendor a,b` / `--vendor all` / nothing (= None: every buildable vendor).
-fn parse_vendors(args: &[String]) -> Result<Option<Vec<String>>> {
-    let mut out: Option<Vec<String>> = None;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let value = match a.strip_prefix("--vendor=") {
-            Some(v) => v.to_string(),
-            None if a == "--vendor" || a == "--vendors" => it
-                .next()
-                .cloned()
-                .ok_or("--vendor needs a value (host, cuda, hip, opencl or all)")?,
-            None => return Err(format!("unknown argument {a:?}")),
-        };
-        for v in value.split(',') {
-            let v = v.trim().to_ascii_lowercase();
-            if v == "all" {
-                out.get_or_insert_with(Vec::new)
-                    .extend(VENDORS.iter().map(|s| s.to_string()));
-            } else if VENDORS.contains(&v.as_str()) {
-                out.get_or_insert_with(Vec::new).push(v);
-            } else {
-                return Err(format!(
-                    "unknown vendor {v:?}; expected host, cuda, hip, opencl or all"
-                ));
-            }
+fn parse_vendors(values: &[String]) -> Result<Option<Vec<String>>> {
+    if values.is_empty() {
+        return Ok(None);
+    }
+    let mut out = Vec::new();
+    for v in values {
+        let v = v.trim().to_ascii_lowercase();
+        if v == "all" {
+            out.extend(VENDORS.iter().map(|s| s.to_string()));
+        } else if VENDORS.contains(&v.as_str()) {
+            out.push(v);
+        } else {
+            return Err(format!(
+                "unknown vendor {v:?}; expected host, cuda, hip, opencl or all"
+            ));
         }
     }
-    if let Some(v) = &mut out {
-        v.dedup();
-    }
-    Ok(out)
+    out.dedup();
+    Ok(Some(out))
 }
 
 pub(crate) fn root() -> PathBuf {
@@ -299,13 +324,7 @@ fn print_summary(outcomes: &[Outcome]) {
 }
 
 /// The stress job of `tests/p2p.rs` with many more iterations, both transports.
-fn soak(args: &[String]) -> Result {
-    let iters: u64 = match args.first() {
-        None => 2000,
-        Some(a) => a
-            .parse()
-            .map_err(|_| format!("soak: {a:?} is not an iteration count"))?,
-    };
+fn soak(iters: u64) -> Result {
     run(
         &format!("soak: 8 ranks, {iters} random groups per transport"),
         cargo()
@@ -318,13 +337,7 @@ fn soak(args: &[String]) -> Result {
 /// Fuzzes the wire decoders for a bounded time with cargo-fuzz (libFuzzer), then runs the
 /// decoder property tests with many cases. cargo-fuzz passes `-Z` flags; `RUSTC_BOOTSTRAP=1` lets
 /// the stable toolchain (the only one here) accept them.
-fn fuzz(args: &[String]) -> Result {
-    let secs: u64 = match args.first() {
-        None => 60,
-        Some(a) => a
-            .parse()
-            .map_err(|_| format!("fuzz: {a:?} is not a number of seconds"))?,
-    };
+fn fuzz(secs: u64) -> Result {
     ensure_cargo_tool("fuzz", "cargo-fuzz")?;
     run(
         &format!("cargo fuzz run wire for {secs} s"),
@@ -351,12 +364,7 @@ fn fuzz(args: &[String]) -> Result {
 
 /// Criterion benches of the pieces, a host-vendor `flagcx-perf` ping-pong sweep and, with
 /// `--vs-mpi`, our Open MPI ping-pong program on the same machine in the same run.
-fn bench(args: &[String]) -> Result {
-    let vs_mpi = match args {
-        [] => false,
-        [a] if a == "--vs-mpi" => true,
-        _ => return Err("usage: cargo xtask bench [--vs-mpi]".into()),
-    };
+fn bench(vs_mpi: bool) -> Result {
     run(
         "criterion benches (benches/pieces.rs)",
         cargo().args(["bench", "-p", "flagcx", "--bench", "pieces"]),

@@ -2,7 +2,8 @@
 //!
 //! Each rank is a child process with `FLAGCX_RANK`, `FLAGCX_NRANKS`, `FLAGCX_LOCAL_RANK`,
 //! `FLAGCX_UNIQUE_ID` (fresh random secret) and `FLAGCX_VENDOR` set. Output lines are prefixed
-//! with the rank (unless [`LaunchSpec::prefix`] is off).
+//! with the rank (unless [`LaunchSpec::prefix`] is off); [`LaunchSpec::passthrough`] ranks
+//! write straight to this process's stdout and stderr.
 //!
 //! No rank outlives the job:
 //! - the first rank to fail ends the others: `SIGTERM`, then `SIGKILL` after
@@ -44,6 +45,10 @@ pub struct LaunchSpec {
     pub grace: Duration,
     /// Prefix each output line with `[rank] ` (`true`), or pass lines through unchanged.
     pub prefix: bool,
+    /// Ranks whose stdout and stderr are this process's own, not captured: what they print
+    /// reaches the terminal (or the pipe) unchanged and at once — a table or JSON for `| jq`,
+    /// a progress bar that needs a terminal. Empty by default.
+    pub passthrough: Vec<usize>,
 }
 
 impl LaunchSpec {
@@ -58,6 +63,7 @@ impl LaunchSpec {
             timeout: None,
             grace: DEFAULT_GRACE,
             prefix: true,
+            passthrough: Vec::new(),
         }
     }
 }
@@ -203,9 +209,10 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchOutcome> {
             .env("FLAGCX_RANK", rank.to_string())
             .env("FLAGCX_NRANKS", spec.nranks.to_string())
             .env("FLAGCX_LOCAL_RANK", rank.to_string())
-            .env("FLAGCX_UNIQUE_ID", id.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+            .env("FLAGCX_UNIQUE_ID", id.to_string());
+        if !spec.passthrough.contains(&rank) {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
         if !spec.vendors.is_empty() {
             cmd.env("FLAGCX_VENDOR", &spec.vendors[rank % spec.vendors.len()]);
         }

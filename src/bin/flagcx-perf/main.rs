@@ -4,8 +4,10 @@
 //! ```text
 //! flagcx-perf [-t sendrecv|pingpong|pairs] [-b 8] [-e 64M] [-f 2] [-n 20] [-w 5] [-c]
 //!             [-N 2] [--vendor V | --vendors A,B] [--transport ipc|staged|auto]
-//!             [--json] [--plot FILE.svg]
+//!             [--json] [--json-file FILE] [--plot FILE.svg|FILE.png]
 //! ```
+//!
+//! `flagcx-perf --help` explains every option.
 //!
 //! Without `FLAGCX_RANK` it starts `-N` ranks of itself (like `flagcx-run`). Rank 0 prints, per
 //! size: bytes, time (µs), algorithm and bus bandwidth (GB/s), wrong bytes (with `-c`), and the
@@ -14,7 +16,8 @@
 //! staging, a memcpy for the host vendor; every rank copying at once for `sendrecv` and `pairs`,
 //! one copy at a time for `pingpong`) — with our bandwidth as a fraction of it.
 
-use std::fmt::Write as _;
+use std::io::IsTerminal as _;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,90 +26,125 @@ use flagcx::p2p::config::parse_size;
 use flagcx::p2p::launch::{launch, LaunchSpec};
 use flagcx::{Adaptor, Comm, DeviceAdaptor, DeviceBuffer, PinnedBuffer, Stream, TransportKind};
 
+use clap::{CommandFactory as _, FromArgMatches as _, Parser};
+use serde::Serialize;
+
+mod plot;
+
 type Error = Box<dyn std::error::Error>;
 
-#[derive(Debug, Clone)]
+/// nccl-tests-style sweeps of point-to-point transfers, each size next to a ceiling measured in
+/// the same run and traffic pattern.
+///
+/// Without FLAGCX_RANK in its environment it starts -N ranks of itself (as flagcx-run would);
+/// under a launcher (flagcx-run, torchrun, mpirun) each process is one rank. Rank 0 prints one
+/// row per size: bytes, time (µs), algorithm and bus bandwidth (GB/s), wrong bytes (with -c),
+/// the ceiling — the vendor's bare copy of that size, measured just before in the same traffic
+/// pattern — and our bus bandwidth as a fraction of it, and the path the bytes took.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "flagcx-perf", after_help = AFTER_HELP)]
 struct Opts {
+    /// Traffic pattern: sendrecv (a ring: each rank sends to the next and receives from the
+    /// previous, in one group), pingpong (two ranks, round trips), pairs (every rank
+    /// exchanges with every other at once).
+    #[arg(short = 't', long = "test", default_value = "sendrecv",
+          value_parser = ["sendrecv", "pingpong", "pairs"])]
     test: String,
+    /// Smallest message size (bytes; K, M, G suffixes).
+    #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = size_arg("-b"))]
     min: usize,
+    /// Largest message size (bytes; K, M, G suffixes).
+    #[arg(short = 'e', long = "maxbytes", default_value = "64M", value_parser = size_arg("-e"))]
     max: usize,
-    factor: usize,
-    iters: usize,
-    warmup: usize,
+    /// Multiply the size by this much from one row to the next.
+    #[arg(short = 'f', long = "stepfactor", default_value_t = 2,
+          value_parser = clap::value_parser!(u64).range(2..))]
+    factor: u64,
+    /// Timed iterations per size.
+    #[arg(short = 'n', long = "iters", default_value_t = 20,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    iters: u64,
+    /// Untimed iterations before them.
+    #[arg(short = 'w', long = "warmup_iters", default_value_t = 5)]
+    warmup: u64,
+    /// Check every received byte (the "wrong" column counts mismatches; any fails the run).
+    #[arg(short = 'c', long = "check")]
     check: bool,
-    nranks: usize,
+    /// Ranks to start when not under a launcher.
+    #[arg(short = 'N', long = "nranks", default_value_t = 2,
+          value_parser = clap::value_parser!(u64).range(2..))]
+    nranks: u64,
+    /// Vendor of each rank, cycled over ranks (host, cuda, hip, opencl; "cuda,host"
+    /// alternates); without it each rank opens FLAGCX_VENDOR or the first vendor with a
+    /// device.
+    #[arg(long = "vendor", visible_alias = "vendors", value_delimiter = ',',
+          value_parser = vendor_arg)]
     vendors: Vec<String>,
+    /// ipc: require IPC between every pair (fails where a pair cannot); staged: force the
+    /// staging ring (as FLAGCX_P2P_DISABLE=1 does); auto: what each pair can do best.
+    #[arg(long, default_value = "auto", value_parser = ["ipc", "staged", "auto"])]
     transport: String,
+    /// Print one JSON object per size on stdout and nothing else (fields: docs/performance.md).
+    #[arg(long)]
     json: bool,
-    plot: Option<String>,
+    /// Write the JSON rows to FILE and keep the table on stdout.
+    #[arg(long, value_name = "FILE")]
+    json_file: Option<PathBuf>,
+    /// Plot bus bandwidth and the ceiling against size (log-log) to FILE: SVG, or PNG when
+    /// the name ends in .png. Needs a TrueType font installed (e.g. fonts-dejavu-core).
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
 }
 
-const USAGE: &str =
-    "usage: flagcx-perf [-t sendrecv|pingpong|pairs] [-b MIN] [-e MAX] [-f FACTOR] \
-[-n ITERS] [-w WARMUP] [-c] [-N RANKS] [--vendor V | --vendors A,B] [--transport ipc|staged|auto] \
-[--json] [--plot FILE.svg]";
+const AFTER_HELP: &str = "Environment: FLAGCX_VENDOR, FLAGCX_DEVICE, FLAGCX_SPIN_US, \
+FLAGCX_P2P_* and the rest of README.md's table apply to every rank; FLAGCX_RANK, \
+FLAGCX_NRANKS and FLAGCX_UNIQUE_ID (or torchrun's and Open MPI's variables) make this process \
+one rank of a job started elsewhere.
 
-fn parse(args: &[String]) -> Result<Opts, Error> {
-    let mut o = Opts {
-        test: "sendrecv".into(),
-        min: 8,
-        max: 64 << 20,
-        factor: 2,
-        iters: 20,
-        warmup: 5,
-        check: false,
-        nranks: 2,
-        vendors: Vec::new(),
-        transport: "auto".into(),
-        json: false,
-        plot: None,
-    };
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut val = || {
-            it.next()
-                .cloned()
-                .ok_or_else(|| format!("{a} needs a value"))
-        };
-        match a.as_str() {
-            "-t" => o.test = val()?,
-            "-b" => o.min = parse_size("-b", &val()?)?,
-            "-e" => o.max = parse_size("-e", &val()?)?,
-            "-f" => o.factor = val()?.parse()?,
-            "-n" => o.iters = val()?.parse()?,
-            "-w" => o.warmup = val()?.parse()?,
-            "-c" => o.check = true,
-            "-N" => o.nranks = val()?.parse()?,
-            "--vendor" | "--vendors" => o.vendors = val()?.split(',').map(str::to_string).collect(),
-            "--transport" => o.transport = val()?,
-            "--json" => o.json = true,
-            "--plot" => o.plot = Some(val()?),
-            "-h" | "--help" => return Err(USAGE.into()),
-            other => return Err(format!("unknown argument {other:?}\n{USAGE}").into()),
-        }
+Examples:
+  flagcx-perf -t pingpong -b 8 -e 1G -f 4 -c
+  flagcx-perf --json | jq .busbw_gbs
+  flagcx-run -n 2 --vendors cuda,host -- flagcx-perf -t sendrecv -c";
+
+fn size_arg(name: &'static str) -> impl Fn(&str) -> Result<usize, String> + Clone {
+    move |v| match parse_size(name, v) {
+        Ok(0) => Err("must be at least 1 byte".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
     }
-    if !["sendrecv", "pingpong", "pairs"].contains(&o.test.as_str()) {
-        return Err(format!("unknown test {:?}\n{USAGE}", o.test).into());
+}
+
+fn vendor_arg(v: &str) -> Result<String, String> {
+    let v = v.trim();
+    v.parse::<flagcx::Vendor>().map_err(|e| e.to_string())?;
+    Ok(v.to_string())
+}
+
+/// Parses the arguments (clap exits 2 naming a bad value, 0 for --help and --version).
+fn parse() -> Opts {
+    let version: &'static str = Box::leak(flagcx::version_line().into_boxed_str());
+    let m = Opts::command().version(version).get_matches();
+    let o = Opts::from_arg_matches(&m).unwrap_or_else(|e| e.exit());
+    if o.max < o.min {
+        Opts::command()
+            .error(
+                clap::error::ErrorKind::ValueValidation,
+                format!("-e {} is smaller than -b {}", o.max, o.min),
+            )
+            .exit();
     }
-    if !["ipc", "staged", "auto"].contains(&o.transport.as_str()) {
-        return Err(format!("unknown transport {:?}\n{USAGE}", o.transport).into());
-    }
-    if o.factor < 2 || o.min == 0 || o.max < o.min || o.iters == 0 || o.nranks < 2 {
-        return Err(format!("need -f >= 2, 0 < -b <= -e, -n >= 1, -N >= 2\n{USAGE}").into());
-    }
-    Ok(o)
+    o
 }
 
 fn main() -> ExitCode {
     flagcx::init_logging();
+    let o = parse();
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = parse(&args).and_then(|o| {
-        if std::env::var_os("FLAGCX_RANK").is_none() {
-            self_launch(&o, &args)
-        } else {
-            rank_main(&o)
-        }
-    });
+    let result = if std::env::var_os("FLAGCX_RANK").is_none() {
+        self_launch(&o, &args)
+    } else {
+        rank_main(&o)
+    };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -119,9 +157,12 @@ fn main() -> ExitCode {
 fn self_launch(o: &Opts, args: &[String]) -> Result<(), Error> {
     let mut program = vec![std::env::current_exe()?.to_string_lossy().into_owned()];
     program.extend(args.iter().cloned());
+    // Rank 0 prints the table (or JSON) and the progress bar: its output is ours, unprefixed
+    // and unbuffered; the others' is prefixed with their rank.
     let out = launch(&LaunchSpec {
         vendors: o.vendors.clone(),
-        ..LaunchSpec::new(o.nranks, program)
+        passthrough: vec![0],
+        ..LaunchSpec::new(o.nranks as usize, program)
     })?;
     if out.success() {
         Ok(())
@@ -195,11 +236,18 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             "bytes", "time_us", "algbw", "busbw", "wrong", "ceil_us", "ceil_bw", "ratio", "path"
         );
     }
+    let mut json_file = match (&o.json_file, me) {
+        (Some(path), 0) => Some(std::io::BufWriter::new(
+            std::fs::File::create(path)
+                .map_err(|e| format!("--json-file {}: {e}", path.display()))?,
+        )),
+        _ => None,
+    };
     let mut rows = Vec::new();
     let mut size = o.min;
     let sizes: Vec<usize> = std::iter::from_fn(|| {
         let s = size;
-        size = size.checked_mul(o.factor)?;
+        size = size.checked_mul(o.factor as usize)?;
         (s <= o.max).then_some(s)
     })
     .collect();
@@ -220,7 +268,11 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         peers.iter().map(alloc).collect::<Result<_, _>>()?;
     let recvs: Vec<Arc<DeviceBuffer<Adaptor>>> =
         froms.iter().map(alloc).collect::<Result<_, _>>()?;
-    for (k, &size) in sizes.iter().enumerate() {
+    let mut progress = (me == 0).then(|| Progress::new(sizes.len()));
+    for &size in &sizes {
+        if let Some(p) = progress.as_mut() {
+            p.start(size);
+        }
         if o.check {
             let data: Vec<u8> = (0..size).map(|i| byte(me, size, i)).collect();
             for b in &sends {
@@ -276,7 +328,7 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             }
         }
         stream.synchronize()?;
-        let ops = o.iters * (sends.len() + recvs.len());
+        let ops = o.iters as usize * (sends.len() + recvs.len());
         let path = path_taken(before, comm.stats(), ops);
         let t = start.elapsed().as_secs_f64() / o.iters as f64;
         let mut wrong = 0;
@@ -309,10 +361,23 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             path,
         };
         if me == 0 {
-            print_row(&row, o, kind, n);
-            eprintln!("progress: {}/{} sizes", k + 1, sizes.len());
+            let json = JsonRow::new(&row, o, kind, n);
+            if let Some(p) = progress.as_mut() {
+                p.suspend(|| print_row(&row, &json, o));
+            }
+            if let Some(f) = json_file.as_mut() {
+                use std::io::Write as _;
+                writeln!(f, "{}", serde_json::to_string(&json)?)?;
+            }
         }
         rows.push(row);
+    }
+    if let Some(p) = progress.take() {
+        p.finish();
+    }
+    if let Some(mut f) = json_file.take() {
+        use std::io::Write as _;
+        f.flush()?;
     }
     let wrong: usize = rows.iter().map(|r| r.wrong).sum();
     if me == 0 {
@@ -327,8 +392,11 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             );
         }
         if let Some(path) = &o.plot {
-            std::fs::write(path, svg(&rows, o, kind))?;
-            println!("# plot written to {path}");
+            let series: Vec<(usize, f64, f64)> =
+                rows.iter().map(|r| (r.bytes, r.busbw, r.ceil_bw)).collect();
+            let title = format!("flagcx-perf {} ({kind}, {n} ranks)", o.test);
+            plot::draw(path, &title, &series)?;
+            eprintln!("# plot written to {}", path.display());
         }
     }
     if wrong > 0 {
@@ -360,22 +428,127 @@ fn path_taken(a: flagcx::PathStats, b: flagcx::PathStats, ops: usize) -> String 
     }
 }
 
-fn print_row(r: &Row, o: &Opts, kind: TransportKind, n: usize) {
-    let ratio = if r.ceil_bw > 0.0 {
-        r.busbw / r.ceil_bw
-    } else {
-        0.0
-    };
+/// One row as `--json` and `--json-file` write it (docs/performance.md lists the fields).
+#[derive(Serialize)]
+struct JsonRow<'a> {
+    test: &'a str,
+    ranks: usize,
+    transport: String,
+    bytes: usize,
+    time_us: f64,
+    algbw_gbs: f64,
+    busbw_gbs: f64,
+    wrong: usize,
+    ceiling_us: f64,
+    ceiling_gbs: f64,
+    ratio: f64,
+    path: &'a str,
+}
+
+impl<'a> JsonRow<'a> {
+    fn new(r: &'a Row, o: &'a Opts, kind: TransportKind, n: usize) -> Self {
+        JsonRow {
+            test: &o.test,
+            ranks: n,
+            transport: kind.to_string(),
+            bytes: r.bytes,
+            time_us: r.time_us,
+            algbw_gbs: r.algbw,
+            busbw_gbs: r.busbw,
+            wrong: r.wrong,
+            ceiling_us: r.ceil_us,
+            ceiling_gbs: r.ceil_bw,
+            ratio: if r.ceil_bw > 0.0 {
+                r.busbw / r.ceil_bw
+            } else {
+                0.0
+            },
+            path: &r.path,
+        }
+    }
+}
+
+fn print_row(r: &Row, json: &JsonRow<'_>, o: &Opts) {
     if o.json {
-        println!(
-            "{{\"test\":\"{}\",\"ranks\":{n},\"transport\":\"{kind}\",\"bytes\":{},\"time_us\":{:.3},\"algbw_gbs\":{:.4},\"busbw_gbs\":{:.4},\"wrong\":{},\"ceiling_us\":{:.3},\"ceiling_gbs\":{:.4},\"ratio\":{:.4},\"path\":\"{}\"}}",
-            o.test, r.bytes, r.time_us, r.algbw, r.busbw, r.wrong, r.ceil_us, r.ceil_bw, ratio, r.path
-        );
+        match serde_json::to_string(json) {
+            Ok(line) => println!("{line}"),
+            Err(e) => eprintln!("flagcx-perf: JSON: {e}"),
+        }
     } else {
         println!(
             "  {:>12} {:>11.2} {:>10.2} {:>10.2} {:>7} {:>11.2} {:>10.2} {:>7.3} {:>7}",
-            r.bytes, r.time_us, r.algbw, r.busbw, r.wrong, r.ceil_us, r.ceil_bw, ratio, r.path
+            r.bytes, r.time_us, r.algbw, r.busbw, r.wrong, r.ceil_us, r.ceil_bw, json.ratio, r.path
         );
+    }
+}
+
+/// Rank 0's progress through the sweep on stderr: a bar where stderr is a terminal, else a
+/// plain line at most every 10 s (CI logs stay readable), and one at the end.
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    total: usize,
+    done: usize,
+    t0: Instant,
+    last_line: Instant,
+}
+
+impl Progress {
+    fn new(total: usize) -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let b = indicatif::ProgressBar::new(total as u64);
+            if let Ok(style) = indicatif::ProgressStyle::with_template(
+                "{elapsed_precise} [{bar:30}] {pos}/{len} sizes, now {msg}",
+            ) {
+                b.set_style(style.progress_chars("=> "));
+            }
+            b
+        });
+        let now = Instant::now();
+        Progress {
+            bar,
+            total,
+            done: 0,
+            t0: now,
+            last_line: now,
+        }
+    }
+
+    /// A new size begins (the previous one is done).
+    fn start(&mut self, size: usize) {
+        if let Some(b) = &self.bar {
+            b.set_position(self.done as u64);
+            b.set_message(format!("{size} B"));
+        } else if self.done > 0 && self.last_line.elapsed().as_secs() >= 10 {
+            eprintln!(
+                "progress: {}/{} sizes, now {size} B, {:.0} s",
+                self.done,
+                self.total,
+                self.t0.elapsed().as_secs_f64()
+            );
+            self.last_line = Instant::now();
+        }
+        self.done += 1;
+    }
+
+    /// Runs `f` (which prints a row) with the bar hidden, so rows and bar do not mix.
+    fn suspend(&self, f: impl FnOnce()) {
+        match &self.bar {
+            Some(b) => b.suspend(f),
+            None => f(),
+        }
+    }
+
+    fn finish(self) {
+        match self.bar {
+            Some(b) => b.finish_and_clear(),
+            None if self.total > 0 => eprintln!(
+                "progress: {}/{} sizes in {:.1} s",
+                self.total,
+                self.total,
+                self.t0.elapsed().as_secs_f64()
+            ),
+            None => {}
+        }
     }
 }
 
@@ -440,65 +613,4 @@ fn ceiling(
         }
     };
     Ok((secs * 1e6, size as f64 / secs / 1e9))
-}
-
-/// Bandwidth (ours and the ceiling) against size, log-log, as a small SVG.
-fn svg(rows: &[Row], o: &Opts, kind: TransportKind) -> String {
-    let (w, h, m) = (720.0, 420.0, 60.0);
-    let xs: Vec<f64> = rows.iter().map(|r| (r.bytes as f64).log2()).collect();
-    let ys: Vec<f64> = rows
-        .iter()
-        .flat_map(|r| [r.busbw, r.ceil_bw])
-        .filter(|v| *v > 0.0)
-        .map(f64::log10)
-        .collect();
-    let (x0, x1) = (
-        xs.iter().cloned().fold(f64::MAX, f64::min),
-        xs.iter().cloned().fold(f64::MIN, f64::max).max(1.0),
-    );
-    let (y0, y1) = (
-        ys.iter().cloned().fold(f64::MAX, f64::min).floor(),
-        ys.iter().cloned().fold(f64::MIN, f64::max).ceil(),
-    );
-    let px = |x: f64| m + (x - x0) / (x1 - x0).max(1e-9) * (w - 2.0 * m);
-    let py = |y: f64| h - m - (y - y0) / (y1 - y0).max(1e-9) * (h - 2.0 * m);
-    let line = |f: &dyn Fn(&Row) -> f64, color: &str| {
-        let pts: String = rows
-            .iter()
-            .zip(&xs)
-            .filter(|(r, _)| f(r) > 0.0)
-            .map(|(r, &x)| format!("{:.1},{:.1} ", px(x), py(f(r).log10())))
-            .collect();
-        format!("<polyline fill='none' stroke='{color}' stroke-width='2' points='{pts}'/>")
-    };
-    let mut s = format!("<svg xmlns='http://www.w3.org/2000/svg' width='{w}' height='{h}' font-family='sans-serif' font-size='12'>");
-    let _ = write!(s, "<rect width='100%' height='100%' fill='white'/>");
-    let _ = write!(s, "<text x='{m}' y='20'>flagcx-perf {} ({kind}): bus bandwidth (blue) and ceiling (grey), GB/s, log-log</text>", o.test);
-    let mut d = y0;
-    while d <= y1 {
-        let _ = write!(s, "<line x1='{m}' x2='{}' y1='{:.1}' y2='{:.1}' stroke='#ddd'/><text x='5' y='{:.1}'>{}</text>", w - m, py(d), py(d), py(d) + 4.0, 10f64.powf(d));
-        d += 1.0;
-    }
-    for (r, &x) in rows.iter().zip(&xs).step_by(2) {
-        let _ = write!(
-            s,
-            "<text x='{:.1}' y='{}' text-anchor='middle'>{}</text>",
-            px(x),
-            h - m + 18.0,
-            human(r.bytes)
-        );
-    }
-    s.push_str(&line(&|r| r.ceil_bw, "#999"));
-    s.push_str(&line(&|r| r.busbw, "#1f5fbf"));
-    s.push_str("</svg>\n");
-    s
-}
-
-fn human(b: usize) -> String {
-    match b {
-        b if b >= 1 << 30 => format!("{}G", b >> 30),
-        b if b >= 1 << 20 => format!("{}M", b >> 20),
-        b if b >= 1 << 10 => format!("{}K", b >> 10),
-        b => b.to_string(),
-    }
 }
