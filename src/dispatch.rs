@@ -228,6 +228,13 @@ impl DeviceAdaptor for Adaptor {
     fn stream_create(&self) -> Result<StreamHandle> {
         each!(self, a => a.stream_create())
     }
+    unsafe fn stream_adopt(&self, native: u64) -> Result<StreamHandle> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.stream_adopt(native) })
+    }
+    fn stream_release(&self, stream: StreamHandle) -> Result<()> {
+        each!(self, a => a.stream_release(stream))
+    }
     fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
         each!(self, a => a.stream_destroy(stream))
     }

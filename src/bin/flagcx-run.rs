@@ -19,7 +19,7 @@ use flagcx::p2p::launch::{launch, LaunchSpec};
 /// LOCAL_RANK) or Open MPI (OMPI_COMM_WORLD_*) find their rank the same way without this
 /// launcher, but then need FLAGCX_UNIQUE_ID or a unique id from the application.
 ///
-/// Each output line of a rank is prefixed with "[rank] " (stdout to stdout, stderr to stderr)
+/// Each output line of a rank is prefixed with the rank in brackets (stdout to stdout, stderr to stderr)
 /// unless --no-prefix. No rank outlives the job: the first rank that fails, the timeout, or
 /// SIGTERM/SIGINT/SIGHUP to this launcher sends SIGTERM to every rank and SIGKILL after the
 /// grace period; if the launcher itself is killed, the kernel kills its ranks

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 
 mod bundle;
+mod capi;
 
 const VENDORS: [&str; 4] = ["host", "cuda", "hip", "opencl"];
 
@@ -35,7 +36,7 @@ enum Task {
     },
     /// What CI runs: fmt check, clippy -D warnings, docs with warnings denied, then test.
     Ci,
-    /// Stripped release test binaries plus run.sh and perf.sh under target/bundle-<vendor>,
+    /// Stripped release test binaries plus run.sh and perf.sh under `target/bundle-VENDOR`,
     /// for a GPU host without Rust.
     Bundle {
         /// The GPU vendor (cuda).
@@ -64,6 +65,14 @@ enum Task {
     },
     /// cargo-deny: bans, licenses, sources (deny.toml), then advisories.
     Audit,
+    /// Build libflagcx (the FlagCX-compatible C ABI) and install it with flagcx.h and a
+    /// pkg-config file under target/flagcx.
+    Capi {
+        /// Vendors compiled in besides host (cuda, hip, opencl); a list with commas.
+        #[arg(long, visible_alias = "vendors", value_delimiter = ',',
+              value_parser = ["host", "cuda", "hip", "opencl"])]
+        vendor: Vec<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -76,6 +85,7 @@ fn main() -> ExitCode {
         Task::Fuzz { secs } => fuzz(secs),
         Task::Bench { vs_mpi } => bench(vs_mpi),
         Task::Audit => audit(),
+        Task::Capi { vendor } => capi::capi(&vendor).map(|_| ()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

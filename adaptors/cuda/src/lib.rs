@@ -79,6 +79,8 @@ struct Inner {
     /// VMM allocation granularity (0 when VMM is unsupported).
     granularity: usize,
     streams: HandleSet,
+    /// Streams the application created and lent us (`stream_adopt`): never destroyed here.
+    adopted: HandleSet,
     events: HandleSet,
     mem: Mutex<RangeMap<Mem>>,
     pinned: Mutex<HashSet<u64>>,
@@ -171,6 +173,7 @@ impl CudaAdaptor {
             caps: Capabilities::default(),
             granularity: 0,
             streams: HandleSet::new("stream"),
+            adopted: HandleSet::new("adopted stream"),
             events: HandleSet::new("event"),
             mem: Mutex::default(),
             pinned: Mutex::default(),
@@ -204,7 +207,9 @@ impl CudaAdaptor {
     }
 
     fn stream(&self, s: StreamHandle) -> Result<sys::CUstream> {
-        self.inner.streams.check(s.0)?;
+        if self.inner.adopted.check(s.0).is_err() {
+            self.inner.streams.check(s.0)?;
+        }
         Ok(s.0 as sys::CUstream)
     }
 
@@ -757,6 +762,22 @@ impl DeviceAdaptor for CudaAdaptor {
         })?;
         self.inner.streams.insert(s as u64);
         Ok(StreamHandle(s as u64))
+    }
+
+    unsafe fn stream_adopt(&self, native: u64) -> Result<StreamHandle> {
+        if self.inner.streams.check(native).is_ok() {
+            return Err(AdaptorError::invalid(
+                "stream_adopt",
+                format!("{native:#x} is a stream of this adaptor already"),
+            ));
+        }
+        // The caller vouches for the handle (see the trait's safety contract).
+        self.inner.adopted.insert(native);
+        Ok(StreamHandle(native))
+    }
+
+    fn stream_release(&self, stream: StreamHandle) -> Result<()> {
+        self.inner.adopted.remove(stream.0)
     }
 
     fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {

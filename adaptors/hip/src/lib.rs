@@ -89,6 +89,8 @@ struct Inner {
     caps: Capabilities,
     granularity: usize,
     streams: HandleSet,
+    /// Streams the application created and lent us (`stream_adopt`): never destroyed here.
+    adopted: HandleSet,
     events: HandleSet,
     mem: Mutex<RangeMap<Mem>>,
     pinned: Mutex<HashSet<u64>>,
@@ -211,6 +213,7 @@ impl HipAdaptor {
                 },
                 granularity,
                 streams: HandleSet::new("stream"),
+            adopted: HandleSet::new("adopted stream"),
                 events: HandleSet::new("event"),
                 mem: Mutex::default(),
                 pinned: Mutex::default(),
@@ -227,7 +230,9 @@ impl HipAdaptor {
     }
 
     fn stream(&self, s: StreamHandle) -> Result<ffi::Stream> {
-        self.inner.streams.check(s.0)?;
+        if self.inner.adopted.check(s.0).is_err() {
+            self.inner.streams.check(s.0)?;
+        }
         Ok(s.0 as ffi::Stream)
     }
 
@@ -664,6 +669,22 @@ impl DeviceAdaptor for HipAdaptor {
         })?;
         self.inner.streams.insert(s as u64);
         Ok(StreamHandle(s as u64))
+    }
+
+    unsafe fn stream_adopt(&self, native: u64) -> Result<StreamHandle> {
+        if self.inner.streams.check(native).is_ok() {
+            return Err(AdaptorError::invalid(
+                "stream_adopt",
+                format!("{native:#x} is a stream of this adaptor already"),
+            ));
+        }
+        // The caller vouches for the handle (see the trait's safety contract).
+        self.inner.adopted.insert(native);
+        Ok(StreamHandle(native))
+    }
+
+    fn stream_release(&self, stream: StreamHandle) -> Result<()> {
+        self.inner.adopted.remove(stream.0)
     }
 
     fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {

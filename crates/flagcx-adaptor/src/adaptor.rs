@@ -138,6 +138,32 @@ pub trait DeviceAdaptor: Clone + Send + Sync + 'static {
     /// Destroys a stream; work already enqueued still completes.
     fn stream_destroy(&self, stream: StreamHandle) -> Result<()>;
 
+    /// Adopts a stream the application created with the vendor's runtime (`native` is its
+    /// handle, e.g. a `CUstream` from PyTorch), so operations can be enqueued on it like on
+    /// one of ours. The adaptor never destroys it ([`DeviceAdaptor::stream_destroy`] refuses
+    /// it); [`DeviceAdaptor::stream_release`] forgets it. Vendors whose streams have no
+    /// native form outside the adaptor (host, OpenCL) return `Unsupported`.
+    ///
+    /// # Safety
+    /// `native` must be a live stream of this adaptor's device and context that outlives
+    /// its use through the adaptor (until `stream_release`).
+    unsafe fn stream_adopt(&self, native: u64) -> Result<StreamHandle> {
+        let _ = native;
+        Err(crate::AdaptorError::Unsupported {
+            vendor: self.vendor(),
+            op: "stream_adopt",
+        })
+    }
+
+    /// Forgets a stream [`DeviceAdaptor::stream_adopt`] adopted, without destroying it.
+    fn stream_release(&self, stream: StreamHandle) -> Result<()> {
+        let _ = stream;
+        Err(crate::AdaptorError::Unsupported {
+            vendor: self.vendor(),
+            op: "stream_release",
+        })
+    }
+
     /// Blocks until everything enqueued on `stream` has completed.
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()>;
 

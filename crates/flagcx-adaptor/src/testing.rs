@@ -180,6 +180,13 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
     fn stream_destroy(&self, stream: StreamHandle) -> Result<()> {
         self.inner.stream_destroy(stream)
     }
+    unsafe fn stream_adopt(&self, native: u64) -> Result<StreamHandle> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.stream_adopt(native) }
+    }
+    fn stream_release(&self, stream: StreamHandle) -> Result<()> {
+        self.inner.stream_release(stream)
+    }
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
         self.inner.stream_synchronize(stream)
     }

@@ -539,19 +539,32 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// Runs `f`, posting its operations together: they progress at once and each stream waits
     /// once for all of them. Use it for exchanges in both directions.
     pub fn group<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
-        {
-            let mut g = lock(&self.group);
-            if g.is_some() {
-                return Err(CommError::InvalidArgument("groups do not nest".into()));
-            }
-            *g = Some(Vec::new());
-        }
+        self.group_begin()?;
         let r = f();
-        let ops = lock(&self.group).take().unwrap_or_default();
-        let submitted = self.submit(ops);
+        let submitted = self.group_end();
         let t = r?;
         submitted?;
         Ok(t)
+    }
+
+    /// Opens a group explicitly (for callers that cannot pass a closure, like the C ABI's
+    /// `flagcxGroupStart`): operations posted until [`Comm::group_end`] progress together.
+    /// Groups do not nest.
+    pub fn group_begin(&self) -> Result<()> {
+        let mut g = lock(&self.group);
+        if g.is_some() {
+            return Err(CommError::InvalidArgument("groups do not nest".into()));
+        }
+        *g = Some(Vec::new());
+        Ok(())
+    }
+
+    /// Closes the group [`Comm::group_begin`] opened and hands its operations over.
+    pub fn group_end(&self) -> Result<()> {
+        let ops = lock(&self.group)
+            .take()
+            .ok_or_else(|| CommError::InvalidArgument("no group is open".into()))?;
+        self.submit(ops)
     }
 
     /// The first asynchronous failure of this communicator, without waiting: a lost peer, an

@@ -1,0 +1,315 @@
+/*
+ * flagcx.h: the C interface of flagcx-rs, compatible with FlagCX's header (API version 0.13)
+ * for the subset below. Names, values, struct layouts and signatures follow FlagCX's, so
+ * programs and plugins written for FlagCX build and link against libflagcx from flagcx-rs
+ * unchanged. Written for flagcx-rs; every function is documented where it is declared.
+ *
+ * Conventions (as FlagCX and NCCL document them):
+ * - Every function returns flagcxResult_t and never aborts the process; after a failure,
+ *   flagcxGetLastError says what happened.
+ * - Communication calls return once their work is enqueued on the stream; the stream sees
+ *   the data when it reaches that point.
+ * - Functions of FlagCX's header that flagcx-rs does not implement yet are exported and
+ *   return flagcxNotSupported, with flagcxGetLastError naming what is missing.
+ */
+#ifndef FLAGCX_H_
+#define FLAGCX_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Result codes. */
+typedef enum {
+  flagcxSuccess = 0,
+  flagcxUnhandledDeviceError = 1, /* the device runtime failed (its code is in the last error) */
+  flagcxSystemError = 2,          /* a system call, socket or shared memory failed */
+  flagcxInternalError = 3,        /* a bug in flagcx-rs */
+  flagcxInvalidArgument = 4,      /* a bad pointer, count, rank or handle */
+  flagcxInvalidUsage = 5,         /* a call out of order, mismatched sizes, an aborted communicator */
+  flagcxRemoteError = 6,          /* a peer failed, timed out or went away */
+  flagcxInProgress = 7,           /* not finished yet */
+  flagcxUnhandledCCLError = 8,    /* an underlying communication library failed */
+  flagcxNotSupported = 9,         /* not implemented (yet) on this build or vendor */
+  flagcxNumResults = 10
+} flagcxResult_t;
+
+/* Element types; counts in communication calls are elements of these. */
+typedef enum {
+  flagcxInt8 = 0,
+  flagcxChar = 0,
+  flagcxUint8 = 1,
+  flagcxInt32 = 2,
+  flagcxInt = 2,
+  flagcxUint32 = 3,
+  flagcxInt64 = 4,
+  flagcxUint64 = 5,
+  flagcxFloat16 = 6,
+  flagcxHalf = 6,
+  flagcxFloat32 = 7,
+  flagcxFloat = 7,
+  flagcxFloat64 = 8,
+  flagcxDouble = 8,
+  flagcxBfloat16 = 9,
+  flagcxNumTypes = 10
+} flagcxDataType_t;
+
+/* Reduction operations (reductions are not implemented yet). */
+typedef enum {
+  flagcxSum = 0,
+  flagcxProd = 1,
+  flagcxMax = 2,
+  flagcxMin = 3,
+  flagcxAvg = 4
+} flagcxRedOp_t;
+
+/* Direction of deviceMemcpy. */
+typedef enum {
+  flagcxMemcpyHostToDevice = 0,
+  flagcxMemcpyDeviceToHost = 1,
+  flagcxMemcpyDeviceToDevice = 2
+} flagcxMemcpyType_t;
+
+/* Kind of memory for deviceMalloc, deviceFree and deviceMemset. */
+typedef enum {
+  flagcxMemHost = 0, /* pinned host memory, mapped for the device */
+  flagcxMemDevice = 1,
+  flagcxMemManaged = 2 /* not supported by flagcx-rs */
+} flagcxMemType_t;
+
+/* Event flavours for eventCreate. */
+typedef enum {
+  flagcxEventDefault = 0,
+  flagcxEventDisableTiming = 1
+} flagcxEventType_t;
+
+/* Allocators for flagcxMemAlloc and buffer registration. */
+typedef enum {
+  flagcxMemCCL = 0,  /* device memory that IPC can share */
+  flagcxMemSHMEM = 1 /* device memory that file-descriptor IPC can share as well */
+} flagcxMemAllocator_t;
+
+/* The job's identity: made by one rank with flagcxGetUniqueId, handed to the others by the
+ * application (MPI_Bcast, a file, a key-value store). 256 opaque bytes. */
+#define FLAGCX_UNIQUE_ID_BYTES 256
+typedef struct {
+  char internal[FLAGCX_UNIQUE_ID_BYTES];
+} flagcxUniqueId;
+typedef flagcxUniqueId *flagcxUniqueId_t;
+
+/* Opaque handles. A flagcxStream_t points to a struct whose first field is the vendor's
+ * native stream (a CUstream on NVIDIA, a hipStream_t on AMD), as FlagCX's plugins expect. */
+typedef struct flagcxComm *flagcxComm_t;
+typedef struct flagcxStream *flagcxStream_t;
+typedef struct flagcxEvent *flagcxEvent_t;
+typedef struct flagcxIpcMemHandle *flagcxIpcMemHandle_t;
+
+/* The device runtime of the vendor FLAGCX_VENDOR names (host, cuda, hip, opencl), else the
+ * first compiled-in vendor with a device. A NULL stream means the synchronous form. */
+struct flagcxDeviceHandle {
+  /* Waits for all work of the current device. */
+  flagcxResult_t (*deviceSynchronize)(void);
+  /* Copies size bytes; enqueued on stream, or finished on return when stream is NULL. */
+  flagcxResult_t (*deviceMemcpy)(void *dst, void *src, size_t size, flagcxMemcpyType_t type,
+                                 flagcxStream_t stream);
+  /* Sets size bytes to value: device memory through the device (on stream, or synchronously),
+   * host memory with a plain memset. */
+  flagcxResult_t (*deviceMemset)(void *ptr, int value, size_t size, flagcxMemType_t type,
+                                 flagcxStream_t stream);
+  /* Allocates size bytes of device or pinned host memory (flagcxMemManaged: NotSupported);
+   * the memory is usable once the call returns. */
+  flagcxResult_t (*deviceMalloc)(void **ptr, size_t size, flagcxMemType_t type,
+                                 flagcxStream_t stream);
+  /* Frees what deviceMalloc returned, after the work on stream (if any) finished. */
+  flagcxResult_t (*deviceFree)(void *ptr, flagcxMemType_t type, flagcxStream_t stream);
+  /* Makes dev the calling thread's current device. */
+  flagcxResult_t (*setDevice)(int dev);
+  /* The calling thread's current device. */
+  flagcxResult_t (*getDevice)(int *dev);
+  /* How many devices the vendor has. */
+  flagcxResult_t (*getDeviceCount)(int *count);
+  /* Writes the vendor's name ("host", "cuda", "hip", "opencl"), NUL-terminated, at most 128
+   * bytes. */
+  flagcxResult_t (*getVendor)(char *vendor);
+  /* The device address of pinned host memory (the same address where the vendor has unified
+   * addressing; NotSupported elsewhere). */
+  flagcxResult_t (*hostGetDevicePointer)(void **pDevice, void *pHost);
+  /* Creates a stream on the current device. */
+  flagcxResult_t (*streamCreate)(flagcxStream_t *stream);
+  /* Destroys a stream streamCreate made (its work still completes). */
+  flagcxResult_t (*streamDestroy)(flagcxStream_t stream);
+  /* Wraps a native stream (e.g. a CUstream from PyTorch) without owning it. */
+  flagcxResult_t (*streamCopy)(flagcxStream_t *newStream, void *oldStream);
+  /* Forgets a wrapper streamCopy made; the native stream lives on. */
+  flagcxResult_t (*streamFree)(flagcxStream_t stream);
+  /* Waits until the stream's work finished. */
+  flagcxResult_t (*streamSynchronize)(flagcxStream_t stream);
+  /* flagcxSuccess when the stream is idle, flagcxInProgress while work remains. */
+  flagcxResult_t (*streamQuery)(flagcxStream_t stream);
+  /* Makes later work on stream wait for event's last recording. */
+  flagcxResult_t (*streamWaitEvent)(flagcxStream_t stream, flagcxEvent_t event);
+  /* Creates an event. */
+  flagcxResult_t (*eventCreate)(flagcxEvent_t *event, flagcxEventType_t eventType);
+  /* Destroys an event. */
+  flagcxResult_t (*eventDestroy)(flagcxEvent_t event);
+  /* Records the event at the current end of stream. */
+  flagcxResult_t (*eventRecord)(flagcxEvent_t event, flagcxStream_t stream);
+  /* Waits for the event's last recording. */
+  flagcxResult_t (*eventSynchronize)(flagcxEvent_t event);
+  /* flagcxSuccess when the event's last recording completed, flagcxInProgress otherwise. */
+  flagcxResult_t (*eventQuery)(flagcxEvent_t event);
+  /* Milliseconds between two completed recordings. */
+  flagcxResult_t (*eventElapsedTime)(float *ms, flagcxEvent_t start, flagcxEvent_t end);
+  /* Allocates an IPC handle; *size is its length in bytes, to copy between processes. */
+  flagcxResult_t (*ipcMemHandleCreate)(flagcxIpcMemHandle_t *handle, size_t *size);
+  /* Fills the handle for the device allocation holding devPtr. */
+  flagcxResult_t (*ipcMemHandleGet)(flagcxIpcMemHandle_t handle, void *devPtr);
+  /* Maps another process's allocation named by handle; *devPtr is its base here. */
+  flagcxResult_t (*ipcMemHandleOpen)(flagcxIpcMemHandle_t handle, void **devPtr);
+  /* Unmaps what ipcMemHandleOpen mapped. */
+  flagcxResult_t (*ipcMemHandleClose)(void *devPtr);
+  /* Frees a handle ipcMemHandleCreate allocated. */
+  flagcxResult_t (*ipcMemHandleFree)(flagcxIpcMemHandle_t handle);
+};
+typedef struct flagcxDeviceHandle *flagcxDeviceHandle_t;
+
+/* Allocates the device function table. */
+flagcxResult_t flagcxDeviceHandleInit(flagcxDeviceHandle_t *handle);
+/* Frees the table. */
+flagcxResult_t flagcxDeviceHandleFree(flagcxDeviceHandle_t handle);
+
+/* A unique id, a communicator and a device table together, as FlagCX's tests use them. */
+struct flagcxHandlerGroup {
+  flagcxUniqueId_t uniqueId;
+  flagcxComm_t comm;
+  flagcxDeviceHandle_t devHandle;
+};
+typedef struct flagcxHandlerGroup *flagcxHandlerGroup_t;
+
+/* Allocates a handler group: uniqueId allocated (not yet filled), comm NULL, devHandle made
+ * by flagcxDeviceHandleInit. */
+flagcxResult_t flagcxHandleInit(flagcxHandlerGroup_t *handler);
+/* Frees a handler group (not its communicator: destroy that first). */
+flagcxResult_t flagcxHandleFree(flagcxHandlerGroup_t handler);
+
+/* Bytes of one element of dtype (0 for an unknown type). */
+size_t getFlagcxDataTypeSize(flagcxDataType_t dtype);
+
+/* The API version: major * 10000 + minor * 100 + patch (1300 for 0.13). */
+flagcxResult_t flagcxGetVersion(int *version);
+
+/* Makes a new job id (a fresh random secret) in *uniqueId. */
+flagcxResult_t flagcxGetUniqueId(flagcxUniqueId_t uniqueId);
+
+/* Joins the job commId as rank of nranks on the calling thread's current device; returns
+ * once every rank joined (or FLAGCX_BOOTSTRAP_TIMEOUT_MS passed). */
+flagcxResult_t flagcxCommInitRank(flagcxComm_t *comm, int nranks, flagcxUniqueId_t commId,
+                                  int rank);
+/* Waits for every operation this rank issued on comm to finish. */
+flagcxResult_t flagcxCommFinalize(flagcxComm_t comm);
+/* Frees the communicator (operations still pending fail). */
+flagcxResult_t flagcxCommDestroy(flagcxComm_t comm);
+/* Aborts: pending operations fail, waiting streams are released, peers are told; then frees
+ * the communicator. */
+flagcxResult_t flagcxCommAbort(flagcxComm_t comm);
+/* The first asynchronous failure (a lost or hung peer, a device error) in *asyncError, or
+ * flagcxSuccess; never waits. */
+flagcxResult_t flagcxCommGetAsyncError(flagcxComm_t comm, flagcxResult_t *asyncError);
+/* Ranks in the job. */
+flagcxResult_t flagcxCommCount(const flagcxComm_t comm, int *count);
+/* This rank. */
+flagcxResult_t flagcxCommUserRank(const flagcxComm_t comm, int *rank);
+/* The device this rank uses. */
+flagcxResult_t flagcxCommGetDeviceNumber(const flagcxComm_t comm, int *device);
+/* *isHomo = 1 when every rank uses the same vendor, else 0 (always written). */
+flagcxResult_t flagcxIsHomoComm(flagcxComm_t comm, int *isHomo);
+/* A static description of a result code. */
+const char *flagcxGetErrorString(flagcxResult_t result);
+/* What the last failed call said: comm's last error, or with NULL the calling thread's. */
+const char *flagcxGetLastError(flagcxComm_t comm);
+
+/* Starts a group: sends and receives until flagcxGroupEnd progress together (a bidirectional
+ * exchange must be grouped). Groups nest; the outermost end submits. */
+flagcxResult_t flagcxGroupStart(flagcxComm_t comm);
+/* Ends a group and enqueues its operations. */
+flagcxResult_t flagcxGroupEnd(flagcxComm_t comm);
+/* Sends count elements to peer, ordered on stream. */
+flagcxResult_t flagcxSend(const void *sendbuff, size_t count, flagcxDataType_t datatype,
+                          int peer, flagcxComm_t comm, flagcxStream_t stream);
+/* Receives count elements from peer, ordered on stream; a larger message from the peer is an
+ * error on both sides, never an overrun. */
+flagcxResult_t flagcxRecv(void *recvbuff, size_t count, flagcxDataType_t datatype, int peer,
+                          flagcxComm_t comm, flagcxStream_t stream);
+/* Returns once every rank reached it; stream is ordered after it. */
+flagcxResult_t flagcxBarrier(flagcxComm_t comm, flagcxStream_t stream);
+
+/* Allocates size bytes of device memory on the current device for communication. */
+flagcxResult_t flagcxMemAlloc(void **ptr, size_t size, flagcxMemAllocator_t allocator
+#ifdef __cplusplus
+                              = flagcxMemCCL
+#endif
+);
+/* Frees what flagcxMemAlloc returned. */
+flagcxResult_t flagcxMemFree(void *ptr, flagcxMemAllocator_t allocator
+#ifdef __cplusplus
+                             = flagcxMemCCL
+#endif
+);
+/* Registers size bytes at buff (device memory of comm's device) for communication; *handle
+ * is what flagcxCommDeregister takes. */
+flagcxResult_t flagcxCommRegister(const flagcxComm_t comm, void *buff, size_t size,
+                                  void **handle, flagcxMemAllocator_t allocator
+#ifdef __cplusplus
+                                  = flagcxMemCCL
+#endif
+);
+/* Releases a registration. */
+flagcxResult_t flagcxCommDeregister(const flagcxComm_t comm, void *handle,
+                                    flagcxMemAllocator_t allocator
+#ifdef __cplusplus
+                                    = flagcxMemCCL
+#endif
+);
+
+/* Collectives and one-sided operations of FlagCX's header: exported, not implemented yet;
+ * each returns flagcxNotSupported. */
+flagcxResult_t flagcxReduce(const void *sendbuff, void *recvbuff, size_t count,
+                            flagcxDataType_t datatype, flagcxRedOp_t op, int root,
+                            flagcxComm_t comm, flagcxStream_t stream);
+flagcxResult_t flagcxGather(const void *sendbuff, void *recvbuff, size_t count,
+                            flagcxDataType_t datatype, int root, flagcxComm_t comm,
+                            flagcxStream_t stream);
+flagcxResult_t flagcxScatter(const void *sendbuff, void *recvbuff, size_t count,
+                             flagcxDataType_t datatype, int root, flagcxComm_t comm,
+                             flagcxStream_t stream);
+flagcxResult_t flagcxBroadcast(const void *sendbuff, void *recvbuff, size_t count,
+                               flagcxDataType_t datatype, int root, flagcxComm_t comm,
+                               flagcxStream_t stream);
+flagcxResult_t flagcxAllReduce(const void *sendbuff, void *recvbuff, size_t count,
+                               flagcxDataType_t datatype, flagcxRedOp_t op, flagcxComm_t comm,
+                               flagcxStream_t stream);
+flagcxResult_t flagcxReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount,
+                                   flagcxDataType_t datatype, flagcxRedOp_t op,
+                                   flagcxComm_t comm, flagcxStream_t stream);
+flagcxResult_t flagcxAllGather(const void *sendbuff, void *recvbuff, size_t sendcount,
+                               flagcxDataType_t datatype, flagcxComm_t comm,
+                               flagcxStream_t stream);
+flagcxResult_t flagcxAlltoAll(const void *sendbuff, void *recvbuff, size_t count,
+                              flagcxDataType_t datatype, flagcxComm_t comm,
+                              flagcxStream_t stream);
+flagcxResult_t flagcxAlltoAllv(const void *sendbuff, size_t *sendcounts, size_t *sdispls,
+                               void *recvbuff, size_t *recvcounts, size_t *rdispls,
+                               flagcxDataType_t datatype, flagcxComm_t comm,
+                               flagcxStream_t stream);
+/* Suspends or resumes a communicator (not supported). */
+flagcxResult_t flagcxCommSuspend(flagcxComm_t comm);
+flagcxResult_t flagcxCommResume(flagcxComm_t comm);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FLAGCX_H_ */

@@ -1,0 +1,74 @@
+//! `cargo xtask capi [--vendor …]`: builds libflagcx (the C ABI) and installs it with its
+//! header and a pkg-config file under `target/flagcx`:
+//!
+//! ```text
+//! target/flagcx/include/flagcx.h
+//! target/flagcx/lib/libflagcx.so.0, libflagcx.so -> libflagcx.so.0, libflagcx.a
+//! target/flagcx/lib/pkgconfig/flagcx.pc
+//! ```
+//!
+//! A C program then builds with `cc prog.c $(pkg-config --cflags --libs flagcx)` once
+//! `PKG_CONFIG_PATH` includes `target/flagcx/lib/pkgconfig` (the library path is baked in as
+//! an rpath, so it runs without `LD_LIBRARY_PATH`).
+
+use std::path::{Path, PathBuf};
+
+use crate::{cargo, root, run, Result};
+
+/// Builds and installs; returns the prefix (`target/flagcx`).
+pub(crate) fn capi(vendors: &[String]) -> Result<PathBuf> {
+    let features: Vec<String> = vendors.iter().map(|v| v.to_string()).collect();
+    let mut build = cargo();
+    build.args(["build", "--release", "-p", "flagcx-capi"]);
+    if !features.is_empty() {
+        build.args(["--features", &features.join(",")]);
+    }
+    run("building libflagcx (crates/flagcx-capi)", &mut build)?;
+    let release = root().join("target/release");
+    let prefix = root().join("target/flagcx");
+    let _ = std::fs::remove_dir_all(&prefix);
+    for d in ["include", "lib/pkgconfig"] {
+        std::fs::create_dir_all(prefix.join(d)).map_err(|e| format!("{d}: {e}"))?;
+    }
+    copy(
+        &root().join("crates/flagcx-capi/include/flagcx.h"),
+        &prefix.join("include/flagcx.h"),
+    )?;
+    copy(
+        &release.join("libflagcx_capi.so"),
+        &prefix.join("lib/libflagcx.so.0"),
+    )?;
+    std::os::unix::fs::symlink("libflagcx.so.0", prefix.join("lib/libflagcx.so"))
+        .map_err(|e| format!("symlink libflagcx.so: {e}"))?;
+    copy(&release.join("libflagcx_capi.a"), &prefix.join("lib/libflagcx.a"))?;
+    let mut private = String::from("-lpthread -ldl -lm -lrt -lutil -lgcc_s");
+    if vendors.iter().any(|v| v == "hip") {
+        private.push_str(" -lamdhip64");
+    }
+    let pc = format!(
+        "prefix={}\n\
+         libdir=${{prefix}}/lib\n\
+         includedir=${{prefix}}/include\n\n\
+         Name: flagcx\n\
+         Description: flagcx-rs: cross-vendor point-to-point communication, FlagCX-compatible C ABI\n\
+         Version: {}\n\
+         Cflags: -I${{includedir}}\n\
+         Libs: -L${{libdir}} -Wl,-rpath,${{libdir}} -lflagcx\n\
+         Libs.private: {private}\n",
+        prefix.display(),
+        env!("CARGO_PKG_VERSION").replace("0.0.0", "0.1.0"),
+    );
+    std::fs::write(prefix.join("lib/pkgconfig/flagcx.pc"), pc).map_err(|e| e.to_string())?;
+    println!(
+        "capi: installed {} (PKG_CONFIG_PATH={}/lib/pkgconfig)",
+        prefix.display(),
+        prefix.display()
+    );
+    Ok(prefix)
+}
+
+fn copy(from: &Path, to: &Path) -> Result {
+    std::fs::copy(from, to)
+        .map(|_| ())
+        .map_err(|e| format!("copy {} to {}: {e}", from.display(), to.display()))
+}
