@@ -186,6 +186,7 @@ fn test(vendors: &Option<Vec<String>>, strict_all: bool) -> Result {
     std::fs::create_dir_all(&skip_dir).map_err(|e| e.to_string())?;
     let mut outcomes = Vec::new();
     let mut failed = false;
+    let mut capi_prefix = None;
     for v in &list {
         if v == "hip" && hip_root().is_none() {
             if explicit || strict_all {
@@ -204,8 +205,16 @@ fn test(vendors: &Option<Vec<String>>, strict_all: bool) -> Result {
         let _ = std::fs::remove_file(&log);
         let mut passed = 0;
         let mut ok = true;
+        // The C programs of tests/capi.rs link the installed libflagcx (host and OpenCL).
+        if (v == "host" || v == "opencl") && capi_prefix.is_none() {
+            capi_prefix = Some(capi::capi(&["opencl".to_string()])?);
+        }
         for mut cmd in vendor_commands(v) {
             cmd.env("FLAGCX_SKIP_LOG", &log);
+            if let Some(p) = &capi_prefix {
+                cmd.env("FLAGCX_CAPI_PREFIX", p)
+                    .env("FLAGCX_CAPI_VENDORS", "host,opencl");
+            }
             match run_counting(&format!("{v}: {cmd:?}"), &mut cmd) {
                 Ok(n) => passed += n,
                 Err(e) => {
@@ -261,6 +270,11 @@ fn vendor_commands(vendor: &str) -> Vec<Command> {
                 c.args(["test", "-p", "flagcx", "--features", other, "--test", "p2p"])
                     .env("FLAGCX_P2P_TEST_VENDORS", other)
                     .env("FLAGCX_P2P_TEST_MIXED", format!("host,{other}"));
+                cmds.push(c);
+                // The C ABI with host and OpenCL ranks mixed.
+                let mut c = cargo();
+                c.args(["test", "-p", "flagcx", "--features", other, "--test", "capi"])
+                    .args(["--", "opencl"]);
                 cmds.push(c);
             }
         }

@@ -1,0 +1,236 @@
+//! The C ABI from C: the programs of `tests/capi/` compiled against the installed library
+//! (`cargo xtask capi`, which `cargo xtask test` runs first and names in
+//! `FLAGCX_CAPI_PREFIX`) and run as real jobs: a ring on 2 and 4 ranks, mixed host and
+//! OpenCL ranks where the library has OpenCL, a killed peer, and the unique id passed by
+//! MPI_Bcast under `mpirun` where Open MPI is installed.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use flagcx_adaptor::conformance::report_skip_reason;
+
+/// The install prefix, or a reported skip.
+fn prefix(test: &str) -> Option<PathBuf> {
+    match std::env::var_os("FLAGCX_CAPI_PREFIX") {
+        Some(p) => Some(p.into()),
+        None => {
+            report_skip_reason(
+                test,
+                "host",
+                "FLAGCX_CAPI_PREFIX is not set: run through `cargo xtask test`, which installs \
+                 libflagcx first (`cargo xtask capi`)",
+            );
+            None
+        }
+    }
+}
+
+fn src(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/capi").join(name)
+}
+
+/// Compiles `tests/capi/<name>` with `compiler` against the library, with the flags
+/// `pkg-config` gives for it (checked against the prefix's own where pkg-config exists).
+fn compile(prefix: &Path, compiler: &str, name: &str) -> PathBuf {
+    let lib = prefix.join("lib");
+    let mut flags = vec![
+        format!("-I{}", prefix.join("include").display()),
+        format!("-L{}", lib.display()),
+        format!("-Wl,-rpath,{}", lib.display()),
+        "-lflagcx".to_string(),
+    ];
+    if let Ok(out) = Command::new("pkg-config")
+        .args(["--cflags", "--libs", "flagcx"])
+        .env("PKG_CONFIG_PATH", lib.join("pkgconfig"))
+        .output()
+    {
+        if out.status.success() {
+            let pc = String::from_utf8_lossy(&out.stdout).to_string();
+            assert!(pc.contains("-lflagcx"), "pkg-config says {pc:?}");
+            flags = pc.split_whitespace().map(str::to_string).collect();
+        }
+    }
+    let out_dir = std::env::temp_dir().join(format!("flagcx-capi-{}", std::process::id()));
+    std::fs::create_dir_all(&out_dir).expect("temp dir");
+    let exe = out_dir.join(name.split('.').next().unwrap_or(name));
+    let status = Command::new(compiler)
+        .args(["-Wall", "-Wextra", "-Werror", "-O1", "-o"])
+        .arg(&exe)
+        .arg(src(name))
+        .args(&flags)
+        .status()
+        .unwrap_or_else(|e| panic!("{compiler}: {e}"));
+    assert!(status.success(), "{compiler} {name} failed");
+    exe
+}
+
+/// Starts `n` ranks of `exe` (vendors cycled), the id passed through a file.
+fn job(exe: &Path, n: usize, vendors: &[&str]) -> Vec<Child> {
+    let id = std::env::temp_dir().join(format!(
+        "flagcx-capi-id-{}-{}",
+        std::process::id(),
+        exe.file_name().unwrap().to_string_lossy()
+    ));
+    let _ = std::fs::remove_file(&id);
+    (0..n)
+        .map(|r| {
+            Command::new(exe)
+                .env("FLAGCX_RANK", r.to_string())
+                .env("FLAGCX_NRANKS", n.to_string())
+                .env("FLAGCX_LOCAL_RANK", r.to_string())
+                .env("FLAGCX_VENDOR", vendors[r % vendors.len()])
+                .env("FLAGCX_TEST_ID_FILE", &id)
+                .env_remove("FLAGCX_UNIQUE_ID")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("start a rank")
+        })
+        .collect()
+}
+
+fn finish(c: Child, limit: Duration) -> Output {
+    let pid = c.id() as i32;
+    let t = Instant::now();
+    let waiter = std::thread::spawn(move || c.wait_with_output().expect("wait"));
+    while !waiter.is_finished() {
+        if t.elapsed() > limit {
+            // SAFETY: killing our own child.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    waiter.join().expect("join")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}\n{}\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn ring(prefix: &Path, n: usize, vendors: &[&str]) {
+    let exe = compile(prefix, "cc", "ring.c");
+    for (r, c) in job(&exe, n, vendors).into_iter().enumerate() {
+        let o = finish(c, Duration::from_secs(60));
+        let t = text(&o);
+        assert!(
+            o.status.success() && t.contains("capi ring ok"),
+            "rank {r} of {n} ({vendors:?}):\n{t}"
+        );
+    }
+}
+
+#[test]
+fn c_ring_on_two_and_four_host_ranks() {
+    let Some(p) = prefix("capi::c_ring_on_two_and_four_host_ranks") else {
+        return;
+    };
+    ring(&p, 2, &["host"]);
+    ring(&p, 4, &["host"]);
+}
+
+/// Host and OpenCL ranks mixed, where the library was built with OpenCL
+/// (`FLAGCX_CAPI_VENDORS`) and an OpenCL platform is present.
+#[test]
+fn c_ring_on_host_and_opencl_ranks() {
+    let test = "capi::c_ring_on_host_and_opencl_ranks";
+    let Some(p) = prefix(test) else {
+        return;
+    };
+    let vendors = std::env::var("FLAGCX_CAPI_VENDORS").unwrap_or_default();
+    if !vendors.split(',').any(|v| v == "opencl") {
+        report_skip_reason(test, "opencl", "libflagcx was built without OpenCL");
+        return;
+    }
+    #[cfg(feature = "opencl")]
+    if let Err(e) = flagcx::Adaptor::open(flagcx::Vendor::OpenCl, 0) {
+        flagcx_adaptor::conformance::report_skip(test, &e);
+        return;
+    }
+    #[cfg(not(feature = "opencl"))]
+    {
+        report_skip_reason(test, "opencl", "this test binary was built without OpenCL");
+        return;
+    }
+    #[allow(unreachable_code)]
+    {
+        ring(&p, 2, &["host", "opencl"]);
+        ring(&p, 4, &["host", "opencl"]);
+    }
+}
+
+/// A peer dies: `flagcxCommGetAsyncError` reports it, `flagcxCommAbort` returns.
+#[test]
+fn c_killed_peer_is_an_async_error() {
+    let Some(p) = prefix("capi::c_killed_peer_is_an_async_error") else {
+        return;
+    };
+    let exe = compile(&p, "cc", "killed.c");
+    let mut ranks = job(&exe, 2, &["host"]).into_iter();
+    let (r0, r1) = (ranks.next().unwrap(), ranks.next().unwrap());
+    let (o0, o1) = (
+        finish(r0, Duration::from_secs(60)),
+        finish(r1, Duration::from_secs(60)),
+    );
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&o1.status),
+        Some(libc::SIGKILL),
+        "{}",
+        text(&o1)
+    );
+    let t = text(&o0);
+    assert!(
+        o0.status.success() && t.contains("capi killed peer ok"),
+        "{t}"
+    );
+}
+
+/// The unique id passed by `MPI_Bcast` under `mpirun`, as FlagCX's own tests do it.
+#[test]
+fn c_ring_with_the_id_from_mpi() {
+    let test = "capi::c_ring_with_the_id_from_mpi";
+    let Some(p) = prefix(test) else {
+        return;
+    };
+    let have = |tool: &str| {
+        Command::new(tool)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if !have("mpicc") || !have("mpirun") {
+        report_skip_reason(
+            test,
+            "host",
+            "Open MPI is not installed (apt-get install openmpi-bin libopenmpi-dev)",
+        );
+        return;
+    }
+    let exe = compile(&p, "mpicc", "mpi_ring.c");
+    let mut cmd = Command::new("mpirun");
+    // SAFETY: getuid has no preconditions.
+    if unsafe { libc::getuid() } == 0 {
+        cmd.arg("--allow-run-as-root");
+    }
+    let child = cmd
+        .args(["--oversubscribe", "-n", "2"])
+        .arg(&exe)
+        .env("FLAGCX_VENDOR", "host")
+        .env_remove("FLAGCX_RANK")
+        .env_remove("FLAGCX_UNIQUE_ID")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("mpirun");
+    let o = finish(child, Duration::from_secs(120));
+    let t = text(&o);
+    assert!(
+        o.status.success() && t.matches("capi mpi ring ok").count() == 2,
+        "{t}"
+    );
+}
