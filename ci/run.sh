@@ -17,6 +17,8 @@ command -v hipconfig >/dev/null || need_pkgs+=(hipcc)
 [ -e /etc/OpenCL/vendors/pocl.icd ] || need_pkgs+=(pocl-opencl-icd)
 # Open MPI: the C ABI's MPI test (the unique id through MPI_Bcast) and `xtask bench --vs-mpi`.
 command -v mpicc >/dev/null || need_pkgs+=(openmpi-bin libopenmpi-dev)
+# CMake: the C ABI's CMake package test (find_package(Flagcx)).
+command -v cmake >/dev/null || need_pkgs+=(cmake)
 # A TrueType font: flagcx-perf --plot lays out its labels with it (tests/perf_smoke.rs).
 [ -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need_pkgs+=(fonts-dejavu-core)
 if [ ${#need_pkgs[@]} -gt 0 ]; then

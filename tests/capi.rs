@@ -27,27 +27,35 @@ fn prefix(test: &str) -> Option<PathBuf> {
 }
 
 fn src(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/capi").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/capi")
+        .join(name)
 }
 
 /// Compiles `tests/capi/<name>` with `compiler` against the library, with the flags
-/// `pkg-config` gives for it (checked against the prefix's own where pkg-config exists).
+/// `pkg-config` gives for it (`flagcx`, or `flagcx-cxx` for C++; the prefix's own flags where
+/// pkg-config is missing).
 fn compile(prefix: &Path, compiler: &str, name: &str) -> PathBuf {
     let lib = prefix.join("lib");
+    let cxx = name.ends_with(".cpp");
     let mut flags = vec![
         format!("-I{}", prefix.join("include").display()),
         format!("-L{}", lib.display()),
         format!("-Wl,-rpath,{}", lib.display()),
-        "-lflagcx".to_string(),
+        if cxx { "-lflagcx_cxx" } else { "-lflagcx" }.to_string(),
     ];
+    if cxx {
+        flags.extend(["-std=c++17", "-lpthread", "-ldl", "-lm"].map(str::to_string));
+    }
+    let package = if cxx { "flagcx-cxx" } else { "flagcx" };
     if let Ok(out) = Command::new("pkg-config")
-        .args(["--cflags", "--libs", "flagcx"])
+        .args(["--cflags", "--libs", package])
         .env("PKG_CONFIG_PATH", lib.join("pkgconfig"))
         .output()
     {
         if out.status.success() {
             let pc = String::from_utf8_lossy(&out.stdout).to_string();
-            assert!(pc.contains("-lflagcx"), "pkg-config says {pc:?}");
+            assert!(pc.contains("-lflagcx"), "pkg-config {package} says {pc:?}");
             flags = pc.split_whitespace().map(str::to_string).collect();
         }
     }
@@ -115,14 +123,67 @@ fn text(o: &Output) -> String {
 
 fn ring(prefix: &Path, n: usize, vendors: &[&str]) {
     let exe = compile(prefix, "cc", "ring.c");
-    for (r, c) in job(&exe, n, vendors).into_iter().enumerate() {
+    run_ranks(&exe, n, vendors, "capi ring ok");
+}
+
+fn run_ranks(exe: &Path, n: usize, vendors: &[&str], ok: &str) {
+    for (r, c) in job(exe, n, vendors).into_iter().enumerate() {
         let o = finish(c, Duration::from_secs(60));
         let t = text(&o);
         assert!(
-            o.status.success() && t.contains("capi ring ok"),
-            "rank {r} of {n} ({vendors:?}):\n{t}"
+            o.status.success() && t.contains(ok),
+            "{} rank {r} of {n} ({vendors:?}):\n{t}",
+            exe.display()
         );
     }
+}
+
+/// The C++ API (`flagcx/comm.hpp`): a ring, exceptions with their kind.
+#[test]
+fn cxx_ring_on_two_and_four_host_ranks() {
+    let Some(p) = prefix("capi::cxx_ring_on_two_and_four_host_ranks") else {
+        return;
+    };
+    let exe = compile(&p, "c++", "ring.cpp");
+    run_ranks(&exe, 2, &["host"], "cxx ring ok");
+    run_ranks(&exe, 4, &["host"], "cxx ring ok");
+}
+
+/// The CMake package: `find_package(Flagcx)` builds both rings, which then run.
+#[test]
+fn cmake_package_builds_the_c_and_cxx_rings() {
+    let test = "capi::cmake_package_builds_the_c_and_cxx_rings";
+    let Some(p) = prefix(test) else {
+        return;
+    };
+    if !Command::new("cmake")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        report_skip_reason(test, "host", "cmake is not installed");
+        return;
+    }
+    let build = std::env::temp_dir().join(format!("flagcx-cmake-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&build);
+    let configure = Command::new("cmake")
+        .arg("-S")
+        .arg(src(""))
+        .arg("-B")
+        .arg(&build)
+        .arg(format!("-DCMAKE_PREFIX_PATH={}", p.display()))
+        .output()
+        .expect("cmake");
+    assert!(configure.status.success(), "{}", text(&configure));
+    let make = Command::new("cmake")
+        .arg("--build")
+        .arg(&build)
+        .output()
+        .expect("cmake --build");
+    assert!(make.status.success(), "{}", text(&make));
+    run_ranks(&build.join("ring_c"), 2, &["host"], "capi ring ok");
+    run_ranks(&build.join("ring_cxx"), 2, &["host"], "cxx ring ok");
+    let _ = std::fs::remove_dir_all(&build);
 }
 
 #[test]

@@ -5,6 +5,8 @@
 //! target/flagcx/include/flagcx.h
 //! target/flagcx/lib/libflagcx.so.0, libflagcx.so -> libflagcx.so.0, libflagcx.a
 //! target/flagcx/lib/pkgconfig/flagcx.pc
+//! target/flagcx/include/flagcx/comm.hpp, bridge.h; include/rust/cxx.h (the C++ API)
+//! target/flagcx/lib/libflagcx_cxx.a, pkgconfig/flagcx-cxx.pc, cmake/Flagcx/FlagcxConfig.cmake
 //! ```
 //!
 //! A C program then builds with `cc prog.c $(pkg-config --cflags --libs flagcx)` once
@@ -40,7 +42,36 @@ pub(crate) fn capi(vendors: &[String]) -> Result<PathBuf> {
     )?;
     std::os::unix::fs::symlink("libflagcx.so.0", prefix.join("lib/libflagcx.so"))
         .map_err(|e| format!("symlink libflagcx.so: {e}"))?;
-    copy(&release.join("libflagcx_capi.a"), &prefix.join("lib/libflagcx.a"))?;
+    copy(
+        &release.join("libflagcx_capi.a"),
+        &prefix.join("lib/libflagcx.a"),
+    )?;
+    // The C++ API: flagcx/comm.hpp over the cxx bridge (its generated header and cxx's own).
+    let mut build = cargo();
+    build.args(["build", "--release", "-p", "flagcx-cxx"]);
+    if !features.is_empty() {
+        build.args(["--features", &features.join(",")]);
+    }
+    run("building libflagcx_cxx (crates/flagcx-cxx)", &mut build)?;
+    for d in ["include/flagcx", "include/rust", "lib/cmake/Flagcx"] {
+        std::fs::create_dir_all(prefix.join(d)).map_err(|e| format!("{d}: {e}"))?;
+    }
+    copy(
+        &root().join("crates/flagcx-cxx/include/flagcx/comm.hpp"),
+        &prefix.join("include/flagcx/comm.hpp"),
+    )?;
+    copy(
+        &root().join("target/cxxbridge/flagcx-cxx/src/lib.rs.h"),
+        &prefix.join("include/flagcx/bridge.h"),
+    )?;
+    copy(
+        &root().join("target/cxxbridge/rust/cxx.h"),
+        &prefix.join("include/rust/cxx.h"),
+    )?;
+    copy(
+        &release.join("libflagcx_cxx.a"),
+        &prefix.join("lib/libflagcx_cxx.a"),
+    )?;
     let mut private = String::from("-lpthread -ldl -lm -lrt -lutil -lgcc_s");
     if vendors.iter().any(|v| v == "hip") {
         private.push_str(" -lamdhip64");
@@ -59,6 +90,44 @@ pub(crate) fn capi(vendors: &[String]) -> Result<PathBuf> {
         env!("CARGO_PKG_VERSION").replace("0.0.0", "0.1.0"),
     );
     std::fs::write(prefix.join("lib/pkgconfig/flagcx.pc"), pc).map_err(|e| e.to_string())?;
+    let cxx_pc = format!(
+        "prefix={}\n\
+         libdir=${{prefix}}/lib\n\
+         includedir=${{prefix}}/include\n\n\
+         Name: flagcx-cxx\n\
+         Description: flagcx-rs for C++: flagcx::Comm (flagcx/comm.hpp)\n\
+         Version: 0.1.0\n\
+         Cflags: -I${{includedir}} -std=c++17\n\
+         Libs: -L${{libdir}} -lflagcx_cxx {private}\n",
+        prefix.display(),
+    );
+    std::fs::write(prefix.join("lib/pkgconfig/flagcx-cxx.pc"), cxx_pc)
+        .map_err(|e| e.to_string())?;
+    let cmake =
+        format!(
+        "# Flagcx: find_package(Flagcx CONFIG) gives Flagcx::flagcx (the C library, flagcx.h)\n\
+         # and Flagcx::cxx (the C++ API, flagcx/comm.hpp).\n\
+         get_filename_component(_flagcx_prefix \"${{CMAKE_CURRENT_LIST_DIR}}/../../..\" ABSOLUTE)\n\
+         if(NOT TARGET Flagcx::flagcx)\n\
+         \x20 add_library(Flagcx::flagcx SHARED IMPORTED)\n\
+         \x20 set_target_properties(Flagcx::flagcx PROPERTIES\n\
+         \x20   IMPORTED_LOCATION \"${{_flagcx_prefix}}/lib/libflagcx.so.0\"\n\
+         \x20   IMPORTED_SONAME \"libflagcx.so.0\"\n\
+         \x20   INTERFACE_INCLUDE_DIRECTORIES \"${{_flagcx_prefix}}/include\")\n\
+         endif()\n\
+         if(NOT TARGET Flagcx::cxx)\n\
+         \x20 add_library(Flagcx::cxx STATIC IMPORTED)\n\
+         \x20 set_target_properties(Flagcx::cxx PROPERTIES\n\
+         \x20   IMPORTED_LOCATION \"${{_flagcx_prefix}}/lib/libflagcx_cxx.a\"\n\
+         \x20   INTERFACE_INCLUDE_DIRECTORIES \"${{_flagcx_prefix}}/include\"\n\
+         \x20   INTERFACE_COMPILE_FEATURES cxx_std_17\n\
+         \x20   INTERFACE_LINK_LIBRARIES \"{}\")\n\
+         endif()\n\
+         set(Flagcx_FOUND TRUE)\n",
+        private.replace("-l", "").split_whitespace().collect::<Vec<_>>().join(";"),
+    );
+    std::fs::write(prefix.join("lib/cmake/Flagcx/FlagcxConfig.cmake"), cmake)
+        .map_err(|e| e.to_string())?;
     println!(
         "capi: installed {} (PKG_CONFIG_PATH={}/lib/pkgconfig)",
         prefix.display(),

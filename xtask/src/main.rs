@@ -273,8 +273,16 @@ fn vendor_commands(vendor: &str) -> Vec<Command> {
                 cmds.push(c);
                 // The C ABI with host and OpenCL ranks mixed.
                 let mut c = cargo();
-                c.args(["test", "-p", "flagcx", "--features", other, "--test", "capi"])
-                    .args(["--", "opencl"]);
+                c.args([
+                    "test",
+                    "-p",
+                    "flagcx",
+                    "--features",
+                    other,
+                    "--test",
+                    "capi",
+                ])
+                .args(["--", "opencl"]);
                 cmds.push(c);
             }
         }

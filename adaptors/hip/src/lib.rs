@@ -213,7 +213,7 @@ impl HipAdaptor {
                 },
                 granularity,
                 streams: HandleSet::new("stream"),
-            adopted: HandleSet::new("adopted stream"),
+                adopted: HandleSet::new("adopted stream"),
                 events: HandleSet::new("event"),
                 mem: Mutex::default(),
                 pinned: Mutex::default(),

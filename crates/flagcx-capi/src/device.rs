@@ -22,8 +22,13 @@ pub struct flagcxDeviceHandle {
         *mut flagcxStream,
     ) -> flagcxResult_t,
     /// Sets bytes of device or host memory.
-    pub deviceMemset:
-        unsafe extern "C" fn(*mut c_void, c_int, usize, flagcxMemType_t, *mut flagcxStream) -> flagcxResult_t,
+    pub deviceMemset: unsafe extern "C" fn(
+        *mut c_void,
+        c_int,
+        usize,
+        flagcxMemType_t,
+        *mut flagcxStream,
+    ) -> flagcxResult_t,
     /// Allocates device or pinned host memory.
     pub deviceMalloc: unsafe extern "C" fn(
         *mut *mut c_void,
@@ -57,9 +62,11 @@ pub struct flagcxDeviceHandle {
     /// Success when idle, in progress otherwise.
     pub streamQuery: unsafe extern "C" fn(*mut flagcxStream) -> flagcxResult_t,
     /// Orders a stream after an event.
-    pub streamWaitEvent: unsafe extern "C" fn(*mut flagcxStream, *mut flagcxEvent) -> flagcxResult_t,
+    pub streamWaitEvent:
+        unsafe extern "C" fn(*mut flagcxStream, *mut flagcxEvent) -> flagcxResult_t,
     /// Creates an event.
-    pub eventCreate: unsafe extern "C" fn(*mut *mut flagcxEvent, flagcxEventType_t) -> flagcxResult_t,
+    pub eventCreate:
+        unsafe extern "C" fn(*mut *mut flagcxEvent, flagcxEventType_t) -> flagcxResult_t,
     /// Destroys an event.
     pub eventDestroy: unsafe extern "C" fn(*mut flagcxEvent) -> flagcxResult_t,
     /// Records an event on a stream.
@@ -75,7 +82,8 @@ pub struct flagcxDeviceHandle {
     pub ipcMemHandleCreate:
         unsafe extern "C" fn(*mut *mut flagcxIpcMemHandle, *mut usize) -> flagcxResult_t,
     /// Fills a handle for an allocation.
-    pub ipcMemHandleGet: unsafe extern "C" fn(*mut flagcxIpcMemHandle, *mut c_void) -> flagcxResult_t,
+    pub ipcMemHandleGet:
+        unsafe extern "C" fn(*mut flagcxIpcMemHandle, *mut c_void) -> flagcxResult_t,
     /// Maps another process's allocation.
     pub ipcMemHandleOpen:
         unsafe extern "C" fn(*mut flagcxIpcMemHandle, *mut *mut c_void) -> flagcxResult_t,
@@ -375,7 +383,9 @@ unsafe extern "C" fn set_device(dev: c_int) -> flagcxResult_t {
 
 unsafe extern "C" fn get_device(dev: *mut c_int) -> flagcxResult_t {
     // SAFETY: the caller's contract.
-    guard(None, || unsafe { put(dev, current_device()? as c_int, "device pointer") })
+    guard(None, || unsafe {
+        put(dev, current_device()? as c_int, "device pointer")
+    })
 }
 
 unsafe extern "C" fn get_device_count(count: *mut c_int) -> flagcxResult_t {
@@ -564,7 +574,10 @@ unsafe extern "C" fn event_destroy(event: *mut flagcxEvent) -> flagcxResult_t {
     })
 }
 
-unsafe extern "C" fn event_record(event: *mut flagcxEvent, stream: *mut flagcxStream) -> flagcxResult_t {
+unsafe extern "C" fn event_record(
+    event: *mut flagcxEvent,
+    stream: *mut flagcxStream,
+) -> flagcxResult_t {
     guard(None, || {
         // SAFETY: the caller's contract.
         let (e, s) = unsafe { (event_ref(event)?, stream_ref(stream)?) };
@@ -622,7 +635,10 @@ unsafe extern "C" fn ipc_handle_create(
     })
 }
 
-unsafe extern "C" fn ipc_handle_get(handle: *mut flagcxIpcMemHandle, ptr: *mut c_void) -> flagcxResult_t {
+unsafe extern "C" fn ipc_handle_get(
+    handle: *mut flagcxIpcMemHandle,
+    ptr: *mut c_void,
+) -> flagcxResult_t {
     guard(None, || {
         // SAFETY: the caller's contract.
         let h = unsafe { handle.as_mut() }.ok_or_else(|| invalid("NULL IPC handle"))?;

@@ -24,8 +24,8 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use flagcx_rs::p2p::{Config, UniqueId};
 use flagcx_rs::{
-    Adaptor, AdaptorError, Comm, CommError, DeviceAdaptor, DevicePtr, EventHandle,
-    IpcMemHandle, Request, StreamHandle, Vendor,
+    Adaptor, AdaptorError, Comm, CommError, DeviceAdaptor, DevicePtr, EventHandle, IpcMemHandle,
+    Request, StreamHandle, Vendor,
 };
 
 mod device;
@@ -191,8 +191,12 @@ pub(crate) type R<T = ()> = Result<T, Failure>;
 /// Runs an entry point's body: records a failure for `flagcxGetLastError` (the thread's, and
 /// `comm`'s where given) and turns a panic into `flagcxInternalError`.
 pub(crate) fn guard(comm: Option<*const flagcxComm>, body: impl FnOnce() -> R) -> flagcxResult_t {
-    let r = catch_unwind(AssertUnwindSafe(body))
-        .unwrap_or_else(|_| Err(Failure(flagcxInternalError, "panic inside libflagcx".into())));
+    let r = catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|_| {
+        Err(Failure(
+            flagcxInternalError,
+            "panic inside libflagcx".into(),
+        ))
+    });
     match r {
         Ok(()) => flagcxSuccess,
         Err(Failure(code, msg)) => {
@@ -259,7 +263,10 @@ fn devices() -> R<MutexGuard<'static, Devices>> {
     });
     match d {
         Ok(m) => Ok(lock(m)),
-        Err(e) => Err(Failure(flagcxUnhandledDeviceError, format!("no device: {e}"))),
+        Err(e) => Err(Failure(
+            flagcxUnhandledDeviceError,
+            format!("no device: {e}"),
+        )),
     }
 }
 
