@@ -61,7 +61,11 @@ fn self_launch() -> Result<(), Error> {
     if out.success() {
         Ok(())
     } else {
-        Err(format!("rank {:?} failed", out.first_failure).into())
+        Err(match out.first_failure {
+            Some(r) => format!("rank {r} failed"),
+            None => "the job was stopped".to_string(),
+        }
+        .into())
     }
 }
 

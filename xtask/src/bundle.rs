@@ -125,6 +125,40 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         out.join("staged_floor.c"),
     )
     .map_err(|e| format!("copy the staged floor probe: {e}"))?;
+    // The C ABI on the GPU: libflagcx with this vendor, and tests/capi/ring.c built against
+    // it here (the GPU host has no Rust), found at run time through an $ORIGIN rpath.
+    let prefix = crate::capi::capi(std::slice::from_ref(&vendor))?;
+    std::fs::create_dir_all(out.join("lib")).map_err(|e| e.to_string())?;
+    std::fs::copy(
+        prefix.join("lib/libflagcx.so.0"),
+        out.join("lib/libflagcx.so.0"),
+    )
+    .map_err(|e| format!("copy libflagcx: {e}"))?;
+    let status = std::process::Command::new("cc")
+        .args(["-O2", "-Wall", "-Werror", "-o"])
+        .arg(out.join("bin/capi-ring"))
+        .arg(root().join("tests/capi/ring.c"))
+        .arg(format!("-I{}", prefix.join("include").display()))
+        .arg(out.join("lib/libflagcx.so.0"))
+        .arg("-Wl,-rpath,$ORIGIN/../lib")
+        .status()
+        .map_err(|e| format!("cc: {e}"))?;
+    if !status.success() {
+        return Err("building the C ring for the bundle failed".into());
+    }
+    std::fs::write(
+        out.join("capi-ring.sh"),
+        r#"#!/bin/sh
+# The C ring (tests/capi/ring.c) on two ranks of the GPU vendor, through libflagcx.
+here=$(cd "$(dirname "$0")" && pwd)
+id=$(mktemp -u /tmp/flagcx-capi-id.XXXXXX)
+FLAGCX_RANK=0 FLAGCX_NRANKS=2 FLAGCX_LOCAL_RANK=0 FLAGCX_TEST_ID_FILE=$id "$here/bin/capi-ring" & a=$!
+FLAGCX_RANK=1 FLAGCX_NRANKS=2 FLAGCX_LOCAL_RANK=1 FLAGCX_TEST_ID_FILE=$id "$here/bin/capi-ring" & b=$!
+wait $a; ra=$?; wait $b; rb=$?; rm -f "$id"
+[ $ra -eq 0 ] && [ $rb -eq 0 ]
+"#,
+    )
+    .map_err(|e| e.to_string())?;
     write_perf_script(&out, &vendor)?;
     let pingpong = |label: &str, env: Vec<(String, String)>, launcher: Option<&str>| Entry {
         label: label.into(),
@@ -158,6 +192,12 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         vec![],
         Some(&format!("{vendor},host")),
     ));
+    entries.push(Entry {
+        label: format!("C ring ({vendor}, libflagcx)"),
+        file: "capi-ring".into(),
+        env: vec![("FLAGCX_VENDOR".into(), vendor.clone())],
+        args: vec!["sh".into(), "\"$here/capi-ring.sh\"".into()],
+    });
     write_script(&out, &entries)?;
     let size: u64 = std::fs::read_dir(out.join("bin"))
         .map_err(|e| e.to_string())?

@@ -125,6 +125,17 @@ fn parse() -> Opts {
     let version: &'static str = Box::leak(flagcx::version_line().into_boxed_str());
     let m = Opts::command().version(version).get_matches();
     let o = Opts::from_arg_matches(&m).unwrap_or_else(|e| e.exit());
+    if let Some(path) = &o.plot {
+        // Fail before a long sweep, not after it.
+        if let Err(e) = plot::check_font() {
+            Opts::command()
+                .error(
+                    clap::error::ErrorKind::ValueValidation,
+                    format!("--plot {}: {e}", path.display()),
+                )
+                .exit();
+        }
+    }
     if o.max < o.min {
         Opts::command()
             .error(
@@ -167,7 +178,11 @@ fn self_launch(o: &Opts, args: &[String]) -> Result<(), Error> {
     if out.success() {
         Ok(())
     } else {
-        Err(format!("rank {:?} failed", out.first_failure).into())
+        Err(match out.first_failure {
+            Some(r) => format!("rank {r} failed"),
+            None => "the job was stopped".to_string(),
+        }
+        .into())
     }
 }
 

@@ -119,6 +119,11 @@ fn human(b: f64) -> String {
     }
 }
 
+/// Whether a font for the plot's labels is there (registering it on the way).
+pub fn check_font() -> Result<(), Error> {
+    register_font()
+}
+
 /// Registers a system TrueType font as "sans-serif" once: plotters lays text out with it for
 /// both backends. None found is an error that says what to install.
 fn register_font() -> Result<(), Error> {
