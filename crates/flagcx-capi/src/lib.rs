@@ -721,7 +721,8 @@ unsafe fn post(
 /// Sends `count` elements to `peer`, ordered on `stream`.
 ///
 /// # Safety
-/// See [`post`].
+/// `comm` and `stream` are NULL or live; the buffer holds `count` elements of `datatype` and
+/// stays valid until the stream passes the operation.
 #[no_mangle]
 pub unsafe extern "C" fn flagcxSend(
     sendbuff: *const c_void,
@@ -738,7 +739,8 @@ pub unsafe extern "C" fn flagcxSend(
 /// Receives `count` elements from `peer`, ordered on `stream`.
 ///
 /// # Safety
-/// See [`post`].
+/// `comm` and `stream` are NULL or live; the buffer holds `count` elements of `datatype` and
+/// stays valid until the stream passes the operation.
 #[no_mangle]
 pub unsafe extern "C" fn flagcxRecv(
     recvbuff: *mut c_void,
