@@ -51,7 +51,7 @@ pub use flagcx_opencl as opencl;
 
 /// Point-to-point communication between processes (`flagcx-p2p`).
 pub use flagcx_p2p as p2p;
-pub use flagcx_p2p::{Comm, CommError, PathStats, Request, TransportKind};
+pub use flagcx_p2p::{Collective, Comm, CommError, PathStats, Request, TransportKind};
 
 mod dispatch;
 pub use dispatch::Adaptor;

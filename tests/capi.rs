@@ -61,7 +61,10 @@ fn compile(prefix: &Path, compiler: &str, name: &str) -> PathBuf {
     }
     let out_dir = std::env::temp_dir().join(format!("flagcx-capi-{}", std::process::id()));
     std::fs::create_dir_all(&out_dir).expect("temp dir");
-    let exe = out_dir.join(name.split('.').next().unwrap_or(name));
+    // One file per compilation: tests compiling the same program run in parallel.
+    static BUILDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let k = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let exe = out_dir.join(format!("{}-{k}", name.split('.').next().unwrap_or(name)));
     let status = Command::new(compiler)
         .args(["-Wall", "-Wextra", "-Werror", "-O1", "-o"])
         .arg(&exe)
@@ -138,6 +141,19 @@ fn run_ranks(exe: &Path, n: usize, vendors: &[&str], ok: &str) {
     }
 }
 
+/// The data-movement collectives from C on 2, 3 and 4 host ranks, and host+OpenCL where the
+/// library and this binary have OpenCL.
+#[test]
+fn c_collectives_on_host_ranks() {
+    let Some(p) = prefix("capi::c_collectives_on_host_ranks") else {
+        return;
+    };
+    let exe = compile(&p, "cc", "collectives.c");
+    for n in [2, 3, 4] {
+        run_ranks(&exe, n, &["host"], "capi collectives ok");
+    }
+}
+
 /// The C++ API (`flagcx/comm.hpp`): a ring, exceptions with their kind.
 #[test]
 fn cxx_ring_on_two_and_four_host_ranks() {
@@ -209,19 +225,18 @@ fn c_ring_on_host_and_opencl_ranks() {
         return;
     }
     #[cfg(feature = "opencl")]
-    if let Err(e) = flagcx::Adaptor::open(flagcx::Vendor::OpenCl, 0) {
-        flagcx_adaptor::conformance::report_skip(test, &e);
-        return;
+    {
+        if let Err(e) = flagcx::Adaptor::open(flagcx::Vendor::OpenCl, 0) {
+            flagcx_adaptor::conformance::report_skip(test, &e);
+            return;
+        }
+        ring(&p, 2, &["host", "opencl"]);
+        ring(&p, 4, &["host", "opencl"]);
     }
     #[cfg(not(feature = "opencl"))]
     {
+        let _ = p;
         report_skip_reason(test, "opencl", "this test binary was built without OpenCL");
-        return;
-    }
-    #[allow(unreachable_code)]
-    {
-        ring(&p, 2, &["host", "opencl"]);
-        ring(&p, 4, &["host", "opencl"]);
     }
 }
 
@@ -294,4 +309,63 @@ fn c_ring_with_the_id_from_mpi() {
         o.status.success() && t.matches("capi mpi ring ok").count() == 2,
         "{t}"
     );
+}
+
+/// `flagcx.h` declares exactly the functions `libflagcx.so` exports, and each declaration
+/// follows a comment (the header is the C documentation).
+#[test]
+fn header_and_library_export_the_same_functions() {
+    let Some(p) = prefix("capi::header_and_library_export_the_same_functions") else {
+        return;
+    };
+    let out = Command::new("nm")
+        .args(["-D", "--defined-only"])
+        .arg(p.join("lib/libflagcx.so.0"))
+        .output()
+        .expect("nm");
+    assert!(out.status.success(), "{}", text(&out));
+    let exported: std::collections::BTreeSet<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, kind, name) = (f.next()?, f.next()?, f.next()?);
+            (kind == "T" && (name.starts_with("flagcx") || name.starts_with("getFlagcx")))
+                .then(|| name.to_string())
+        })
+        .collect();
+    let header = std::fs::read_to_string(p.join("include/flagcx.h")).expect("header");
+    let mut declared = std::collections::BTreeSet::new();
+    let lines: Vec<&str> = header.lines().collect();
+    for (i, l) in lines.iter().enumerate() {
+        let t = l.trim_start();
+        let decl = t
+            .strip_prefix("flagcxResult_t ")
+            .or_else(|| t.strip_prefix("size_t "))
+            .or_else(|| t.strip_prefix("const char *"));
+        let Some(name) = decl.and_then(|d| d.split('(').next()) else {
+            continue;
+        };
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric()) {
+            continue;
+        }
+        declared.insert(name.to_string());
+        // A comment ends right above (possibly above sibling declarations of one comment).
+        let above = lines[..i]
+            .iter()
+            .rev()
+            .map(|l| l.trim())
+            .find(|l| {
+                !l.is_empty()
+                    && !l.starts_with("flagcxResult_t")
+                    && !l.ends_with(");")
+                    && !l.ends_with(',')
+            })
+            .unwrap_or("");
+        assert!(
+            above.ends_with("*/"),
+            "{name} in flagcx.h has no comment above it (found {above:?})"
+        );
+    }
+    assert_eq!(exported, declared, "exported vs declared");
+    assert!(declared.len() > 30, "{declared:?}");
 }

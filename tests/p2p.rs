@@ -14,7 +14,7 @@ use std::sync::Arc;
 mod common;
 use common::flagcx_run;
 
-use flagcx::{Adaptor, Comm, CommError, DeviceAdaptor, DeviceBuffer, Stream};
+use flagcx::{Adaptor, Comm, CommError, DeviceAdaptor, DeviceBuffer, DevicePtr, Stream};
 
 fn splitmix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -166,6 +166,7 @@ fn rank_worker() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(64 << 20);
     match scenario.as_str() {
+        "collectives" => collectives(&r, big),
         "ring" => {
             let mut sizes = scenario_sizes();
             sizes.push(big);
@@ -685,6 +686,203 @@ fn vendors(var: &str) -> String {
     std::env::var(var).unwrap_or_else(|_| "host".into())
 }
 
+/// Every collective with every root, sizes from 0 B to `big`, out of place and in place, every
+/// byte checked (blocks carry `payload(src, dst, tag)`).
+fn collectives(r: &Rank, big: usize) {
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let h = r.stream.handle();
+    let sizes = [0usize, 1, 4097, (1 << 20) + 3, big];
+    for (k, &s) in sizes.iter().enumerate() {
+        let tag = 1000 + 10 * k as u64;
+        // Broadcast from every root; in place on odd roots.
+        for root in 0..n {
+            let src = r.filled(usize::MAX, tag + root as u64, s);
+            let dst = if root % 2 == 1 && me == root {
+                src.clone()
+            } else {
+                r.buffer(s)
+            };
+            // SAFETY: both buffers hold `s` bytes and live past the wait and the read below.
+            unsafe { r.comm.broadcast_raw(src.ptr(), dst.ptr(), s, root, h) }
+                .and_then(|c| c.wait())
+                .unwrap_or_else(|e| panic!("rank {me}: broadcast {s} B from {root}: {e}"));
+            let mut got = vec![0u8; s];
+            dst.read(0, &mut got, &r.stream).expect("read");
+            assert!(
+                got == payload(root, usize::MAX, tag + root as u64, s),
+                "rank {me}: broadcast of {s} B from {root} differs"
+            );
+        }
+        // Gather to and scatter from every root; in place on even roots.
+        for root in 0..n {
+            let mine = r.filled(root, tag + 2, s);
+            let all = r.buffer(n * s);
+            let in_place = root % 2 == 0 && me == root;
+            if in_place {
+                all.write(me * s, &payload(me, root, tag + 2, s), &r.stream)
+                    .expect("fill");
+            }
+            let send = if in_place {
+                DevicePtr(all.ptr().0 + (me * s) as u64)
+            } else {
+                mine.ptr()
+            };
+            // SAFETY: `all` holds n * s bytes, `mine` s; both outlive the wait.
+            unsafe { r.comm.gather_raw(send, all.ptr(), s, root, h) }
+                .and_then(|c| c.wait())
+                .unwrap_or_else(|e| panic!("rank {me}: gather {s} B to {root}: {e}"));
+            if me == root {
+                for q in 0..n {
+                    let mut got = vec![0u8; s];
+                    all.read(q * s, &mut got, &r.stream).expect("read");
+                    assert!(
+                        got == payload(q, root, tag + 2, s),
+                        "gather block {q} at {root}"
+                    );
+                }
+            }
+            // Scatter: the root's block q is payload(root, q).
+            let blocks = r.buffer(n * s);
+            if me == root {
+                for q in 0..n {
+                    blocks
+                        .write(q * s, &payload(root, q, tag + 3, s), &r.stream)
+                        .expect("fill");
+                }
+            }
+            let out = r.buffer(s);
+            let recv = if in_place {
+                DevicePtr(blocks.ptr().0 + (me * s) as u64)
+            } else {
+                out.ptr()
+            };
+            // SAFETY: as above.
+            unsafe { r.comm.scatter_raw(blocks.ptr(), recv, s, root, h) }
+                .and_then(|c| c.wait())
+                .unwrap_or_else(|e| panic!("rank {me}: scatter {s} B from {root}: {e}"));
+            let mut got = vec![0u8; s];
+            if in_place {
+                blocks.read(me * s, &mut got, &r.stream).expect("read");
+            } else {
+                out.read(0, &mut got, &r.stream).expect("read");
+            }
+            assert!(
+                got == payload(root, me, tag + 3, s),
+                "scatter from {root} at {me}"
+            );
+        }
+        // All-gather, out of place and in place.
+        for in_place in [false, true] {
+            let all = r.buffer(n * s);
+            let mine = r.filled(usize::MAX, tag + 4, s);
+            let send = if in_place {
+                all.write(me * s, &payload(me, usize::MAX, tag + 4, s), &r.stream)
+                    .expect("fill");
+                DevicePtr(all.ptr().0 + (me * s) as u64)
+            } else {
+                mine.ptr()
+            };
+            // SAFETY: as above.
+            unsafe { r.comm.all_gather_raw(send, all.ptr(), s, h) }
+                .and_then(|c| c.wait())
+                .unwrap_or_else(|e| panic!("rank {me}: all-gather {s} B: {e}"));
+            for q in 0..n {
+                let mut got = vec![0u8; s];
+                all.read(q * s, &mut got, &r.stream).expect("read");
+                assert!(
+                    got == payload(q, usize::MAX, tag + 4, s),
+                    "all-gather block {q}"
+                );
+            }
+        }
+        // All-to-all: block q of rank p is payload(p, q).
+        let send = r.buffer(n * s);
+        for q in 0..n {
+            send.write(q * s, &payload(me, q, tag + 5, s), &r.stream)
+                .expect("fill");
+        }
+        let recv = r.buffer(n * s);
+        // SAFETY: as above.
+        unsafe { r.comm.all_to_all_raw(send.ptr(), recv.ptr(), s, h) }
+            .and_then(|c| c.wait())
+            .unwrap_or_else(|e| panic!("rank {me}: all-to-all {s} B: {e}"));
+        for q in 0..n {
+            let mut got = vec![0u8; s];
+            recv.read(q * s, &mut got, &r.stream).expect("read");
+            assert!(
+                got == payload(q, me, tag + 5, s),
+                "all-to-all block from {q}"
+            );
+        }
+    }
+    // All-to-allv with sizes every pair derives alike (some zero), packed with gaps.
+    for iter in 0..4u64 {
+        let size = |p: usize, q: usize| agreed_size(p, q, 7000 + iter, big.min(3 << 20));
+        let send_bytes: Vec<usize> = (0..n).map(|q| size(me, q)).collect();
+        let recv_bytes: Vec<usize> = (0..n).map(|q| size(q, me)).collect();
+        let displs = |b: &[usize]| {
+            b.iter()
+                .scan(0usize, |acc, &x| {
+                    let d = *acc;
+                    *acc += x + 64;
+                    Some(d)
+                })
+                .collect::<Vec<_>>()
+        };
+        let (sd, rd) = (displs(&send_bytes), displs(&recv_bytes));
+        let send = r.buffer(sd[n - 1] + send_bytes[n - 1] + 1);
+        for q in 0..n {
+            send.write(
+                sd[q],
+                &payload(me, q, 8000 + iter, send_bytes[q]),
+                &r.stream,
+            )
+            .expect("fill");
+        }
+        let recv = r.buffer(rd[n - 1] + recv_bytes[n - 1] + 1);
+        // SAFETY: every block lies inside its buffer; both outlive the wait.
+        unsafe {
+            r.comm.all_to_allv_raw(
+                send.ptr(),
+                &send_bytes,
+                &sd,
+                recv.ptr(),
+                &recv_bytes,
+                &rd,
+                h,
+            )
+        }
+        .and_then(|c| c.wait())
+        .unwrap_or_else(|e| panic!("rank {me}: all-to-allv {iter}: {e}"));
+        for q in 0..n {
+            let mut got = vec![0u8; recv_bytes[q]];
+            recv.read(rd[q], &mut got, &r.stream).expect("read");
+            assert!(
+                got == payload(q, me, 8000 + iter, recv_bytes[q]),
+                "all-to-allv from {q}"
+            );
+        }
+    }
+    // Refusals: a bad root, in-place all-to-all, counts for the wrong number of ranks.
+    let b = r.buffer(n * 8);
+    // SAFETY: refused before any memory is touched.
+    unsafe {
+        assert!(matches!(
+            r.comm.broadcast_raw(b.ptr(), b.ptr(), 8, n, h),
+            Err(CommError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            r.comm.all_to_all_raw(b.ptr(), b.ptr(), 8, h),
+            Err(CommError::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            r.comm.all_to_allv_raw(b.ptr(), &[8], &[0], b.ptr(), &[8], &[0], h),
+            Err(CommError::InvalidArgument(_)) if n != 1
+        ));
+    }
+    r.comm.barrier(h).expect("barrier");
+}
+
 /// Runs a job unless one of its vendors has no device here, which is reported as a skip.
 fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) {
     for v in vendors.split(',') {
@@ -1021,4 +1219,35 @@ fn direct_path_between_host_ranks() {
     let mut tiny = direct.to_vec();
     tiny.push(("FLAGCX_P2P_HOST_MAP_MAX", "4K"));
     job(2, "host", "reuse", &tiny);
+}
+
+/// Every collective, every root, 0 B to 8 MiB, in place and not, every byte checked: 2, 3, 4
+/// and 8 host ranks (odd counts and the broadcast tree included), staged too, and the mixed
+/// shape (`FLAGCX_P2P_TEST_MIXED`: host+OpenCL in CI, CUDA+host in the GPU bundle).
+#[test]
+fn collectives_on_2_3_4_and_8_ranks() {
+    let max = [("FLAGCX_TEST_MAX", "8388608")];
+    for n in [2, 3, 4, 8] {
+        job(n, "host", "collectives", &max);
+    }
+    job(
+        3,
+        "host",
+        "collectives",
+        &[max[0], ("FLAGCX_P2P_DISABLE", "1")],
+    );
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    if v != "host" {
+        job(2, &v, "collectives", &max);
+    }
+    let mixed = vendors("FLAGCX_P2P_TEST_MIXED");
+    if mixed.contains(',') {
+        job(3, &mixed, "collectives", &max);
+    } else {
+        flagcx_adaptor::conformance::report_skip_reason(
+            "p2p::collectives_on_2_3_4_and_8_ranks (mixed job)",
+            &mixed,
+            "FLAGCX_P2P_TEST_MIXED names one vendor: no mixed collectives job",
+        );
+    }
 }

@@ -219,7 +219,8 @@ fn reliability_worker() {
     flagcx::init_logging();
     let adaptor = Adaptor::from_env().expect("adaptor");
     let me: usize = std::env::var("FLAGCX_RANK").unwrap().parse().unwrap();
-    let peer = 1 - me;
+    // The other rank of a pair (rank 0 for the third rank of a three-rank job).
+    let peer = if me < 2 { 1 - me } else { 0 };
     let before = snapshot();
     match scenario.as_str() {
         "peer_killed" | "early_close" => {
@@ -450,6 +451,49 @@ fn reliability_worker() {
             println!("survivor ok: rank {me} formed the job");
         }
         "stall" => stall_scenario(adaptor, me, peer, &before),
+        "collective_killed" => {
+            // Three ranks; rank 2 dies after the first all-gather, while the others run
+            // more: their calls fail with PeerLost naming it, nothing hangs or leaks.
+            let comm = Comm::from_env(adaptor.clone()).expect("comm");
+            let stream = Stream::new(&adaptor).expect("stream");
+            let n = comm.nranks();
+            let block = 4 << 20;
+            let send = Arc::new(DeviceBuffer::new(&adaptor, block).expect("alloc"));
+            let recv = Arc::new(DeviceBuffer::new(&adaptor, n * block).expect("alloc"));
+            let gather = || {
+                // SAFETY: both buffers hold what the call names and outlive the wait.
+                unsafe { comm.all_gather_raw(send.ptr(), recv.ptr(), block, stream.handle()) }
+                    .and_then(|c| c.wait())
+            };
+            gather().expect("the first all-gather");
+            if me == 2 {
+                // SAFETY: killing ourselves on purpose.
+                unsafe { libc::raise(libc::SIGKILL) };
+            }
+            let t = Instant::now();
+            let err = loop {
+                if let Err(e) = gather() {
+                    break e;
+                }
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "the all-gathers kept succeeding"
+                );
+            };
+            match &err {
+                CommError::PeerLost { peer: 2, .. } => {}
+                other => panic!("rank {me}: expected PeerLost for rank 2, got {other:?}"),
+            }
+            stream
+                .synchronize()
+                .expect("the caller's stream was released");
+            drop((comm, stream, send, recv));
+            assert_no_leaks(&before, "collective with a killed rank");
+            println!(
+                "survivor ok: rank {me}: all-gather failed {} ms after the death: {err}",
+                t.elapsed().as_millis()
+            );
+        }
         "bootstrap_stall" => {
             // Both ranks connect; rank 1 then goes silent (as if stopped) past the limit.
             let config = flagcx::p2p::Config::from_env().expect("config");
@@ -1386,6 +1430,29 @@ fn ranks_die_with_a_killed_launcher() {
         "ranks gone {} ms after the launcher was killed",
         t.elapsed().as_millis()
     );
+}
+
+#[test]
+fn killed_rank_fails_a_collective_everywhere() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let id = UniqueId::random().expect("id").to_string();
+    let ranks: Vec<Child> = (0..3)
+        .map(|r| spawn_rank(r, 3, &id, "collective_killed", &[]))
+        .collect();
+    let outs: Vec<Output> = ranks
+        .into_iter()
+        .map(|c| finish(c, Duration::from_secs(60)))
+        .collect();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&outs[2].status),
+        Some(libc::SIGKILL),
+        "{}",
+        text(&outs[2])
+    );
+    assert_survived(&outs[0], "rank 0 of a collective with a killed rank");
+    assert_survived(&outs[1], "rank 1 of a collective with a killed rank");
 }
 
 #[test]

@@ -342,6 +342,9 @@ fn print_summary(outcomes: &[Outcome]) {
         }
         let mut note = o.note.clone();
         for (r, n) in reasons {
+            if !note.is_empty() {
+                note.push_str("; ");
+            }
             note.push_str(&format!("skipped: {r} ({n} tests)"));
         }
         println!(

@@ -9,8 +9,9 @@
  *   flagcxGetLastError says what happened.
  * - Communication calls return once their work is enqueued on the stream; the stream sees
  *   the data when it reaches that point.
- * - Functions of FlagCX's header that flagcx-rs does not implement yet are exported and
- *   return flagcxNotSupported, with flagcxGetLastError naming what is missing.
+ * - Functions of FlagCX's header that flagcx-rs does not implement yet (reductions, suspend
+ *   and resume) are exported and return flagcxNotSupported, with flagcxGetLastError naming
+ *   what is missing.
  */
 #ifndef FLAGCX_H_
 #define FLAGCX_H_
@@ -274,32 +275,46 @@ flagcxResult_t flagcxCommDeregister(const flagcxComm_t comm, void *handle,
 #endif
 );
 
-/* Collectives and one-sided operations of FlagCX's header: exported, not implemented yet;
- * each returns flagcxNotSupported. */
+/* Reduce: not implemented yet (flagcxNotSupported). */
 flagcxResult_t flagcxReduce(const void *sendbuff, void *recvbuff, size_t count,
                             flagcxDataType_t datatype, flagcxRedOp_t op, int root,
                             flagcxComm_t comm, flagcxStream_t stream);
+/* Gather: every rank's count elements into the root's recvbuff at rank * count (in place when
+ * sendbuff == recvbuff + rank * count; recvbuff may be NULL off the root). Enqueued on stream. */
 flagcxResult_t flagcxGather(const void *sendbuff, void *recvbuff, size_t count,
                             flagcxDataType_t datatype, int root, flagcxComm_t comm,
                             flagcxStream_t stream);
+/* Scatter: block q of the root's sendbuff (count elements at q * count) into rank q's recvbuff
+ * (in place when recvbuff == sendbuff + rank * count; sendbuff may be NULL off the root). */
 flagcxResult_t flagcxScatter(const void *sendbuff, void *recvbuff, size_t count,
                              flagcxDataType_t datatype, int root, flagcxComm_t comm,
                              flagcxStream_t stream);
+/* Broadcast: count elements of the root's sendbuff into every rank's recvbuff (in place when
+ * the root passes sendbuff == recvbuff). */
 flagcxResult_t flagcxBroadcast(const void *sendbuff, void *recvbuff, size_t count,
                                flagcxDataType_t datatype, int root, flagcxComm_t comm,
                                flagcxStream_t stream);
+/* All-reduce: not implemented yet (flagcxNotSupported). */
 flagcxResult_t flagcxAllReduce(const void *sendbuff, void *recvbuff, size_t count,
                                flagcxDataType_t datatype, flagcxRedOp_t op, flagcxComm_t comm,
                                flagcxStream_t stream);
+/* Reduce-scatter: not implemented yet (flagcxNotSupported). */
 flagcxResult_t flagcxReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount,
                                    flagcxDataType_t datatype, flagcxRedOp_t op,
                                    flagcxComm_t comm, flagcxStream_t stream);
+/* All-gather: every rank's sendcount elements into every recvbuff at rank * sendcount (in
+ * place when sendbuff == recvbuff + rank * sendcount). */
 flagcxResult_t flagcxAllGather(const void *sendbuff, void *recvbuff, size_t sendcount,
                                flagcxDataType_t datatype, flagcxComm_t comm,
                                flagcxStream_t stream);
+/* All-to-all: block q of sendbuff (count elements at q * count) into rank q's recvbuff at
+ * rank * count. The buffers must be distinct (in place: flagcxInvalidArgument). */
 flagcxResult_t flagcxAlltoAll(const void *sendbuff, void *recvbuff, size_t count,
                               flagcxDataType_t datatype, flagcxComm_t comm,
                               flagcxStream_t stream);
+/* All-to-all with per-rank counts and displacements (elements, nranks entries each):
+ * sendcounts[q] elements at sendbuff + sdispls[q] go to rank q, which receives recvcounts[me]
+ * at recvbuff + rdispls[me]. */
 flagcxResult_t flagcxAlltoAllv(const void *sendbuff, size_t *sendcounts, size_t *sdispls,
                                void *recvbuff, size_t *recvcounts, size_t *rdispls,
                                flagcxDataType_t datatype, flagcxComm_t comm,

@@ -24,8 +24,8 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use flagcx_rs::p2p::{Config, UniqueId};
 use flagcx_rs::{
-    Adaptor, AdaptorError, Comm, CommError, DeviceAdaptor, DevicePtr, EventHandle, IpcMemHandle,
-    Request, StreamHandle, Vendor,
+    Adaptor, AdaptorError, Collective, Comm, CommError, DeviceAdaptor, DevicePtr, EventHandle,
+    IpcMemHandle, Request, StreamHandle, Vendor,
 };
 
 mod device;
@@ -179,6 +179,12 @@ impl From<AdaptorError> for Failure {
             _ => flagcxUnhandledDeviceError,
         };
         Failure(code, e.to_string())
+    }
+}
+
+impl From<Failure> for CommError {
+    fn from(f: Failure) -> Self {
+        CommError::InvalidArgument(f.1)
     }
 }
 
@@ -679,13 +685,7 @@ unsafe fn post(
     guard(Some(comm), || {
         // SAFETY: the caller's contract.
         let c = unsafe { comm_ref(comm) }?;
-        let size = getFlagcxDataTypeSize(dtype);
-        if size == 0 {
-            return Err(invalid(format!("unknown data type {dtype}")));
-        }
-        let bytes = count
-            .checked_mul(size)
-            .ok_or_else(|| invalid(format!("{count} elements of {size} bytes overflow")))?;
+        let bytes = byte_count(count, dtype)?;
         if peer < 0 {
             return Err(invalid(format!("peer {peer}")));
         }
@@ -767,24 +767,239 @@ pub unsafe extern "C" fn flagcxBarrier(
         // SAFETY: the caller's contract.
         let c = unsafe { comm_ref(comm) }?;
         // SAFETY: the caller's contract.
-        let s = unsafe { stream.as_ref() }.map_or(c.default_stream, |s| s.handle);
-        let (me, n) = (c.comm.rank(), c.comm.nranks());
-        let reqs = c.comm.group(|| {
-            let mut v = Vec::new();
-            for q in (0..n).filter(|&q| q != me) {
-                // SAFETY: zero bytes move; no buffer is touched.
-                unsafe {
-                    v.push(c.comm.send_raw(DevicePtr::NULL, 0, q, s)?);
-                    v.push(c.comm.recv_raw(DevicePtr::NULL, 0, q, s)?);
-                }
-            }
-            Ok(v)
-        })?;
-        for r in reqs {
-            r.wait()?;
-        }
+        let s = unsafe { coll_stream(c, stream) }?;
+        Ok(c.comm.barrier(s)?)
+    })
+}
+
+// ---- collectives ---------------------------------------------------------------------------------
+
+/// Bytes of `count` elements of `dtype`, checked.
+fn byte_count(count: usize, dtype: flagcxDataType_t) -> R<usize> {
+    let size = getFlagcxDataTypeSize(dtype);
+    if size == 0 {
+        return Err(invalid(format!("unknown data type {dtype}")));
+    }
+    count
+        .checked_mul(size)
+        .ok_or_else(|| invalid(format!("{count} elements of {size} bytes overflow")))
+}
+
+/// The stream a collective runs on (the communicator's own for NULL).
+///
+/// # Safety
+/// `stream` is NULL or live.
+unsafe fn coll_stream(c: &flagcxComm, stream: *const flagcxStream) -> R<StreamHandle> {
+    // SAFETY: the caller's contract.
+    match unsafe { stream.as_ref() } {
+        Some(s) if s.device != c.comm.adaptor().device() => Err(invalid(format!(
+            "the stream belongs to device {}, the communicator to {}",
+            s.device,
+            c.comm.adaptor().device()
+        ))),
+        Some(s) => Ok(s.handle),
+        None => Ok(c.default_stream),
+    }
+}
+
+/// Runs one collective: `f` posts it; its requests join the communicator's pending ones.
+///
+/// # Safety
+/// `comm` and `stream` are NULL or live.
+unsafe fn collective(
+    comm: *mut flagcxComm,
+    stream: *const flagcxStream,
+    f: impl FnOnce(&flagcxComm, StreamHandle) -> Result<Collective, CommError>,
+) -> flagcxResult_t {
+    guard(Some(comm), || {
+        // SAFETY: the caller's contract.
+        let c = unsafe { comm_ref(comm) }?;
+        // SAFETY: the caller's contract.
+        let s = unsafe { coll_stream(c, stream) }?;
+        let done = f(c, s)?;
+        let mut pending = lock(&c.pending);
+        pending.retain(|r| !r.is_done());
+        pending.extend(done.into_requests());
         Ok(())
     })
+}
+
+fn dp<T>(p: *const T) -> DevicePtr {
+    DevicePtr(p as u64)
+}
+
+/// Broadcast: `count` elements of the root's `sendbuff` into every rank's `recvbuff` (in
+/// place when the root passes `sendbuff == recvbuff`).
+///
+/// # Safety
+/// `comm` and `stream` are NULL or live; the buffers hold `count` elements and stay valid
+/// until the stream passes the call.
+#[no_mangle]
+pub unsafe extern "C" fn flagcxBroadcast(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: flagcxDataType_t,
+    root: c_int,
+    comm: *mut flagcxComm,
+    stream: *mut flagcxStream,
+) -> flagcxResult_t {
+    // SAFETY: forwarded contract.
+    unsafe {
+        collective(comm, stream, |c, s| {
+            let bytes = byte_count(count, datatype).map_err(CommError::from)?;
+            c.comm
+                .broadcast_raw(dp(sendbuff), dp(recvbuff), bytes, rank_arg(root)?, s)
+        })
+    }
+}
+
+/// Gather: every rank's `count` elements into the root's `recvbuff` at `rank * count` (in
+/// place when `sendbuff == recvbuff + rank * count`; `recvbuff` may be NULL off the root).
+///
+/// # Safety
+/// As [`flagcxBroadcast`]; the root's `recvbuff` holds `nranks * count` elements.
+#[no_mangle]
+pub unsafe extern "C" fn flagcxGather(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: flagcxDataType_t,
+    root: c_int,
+    comm: *mut flagcxComm,
+    stream: *mut flagcxStream,
+) -> flagcxResult_t {
+    // SAFETY: forwarded contract.
+    unsafe {
+        collective(comm, stream, |c, s| {
+            let bytes = byte_count(count, datatype).map_err(CommError::from)?;
+            c.comm
+                .gather_raw(dp(sendbuff), dp(recvbuff), bytes, rank_arg(root)?, s)
+        })
+    }
+}
+
+/// Scatter: block `q` of the root's `sendbuff` (`count` elements at `q * count`) into rank
+/// `q`'s `recvbuff` (in place when `recvbuff == sendbuff + rank * count`; `sendbuff` may be
+/// NULL off the root).
+///
+/// # Safety
+/// As [`flagcxBroadcast`]; the root's `sendbuff` holds `nranks * count` elements.
+#[no_mangle]
+pub unsafe extern "C" fn flagcxScatter(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: flagcxDataType_t,
+    root: c_int,
+    comm: *mut flagcxComm,
+    stream: *mut flagcxStream,
+) -> flagcxResult_t {
+    // SAFETY: forwarded contract.
+    unsafe {
+        collective(comm, stream, |c, s| {
+            let bytes = byte_count(count, datatype).map_err(CommError::from)?;
+            c.comm
+                .scatter_raw(dp(sendbuff), dp(recvbuff), bytes, rank_arg(root)?, s)
+        })
+    }
+}
+
+/// All-gather: every rank's `sendcount` elements into every rank's `recvbuff` at
+/// `rank * sendcount` (in place when `sendbuff == recvbuff + rank * sendcount`).
+///
+/// # Safety
+/// As [`flagcxBroadcast`]; `recvbuff` holds `nranks * sendcount` elements.
+#[no_mangle]
+pub unsafe extern "C" fn flagcxAllGather(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    sendcount: usize,
+    datatype: flagcxDataType_t,
+    comm: *mut flagcxComm,
+    stream: *mut flagcxStream,
+) -> flagcxResult_t {
+    // SAFETY: forwarded contract.
+    unsafe {
+        collective(comm, stream, |c, s| {
+            let bytes = byte_count(sendcount, datatype).map_err(CommError::from)?;
+            c.comm.all_gather_raw(dp(sendbuff), dp(recvbuff), bytes, s)
+        })
+    }
+}
+
+/// All-to-all: block `q` of `sendbuff` (`count` elements at `q * count`) into rank `q`'s
+/// `recvbuff` at `rank * count`. The buffers must be distinct (in place: InvalidArgument).
+///
+/// # Safety
+/// As [`flagcxBroadcast`]; both hold `nranks * count` elements.
+#[no_mangle]
+pub unsafe extern "C" fn flagcxAlltoAll(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: flagcxDataType_t,
+    comm: *mut flagcxComm,
+    stream: *mut flagcxStream,
+) -> flagcxResult_t {
+    // SAFETY: forwarded contract.
+    unsafe {
+        collective(comm, stream, |c, s| {
+            let bytes = byte_count(count, datatype).map_err(CommError::from)?;
+            c.comm.all_to_all_raw(dp(sendbuff), dp(recvbuff), bytes, s)
+        })
+    }
+}
+
+/// All-to-all with per-peer counts and displacements (elements): `sendcounts[q]` elements
+/// at `sendbuff + sdispls[q]` go to rank `q`, which receives `recvcounts[me]` at
+/// `recvbuff + rdispls[me]`.
+///
+/// # Safety
+/// As [`flagcxBroadcast`]; the four arrays hold `nranks` entries each.
+#[no_mangle]
+pub unsafe extern "C" fn flagcxAlltoAllv(
+    sendbuff: *const c_void,
+    sendcounts: *mut usize,
+    sdispls: *mut usize,
+    recvbuff: *mut c_void,
+    recvcounts: *mut usize,
+    rdispls: *mut usize,
+    datatype: flagcxDataType_t,
+    comm: *mut flagcxComm,
+    stream: *mut flagcxStream,
+) -> flagcxResult_t {
+    // SAFETY: forwarded contract.
+    unsafe {
+        collective(comm, stream, |c, s| {
+            let n = c.comm.nranks();
+            let arr = |p: *mut usize, what: &str| -> Result<Vec<usize>, CommError> {
+                if p.is_null() {
+                    return Err(CommError::InvalidArgument(format!("NULL {what}")));
+                }
+                // SAFETY: the caller's contract: `nranks` entries.
+                let v = std::slice::from_raw_parts(p, n);
+                v.iter()
+                    .map(|&x| byte_count(x, datatype).map_err(CommError::from))
+                    .collect()
+            };
+            let (sc, sd) = (
+                arr(sendcounts, "send counts")?,
+                arr(sdispls, "send displacements")?,
+            );
+            let (rc, rd) = (
+                arr(recvcounts, "receive counts")?,
+                arr(rdispls, "receive displacements")?,
+            );
+            c.comm
+                .all_to_allv_raw(dp(sendbuff), &sc, &sd, dp(recvbuff), &rc, &rd, s)
+        })
+    }
+}
+
+/// A rank argument as an index.
+fn rank_arg(r: c_int) -> Result<usize, CommError> {
+    usize::try_from(r).map_err(|_| CommError::InvalidArgument(format!("root {r}")))
 }
 
 // ---- memory for communication ------------------------------------------------------------------
@@ -916,14 +1131,8 @@ macro_rules! not_supported {
 
 not_supported! {
     flagcxReduce(s: *const c_void, r: *mut c_void, n: usize, t: flagcxDataType_t, op: flagcxRedOp_t, root: c_int, comm: *mut flagcxComm, st: *mut flagcxStream) => "reduction";
-    flagcxGather(s: *const c_void, r: *mut c_void, n: usize, t: flagcxDataType_t, root: c_int, comm: *mut flagcxComm, st: *mut flagcxStream) => "the gather collective";
-    flagcxScatter(s: *const c_void, r: *mut c_void, n: usize, t: flagcxDataType_t, root: c_int, comm: *mut flagcxComm, st: *mut flagcxStream) => "the scatter collective";
-    flagcxBroadcast(s: *const c_void, r: *mut c_void, n: usize, t: flagcxDataType_t, root: c_int, comm: *mut flagcxComm, st: *mut flagcxStream) => "the broadcast collective";
     flagcxAllReduce(s: *const c_void, r: *mut c_void, n: usize, t: flagcxDataType_t, op: flagcxRedOp_t, comm: *mut flagcxComm, st: *mut flagcxStream) => "reduction";
     flagcxReduceScatter(s: *const c_void, r: *mut c_void, n: usize, t: flagcxDataType_t, op: flagcxRedOp_t, comm: *mut flagcxComm, st: *mut flagcxStream) => "reduction";
-    flagcxAllGather(s: *const c_void, r: *mut c_void, n: usize, t: flagcxDataType_t, comm: *mut flagcxComm, st: *mut flagcxStream) => "the all-gather collective";
-    flagcxAlltoAll(s: *const c_void, r: *mut c_void, n: usize, t: flagcxDataType_t, comm: *mut flagcxComm, st: *mut flagcxStream) => "the all-to-all collective";
-    flagcxAlltoAllv(s: *const c_void, sc: *mut usize, sd: *mut usize, r: *mut c_void, rc: *mut usize, rd: *mut usize, t: flagcxDataType_t, comm: *mut flagcxComm, st: *mut flagcxStream) => "the all-to-allv collective";
     flagcxCommSuspend(comm: *mut flagcxComm) => "suspending a communicator";
     flagcxCommResume(comm: *mut flagcxComm) => "resuming a communicator";
 }

@@ -32,6 +32,7 @@
 
 pub mod bootstrap;
 pub mod channel;
+pub mod collectives;
 mod comm;
 pub mod config;
 mod error;
@@ -43,6 +44,7 @@ pub mod shm;
 pub mod wire;
 
 pub use bootstrap::{Bootstrap, UniqueId};
+pub use collectives::Collective;
 pub use comm::{Comm, Request};
 pub use config::{Config, HostDirect, IpcCopier, RankEnv, StreamJoin};
 pub use error::{CommError, Result};

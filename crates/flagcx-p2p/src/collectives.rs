@@ -1,0 +1,374 @@
+//! Data-movement collectives over point-to-point: broadcast, gather, scatter, all-gather,
+//! all-to-all(v), barrier — with NCCL's meaning, on raw device pointers and a stream.
+//!
+//! Each collective posts its sends and receives to the other ranks as one group (so every pair
+//! uses whatever transport it has — IPC, staged, direct — and a job of CUDA, OpenCL and host
+//! ranks runs them unchanged) and copies the rank's own block on the stream itself; nothing of
+//! a rank's own data goes through a transport. Like point-to-point, a call enqueues and
+//! returns: the stream sees the result when it reaches that point; the returned
+//! [`Collective`] also lets the host wait.
+//!
+//! Algorithms: broadcast is direct (the root sends to every rank at once) up to four ranks
+//! and a binomial tree beyond (the root's outgoing bandwidth would otherwise bound it: a tree
+//! moves `log2(n)` copies through any one rank instead of `n - 1`); the others are direct —
+//! every pair's block moves once, all pairs in flight together.
+//!
+//! All sizes here are bytes; the C ABI turns element counts into bytes.
+
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, StreamHandle};
+
+use crate::comm::{Comm, Request};
+use crate::error::{CommError, Result};
+
+/// The operations of one collective call.
+#[derive(Debug, Default)]
+#[must_use = "a collective's failure is only seen by waiting for it (or through Comm::async_error)"]
+pub struct Collective {
+    requests: Vec<Request>,
+}
+
+impl Collective {
+    /// Blocks until every operation of the call finished; the first failure is the result.
+    pub fn wait(self) -> Result<()> {
+        let mut first = None;
+        for r in self.requests {
+            if let Err(e) = r.wait() {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// True once every operation finished.
+    pub fn is_done(&self) -> bool {
+        self.requests.iter().all(Request::is_done)
+    }
+
+    /// The point-to-point requests the call posted (none for a one-rank job).
+    pub fn into_requests(self) -> Vec<Request> {
+        self.requests
+    }
+}
+
+/// `base + i * block`, checked.
+fn at(base: DevicePtr, i: usize, block: usize) -> Result<DevicePtr> {
+    i.checked_mul(block)
+        .and_then(|off| base.0.checked_add(off as u64))
+        .map(DevicePtr)
+        .ok_or_else(|| CommError::InvalidArgument("buffer offset overflows".into()))
+}
+
+impl<A: DeviceAdaptor> Comm<A> {
+    fn check_root(&self, root: usize) -> Result<()> {
+        if root >= self.nranks() {
+            return Err(CommError::InvalidArgument(format!(
+                "root {root} is out of range (the job has {} ranks)",
+                self.nranks()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Copies `bytes` from `src` to `dst` on `stream`, unless they are the same (in place).
+    ///
+    /// # Safety
+    /// Both ranges are device memory of this adaptor, valid until the stream passes the copy.
+    unsafe fn local_copy(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        if bytes == 0 || dst == src {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract.
+        unsafe { self.adaptor().memcpy_d2d_async(dst, src, bytes, stream) }?;
+        Ok(())
+    }
+
+    /// Posts `ops` (peer, send?, pointer, bytes) as one group.
+    ///
+    /// # Safety
+    /// As [`Comm::send_raw`] and [`Comm::recv_raw`] for every operation.
+    unsafe fn post_group(
+        &self,
+        ops: &[(usize, bool, DevicePtr, usize)],
+        stream: StreamHandle,
+    ) -> Result<Collective> {
+        if ops.is_empty() {
+            return Ok(Collective::default());
+        }
+        let requests = self.group(|| {
+            ops.iter()
+                .map(|&(peer, send, ptr, bytes)| {
+                    // SAFETY: the caller's contract.
+                    unsafe {
+                        if send {
+                            self.send_raw(ptr, bytes, peer, stream)
+                        } else {
+                            self.recv_raw(ptr, bytes, peer, stream)
+                        }
+                    }
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
+        Ok(Collective { requests })
+    }
+
+    /// Broadcast: `bytes` at the root's `send` arrive in every rank's `recv` (in place when
+    /// the root passes `send == recv`; other ranks' `send` is not read).
+    ///
+    /// # Safety
+    /// The ranges are device memory of this adaptor, valid until the stream passes the call;
+    /// the root's `send` is not modified meanwhile.
+    pub unsafe fn broadcast_raw(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        bytes: usize,
+        root: usize,
+        stream: StreamHandle,
+    ) -> Result<Collective> {
+        self.check_root(root)?;
+        let (me, n) = (self.rank(), self.nranks());
+        if n <= 4 {
+            let ops: Vec<_> = if me == root {
+                (0..n)
+                    .filter(|&q| q != me)
+                    .map(|q| (q, true, send, bytes))
+                    .collect()
+            } else {
+                vec![(root, false, recv, bytes)]
+            };
+            // SAFETY: the caller's contract.
+            unsafe {
+                if me == root {
+                    self.local_copy(recv, send, bytes, stream)?;
+                }
+                return self.post_group(&ops, stream);
+            }
+        }
+        // Binomial tree on ranks relative to the root: receive from the parent, then send to
+        // the children (the sends are ordered after the receive by the stream).
+        let rel = (me + n - root) % n;
+        let abs = |r: usize| (r + root) % n;
+        let mut requests = Vec::new();
+        let data = if me == root {
+            // SAFETY: the caller's contract.
+            unsafe { self.local_copy(recv, send, bytes, stream) }?;
+            recv
+        } else {
+            let parent = rel & (rel - 1); // clear the lowest set bit
+                                          // SAFETY: the caller's contract.
+            let r = unsafe { self.recv_raw(recv, bytes, abs(parent), stream) }?;
+            requests.push(r);
+            recv
+        };
+        let lowest = if rel == 0 {
+            n.next_power_of_two()
+        } else {
+            rel & rel.wrapping_neg()
+        };
+        let children: Vec<_> = std::iter::successors(Some(1usize), |m| Some(m << 1))
+            .take_while(|&m| m < lowest)
+            .map(|m| rel + m)
+            .filter(|&c| c < n)
+            .map(|c| (abs(c), true, data, bytes))
+            .collect();
+        // SAFETY: the caller's contract.
+        let sends = unsafe { self.post_group(&children, stream) }?;
+        requests.extend(sends.requests);
+        Ok(Collective { requests })
+    }
+
+    /// Gather: every rank's `bytes` at `send` arrive at the root's `recv`, rank `q`'s at
+    /// offset `q * bytes` (in place when the root's `send == recv + root * bytes`). `recv`
+    /// is only used on the root.
+    ///
+    /// # Safety
+    /// As [`Comm::broadcast_raw`]; the root's `recv` holds `nranks * bytes`.
+    pub unsafe fn gather_raw(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        bytes: usize,
+        root: usize,
+        stream: StreamHandle,
+    ) -> Result<Collective> {
+        self.check_root(root)?;
+        let (me, n) = (self.rank(), self.nranks());
+        let mut ops = Vec::new();
+        if me == root {
+            for q in (0..n).filter(|&q| q != me) {
+                ops.push((q, false, at(recv, q, bytes)?, bytes));
+            }
+            // SAFETY: the caller's contract.
+            unsafe { self.local_copy(at(recv, me, bytes)?, send, bytes, stream) }?;
+        } else {
+            ops.push((root, true, send, bytes));
+        }
+        // SAFETY: the caller's contract.
+        unsafe { self.post_group(&ops, stream) }
+    }
+
+    /// Scatter: block `q` (`bytes` at `send + q * bytes`) of the root arrives at rank `q`'s
+    /// `recv` (in place when the root's `recv == send + root * bytes`). `send` is only read
+    /// on the root.
+    ///
+    /// # Safety
+    /// As [`Comm::broadcast_raw`]; the root's `send` holds `nranks * bytes`.
+    pub unsafe fn scatter_raw(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        bytes: usize,
+        root: usize,
+        stream: StreamHandle,
+    ) -> Result<Collective> {
+        self.check_root(root)?;
+        let (me, n) = (self.rank(), self.nranks());
+        let mut ops = Vec::new();
+        if me == root {
+            for q in (0..n).filter(|&q| q != me) {
+                ops.push((q, true, at(send, q, bytes)?, bytes));
+            }
+            // SAFETY: the caller's contract.
+            unsafe { self.local_copy(recv, at(send, me, bytes)?, bytes, stream) }?;
+        } else {
+            ops.push((root, false, recv, bytes));
+        }
+        // SAFETY: the caller's contract.
+        unsafe { self.post_group(&ops, stream) }
+    }
+
+    /// All-gather: every rank's `bytes` at `send` arrive in every rank's `recv` at offset
+    /// `rank * bytes` (in place when `send == recv + rank * bytes`).
+    ///
+    /// # Safety
+    /// As [`Comm::broadcast_raw`]; `recv` holds `nranks * bytes`.
+    pub unsafe fn all_gather_raw(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<Collective> {
+        let (me, n) = (self.rank(), self.nranks());
+        let mut ops = Vec::new();
+        for q in (0..n).filter(|&q| q != me) {
+            ops.push((q, true, send, bytes));
+            ops.push((q, false, at(recv, q, bytes)?, bytes));
+        }
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.local_copy(at(recv, me, bytes)?, send, bytes, stream)?;
+            self.post_group(&ops, stream)
+        }
+    }
+
+    /// All-to-all: block `q` of `send` (`bytes` at `send + q * bytes`) arrives at rank `q`'s
+    /// `recv + rank * bytes`. `send` and `recv` must not overlap.
+    ///
+    /// # Safety
+    /// As [`Comm::broadcast_raw`]; both hold `nranks * bytes`.
+    pub unsafe fn all_to_all_raw(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<Collective> {
+        let n = self.nranks();
+        let counts = vec![bytes; n];
+        let displs: Vec<usize> = (0..n).map(|q| q * bytes).collect();
+        // SAFETY: the caller's contract.
+        unsafe { self.all_to_allv_raw(send, &counts, &displs, recv, &counts, &displs, stream) }
+    }
+
+    /// All-to-all with per-peer sizes: `send_bytes[q]` at `send + send_displs[q]` go to rank
+    /// `q`, which receives them at `recv + recv_displs[me]` with room for `recv_bytes[me]`.
+    /// A sender larger than its receive fails on both sides (as point-to-point). `send` and
+    /// `recv` must not overlap.
+    ///
+    /// # Safety
+    /// As [`Comm::broadcast_raw`] for every block named.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn all_to_allv_raw(
+        &self,
+        send: DevicePtr,
+        send_bytes: &[usize],
+        send_displs: &[usize],
+        recv: DevicePtr,
+        recv_bytes: &[usize],
+        recv_displs: &[usize],
+        stream: StreamHandle,
+    ) -> Result<Collective> {
+        let (me, n) = (self.rank(), self.nranks());
+        for (name, v) in [
+            ("send counts", send_bytes),
+            ("send displacements", send_displs),
+            ("receive counts", recv_bytes),
+            ("receive displacements", recv_displs),
+        ] {
+            if v.len() != n {
+                return Err(CommError::InvalidArgument(format!(
+                    "{name}: {} entries for {n} ranks",
+                    v.len()
+                )));
+            }
+        }
+        if send == recv && send_bytes.iter().any(|&b| b > 0) {
+            return Err(CommError::InvalidArgument(
+                "in-place all-to-all is not supported: use distinct send and receive buffers"
+                    .into(),
+            ));
+        }
+        let off = |base: DevicePtr, d: usize| {
+            base.0
+                .checked_add(d as u64)
+                .map(DevicePtr)
+                .ok_or_else(|| CommError::InvalidArgument("displacement overflows".into()))
+        };
+        let mut ops = Vec::new();
+        for q in (0..n).filter(|&q| q != me) {
+            ops.push((q, true, off(send, send_displs[q])?, send_bytes[q]));
+            ops.push((q, false, off(recv, recv_displs[q])?, recv_bytes[q]));
+        }
+        if send_bytes[me] > recv_bytes[me] {
+            return Err(CommError::SizeMismatch {
+                peer: me,
+                send_bytes: send_bytes[me],
+                recv_bytes: recv_bytes[me],
+            });
+        }
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.local_copy(
+                off(recv, recv_displs[me])?,
+                off(send, send_displs[me])?,
+                send_bytes[me],
+                stream,
+            )?;
+            self.post_group(&ops, stream)
+        }
+    }
+
+    /// Returns once every rank reached it (a zero-byte exchange with every other rank); the
+    /// stream is ordered after it too.
+    pub fn barrier(&self, stream: StreamHandle) -> Result<()> {
+        let (me, n) = (self.rank(), self.nranks());
+        let ops: Vec<_> = (0..n)
+            .filter(|&q| q != me)
+            .flat_map(|q| {
+                [
+                    (q, true, DevicePtr::NULL, 0),
+                    (q, false, DevicePtr::NULL, 0),
+                ]
+            })
+            .collect();
+        // SAFETY: zero bytes move; no memory is touched.
+        unsafe { self.post_group(&ops, stream) }?.wait()
+    }
+}
