@@ -311,3 +311,16 @@ fn staged_transport_is_honoured_under_flagcx_run() {
     );
     assert!(t.contains("# wrong bytes in all: 0"), "{t}");
 }
+
+/// Every collective test of the perf tool, 3 ranks, every byte checked.
+#[test]
+fn collective_tests_run_checked() {
+    for test in ["broadcast", "gather", "scatter", "allgather", "alltoall", "alltoallv"] {
+        let t = perf(&[
+            "-t", test, "-N", "3", "-b", "3K", "-e", "3M", "-f", "32", "-n", "2", "-w", "1", "-c",
+        ]);
+        assert!(t.contains("# wrong bytes in all: 0"), "{test}:\n{t}");
+        // 3K, 96K, 3M.
+        assert_eq!(rows(&t), 3, "{test}:\n{t}");
+    }
+}

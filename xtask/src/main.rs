@@ -446,6 +446,35 @@ fn bench(vs_mpi: bool) -> Result {
                 .arg(&exe)
                 .args(["8", "268435456"]),
         )?;
+        // All-to-all of 4 ranks: ours, then MPI_Alltoall, same sizes (whole buffers, 4 blocks).
+        run(
+            "flagcx-perf: host-vendor all-to-all, 4 ranks, 4 MiB .. 256 MiB",
+            Command::new(root().join("target/release/flagcx-perf"))
+                .args([
+                    "-t", "alltoall", "-N", "4", "-b", "4M", "-e", "256M", "-f", "4", "-n", "10",
+                    "-w", "2",
+                ])
+                .env("FLAGCX_VENDOR", "host"),
+        )?;
+        let a2a = root().join("target/mpi-alltoall");
+        run(
+            "mpicc benches/mpi/alltoall.c",
+            Command::new("mpicc")
+                .args(["-O2", "-o"])
+                .arg(&a2a)
+                .arg(root().join("benches/mpi/alltoall.c")),
+        )?;
+        let mut mpirun = Command::new("mpirun");
+        if std::env::var("USER").map(|u| u == "root").unwrap_or(true) {
+            mpirun.arg("--allow-run-as-root");
+        }
+        run(
+            "Open MPI all-to-all, 4 ranks, 4 MiB .. 256 MiB",
+            mpirun
+                .args(["--oversubscribe", "-n", "4"])
+                .arg(&a2a)
+                .args(["4194304", "268435456"]),
+        )?;
     }
     Ok(())
 }

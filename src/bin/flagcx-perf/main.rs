@@ -46,9 +46,13 @@ type Error = Box<dyn std::error::Error>;
 struct Opts {
     /// Traffic pattern: sendrecv (a ring: each rank sends to the next and receives from the
     /// previous, in one group), pingpong (two ranks, round trips), pairs (every rank
-    /// exchanges with every other at once).
+    /// exchanges with every other at once), or a collective rooted at rank 0 where it has a
+    /// root: broadcast, gather, scatter, allgather, alltoall, alltoallv (seeded random
+    /// counts). For collectives the size is the whole buffer (nranks blocks), as nccl-tests
+    /// count it, and bus bandwidth uses nccl-tests' factors.
     #[arg(short = 't', long = "test", default_value = "sendrecv",
-          value_parser = ["sendrecv", "pingpong", "pairs"])]
+          value_parser = ["sendrecv", "pingpong", "pairs", "broadcast", "gather", "scatter",
+                          "allgather", "alltoall", "alltoallv"])]
     test: String,
     /// Smallest message size (bytes; K, M, G suffixes).
     #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = size_arg("-b"))]
@@ -186,6 +190,55 @@ fn self_launch(o: &Opts, args: &[String]) -> Result<(), Error> {
     }
 }
 
+/// Whether `test` is one of the collectives.
+fn is_collective(test: &str) -> bool {
+    !matches!(test, "sendrecv" | "pingpong" | "pairs")
+}
+
+/// Bytes rank `p` sends rank `q` in `alltoallv` at `size`: seeded, 1–100 % of a block.
+fn v_count(p: usize, q: usize, n: usize, size: usize) -> usize {
+    let mut x = (p * 1_000_003 + q * 7919 + size) as u64 ^ 0x9E37_79B9_7F4A_7C15;
+    x ^= x >> 31;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 29;
+    (size / n) * (x % 100 + 1) as usize / 100
+}
+
+/// Wrong bytes in rank `me`'s receive buffer after one collective of `size` bytes (root 0;
+/// every rank's send buffer holds `byte(rank, size, i)`).
+fn collective_wrong(test: &str, got: &[u8], me: usize, n: usize, size: usize) -> usize {
+    let block = size / n;
+    let mut wrong = 0;
+    let mut expect = |at: usize, want: u8| wrong += usize::from(got[at] != want);
+    match test {
+        "broadcast" => (0..size).for_each(|i| expect(i, byte(0, size, i))),
+        "gather" if me == 0 => {
+            for q in 0..n {
+                (0..block).for_each(|i| expect(q * block + i, byte(q, size, i)));
+            }
+        }
+        "gather" => {}
+        "scatter" => (0..block).for_each(|i| expect(i, byte(0, size, me * block + i))),
+        "allgather" => {
+            for q in 0..n {
+                (0..block).for_each(|i| expect(q * block + i, byte(q, size, i)));
+            }
+        }
+        "alltoall" => {
+            for q in 0..n {
+                (0..block).for_each(|i| expect(q * block + i, byte(q, size, me * block + i)));
+            }
+        }
+        _ => {
+            for q in 0..n {
+                (0..v_count(q, me, n, size))
+                    .for_each(|i| expect(q * block + i, byte(q, size, me * block + i)));
+            }
+        }
+    }
+    wrong
+}
+
 fn byte(src: usize, size: usize, i: usize) -> u8 {
     (i as u8).wrapping_mul(151) ^ (src as u8).wrapping_mul(29) ^ (size as u8) ^ (i >> 9) as u8
 }
@@ -306,13 +359,29 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         let mut start = Instant::now();
         let mut before = comm.stats();
         let h = stream.handle();
+        let block = size / n;
         for i in 0..o.warmup + o.iters {
             if i == o.warmup {
                 stream.synchronize()?;
                 start = Instant::now();
                 before = comm.stats();
             }
+            let (sp, rp) = (sends[0].ptr(), recvs[0].ptr());
             match o.test.as_str() {
+                // SAFETY (every collective): the buffers hold `max >= size` bytes, every block
+                // named lies inside them, and they outlive each wait.
+                "broadcast" => unsafe { comm.broadcast_raw(sp, rp, size, 0, h)?.wait()? },
+                "gather" => unsafe { comm.gather_raw(sp, rp, block, 0, h)?.wait()? },
+                "scatter" => unsafe { comm.scatter_raw(sp, rp, block, 0, h)?.wait()? },
+                "allgather" => unsafe { comm.all_gather_raw(sp, rp, block, h)?.wait()? },
+                "alltoall" => unsafe { comm.all_to_all_raw(sp, rp, block, h)?.wait()? },
+                "alltoallv" => unsafe {
+                    let displs: Vec<usize> = (0..n).map(|q| q * block).collect();
+                    let sc: Vec<usize> = (0..n).map(|q| v_count(me, q, n, size)).collect();
+                    let rc: Vec<usize> = (0..n).map(|q| v_count(q, me, n, size)).collect();
+                    comm.all_to_allv_raw(sp, &sc, &displs, rp, &rc, &displs, h)?
+                        .wait()?
+                },
                 // SAFETY: every buffer holds `max >= size` bytes and outlives each wait.
                 "pingpong" => unsafe {
                     if me == 0 {
@@ -343,11 +412,20 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             }
         }
         stream.synchronize()?;
-        let ops = o.iters as usize * (sends.len() + recvs.len());
+        let ops = o.iters as usize
+            * if is_collective(&o.test) {
+                2 * (n - 1)
+            } else {
+                sends.len() + recvs.len()
+            };
         let path = path_taken(before, comm.stats(), ops);
         let t = start.elapsed().as_secs_f64() / o.iters as f64;
         let mut wrong = 0;
-        if o.check {
+        if o.check && is_collective(&o.test) {
+            let mut got = vec![0u8; size];
+            recvs[0].read(0, &mut got, &stream)?;
+            wrong += collective_wrong(&o.test, &got, me, n, size);
+        } else if o.check {
             for (b, &src) in recvs.iter().zip(&froms) {
                 let mut got = vec![0u8; size];
                 b.read(0, &mut got, &stream)?;
@@ -365,11 +443,19 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             "pairs" => (t * 1e6, (size * (n - 1)) as f64 / t / 1e9),
             _ => (t * 1e6, size as f64 / t / 1e9),
         };
+        // nccl-tests' bus bandwidth: what each link carries. Gathers, scatters and
+        // all-to-alls move (n - 1) / n of the buffer through a rank's links.
+        let bus = match o.test.as_str() {
+            "gather" | "scatter" | "allgather" | "alltoall" | "alltoallv" => {
+                (n - 1) as f64 / n as f64
+            }
+            _ => 1.0,
+        };
         let row = Row {
             bytes: size,
             time_us,
             algbw,
-            busbw: algbw,
+            busbw: algbw * bus,
             wrong,
             ceil_us,
             ceil_bw,
