@@ -315,7 +315,14 @@ fn staged_transport_is_honoured_under_flagcx_run() {
 /// Every collective test of the perf tool, 3 ranks, every byte checked.
 #[test]
 fn collective_tests_run_checked() {
-    for test in ["broadcast", "gather", "scatter", "allgather", "alltoall", "alltoallv"] {
+    for test in [
+        "broadcast",
+        "gather",
+        "scatter",
+        "allgather",
+        "alltoall",
+        "alltoallv",
+    ] {
         let t = perf(&[
             "-t", test, "-N", "3", "-b", "3K", "-e", "3M", "-f", "32", "-n", "2", "-w", "1", "-c",
         ]);
