@@ -190,6 +190,39 @@ fn self_launch(o: &Opts, args: &[String]) -> Result<(), Error> {
     }
 }
 
+/// Posts one collective of `size` bytes (root 0) from `send` into `recv`.
+///
+/// # Safety
+/// Both buffers hold at least `size` bytes and stay valid until the collective finished.
+unsafe fn run_collective(
+    comm: &Comm<Adaptor>,
+    test: &str,
+    send: flagcx::DevicePtr,
+    recv: flagcx::DevicePtr,
+    size: usize,
+    h: flagcx::StreamHandle,
+) -> Result<flagcx::Collective, flagcx::CommError> {
+    let n = comm.nranks();
+    let block = size / n;
+    // SAFETY: the caller's contract covers every block named below.
+    unsafe {
+        match test {
+            "broadcast" => comm.broadcast_raw(send, recv, size, 0, h),
+            "gather" => comm.gather_raw(send, recv, block, 0, h),
+            "scatter" => comm.scatter_raw(send, recv, block, 0, h),
+            "allgather" => comm.all_gather_raw(send, recv, block, h),
+            "alltoall" => comm.all_to_all_raw(send, recv, block, h),
+            _ => {
+                let me = comm.rank();
+                let displs: Vec<usize> = (0..n).map(|q| q * block).collect();
+                let sc: Vec<usize> = (0..n).map(|q| v_count(me, q, n, size)).collect();
+                let rc: Vec<usize> = (0..n).map(|q| v_count(q, me, n, size)).collect();
+                comm.all_to_allv_raw(send, &sc, &displs, recv, &rc, &displs, h)
+            }
+        }
+    }
+}
+
 /// Whether `test` is one of the collectives.
 fn is_collective(test: &str) -> bool {
     !matches!(test, "sendrecv" | "pingpong" | "pairs")
@@ -359,7 +392,6 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         let mut start = Instant::now();
         let mut before = comm.stats();
         let h = stream.handle();
-        let block = size / n;
         for i in 0..o.warmup + o.iters {
             if i == o.warmup {
                 stream.synchronize()?;
@@ -368,20 +400,11 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             }
             let (sp, rp) = (sends[0].ptr(), recvs[0].ptr());
             match o.test.as_str() {
-                // SAFETY (every collective): the buffers hold `max >= size` bytes, every block
-                // named lies inside them, and they outlive each wait.
-                "broadcast" => unsafe { comm.broadcast_raw(sp, rp, size, 0, h)?.wait()? },
-                "gather" => unsafe { comm.gather_raw(sp, rp, block, 0, h)?.wait()? },
-                "scatter" => unsafe { comm.scatter_raw(sp, rp, block, 0, h)?.wait()? },
-                "allgather" => unsafe { comm.all_gather_raw(sp, rp, block, h)?.wait()? },
-                "alltoall" => unsafe { comm.all_to_all_raw(sp, rp, block, h)?.wait()? },
-                "alltoallv" => unsafe {
-                    let displs: Vec<usize> = (0..n).map(|q| q * block).collect();
-                    let sc: Vec<usize> = (0..n).map(|q| v_count(me, q, n, size)).collect();
-                    let rc: Vec<usize> = (0..n).map(|q| v_count(q, me, n, size)).collect();
-                    comm.all_to_allv_raw(sp, &sc, &displs, rp, &rc, &displs, h)?
-                        .wait()?
-                },
+                t if is_collective(t) => {
+                    // SAFETY: both buffers hold `max >= size` bytes, every block a collective
+                    // of `size` names lies inside them, and they outlive the wait.
+                    unsafe { run_collective(&comm, t, sp, rp, size, h) }?.wait()?
+                }
                 // SAFETY: every buffer holds `max >= size` bytes and outlives each wait.
                 "pingpong" => unsafe {
                     if me == 0 {
