@@ -146,6 +146,29 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
     if !status.success() {
         return Err("building the C ring for the bundle failed".into());
     }
+    // The C++ ring through flagcx::Comm (libflagcx_cxx.a with this vendor, linked in).
+    let status = std::process::Command::new("c++")
+        .args(["-std=c++17", "-O2", "-Wall", "-Werror", "-o"])
+        .arg(out.join("bin/cxx-ring"))
+        .arg(root().join("tests/capi/ring.cpp"))
+        .arg(format!("-I{}", prefix.join("include").display()))
+        .arg(prefix.join("lib/libflagcx_cxx.a"))
+        .args(["-lpthread", "-ldl", "-lm", "-lrt", "-lutil"])
+        .status()
+        .map_err(|e| format!("c++: {e}"))?;
+    if !status.success() {
+        return Err("building the C++ ring for the bundle failed".into());
+    }
+    // The MPI ring is compiled there, with that host's mpicc (its Open MPI), from these.
+    std::fs::create_dir_all(out.join("capi")).map_err(|e| e.to_string())?;
+    for (from, to) in [
+        (root().join("tests/capi/mpi_ring.c"), "mpi_ring.c"),
+        (root().join("tests/capi/common.h"), "common.h"),
+        (prefix.join("include/flagcx.h"), "flagcx.h"),
+    ] {
+        std::fs::copy(&from, out.join("capi").join(to))
+            .map_err(|e| format!("copy {}: {e}", from.display()))?;
+    }
     std::fs::write(
         out.join("capi-ring.sh"),
         r#"#!/bin/sh
@@ -155,7 +178,22 @@ id=$(mktemp -u /tmp/flagcx-capi-id.XXXXXX)
 FLAGCX_RANK=0 FLAGCX_NRANKS=2 FLAGCX_LOCAL_RANK=0 FLAGCX_TEST_ID_FILE=$id "$here/bin/capi-ring" & a=$!
 FLAGCX_RANK=1 FLAGCX_NRANKS=2 FLAGCX_LOCAL_RANK=1 FLAGCX_TEST_ID_FILE=$id "$here/bin/capi-ring" & b=$!
 wait $a; ra=$?; wait $b; rb=$?; rm -f "$id"
-[ $ra -eq 0 ] && [ $rb -eq 0 ]
+[ $ra -eq 0 ] && [ $rb -eq 0 ] || exit 1
+# The C++ ring (tests/capi/ring.cpp) through flagcx::Comm.
+FLAGCX_RANK=0 FLAGCX_NRANKS=2 FLAGCX_LOCAL_RANK=0 FLAGCX_TEST_ID_FILE=$id "$here/bin/cxx-ring" & a=$!
+FLAGCX_RANK=1 FLAGCX_NRANKS=2 FLAGCX_LOCAL_RANK=1 FLAGCX_TEST_ID_FILE=$id "$here/bin/cxx-ring" & b=$!
+wait $a; ra=$?; wait $b; rb=$?; rm -f "$id"
+[ $ra -eq 0 ] && [ $rb -eq 0 ] || exit 1
+# The unique id through MPI_Bcast (tests/capi/mpi_ring.c), built with this host's mpicc.
+if command -v mpicc >/dev/null && command -v mpirun >/dev/null; then
+  logs=${FLAGCX_BUNDLE_LOGS:-$here/logs}; mkdir -p "$logs"
+  mpicc -O2 -I"$here/capi" -o "$logs/mpi-ring" "$here/capi/mpi_ring.c" "$here/lib/libflagcx.so.0" \
+    -Wl,-rpath,"$here/lib" || exit 1
+  mpirun --allow-run-as-root --oversubscribe -n 2 "$logs/mpi-ring" || exit 1
+else
+  echo "skipped: mpicc or mpirun not found: the MPI ring did not run"
+  [ -n "${FLAGCX_SKIP_LOG:-}" ] && printf 'cuda\tcapi::mpi_ring\tmpicc or mpirun not found\n' >> "$FLAGCX_SKIP_LOG"
+fi
 "#,
     )
     .map_err(|e| e.to_string())?;
@@ -193,7 +231,7 @@ wait $a; ra=$?; wait $b; rb=$?; rm -f "$id"
         Some(&format!("{vendor},host")),
     ));
     entries.push(Entry {
-        label: format!("C ring ({vendor}, libflagcx)"),
+        label: format!("C, C++, MPI rings ({vendor})"),
         file: "capi-ring".into(),
         env: vec![("FLAGCX_VENDOR".into(), vendor.clone())],
         args: vec!["sh".into(), "\"$here/capi-ring.sh\"".into()],
