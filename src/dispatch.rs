@@ -47,17 +47,7 @@ macro_rules! each {
 impl Adaptor {
     /// Vendors compiled into this build, in detection order (GPUs first, host last).
     pub fn compiled_vendors() -> Vec<Vendor> {
-        [
-            #[cfg(feature = "cuda")]
-            Vendor::Cuda,
-            #[cfg(feature = "hip")]
-            Vendor::Hip,
-            #[cfg(feature = "opencl")]
-            Vendor::OpenCl,
-            #[cfg(feature = "host")]
-            Vendor::Host,
-        ]
-        .to_vec()
+        crate::COMPILED_VENDORS.to_vec()
     }
 
     /// Opens device `device` of `vendor`.

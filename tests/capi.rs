@@ -59,8 +59,9 @@ fn compile(prefix: &Path, compiler: &str, name: &str) -> PathBuf {
             flags = pc.split_whitespace().map(str::to_string).collect();
         }
     }
-    let out_dir = std::env::temp_dir().join(format!("flagcx-capi-{}", std::process::id()));
-    std::fs::create_dir_all(&out_dir).expect("temp dir");
+    // Under cargo's per-target scratch folder: nothing is left in /tmp.
+    let out_dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("capi");
+    std::fs::create_dir_all(&out_dir).expect("scratch dir");
     // One file per compilation: tests compiling the same program run in parallel.
     static BUILDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let k = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -78,8 +79,8 @@ fn compile(prefix: &Path, compiler: &str, name: &str) -> PathBuf {
 
 /// Starts `n` ranks of `exe` (vendors cycled), the id passed through a file.
 fn job(exe: &Path, n: usize, vendors: &[&str]) -> Vec<Child> {
-    let id = std::env::temp_dir().join(format!(
-        "flagcx-capi-id-{}-{}",
+    let id = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
+        "id-{}-{}",
         std::process::id(),
         exe.file_name().unwrap().to_string_lossy()
     ));
@@ -180,7 +181,8 @@ fn cmake_package_builds_the_c_and_cxx_rings() {
         report_skip_reason(test, "host", "cmake is not installed");
         return;
     }
-    let build = std::env::temp_dir().join(format!("flagcx-cmake-{}", std::process::id()));
+    let build =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cmake-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&build);
     let configure = Command::new("cmake")
         .arg("-S")
