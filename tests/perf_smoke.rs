@@ -331,3 +331,22 @@ fn collective_tests_run_checked() {
         assert_eq!(rows(&t), 3, "{test}:\n{t}");
     }
 }
+
+/// `--completions SHELL` prints a script naming the tool's options.
+#[test]
+fn completion_scripts_name_the_options() {
+    for (bin, option) in [
+        (env!("CARGO_BIN_EXE_flagcx-perf"), "--minbytes"),
+        (env!("CARGO_BIN_EXE_flagcx-run"), "--grace"),
+    ] {
+        for shell in ["bash", "zsh", "fish"] {
+            let out = run(bin, &["--completions", shell]);
+            let script = String::from_utf8_lossy(&out.stdout);
+            assert!(out.status.success(), "{bin} --completions {shell}");
+            assert!(
+                script.contains(option.trim_start_matches('-')),
+                "{bin} {shell}:\n{script}"
+            );
+        }
+    }
+}

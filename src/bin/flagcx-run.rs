@@ -28,7 +28,8 @@ use flagcx::p2p::launch::{launch, LaunchSpec};
 #[command(name = "flagcx-run", after_help = AFTER_HELP)]
 struct Args {
     /// Number of ranks.
-    #[arg(short = 'n', long = "nranks", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(short = 'n', long = "nranks", value_parser = clap::value_parser!(u64).range(1..),
+          required_unless_present = "completions", default_value_t = 1, hide_default_value = true)]
     nranks: u64,
     /// Vendor of each rank, cycled over ranks (host, cuda, hip, opencl; "cuda,host"
     /// alternates); sets FLAGCX_VENDOR. Without it the ranks inherit FLAGCX_VENDOR or detect.
@@ -45,8 +46,15 @@ struct Args {
     #[arg(long)]
     no_prefix: bool,
     /// The program each rank runs, and its arguments.
-    #[arg(required = true, last = true, value_name = "PROGRAM")]
+    #[arg(
+        required_unless_present = "completions",
+        last = true,
+        value_name = "PROGRAM"
+    )]
     program: Vec<String>,
+    /// Print a completion script for SHELL (bash, zsh, fish, elvish, powershell) and exit.
+    #[arg(long, value_name = "SHELL", hide_short_help = true)]
+    completions: Option<clap_complete::Shell>,
 }
 
 const AFTER_HELP: &str = "Exit status: 0 when every rank succeeded; the first failing rank's \
@@ -73,6 +81,15 @@ fn main() -> ExitCode {
     let version: &'static str = Box::leak(flagcx::version_line().into_boxed_str());
     let m = Args::command().version(version).get_matches();
     let a = Args::from_arg_matches(&m).unwrap_or_else(|e| e.exit());
+    if let Some(shell) = a.completions {
+        clap_complete::generate(
+            shell,
+            &mut Args::command(),
+            "flagcx-run",
+            &mut std::io::stdout(),
+        );
+        return ExitCode::SUCCESS;
+    }
     let spec = LaunchSpec {
         vendors: a.vendors,
         timeout: a.timeout,

@@ -67,6 +67,9 @@ enum Task {
     Audit,
     /// Build libflagcx (the FlagCX-compatible C ABI) and install it with flagcx.h and a
     /// pkg-config file under target/flagcx.
+    /// Shell completion scripts for flagcx-perf, flagcx-run and cargo xtask under
+    /// target/completions/{bash,zsh,fish}.
+    Completions,
     Capi {
         /// Vendors compiled in besides host (cuda, hip, opencl); a list with commas.
         #[arg(long, visible_alias = "vendors", value_delimiter = ',',
@@ -86,6 +89,7 @@ fn main() -> ExitCode {
         Task::Bench { vs_mpi } => bench(vs_mpi),
         Task::Audit => audit(),
         Task::Capi { vendor } => capi::capi(&vendor).map(|_| ()),
+        Task::Completions => completions(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -476,6 +480,40 @@ fn bench(vs_mpi: bool) -> Result {
                 .args(["4194304", "268435456"]),
         )?;
     }
+    Ok(())
+}
+
+/// Completion scripts: the tools print their own (`--completions SHELL`), xtask writes its.
+fn completions() -> Result {
+    run(
+        "building flagcx-perf and flagcx-run",
+        cargo().args(["build", "--release", "-p", "flagcx", "--bins"]),
+    )?;
+    for (shell, dir) in [
+        (clap_complete::Shell::Bash, "bash"),
+        (clap_complete::Shell::Zsh, "zsh"),
+        (clap_complete::Shell::Fish, "fish"),
+    ] {
+        let out = root().join("target/completions").join(dir);
+        std::fs::create_dir_all(&out).map_err(|e| e.to_string())?;
+        for tool in ["flagcx-perf", "flagcx-run"] {
+            let o = Command::new(root().join("target/release").join(tool))
+                .args(["--completions", dir])
+                .output()
+                .map_err(|e| format!("{tool}: {e}"))?;
+            if !o.status.success() || o.stdout.is_empty() {
+                return Err(format!("{tool} --completions {dir} failed"));
+            }
+            std::fs::write(out.join(tool), o.stdout).map_err(|e| e.to_string())?;
+        }
+        let mut f = std::fs::File::create(out.join("cargo-xtask")).map_err(|e| e.to_string())?;
+        let mut cmd = <Cli as clap::CommandFactory>::command();
+        clap_complete::generate(shell, &mut cmd, "cargo-xtask", &mut f);
+    }
+    println!(
+        "completions: {} (bash: source target/completions/bash/flagcx-perf)",
+        root().join("target/completions").display()
+    );
     Ok(())
 }
 

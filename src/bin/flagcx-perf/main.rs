@@ -98,6 +98,9 @@ struct Opts {
     /// the name ends in .png. Needs a TrueType font installed (e.g. fonts-dejavu-core).
     #[arg(long, value_name = "FILE")]
     plot: Option<PathBuf>,
+    /// Print a completion script for SHELL (bash, zsh, fish, elvish, powershell) and exit.
+    #[arg(long, value_name = "SHELL", hide_short_help = true)]
+    completions: Option<clap_complete::Shell>,
 }
 
 const AFTER_HELP: &str = "Environment: FLAGCX_VENDOR, FLAGCX_DEVICE, FLAGCX_SPIN_US, \
@@ -129,6 +132,15 @@ fn parse() -> Opts {
     let version: &'static str = Box::leak(flagcx::version_line().into_boxed_str());
     let m = Opts::command().version(version).get_matches();
     let o = Opts::from_arg_matches(&m).unwrap_or_else(|e| e.exit());
+    if let Some(shell) = o.completions {
+        clap_complete::generate(
+            shell,
+            &mut Opts::command(),
+            "flagcx-perf",
+            &mut std::io::stdout(),
+        );
+        std::process::exit(0);
+    }
     if let Some(path) = &o.plot {
         // Fail before a long sweep, not after it.
         if let Err(e) = plot::check_font() {
