@@ -498,7 +498,8 @@ fn reliability_worker() {
             // Both ranks connect; rank 1 then goes silent (as if stopped) past the limit.
             let config = flagcx::p2p::Config::from_env().expect("config");
             let env = flagcx::p2p::RankEnv::from_env().expect("rank env");
-            let boot = flagcx::p2p::Bootstrap::connect(me, 2, &env.id, &config).expect("bootstrap");
+            let boot = flagcx::p2p::Bootstrap::connect(me, 2, &env.id, config.bootstrap_timeout)
+                .expect("bootstrap");
             if me == 1 {
                 std::thread::sleep(config.bootstrap_timeout * 3);
                 println!("survivor ok: silent rank done");

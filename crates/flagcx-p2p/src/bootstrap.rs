@@ -20,7 +20,6 @@ use nix::sys::socket::{
     MsgFlags,
 };
 
-use crate::config::Config;
 use crate::error::{CommError, Result};
 use crate::wire::{self, Reader, Tag, Writer, HEADER_LEN};
 
@@ -162,15 +161,14 @@ pub struct Bootstrap {
 }
 
 impl Bootstrap {
-    /// Joins job `id` as `rank` of `nranks`, waiting up to `config.bootstrap_timeout` for the
+    /// Joins job `id` as `rank` of `nranks`, waiting up to `timeout` for the
     /// others.
-    pub fn connect(rank: usize, nranks: usize, id: &UniqueId, config: &Config) -> Result<Self> {
+    pub fn connect(rank: usize, nranks: usize, id: &UniqueId, timeout: Duration) -> Result<Self> {
         if nranks == 0 || rank >= nranks {
             return Err(CommError::InvalidArgument(format!(
                 "rank {rank} is not in 0..{nranks}"
             )));
         }
-        let timeout = config.bootstrap_timeout;
         let deadline = Instant::now() + timeout;
         let listener = UnixListener::bind_addr(&socket_addr(id, rank)?).map_err(|e| {
             CommError::Bootstrap(format!(

@@ -3,7 +3,7 @@
 // tidy: long file: the communicator API together with the posting threads' protocols (eager, IPC); they move into per-transport modules with the engine split.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -23,7 +23,7 @@ use crate::peer::{choose_transport, direct_copier, receiver_copies, PeerInfo, Tr
 use crate::proxy::{
     answer, export, give_verdict, lock, pull_without_copy, push_without_copy, receive_eager,
     recycle_event, send_failure, verdict_result, Dir, Inbox, IpcCache, Op, Path, PeerConn, Proxy,
-    Resume, Roles, Shared, Slot,
+    Resume, Roles, Shared, Slot, WatermarkWord,
 };
 use crate::shm::ShmSegment;
 use crate::wire::{Reader, Tag, Writer};
@@ -145,6 +145,13 @@ struct WatermarkPage {
     device: Option<DevicePtr>,
 }
 
+// SAFETY: the page is private to its communicator: mapped in `WatermarkPage::new`, unmapped
+// once in `release` from `Comm::drop`; the communicator's threads only touch its watermark
+// word, atomically (see `WatermarkWord`).
+unsafe impl Send for WatermarkPage {}
+// SAFETY: as above.
+unsafe impl Sync for WatermarkPage {}
+
 /// Point-to-point communication among the ranks of one job, on one device.
 ///
 /// Operations are ordered on the caller's stream: they start after the work enqueued before
@@ -186,11 +193,6 @@ pub struct Comm<A: DeviceAdaptor> {
     config: Config,
     _boot: Arc<Bootstrap>,
 }
-
-// SAFETY: the raw page pointer is owned by the communicator and only accessed atomically.
-unsafe impl<A: DeviceAdaptor> Send for Comm<A> {}
-// SAFETY: as above; all other shared state is behind locks or atomics.
-unsafe impl<A: DeviceAdaptor> Sync for Comm<A> {}
 
 impl<A: DeviceAdaptor> std::fmt::Debug for Comm<A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -235,7 +237,12 @@ impl<A: DeviceAdaptor> Comm<A> {
                 ),
             ));
         }
-        let boot = Arc::new(Bootstrap::connect(rank, nranks, id, &config)?);
+        let boot = Arc::new(Bootstrap::connect(
+            rank,
+            nranks,
+            id,
+            config.bootstrap_timeout,
+        )?);
         let me = PeerInfo::local(rank, &adaptor, &config)?;
         let infos = boot
             .all_gather(Tag::PeerInfo, &me.encode())?
@@ -331,7 +338,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             aborted: AtomicBool::new(false),
             watermark: Mutex::new(0),
             watermark_cv: Condvar::new(),
-            watermark_word: page.host as *const AtomicU32,
+            watermark_word: WatermarkWord::new(page.host),
             thread: Mutex::new(None),
             first_error: Mutex::new(None),
             busy_polls: AtomicU64::new(0),
@@ -961,7 +968,8 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
             Caller::HandOff(r) => (r, start),
         };
-        self.shared.caller_handoffs[Resume::handoff_kind(&resume)].fetch_add(1, Ordering::Relaxed);
+        self.shared.caller_handoffs[Resume::handoff(&resume) as usize]
+            .fetch_add(1, Ordering::Relaxed);
         // The stream waits for the operation, unless it carries the copy itself (or the
         // operation failed before anything of it was under way).
         let join = !matches!(

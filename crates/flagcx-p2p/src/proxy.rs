@@ -173,7 +173,7 @@ pub(crate) struct Shared {
     pub watermark: Mutex<u64>,
     pub watermark_cv: Condvar,
     /// The device-visible word callers' streams wait on (low 32 bits of the watermark).
-    pub watermark_word: *const AtomicU32,
+    pub watermark_word: WatermarkWord,
     pub thread: Mutex<Option<std::thread::Thread>>,
     /// The first asynchronous failure ([`CommError::is_async_failure`]) any operation hit:
     /// sticky, for `Comm::async_error` and `Comm::check`.
@@ -183,26 +183,60 @@ pub(crate) struct Shared {
     pub path_bytes: [AtomicU64; 4],
     /// IPC operations the posting thread finished itself (for [`crate::Comm::stats`]).
     pub caller_ops: AtomicU64,
-    /// IPC operations the posting thread handed to the proxy, by [`Resume`] (`None` first,
-    /// then in declaration order), for `FLAGCX_PROFILE`.
+    /// IPC operations the posting thread handed to the proxy, indexed by [`Handoff`], for
+    /// `FLAGCX_PROFILE` and [`crate::PathStats::caller_failures`].
     pub caller_handoffs: [AtomicU64; 5],
 }
 
-// SAFETY: `watermark_word` points into a page the communicator keeps mapped for the proxy's
-// whole life; it is only accessed atomically.
-unsafe impl Send for Shared {}
-// SAFETY: as above.
-unsafe impl Sync for Shared {}
+/// The word of the communicator's watermark page that callers' streams wait on.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WatermarkWord(*const AtomicU32);
+
+// SAFETY: the word lies in a page the communicator maps before the proxy thread starts and
+// unmaps only in `Comm::drop`, after that thread has been joined, so it outlives every
+// thread that holds the pointer; it is only ever read or written atomically (or by the
+// adaptor's stream operations, which are atomic on the device side).
+unsafe impl Send for WatermarkWord {}
+// SAFETY: as above: shared access is atomic.
+unsafe impl Sync for WatermarkWord {}
+
+impl WatermarkWord {
+    /// The word at `page` (the page's first four bytes, aligned).
+    pub fn new(page: *mut u8) -> Self {
+        WatermarkWord(page as *const AtomicU32)
+    }
+
+    /// The word as a plain pointer, for the adaptor's value writes.
+    pub fn as_mut_ptr(self) -> *mut u32 {
+        self.0 as *mut u32
+    }
+}
+
+/// Where a posting thread handed an IPC operation to the proxy: the index of its counter in
+/// [`Shared::caller_handoffs`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Handoff {
+    /// Before the peer's descriptor came: the proxy starts from the beginning.
+    Fresh = 0,
+    /// With its copy into the peer's buffer running.
+    Pushed = 1,
+    /// With its copy out of the peer's buffer running.
+    Pulled = 2,
+    /// With its descriptor published, before the peer answered.
+    Published = 3,
+    /// After its own copy failed.
+    Failed = 4,
+}
 
 impl Resume {
-    /// Index into [`Shared::caller_handoffs`] of a hand-over that resumes here.
-    pub fn handoff_kind(r: &Option<Resume>) -> usize {
+    /// The counter of a hand-over that resumes at `r`.
+    pub fn handoff(r: &Option<Resume>) -> Handoff {
         match r {
-            None => 0,
-            Some(Resume::Pushed(_)) => 1,
-            Some(Resume::Pulled { .. }) => 2,
-            Some(Resume::Published) => 3,
-            Some(Resume::Failed(_)) => 4,
+            None => Handoff::Fresh,
+            Some(Resume::Pushed(_)) => Handoff::Pushed,
+            Some(Resume::Pulled { .. }) => Handoff::Pulled,
+            Some(Resume::Published) => Handoff::Published,
+            Some(Resume::Failed(_)) => Handoff::Failed,
         }
     }
 }
@@ -255,9 +289,7 @@ impl Shared {
             direct_bytes: b(Path::Direct),
             eager_bytes: b(Path::Eager),
             caller_ops: self.caller_ops.load(Ordering::Relaxed),
-            caller_failures: self.caller_handoffs
-                [Resume::handoff_kind(&Some(Resume::Failed(CommError::Aborted)))]
-            .load(Ordering::Relaxed),
+            caller_failures: self.caller_handoffs[Handoff::Failed as usize].load(Ordering::Relaxed),
             ipc_mappings_closed: lock(&self.ipc).closes,
         }
     }
@@ -266,7 +298,7 @@ impl Shared {
     /// emulate stream waits on the host wake their waiters), then the host-side copy.
     fn publish_watermark<A: DeviceAdaptor>(&self, adaptor: &A, w: u64) {
         // SAFETY: see the type's Send/Sync argument: a live, aligned word.
-        unsafe { adaptor.host_write_value32(self.watermark_word as *mut u32, w as u32) };
+        unsafe { adaptor.host_write_value32(self.watermark_word.as_mut_ptr(), w as u32) };
         *lock(&self.watermark) = w;
         self.watermark_cv.notify_all();
     }
@@ -1466,19 +1498,19 @@ impl<A: DeviceAdaptor> Proxy<A> {
         if let Some(p) = self.profile.as_mut() {
             p.ipc_opens = lock(&self.shared.ipc).opens;
             p.report(self.boot.rank());
-            let n = |i: usize| self.shared.caller_handoffs[i].load(Ordering::Relaxed);
+            let n = |h: Handoff| self.shared.caller_handoffs[h as usize].load(Ordering::Relaxed);
             eprintln!(
                 "flagcx profile rank {}: {} IPC operations finished by their posting thread; \
                  handed to the proxy: {} before the peer's descriptor came, {} while the copy \
                  ran ({} pushes, {} pulls), {} before the peer answered, {} failed",
                 self.boot.rank(),
                 self.shared.caller_ops.load(Ordering::Relaxed),
-                n(0),
-                n(1) + n(2),
-                n(1),
-                n(2),
-                n(3),
-                n(4)
+                n(Handoff::Fresh),
+                n(Handoff::Pushed) + n(Handoff::Pulled),
+                n(Handoff::Pushed),
+                n(Handoff::Pulled),
+                n(Handoff::Published),
+                n(Handoff::Failed)
             );
         }
         let aborted = self.shared.aborted.load(Ordering::Acquire);
