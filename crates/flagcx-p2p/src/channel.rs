@@ -43,19 +43,43 @@ const SEND_DESC_BYTES: usize = DESC_BYTES;
 pub const EAGER_INLINE: usize = 48;
 const PAGE: usize = 4096;
 
-/// Status of a send descriptor.
-pub const STATUS_OK: u64 = 0;
-/// The sender's message is larger than the receive buffer.
-pub const STATUS_SIZE_MISMATCH: u64 = 1;
-/// The sender failed (a vendor error); no data moved.
-pub const STATUS_SENDER_FAILED: u64 = 2;
-/// Staged pair, direct path: the sender already copied the data into the receive buffer (which
-/// the receiver's descriptor exported); no chunks follow.
-pub const STATUS_DELIVERED: u64 = 3;
+/// What a send descriptor says about its message (the word at bytes 8..16).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u64)]
+pub enum SendStatus {
+    /// The sender's answer: its size; chunks or the copy follow as the transport does them.
+    Ok = 0,
+    /// The sender's message is larger than the receive buffer.
+    SizeMismatch = 1,
+    /// The sender failed (a vendor error); no data moved.
+    SenderFailed = 2,
+    /// Staged pair, direct path: the sender already copied the data into the receive buffer
+    /// (which the receiver's descriptor exported); no chunks follow.
+    Delivered = 3,
+    /// Sender, eager: the data is in the channel's eager slot of the same index (`size`
+    /// bytes); the sender is done with the message.
+    Eager = 4,
+}
 
-/// Sender, eager: the data is in the channel's eager slot of the same index (`size` bytes); the
-/// sender is done with the message.
-pub const STATUS_EAGER: u64 = 4;
+impl SendStatus {
+    /// The word as stored in the descriptor.
+    pub fn word(self) -> u64 {
+        self as u64
+    }
+
+    /// The status a stored word names; anything else is a protocol error (a corrupt or
+    /// hostile peer).
+    pub fn from_word(w: u64) -> Result<Self> {
+        Ok(match w {
+            0 => SendStatus::Ok,
+            1 => SendStatus::SizeMismatch,
+            2 => SendStatus::SenderFailed,
+            3 => SendStatus::Delivered,
+            4 => SendStatus::Eager,
+            other => return Err(CommError::Protocol(format!("send status {other}"))),
+        })
+    }
+}
 
 /// Counter offsets in the control page, each on its own cache line.
 #[derive(Clone, Copy)]
@@ -105,8 +129,8 @@ pub struct RecvDesc {
 pub struct SendDesc {
     /// Bytes sent.
     pub size: u64,
-    /// `STATUS_*`.
-    pub status: u64,
+    /// What the descriptor says.
+    pub status: SendStatus,
     /// When the receiver pulls: the handle of the allocation holding the source buffer.
     pub handle: Option<IpcMemHandle>,
     /// When the receiver pulls: the source buffer's offset in that allocation.
@@ -278,7 +302,7 @@ impl Channel {
 
     /// Writes send descriptor `i` (sender, before publishing `SendPosted`).
     pub fn write_send_desc(&self, i: u64, d: &SendDesc) {
-        let mut b = encode_desc::<SEND_DESC_BYTES>(d.size, d.status, d.handle);
+        let mut b = encode_desc::<SEND_DESC_BYTES>(d.size, d.status.word(), d.handle);
         b[SEND_DESC_BYTES - 8..].copy_from_slice(&d.offset.to_le_bytes());
         let p = self.desc_ptr(self.geo.send_descs(), i);
         // SAFETY: the descriptor is inside the mapping and the writer's until it publishes
@@ -289,14 +313,14 @@ impl Channel {
             std::ptr::copy_nonoverlapping(b.as_ptr(), p, 8);
             std::ptr::copy_nonoverlapping(b[16..].as_ptr(), p.add(16), SEND_DESC_BYTES - 16);
         }
-        self.eager_word(i).store(d.status, Ordering::Release);
+        self.eager_word(i).store(d.status.word(), Ordering::Release);
     }
 
     /// Reads send descriptor `i` (receiver, after seeing `SendPosted > i`).
     pub fn read_send_desc(&self, i: u64) -> Result<SendDesc> {
         // An eager descriptor is its first 16 bytes (the rest of the line is its payload).
         let word = self.eager_word(i).load(Ordering::Acquire);
-        if word & 0xFF == STATUS_EAGER {
+        if word & 0xFF == SendStatus::Eager.word() {
             return self.eager_arrived(i).ok_or_else(|| {
                 CommError::Protocol(format!(
                     "eager descriptor {i} carries message number {}",
@@ -306,6 +330,7 @@ impl Channel {
         }
         let b = self.read_desc::<SEND_DESC_BYTES>(self.geo.send_descs(), i);
         let (size, status, handle) = decode_desc(&b, "send")?;
+        let status = SendStatus::from_word(status)?;
         let offset = u64::from_le_bytes(b[SEND_DESC_BYTES - 8..].try_into().expect("8"));
         Ok(SendDesc {
             size,
@@ -346,11 +371,11 @@ impl Channel {
         }
         self.write_desc(self.geo.send_descs(), i, (n as u64).to_le_bytes());
         self.eager_word(i)
-            .store(STATUS_EAGER | ((i + 1) << 8), Ordering::Release);
+            .store(SendStatus::Eager.word() | ((i + 1) << 8), Ordering::Release);
         self.store(Counter::SendPosted, i + 1);
     }
 
-    /// Receiver: copies eager message `i` (described by `sd`, which said `STATUS_EAGER`) to
+    /// Receiver: copies eager message `i` (described by `sd`, which said `SendStatus::Eager`) to
     /// `dst` and returns its size. A size beyond the eager slots is a protocol error.
     ///
     /// # Safety
@@ -382,13 +407,13 @@ impl Channel {
     /// Receiver: eager message `i`'s descriptor if it has been published (its status word
     /// names message `i`), without touching `SendPosted`.
     pub fn eager_arrived(&self, i: u64) -> Option<SendDesc> {
-        if self.eager_word(i).load(Ordering::Acquire) != STATUS_EAGER | ((i + 1) << 8) {
+        if self.eager_word(i).load(Ordering::Acquire) != SendStatus::Eager.word() | ((i + 1) << 8) {
             return None;
         }
         let head = self.read_desc::<8>(self.geo.send_descs(), i);
         Some(SendDesc {
             size: u64::from_le_bytes(head),
-            status: STATUS_EAGER,
+            status: SendStatus::Eager,
             handle: None,
             offset: 0,
         })
@@ -461,7 +486,7 @@ mod tests {
             assert_eq!(tx.read_recv_desc(i).unwrap(), d);
             let s = SendDesc {
                 size: i,
-                status: STATUS_SIZE_MISMATCH,
+                status: SendStatus::SizeMismatch,
                 handle: (i % 2 == 0).then_some(h),
                 offset: i * 5 + 1,
             };
@@ -474,6 +499,41 @@ mod tests {
             assert_eq!(*rx.slot(1), 9, "slot index wraps modulo the slot count");
         }
         assert!(geo.len() >= 4 * 4096 + 4096);
+    }
+
+    #[test]
+    fn an_unknown_send_status_is_a_protocol_error() {
+        let geo = Geometry {
+            slots: 0,
+            chunk: 0,
+            eager: 0,
+        };
+        let ch = Channel::create(geo).unwrap();
+        for (k, status) in [
+            SendStatus::Ok,
+            SendStatus::SizeMismatch,
+            SendStatus::SenderFailed,
+            SendStatus::Delivered,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            assert_eq!(SendStatus::from_word(status.word()).unwrap(), status);
+            let d = SendDesc {
+                size: 8,
+                status,
+                handle: None,
+                offset: 0,
+            };
+            ch.write_send_desc(k as u64, &d);
+            assert_eq!(ch.read_send_desc(k as u64).unwrap(), d);
+        }
+        // A hostile or corrupt peer's word (bytes 8..16 of the descriptor).
+        ch.eager_word(7).store(0x1234_0005, Ordering::Release);
+        match ch.read_send_desc(7) {
+            Err(CommError::Protocol(m)) => assert!(m.contains("send status"), "{m}"),
+            other => panic!("expected a protocol error, got {other:?}"),
+        }
     }
 
     #[test]
@@ -505,7 +565,7 @@ mod tests {
             unsafe { std::ptr::write_bytes(rx.slot(i), 0xFF, 4096) };
             assert_eq!(rx.load(Counter::SendPosted), i + 1);
             let sd = rx.read_send_desc(i).unwrap();
-            assert_eq!((sd.size, sd.status), (msg.len() as u64, STATUS_EAGER));
+            assert_eq!((sd.size, sd.status), (msg.len() as u64, SendStatus::Eager));
             assert_eq!(rx.eager_arrived(i), Some(sd));
             // The slot's next use (message i + 64) is not there yet; neither is the one before.
             assert_eq!(rx.eager_arrived(i + 64), None);
@@ -528,7 +588,7 @@ mod tests {
         assert_eq!(n.unwrap(), 0);
         let forged = SendDesc {
             size: 101,
-            status: STATUS_EAGER,
+            status: SendStatus::Eager,
             handle: None,
             offset: 0,
         };

@@ -13,10 +13,7 @@ use flagcx_adaptor::{
 };
 
 use crate::bootstrap::{Bootstrap, UniqueId};
-use crate::channel::{
-    Channel, Counter, Geometry, RecvDesc, SendDesc, DESC_RING, STATUS_EAGER, STATUS_OK,
-    STATUS_SENDER_FAILED,
-};
+use crate::channel::{Channel, Counter, Geometry, RecvDesc, SendDesc, SendStatus, DESC_RING};
 use crate::config::{Config, RankEnv, StreamJoin, MAX_EAGER_MAX};
 use crate::error::{CommError, Result};
 use crate::peer::{choose_transport, direct_copier, receiver_copies, PeerInfo, TransportKind};
@@ -1047,7 +1044,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
             Dir::Recv => {
                 let offer = ch.read_send_desc(k)?;
-                if offer.status == STATUS_EAGER {
+                if offer.status == SendStatus::Eager {
                     return Ok(Caller::HandOff(None));
                 }
                 if let Some(r) = pull_without_copy(ch, k, bytes, &offer, peer) {
@@ -1061,7 +1058,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             .caller_copy(stream, handle, offset, ptr, n, push)
             .inspect_err(|_| {
                 if push {
-                    answer(ch, k, bytes, STATUS_SENDER_FAILED);
+                    answer(ch, k, bytes, SendStatus::SenderFailed);
                 }
             })?;
         if idle {
@@ -1074,7 +1071,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             })));
         }
         match dir {
-            Dir::Send => answer(ch, k, bytes, STATUS_OK),
+            Dir::Send => answer(ch, k, bytes, SendStatus::Ok),
             Dir::Recv => give_verdict(ch, k, bytes),
         }
         Ok(Caller::Done(Ok(n)))
@@ -1103,7 +1100,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             Dir::Send => {
                 let sd = SendDesc {
                     size: bytes as u64,
-                    status: STATUS_OK,
+                    status: SendStatus::Ok,
                     handle,
                     offset,
                 };
@@ -1133,7 +1130,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             Dir::Send => Caller::Done(verdict_result(bytes, &ch.read_recv_desc(k)?, peer)),
             Dir::Recv => {
                 let sd = ch.read_send_desc(k)?;
-                if sd.status == STATUS_EAGER {
+                if sd.status == SendStatus::Eager {
                     // The proxy takes it out of its slot.
                     return Ok(Caller::HandOff(Some(Resume::Published)));
                 }

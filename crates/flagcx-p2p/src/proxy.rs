@@ -23,10 +23,7 @@ use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, IpcMemHandle, Stream
 pub(crate) use flagcx_adaptor::tracking::lock;
 
 use crate::bootstrap::Bootstrap;
-use crate::channel::{
-    Channel, Counter, RecvDesc, SendDesc, RETIRED, STATUS_DELIVERED, STATUS_EAGER, STATUS_OK,
-    STATUS_SENDER_FAILED, STATUS_SIZE_MISMATCH,
-};
+use crate::channel::{Channel, Counter, RecvDesc, SendDesc, SendStatus, RETIRED};
 use crate::error::{CommError, Result};
 use crate::hostmap::HostMaps;
 use crate::peer::TransportKind;
@@ -961,7 +958,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                                 Ok(Progress::Moved)
                             }
                             Err(e) => {
-                                answer(&conn.out, step.index, bytes, STATUS_SENDER_FAILED);
+                                answer(&conn.out, step.index, bytes, SendStatus::SenderFailed);
                                 Err(e)
                             }
                         }
@@ -989,13 +986,13 @@ impl<A: DeviceAdaptor> Proxy<A> {
                                     Ok(Progress::Moved)
                                 }
                                 Err(e) => {
-                                    answer(&conn.out, step.index, bytes, STATUS_SENDER_FAILED);
+                                    answer(&conn.out, step.index, bytes, SendStatus::SenderFailed);
                                     Err(e)
                                 }
                             };
                         }
                         let conn = self.peers[p].as_mut().expect("present");
-                        answer(&conn.out, step.index, bytes, STATUS_OK);
+                        answer(&conn.out, step.index, bytes, SendStatus::Ok);
                         step.phase = Phase::Chunks {
                             total: bytes,
                             issued: 0,
@@ -1012,8 +1009,8 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 self.copy_done(&mut step.op, ev);
                 let conn = self.peers[p].as_mut().expect("present");
                 let status = match step.path {
-                    Path::Direct => STATUS_DELIVERED,
-                    _ => STATUS_OK,
+                    Path::Direct => SendStatus::Delivered,
+                    _ => SendStatus::Ok,
                 };
                 answer(&conn.out, step.index, step.op.bytes, status);
                 Ok(Progress::Done(Ok(step.op.bytes)))
@@ -1044,7 +1041,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 };
                 let sd = SendDesc {
                     size: bytes as u64,
-                    status: STATUS_OK,
+                    status: SendStatus::Ok,
                     handle,
                     offset,
                 };
@@ -1299,18 +1296,18 @@ impl<A: DeviceAdaptor> Proxy<A> {
                     return Ok(Progress::Idle { on_peer: true });
                 }
                 let sd = conn.inc.read_send_desc(step.index)?;
-                if sd.status == STATUS_EAGER {
+                if sd.status == SendStatus::Eager {
                     return self.take_eager(p, step, &sd);
                 }
                 let bytes = step.op.bytes;
                 let failed = send_failure(p, &sd, bytes, false);
                 let size = sd.size as usize;
-                if sd.status == STATUS_DELIVERED {
+                if sd.status == SendStatus::Delivered {
                     step.path = Path::Direct;
                 }
                 if failed.is_some()
                     || conn.transport == TransportKind::Ipc
-                    || sd.status == STATUS_DELIVERED
+                    || sd.status == SendStatus::Delivered
                     || size == 0
                 {
                     conn.inc.store(Counter::RecvDone, step.index + 1);
@@ -1333,7 +1330,7 @@ impl<A: DeviceAdaptor> Proxy<A> {
                 }
                 let offer = conn.inc.read_send_desc(step.index)?;
                 step.matched = Some(Instant::now());
-                if offer.status == STATUS_EAGER {
+                if offer.status == SendStatus::Eager {
                     return self.take_eager(p, step, &offer);
                 }
                 let bytes = step.op.bytes;
@@ -1689,7 +1686,7 @@ pub(crate) fn push_without_copy(
     peer: usize,
 ) -> Option<Result<usize>> {
     if bytes as u64 > desc.size {
-        answer(out, index, bytes, STATUS_SIZE_MISMATCH);
+        answer(out, index, bytes, SendStatus::SizeMismatch);
         return Some(Err(CommError::SizeMismatch {
             peer,
             send_bytes: bytes,
@@ -1697,7 +1694,7 @@ pub(crate) fn push_without_copy(
         }));
     }
     if bytes == 0 {
-        answer(out, index, 0, STATUS_OK);
+        answer(out, index, 0, SendStatus::Ok);
         return Some(Ok(0));
     }
     None
@@ -1734,7 +1731,7 @@ pub(crate) fn verdict_result(bytes: usize, verdict: &RecvDesc, peer: usize) -> R
 }
 
 /// Publishes the sender's answer for descriptor `index`.
-pub(crate) fn answer(out: &Channel, index: u64, bytes: usize, status: u64) {
+pub(crate) fn answer(out: &Channel, index: u64, bytes: usize, status: SendStatus) {
     out.write_send_desc(
         index,
         &SendDesc {
@@ -1808,26 +1805,29 @@ pub(crate) fn send_failure(
     pulling: bool,
 ) -> Option<CommError> {
     match sd.status {
-        STATUS_OK | STATUS_DELIVERED if sd.size as usize <= bytes => None,
-        STATUS_OK if pulling => Some(CommError::SizeMismatch {
+        SendStatus::Ok | SendStatus::Delivered if sd.size as usize <= bytes => None,
+        SendStatus::Ok if pulling => Some(CommError::SizeMismatch {
             peer,
             send_bytes: sd.size as usize,
             recv_bytes: bytes,
         }),
-        STATUS_OK | STATUS_DELIVERED => Some(CommError::Protocol(format!(
+        SendStatus::Ok | SendStatus::Delivered => Some(CommError::Protocol(format!(
             "rank {peer} sent {} bytes into a {bytes}-byte receive",
             sd.size
         ))),
-        STATUS_SIZE_MISMATCH => Some(CommError::SizeMismatch {
+        SendStatus::SizeMismatch => Some(CommError::SizeMismatch {
             peer,
             send_bytes: sd.size as usize,
             recv_bytes: bytes,
         }),
-        STATUS_SENDER_FAILED => Some(CommError::RemoteFailure {
+        SendStatus::SenderFailed => Some(CommError::RemoteFailure {
             peer,
             reason: "the sender's copy could not be issued".into(),
         }),
-        s => Some(CommError::Protocol(format!("send status {s}"))),
+        // An eager descriptor is taken out of its slot before this is asked.
+        SendStatus::Eager => Some(CommError::Protocol(format!(
+            "rank {peer}: an eager descriptor where an answer was expected"
+        ))),
     }
 }
 
