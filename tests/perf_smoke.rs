@@ -350,3 +350,19 @@ fn completion_scripts_name_the_options() {
         }
     }
 }
+
+/// `--blocking` (a host wait per iteration) moves the same checked bytes as the default
+/// (every iteration enqueued, one wait at the end).
+#[test]
+fn blocking_and_enqueued_timing_both_check_out() {
+    for extra in [&[][..], &["--blocking"][..]] {
+        let mut args = vec![
+            "-t", "sendrecv", "-N", "3", "-b", "8", "-e", "1M", "-f", "64", "-n", "5", "-w", "1",
+            "-c",
+        ];
+        args.extend_from_slice(extra);
+        let t = perf(&args);
+        assert!(t.contains("# wrong bytes in all: 0"), "{extra:?}:\n{t}");
+        assert_eq!(rows(&t), 4, "{extra:?}:\n{t}");
+    }
+}

@@ -74,6 +74,11 @@ struct Opts {
     /// Check every received byte (the "wrong" column counts mismatches; any fails the run).
     #[arg(short = 'c', long = "check")]
     check: bool,
+    /// Wait for each iteration's operations on the host before posting the next. By default
+    /// every iteration is enqueued back to back on the stream and the host waits once at the
+    /// end, as nccl-tests times it; pingpong always waits per round trip (it measures one).
+    #[arg(long)]
+    blocking: bool,
     /// Ranks to start when not under a launcher.
     #[arg(short = 'N', long = "nranks", default_value_t = 2,
           value_parser = clap::value_parser!(u64).range(2..))]
@@ -288,6 +293,12 @@ fn byte(src: usize, size: usize, i: usize) -> u8 {
     (i as u8).wrapping_mul(151) ^ (src as u8).wrapping_mul(29) ^ (size as u8) ^ (i >> 9) as u8
 }
 
+/// An operation of the timed loop still to be waited for.
+enum Pending {
+    Op(flagcx::Request),
+    Collective(flagcx::Collective),
+}
+
 /// One result row.
 struct Row {
     bytes: usize,
@@ -404,8 +415,22 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         let mut start = Instant::now();
         let mut before = comm.stats();
         let h = stream.handle();
+        // What is in flight: waited for per iteration (--blocking) or once at the end.
+        let mut inflight: Vec<Pending> = Vec::new();
+        let settle = |inflight: &mut Vec<Pending>| -> Result<(), Error> {
+            for p in inflight.drain(..) {
+                match p {
+                    Pending::Op(r) => {
+                        r.wait()?;
+                    }
+                    Pending::Collective(c) => c.wait()?,
+                }
+            }
+            Ok(())
+        };
         for i in 0..o.warmup + o.iters {
             if i == o.warmup {
+                settle(&mut inflight)?;
                 stream.synchronize()?;
                 start = Instant::now();
                 before = comm.stats();
@@ -415,9 +440,11 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
                 t if is_collective(t) => {
                     // SAFETY: both buffers hold `max >= size` bytes, every block a collective
                     // of `size` names lies inside them, and they outlive the wait.
-                    unsafe { run_collective(&comm, t, sp, rp, size, h) }?.wait()?
+                    let c = unsafe { run_collective(&comm, t, sp, rp, size, h) }?;
+                    inflight.push(Pending::Collective(c));
                 }
-                // SAFETY: every buffer holds `max >= size` bytes and outlives each wait.
+                // SAFETY: every buffer holds `max >= size` bytes and outlives each wait. A
+                // round trip is measured: every operation is waited for before the next.
                 "pingpong" => unsafe {
                     if me == 0 {
                         comm.send_raw(sends[0].ptr(), size, 1, h)?.wait()?;
@@ -440,12 +467,14 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
                         }
                         Ok(r)
                     })?;
-                    for r in reqs {
-                        r.wait()?;
-                    }
+                    inflight.extend(reqs.into_iter().map(Pending::Op));
                 }
             }
+            if o.blocking {
+                settle(&mut inflight)?;
+            }
         }
+        settle(&mut inflight)?;
         stream.synchronize()?;
         let ops = o.iters as usize
             * if is_collective(&o.test) {
