@@ -74,11 +74,13 @@ struct Opts {
     /// Check every received byte (the "wrong" column counts mismatches; any fails the run).
     #[arg(short = 'c', long = "check")]
     check: bool,
-    /// Wait for each iteration's operations on the host before posting the next. By default
-    /// every iteration is enqueued back to back on the stream and the host waits once at the
-    /// end, as nccl-tests times it; pingpong always waits per round trip (it measures one).
+    /// Enqueue every iteration back to back on the stream and wait once at the end, as
+    /// nccl-tests times it (sendrecv, pairs, collectives). By default each iteration is waited
+    /// for on the host before the next is posted; pingpong always waits per round trip.
+    /// Experimental: with the eager and posting-thread IPC paths on, host-vendor jobs of three
+    /// or more ranks can stall (see docs/performance.md).
     #[arg(long)]
-    blocking: bool,
+    enqueue: bool,
     /// Ranks to start when not under a launcher.
     #[arg(short = 'N', long = "nranks", default_value_t = 2,
           value_parser = clap::value_parser!(u64).range(2..))]
@@ -470,7 +472,7 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
                     inflight.extend(reqs.into_iter().map(Pending::Op));
                 }
             }
-            if o.blocking {
+            if !o.enqueue {
                 settle(&mut inflight)?;
             }
         }
