@@ -77,8 +77,8 @@ struct Opts {
     /// Enqueue every iteration back to back on the stream and wait once at the end, as
     /// nccl-tests times it (sendrecv, pairs, collectives). By default each iteration is waited
     /// for on the host before the next is posted; pingpong always waits per round trip.
-    /// Experimental: with the eager and posting-thread IPC paths on, host-vendor jobs of three
-    /// or more ranks can stall (see docs/performance.md).
+    /// Experimental: host-vendor jobs of three or more ranks with eager slots can stall (see
+    /// docs/performance.md).
     #[arg(long)]
     enqueue: bool,
     /// Ranks to start when not under a launcher.
