@@ -419,16 +419,20 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         let h = stream.handle();
         // What is in flight: waited for per iteration (--blocking) or once at the end.
         let mut inflight: Vec<Pending> = Vec::new();
+        // Waits for every operation in flight, failed or not, before reporting the first
+        // failure: the buffers below must outlive every operation that names them.
         let settle = |inflight: &mut Vec<Pending>| -> Result<(), Error> {
+            let mut first: Option<Error> = None;
             for p in inflight.drain(..) {
-                match p {
-                    Pending::Op(r) => {
-                        r.wait()?;
-                    }
-                    Pending::Collective(c) => c.wait()?,
+                let r = match p {
+                    Pending::Op(r) => r.wait().map(|_| ()),
+                    Pending::Collective(c) => c.wait(),
+                };
+                if let Err(e) = r {
+                    first.get_or_insert(e.into());
                 }
             }
-            Ok(())
+            first.map_or(Ok(()), Err)
         };
         for i in 0..o.warmup + o.iters {
             if i == o.warmup {
