@@ -87,7 +87,7 @@ pub(crate) fn capi(vendors: &[String]) -> Result<PathBuf> {
          Libs: -L${{libdir}} -Wl,-rpath,${{libdir}} -lflagcx\n\
          Libs.private: {private}\n",
         prefix.display(),
-        env!("CARGO_PKG_VERSION").replace("0.0.0", "0.1.0"),
+        workspace_version(),
     );
     std::fs::write(prefix.join("lib/pkgconfig/flagcx.pc"), pc).map_err(|e| e.to_string())?;
     let cxx_pc = format!(
@@ -96,10 +96,11 @@ pub(crate) fn capi(vendors: &[String]) -> Result<PathBuf> {
          includedir=${{prefix}}/include\n\n\
          Name: flagcx-cxx\n\
          Description: flagcx-rs for C++: flagcx::Comm (flagcx/comm.hpp)\n\
-         Version: 0.1.0\n\
+         Version: {}\n\
          Cflags: -I${{includedir}} -std=c++17\n\
          Libs: -L${{libdir}} -lflagcx_cxx {private}\n",
         prefix.display(),
+        workspace_version(),
     );
     std::fs::write(prefix.join("lib/pkgconfig/flagcx-cxx.pc"), cxx_pc)
         .map_err(|e| e.to_string())?;
@@ -140,4 +141,20 @@ fn copy(from: &Path, to: &Path) -> Result {
     std::fs::copy(from, to)
         .map(|_| ())
         .map_err(|e| format!("copy {} to {}: {e}", from.display(), to.display()))
+}
+
+/// The workspace's version (`[workspace.package] version` in the root Cargo.toml).
+fn workspace_version() -> String {
+    std::fs::read_to_string(root().join("Cargo.toml"))
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .skip_while(|l| l.trim() != "[workspace.package]")
+                .find_map(|l| {
+                    l.trim()
+                        .strip_prefix("version = ")
+                        .map(|v| v.trim_matches('"').to_string())
+                })
+        })
+        .unwrap_or_else(|| "0.0.0".into())
 }
