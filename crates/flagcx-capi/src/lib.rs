@@ -689,19 +689,8 @@ unsafe fn post(
         if peer < 0 {
             return Err(invalid(format!("peer {peer}")));
         }
-        let a = c.comm.adaptor();
         // SAFETY: the caller's contract.
-        let s = match unsafe { stream.as_ref() } {
-            Some(s) if s.device != a.device() => {
-                return Err(invalid(format!(
-                    "the stream belongs to device {}, the communicator to {}",
-                    s.device,
-                    a.device()
-                )))
-            }
-            Some(s) => s.handle,
-            None => c.default_stream,
-        };
+        let s = unsafe { coll_stream(c, stream) }?;
         let ptr = DevicePtr(buf as u64);
         // SAFETY: the caller keeps the buffer valid until the stream passes the operation
         // (the C API's contract, as NCCL's).
@@ -711,9 +700,7 @@ unsafe fn post(
                 Dir::Recv => c.comm.recv_raw(ptr, bytes, peer as usize, s),
             }
         }?;
-        let mut pending = lock(&c.pending);
-        pending.retain(|r| !r.is_done());
-        pending.push(r);
+        c.track([r]);
         Ok(())
     })
 }
@@ -785,7 +772,17 @@ fn byte_count(count: usize, dtype: flagcxDataType_t) -> R<usize> {
         .ok_or_else(|| invalid(format!("{count} elements of {size} bytes overflow")))
 }
 
-/// The stream a collective runs on (the communicator's own for NULL).
+impl flagcxComm {
+    /// Keeps `requests` for `flagcxCommFinalize`, dropping the ones already finished.
+    fn track(&self, requests: impl IntoIterator<Item = Request>) {
+        let mut pending = lock(&self.pending);
+        pending.retain(|r| !r.is_done());
+        pending.extend(requests);
+    }
+}
+
+/// The stream an operation of `c` runs on (the communicator's own for NULL), checked to be
+/// of the communicator's device.
 ///
 /// # Safety
 /// `stream` is NULL or live.
@@ -817,9 +814,7 @@ unsafe fn collective(
         // SAFETY: the caller's contract.
         let s = unsafe { coll_stream(c, stream) }?;
         let done = f(c, s)?;
-        let mut pending = lock(&c.pending);
-        pending.retain(|r| !r.is_done());
-        pending.extend(done.into_requests());
+        c.track(done.into_requests());
         Ok(())
     })
 }
