@@ -175,6 +175,14 @@ impl DeviceAdaptor for Adaptor {
         // SAFETY: forwarded contract.
         each!(self, a => unsafe { a.host_unregister(ptr) })
     }
+    unsafe fn host_pin(&self, ptr: *mut u8, size: usize) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.host_pin(ptr, size) })
+    }
+    unsafe fn host_unpin(&self, ptr: *mut u8) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.host_unpin(ptr) })
+    }
     unsafe fn memcpy_h2d_async(
         &self,
         dst: DevicePtr,

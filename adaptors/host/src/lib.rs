@@ -272,6 +272,8 @@ impl DeviceAdaptor for HostAdaptor {
             stream_mem_ops_64: true,
             capture_mode: true,
             host_addressable: true,
+            // Bookkeeping only (see `host_pin`).
+            host_pin: true,
         }
     }
 
@@ -340,6 +342,20 @@ impl DeviceAdaptor for HostAdaptor {
             matches!(k, RangeKind::Registered)
         })?;
         Ok(())
+    }
+
+    /// Its device memory is host memory already, so pinning only records the range, as
+    /// registration does (a range pinned twice is refused; staging rings and the direct path's
+    /// mappings are pinned through here, which keeps those paths' bookkeeping and failure
+    /// handling exercised on the host vendor).
+    unsafe fn host_pin(&self, ptr: *mut u8, size: usize) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.host_register(ptr, size) }.map(|_| ())
+    }
+
+    unsafe fn host_unpin(&self, ptr: *mut u8) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.host_unregister(ptr) }
     }
 
     unsafe fn memcpy_h2d_async(

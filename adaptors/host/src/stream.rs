@@ -78,7 +78,7 @@ fn next_op(rx: &Receiver<Op>) -> Option<Op> {
             Ok(op) => return Some(op),
             Err(TryRecvError::Disconnected) => return None,
             Err(TryRecvError::Empty) if !spin.is_zero() && t0.elapsed() < spin => {
-                std::hint::spin_loop()
+                flagcx_adaptor::spin::relax()
             }
             Err(TryRecvError::Empty) => return rx.recv().ok(),
         }
@@ -375,7 +375,7 @@ fn run(op: Op, stop: &AtomicBool) -> Option<String> {
                 if value_holds(addr, value, wide, cond) {
                     return None;
                 }
-                std::hint::spin_loop();
+                flagcx_adaptor::spin::relax();
             }
             loop {
                 // Read the doorbell before the word, so a ring between the check and the wait
@@ -386,7 +386,7 @@ fn run(op: Op, stop: &AtomicBool) -> Option<String> {
                 }
                 spins = spins.saturating_add(1);
                 if spins < 64 {
-                    std::hint::spin_loop();
+                    flagcx_adaptor::spin::relax();
                     continue;
                 }
                 // Writes by other processes (or plain stores) do not ring: poll every 50 µs.

@@ -8,11 +8,15 @@
 //!   mistaken for a host pointer); a [`DevicePtr`] inside it resolves to (buffer, offset).
 //! - **Streams** are in-order command queues; **events** hold the `cl_event` of a marker enqueued
 //!   at record time (profiling gives elapsed time).
-//! - **Host functions** keep stream order with a marker, a user event and a barrier: the marker's
-//!   completion callback runs the function and then opens the barrier.
+//! - **Host functions** keep stream order with a marker, a user event and a barrier: the
+//!   adaptor's host-function thread polls the marker, runs the function and then opens the
+//!   barrier (completion callbacks came 16–25 ms late on NVIDIA's platform).
+//! - **Pinning** ([`DeviceAdaptor::host_pin`]): a `CL_MEM_USE_HOST_PTR` buffer wraps the range
+//!   and is never used, which makes NVIDIA's platform pin it, so raw-pointer copies of staging
+//!   rings run at pinned speed.
 //! - **Unsupported**, and reported so in [`Capabilities`]: IPC handles (no standard extension
 //!   shares buffers between processes), host registration (a `USE_HOST_PTR` buffer is only
-//!   coherent at map/unmap, which is not what registration promises), peer access, stream memory
+//!   coherent at map/unmap, so no device alias can be promised), peer access, stream memory
 //!   operations and capture modes.
 
 // tidy: long file: the whole DeviceAdaptor over cl3, with its synthetic address space for buffers.
@@ -64,6 +68,45 @@ struct Queue {
     last: Option<Raw<cl_event>>,
 }
 
+/// A pinned host range: the `CL_MEM_USE_HOST_PTR` buffer wrapping it, kept mapped (mapping is
+/// what makes NVIDIA's platform page-lock it) through the queue that mapped it. The buffer's
+/// contents are never used.
+struct Pin {
+    mem: Raw<cl_mem>,
+    queue: Raw<cl_command_queue>,
+    mapped: *mut c_void,
+}
+
+// SAFETY: plain OpenCL handles (thread-safe objects) and the address they map, only passed back
+// to OpenCL.
+unsafe impl Send for Pin {}
+
+impl Pin {
+    /// Unmaps and releases everything, waiting for the unmap.
+    ///
+    /// # Safety
+    /// No copy may still use the range.
+    unsafe fn release(self) -> std::result::Result<(), cl_int> {
+        // SAFETY: our live objects; the mapping was made through this queue.
+        unsafe {
+            let unmapped = cl3::command_queue::enqueue_unmap_mem_object(
+                self.queue.0,
+                self.mem.0,
+                self.mapped,
+                0,
+                std::ptr::null(),
+            );
+            if let Ok(ev) = unmapped {
+                release(ev);
+            }
+            let finished = cl3::command_queue::finish(self.queue.0);
+            let _ = cl3::command_queue::release_command_queue(self.queue.0);
+            let released = cl3::memory::release_mem_object(self.mem.0);
+            unmapped.and(finished).and(released).map(|_| ())
+        }
+    }
+}
+
 /// One OpenCL device. Cheap to clone.
 #[derive(Clone)]
 pub struct OpenClAdaptor {
@@ -81,13 +124,15 @@ struct Inner {
     next_va: AtomicU64,
     buffers: Mutex<RangeMap<Raw<cl_mem>>>,
     pinned: Mutex<HashMap<u64, usize>>,
+    /// Host ranges made fast to copy ([`DeviceAdaptor::host_pin`]), by start address.
+    host_pins: Mutex<HashMap<u64, Pin>>,
     streams: HandleSet,
     queues: Mutex<HashMap<u64, Queue>>,
     events: HandleSet,
     /// The marker event of each event's last recording.
     recorded: Mutex<HashMap<u64, Raw<cl_event>>>,
     next_handle: AtomicU64,
-    /// Hands host functions to their thread (see `host_fn_trampoline`).
+    /// Hands host functions to their thread (see `spawn_host_fn_thread`).
     host_fns: Mutex<std::sync::mpsc::Sender<HostCall>>,
 }
 
@@ -203,6 +248,7 @@ impl OpenClAdaptor {
                 next_va: AtomicU64::new(VA_BASE),
                 buffers: Mutex::default(),
                 pinned: Mutex::default(),
+                host_pins: Mutex::default(),
                 streams: HandleSet::new("stream"),
                 queues: Mutex::default(),
                 events: HandleSet::new("event"),
@@ -237,6 +283,10 @@ impl OpenClAdaptor {
                 if let Some(old) = q.last.replace(Raw(ev)) {
                     release(old.0);
                 }
+                // Submit now, as a CUDA stream would: polling an event does not flush, and
+                // NVIDIA's platform held small (≤ 4 KiB) writes back until something did —
+                // ~18 ms per message on an H200 host.
+                let _ = cl3::command_queue::flush(q.q.0);
             }
             None => release(ev),
         }
@@ -257,6 +307,35 @@ impl OpenClAdaptor {
     fn check_device(&self, index: usize) -> Result<()> {
         AdaptorError::check_device(VENDOR, index, self.inner.count)
     }
+}
+
+/// The device's PCI address in CUDA's form (`0000:19:00.0`), from `cl_khr_pci_bus_info` or
+/// NVIDIA's attribute query; `None` for devices without one (CPU devices such as PoCL's).
+fn pci_bus_id(id: cl_device_id) -> Option<String> {
+    let words = |param| -> Option<Vec<u32>> {
+        let b = cl3::device::get_device_data(id, param).ok()?;
+        Some(
+            b.chunks_exact(4)
+                .map(|w| u32::from_ne_bytes(w.try_into().expect("4 bytes")))
+                .collect(),
+        )
+    };
+    const KHR_BUS_INFO: u32 = 0x410F;
+    const NV_BUS: u32 = 0x4008;
+    const NV_SLOT: u32 = 0x4009;
+    const NV_DOMAIN: u32 = 0x400A;
+    let (domain, bus, dev, func) = match words(KHR_BUS_INFO).as_deref() {
+        Some([d, b, v, f, ..]) => (*d, *b, *v, *f),
+        _ => {
+            let bus = *words(NV_BUS)?.first()?;
+            let slot = *words(NV_SLOT)?.first()?;
+            let domain = words(NV_DOMAIN)
+                .and_then(|w| w.first().copied())
+                .unwrap_or(0);
+            (domain, bus, slot >> 3, slot & 7)
+        }
+    };
+    Some(format!("{domain:04x}:{bus:02x}:{dev:02x}.{func:x}"))
 }
 
 /// Releases an event returned by an enqueue call we do not need to track.
@@ -283,6 +362,9 @@ impl Drop for Inner {
             for (_, _, m) in lock(&self.buffers).drain() {
                 let _ = cl3::memory::release_mem_object(m.0);
             }
+            for (_, pin) in lock(&self.host_pins).drain() {
+                let _ = pin.release();
+            }
             for (p, len) in lock(&self.pinned).drain() {
                 libc::munmap(p as *mut c_void, len);
             }
@@ -291,37 +373,18 @@ impl Drop for Inner {
     }
 }
 
-/// What the marker callback of a host function carries.
+/// A host function waiting for its marker: the function, the marker (complete once earlier
+/// work on the queue is), and the user event gating later work.
 struct HostCall {
     f: HostFn,
+    marker: Raw<cl_event>,
     gate: Raw<cl_event>,
-}
-
-/// What a marker's completion callback carries: the call, and where to hand it over.
-struct Dispatch {
-    call: HostCall,
-    to: std::sync::mpsc::Sender<HostCall>,
-}
-
-/// The marker's completion callback: hands the call to the adaptor's host-function thread.
-///
-/// The function itself never runs here: an implementation may invoke a callback at once, on
-/// the thread that registers it, when the marker is already complete (PoCL does), and a host
-/// function may block (the p2p layer's stream join does) — running it here would block the
-/// caller of `launch_host_func`.
-extern "C" fn host_fn_trampoline(marker: cl_event, _status: cl_int, user: *mut c_void) {
-    // SAFETY: `user` is the Box<Dispatch> leaked by launch_host_func; OpenCL calls this once.
-    let d = unsafe { Box::from_raw(user as *mut Dispatch) };
-    if let Err(std::sync::mpsc::SendError(call)) = d.to.send(d.call) {
-        // The adaptor is gone: run it here rather than leave the queue blocked forever.
-        run_host_call(call);
-    }
-    release(marker);
 }
 
 /// Runs one host function, then opens the barrier holding later work on its queue.
 fn run_host_call(call: HostCall) {
-    let HostCall { f, gate } = call;
+    let HostCall { f, marker, gate } = call;
+    release(marker.0);
     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
         eprintln!("flagcx-opencl: a host function panicked; the panic was contained");
     }
@@ -329,15 +392,60 @@ fn run_host_call(call: HostCall) {
     release(gate.0);
 }
 
-/// Starts the thread that runs host functions in the order their markers complete (one thread
-/// per adaptor, as CUDA runs host functions on one driver thread).
+/// Starts the thread that runs host functions once their markers complete (one thread per
+/// adaptor, as CUDA runs host functions on one driver thread).
+///
+/// It polls the markers rather than waiting for completion callbacks: NVIDIA's platform
+/// delivered those 16–25 ms late on an H200 host, so a stream join (a host function that
+/// waits for the communicator) cost that much per message. Polling spins briefly, then
+/// yields, then naps 20 µs; the thread blocks on its queue when nothing is pending. The
+/// function never runs on the thread that launches it (it may block).
 fn spawn_host_fn_thread() -> Result<std::sync::mpsc::Sender<HostCall>> {
     let (tx, rx) = std::sync::mpsc::channel::<HostCall>();
     std::thread::Builder::new()
         .name("flagcx-opencl-hostfn".into())
         .spawn(move || {
-            for call in rx {
-                run_host_call(call);
+            // Naps must stay short (see the p2p engine's run loop).
+            // SAFETY: prctl on the calling thread with plain integer arguments.
+            unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
+            let mut pending: std::collections::VecDeque<HostCall> = Default::default();
+            let mut idle = 0u32;
+            loop {
+                if pending.is_empty() {
+                    match rx.recv() {
+                        Ok(c) => pending.push_back(c),
+                        Err(_) => return,
+                    }
+                }
+                while let Ok(c) = rx.try_recv() {
+                    pending.push_back(c);
+                }
+                // Markers of one queue complete in order, and this scan keeps posting order.
+                let mut ran = false;
+                let mut i = 0;
+                while i < pending.len() {
+                    // A failed marker runs its function too: the queue must not stay blocked.
+                    if event_complete(pending[i].marker.0).unwrap_or(true) {
+                        if let Some(c) = pending.remove(i) {
+                            run_host_call(c);
+                        }
+                        ran = true;
+                    } else {
+                        i += 1;
+                    }
+                }
+                if ran {
+                    idle = 0;
+                } else {
+                    idle = idle.saturating_add(1);
+                    if idle < 64 {
+                        std::hint::spin_loop();
+                    } else if idle < 256 {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(std::time::Duration::from_micros(20));
+                    }
+                }
             }
         })
         .map_err(|source| AdaptorError::Os {
@@ -362,10 +470,10 @@ impl DeviceAdaptor for OpenClAdaptor {
 
     fn properties(&self, index: usize) -> Result<DeviceProperties> {
         self.check_device(index)?;
+        let id = all_devices()?[index];
         let (name, total) = if index == self.inner.device {
             (self.inner.name.clone(), self.inner.total_memory)
         } else {
-            let id = all_devices()?[index];
             (
                 info_string(id, cl3::device::CL_DEVICE_NAME)?,
                 info_u64(id, cl3::device::CL_DEVICE_GLOBAL_MEM_SIZE)?,
@@ -375,7 +483,7 @@ impl DeviceAdaptor for OpenClAdaptor {
             vendor: VENDOR,
             index,
             name,
-            pci_bus_id: None,
+            pci_bus_id: pci_bus_id(id),
             total_memory: total,
         })
     }
@@ -383,6 +491,7 @@ impl DeviceAdaptor for OpenClAdaptor {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             host_functions: true,
+            host_pin: true,
             ..Capabilities::default()
         }
     }
@@ -479,6 +588,93 @@ impl DeviceAdaptor for OpenClAdaptor {
 
     unsafe fn host_unregister(&self, _ptr: *mut u8) -> Result<()> {
         Self::unsupported("host_unregister")
+    }
+
+    /// Wraps the range in a `CL_MEM_USE_HOST_PTR` buffer and maps it (blocking), keeping both
+    /// until unpinned: mapping is what makes NVIDIA's platform page-lock the range, after which
+    /// reads and writes from raw pointers inside it run at pinned speed (55 GB/s against
+    /// 8–16 GB/s pageable on an H200 host, `../shared/probes/ocl_pinned.c`). Coherence is not
+    /// at stake: the buffer's own contents are never read or written.
+    unsafe fn host_pin(&self, ptr: *mut u8, size: usize) -> Result<()> {
+        const OP: &str = "clCreateBuffer(CL_MEM_USE_HOST_PTR)";
+        if ptr.is_null() || size == 0 {
+            return Err(AdaptorError::invalid(OP, "null pointer or zero size"));
+        }
+        let mut pins = lock(&self.inner.host_pins);
+        if pins.contains_key(&(ptr as u64)) {
+            return Err(AdaptorError::invalid(
+                OP,
+                format!("{ptr:p} is pinned already"),
+            ));
+        }
+        // SAFETY: the caller guarantees `ptr..ptr+size` stays mapped until `host_unpin`, which
+        // outlives the buffer (released there, or at teardown).
+        let mem = unsafe {
+            cl3::memory::create_buffer(
+                self.inner.context.0,
+                cl3::memory::CL_MEM_READ_WRITE | cl3::memory::CL_MEM_USE_HOST_PTR,
+                size,
+                ptr.cast(),
+            )
+        }
+        .map_err(|c| cl_error(OP, c))?;
+        // SAFETY: the device belongs to the context.
+        #[allow(deprecated)]
+        let queue = unsafe {
+            cl3::command_queue::create_command_queue(self.inner.context.0, self.inner.id.0, 0)
+        };
+        let queue = match queue {
+            Ok(q) => q,
+            Err(c) => {
+                // SAFETY: created above, never used.
+                let _ = unsafe { cl3::memory::release_mem_object(mem) };
+                return Err(cl_error("clCreateCommandQueue", c));
+            }
+        };
+        let mut mapped: cl_mem = std::ptr::null_mut();
+        // SAFETY: a blocking map of the whole buffer just made; `mapped` receives its address.
+        let map = unsafe {
+            cl3::command_queue::enqueue_map_buffer(
+                queue,
+                mem,
+                cl3::types::CL_BLOCKING,
+                cl3::memory::CL_MAP_READ | cl3::memory::CL_MAP_WRITE,
+                0,
+                size,
+                &mut mapped,
+                0,
+                std::ptr::null(),
+            )
+        };
+        let pin = Pin {
+            mem: Raw(mem),
+            queue: Raw(queue),
+            mapped: mapped.cast(),
+        };
+        match map {
+            Ok(ev) => release(ev),
+            Err(c) => {
+                // SAFETY: nothing uses the range through these objects.
+                unsafe {
+                    let _ = cl3::command_queue::release_command_queue(queue);
+                    let _ = cl3::memory::release_mem_object(mem);
+                }
+                return Err(cl_error("clEnqueueMapBuffer", c));
+            }
+        }
+        pins.insert(ptr as u64, pin);
+        Ok(())
+    }
+
+    unsafe fn host_unpin(&self, ptr: *mut u8) -> Result<()> {
+        let Some(pin) = lock(&self.inner.host_pins).remove(&(ptr as u64)) else {
+            return Err(AdaptorError::invalid(
+                "host_unpin",
+                format!("{ptr:p} was not pinned by this adaptor"),
+            ));
+        };
+        // SAFETY: the caller guarantees no copy uses the range any more.
+        unsafe { pin.release() }.map_err(|c| cl_error("clEnqueueUnmapMemObject", c))
     }
 
     unsafe fn memcpy_h2d_async(
@@ -773,7 +969,7 @@ impl DeviceAdaptor for OpenClAdaptor {
         let gate = cl3::event::create_user_event(self.inner.context.0)
             .map_err(|c| cl_error("clCreateUserEvent", c))?;
         // The marker completes when earlier work has; the barrier holds later work until the
-        // callback opens the gate.
+        // host-function thread opens the gate.
         // SAFETY: a live queue; the wait list is the one live user event.
         let marker = match unsafe {
             cl3::command_queue::enqueue_marker_with_wait_list(q, 0, std::ptr::null())
@@ -792,20 +988,22 @@ impl DeviceAdaptor for OpenClAdaptor {
             release(marker);
             return Err(c);
         }
-        let to = lock(&self.inner.host_fns).clone();
-        let call = Box::into_raw(Box::new(Dispatch {
-            call: HostCall { f, gate: Raw(gate) },
-            to,
-        }));
-        if let Err(c) =
-            cl3::event::set_event_callback(marker, CL_COMPLETE, host_fn_trampoline, call.cast())
-        {
-            // SAFETY: the callback was not registered, so we still own the box.
-            drop(unsafe { Box::from_raw(call) });
-            let _ = cl3::event::set_user_event_status(gate, CL_COMPLETE);
-            release(gate);
-            release(marker);
-            return Err(cl_error("clSetEventCallback", c));
+        let call = HostCall {
+            f,
+            marker: Raw(marker),
+            gate: Raw(gate),
+        };
+        if let Err(std::sync::mpsc::SendError(call)) = lock(&self.inner.host_fns).send(call) {
+            // The thread is gone (it never exits while the adaptor lives): open the gate rather
+            // than leave the queue blocked, and report it.
+            let HostCall { marker, gate, .. } = call;
+            let _ = cl3::event::set_user_event_status(gate.0, CL_COMPLETE);
+            release(gate.0);
+            release(marker.0);
+            return Err(AdaptorError::Unsupported {
+                vendor: VENDOR,
+                op: "launch_host_func (host-function thread gone)",
+            });
         }
         let _ = cl3::command_queue::flush(q);
         Ok(())

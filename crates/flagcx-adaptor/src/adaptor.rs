@@ -78,6 +78,23 @@ pub trait DeviceAdaptor: Clone + Send + Sync + 'static {
     /// No enqueued or future operation may still use the device alias of the range.
     unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()>;
 
+    /// Makes an existing host mapping fast for this adaptor's copies to and from raw host
+    /// pointers inside it (page-locked for the copy engine), without promising a device alias:
+    /// what staging rings need. Runtimes with [`Self::host_register`] register; OpenCL wraps the
+    /// range in a `CL_MEM_USE_HOST_PTR` buffer, which NVIDIA's platform pins. Pinning a range
+    /// twice is refused. [`crate::AdaptorError::Unsupported`] where there is nothing to gain
+    /// ([`crate::Capabilities::host_pin`]).
+    ///
+    /// # Safety
+    /// `ptr..ptr+size` is a live mapping that stays mapped until [`Self::host_unpin`].
+    unsafe fn host_pin(&self, ptr: *mut u8, size: usize) -> Result<()>;
+
+    /// Undoes [`Self::host_pin`].
+    ///
+    /// # Safety
+    /// No enqueued or future copy may still use the range.
+    unsafe fn host_unpin(&self, ptr: *mut u8) -> Result<()>;
+
     // ---- copies -------------------------------------------------------------------------------
 
     /// Enqueues a copy of `n` bytes from host memory to device memory on `stream`.

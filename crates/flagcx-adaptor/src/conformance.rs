@@ -138,6 +138,7 @@ pub fn device_properties<A: DeviceAdaptor>(a: &A) {
                 "stream_mem_ops_64" => c.stream_mem_ops_64,
                 "capture_mode" => c.capture_mode,
                 "host_addressable" => c.host_addressable,
+                "host_pin" => c.host_pin,
                 other => panic!("{EXPECT_CAPS_ENV}: unknown capability {other}"),
             };
             assert!(
@@ -652,6 +653,46 @@ pub fn host_register_shared_mapping<A: DeviceAdaptor>(a: &A) {
     assert_err("unregister twice", unsafe { a.host_unregister(map.ptr) });
 }
 
+/// Pinning a shared (memfd) mapping: raw-pointer copies into and out of it are right (what a
+/// staging ring does), bytes written by the host before a copy are the ones copied, a second
+/// pin and a stray unpin are refused; or pinning is honestly unsupported.
+pub fn host_pin_shared_mapping<A: DeviceAdaptor>(a: &A) {
+    let len = 1 << 20;
+    let map = SharedMapping::new(len);
+    if !a.capabilities().host_pin {
+        // SAFETY: refused before touching memory.
+        let e = assert_err("host_pin", unsafe { a.host_pin(map.ptr, len) });
+        assert!(e.is_unsupported(), "{e}");
+        return;
+    }
+    let s = Stream::new(a).expect("stream");
+    // SAFETY: `map` stays mapped until after the unpin below.
+    unsafe { a.host_pin(map.ptr, len) }.expect("host_pin");
+    // SAFETY: as above; pinning twice must be refused.
+    assert_err("pinning twice", unsafe { a.host_pin(map.ptr, len) });
+    let d = DeviceBuffer::new(a, len).expect("alloc");
+    for round in 0..3u8 {
+        // The host writes the first half through the mapping, the device copies it in from the
+        // pinned range and back out into the second half; a second mapping sees it there.
+        let want = filled(len / 2, 31 + round);
+        // SAFETY: the first half of our live mapping; no copy is in flight.
+        unsafe { std::ptr::copy_nonoverlapping(want.as_ptr(), map.ptr, len / 2) };
+        // SAFETY: both ranges lie in the pinned mapping and the buffer, synchronized below.
+        unsafe {
+            a.memcpy_h2d_async(d.ptr(), map.ptr, len / 2, s.handle())
+                .expect("h2d from pinned memory");
+            a.memcpy_d2h_async(map.ptr.add(len / 2), d.ptr(), len / 2, s.handle())
+                .expect("d2h into pinned memory");
+        }
+        s.synchronize().expect("sync");
+        assert_same("pinned round trip", &map.second_view()[len / 2..], &want);
+    }
+    // SAFETY: no copy uses the range any more.
+    unsafe { a.host_unpin(map.ptr) }.expect("unpin");
+    // SAFETY: refused: already unpinned.
+    assert_err("unpin twice", unsafe { a.host_unpin(map.ptr) });
+}
+
 /// Stream wait/write value operations really block and release the stream, or are honestly
 /// unsupported.
 pub fn stream_memory_ops<A: DeviceAdaptor>(a: &A) {
@@ -1086,7 +1127,8 @@ macro_rules! conformance_tests {
                 device_properties, memory_round_trip_odd_sizes, pinned_host_copies,
                 zero_and_huge_sizes, null_and_foreign_pointers, allocation_range,
                 invalid_handles, stream_ordering_many_ops, events, host_functions,
-                host_addressable_memory, host_register_shared_mapping, stream_memory_ops, peer_access,
+                host_addressable_memory, host_register_shared_mapping, host_pin_shared_mapping,
+                stream_memory_ops, peer_access,
                 capture_mode_guard, ipc_fd_same_process);
 
             #[test]

@@ -21,6 +21,7 @@
 
 mod adaptor;
 mod error;
+pub mod gpu;
 pub mod hostmem;
 pub mod raii;
 pub mod spin;

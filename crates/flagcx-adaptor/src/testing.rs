@@ -131,6 +131,16 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.host_unregister(ptr) }
     }
+    unsafe fn host_pin(&self, ptr: *mut u8, size: usize) -> Result<()> {
+        // Pinning is how the p2p layer registers rings and mapped buffers: the same fault.
+        self.check(FaultOp::Register, "host_pin")?;
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.host_pin(ptr, size) }
+    }
+    unsafe fn host_unpin(&self, ptr: *mut u8) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.host_unpin(ptr) }
+    }
     unsafe fn memcpy_h2d_async(
         &self,
         dst: DevicePtr,

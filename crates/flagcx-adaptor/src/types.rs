@@ -204,6 +204,9 @@ pub struct Capabilities {
     pub ipc_fd: bool,
     /// [`crate::DeviceAdaptor::host_register`] works.
     pub host_register: bool,
+    /// [`crate::DeviceAdaptor::host_pin`] works: host memory can be made fast to copy to and
+    /// from (page-locked for the copy engine), even where no device alias can be promised.
+    pub host_pin: bool,
     /// Peer access between devices of this vendor can be queried and enabled.
     pub peer_access: bool,
     /// [`crate::DeviceAdaptor::launch_host_func`] works.
