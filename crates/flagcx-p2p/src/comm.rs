@@ -1,42 +1,36 @@
 //! The communicator: point-to-point operations between the ranks of a job.
 
-// tidy: long file: the communicator API together with the posting threads' protocols (eager, IPC); they move into per-transport modules with the engine split.
-
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use flagcx_adaptor::{
-    DeviceAdaptor, DeviceBuffer, DevicePtr, EventHandle, Stream, StreamHandle, WaitCondition,
-};
+use flagcx_adaptor::{DeviceAdaptor, DeviceBuffer, DevicePtr, EventHandle, Stream, StreamHandle};
 
 use crate::bootstrap::{Bootstrap, UniqueId};
-use crate::channel::{Channel, Counter, Geometry, RecvDesc, SendDesc, SendStatus, DESC_RING};
-use crate::config::{Config, RankEnv, StreamJoin, MAX_EAGER_MAX};
+use crate::config::{Config, RankEnv, StreamJoin};
+use crate::engine::{lock, Dir, Engine, Inbox, Op, Shared, Slot, WatermarkWord};
 use crate::error::{CommError, Result};
-use crate::peer::{choose_transport, direct_copier, receiver_copies, PeerInfo, TransportKind};
-use crate::proxy::{
-    answer, export, give_verdict, lock, pull_without_copy, push_without_copy, receive_eager,
-    recycle_event, send_failure, verdict_result, Dir, Inbox, IpcCache, Op, Path, PeerConn, Proxy,
-    Resume, Roles, Shared, Slot, WatermarkWord,
-};
-use crate::shm::ShmSegment;
-use crate::wire::{Reader, Tag, Writer};
+use crate::join::WatermarkPage;
+use crate::peer::{PeerInfo, TransportKind};
+use crate::setup::{connect_channels, Pairing};
+use crate::transport::eager::EagerLink;
+use crate::transport::ipc::{CallerLink, IpcCache};
+use crate::wire::Tag;
 use crate::PathStats;
 
 /// A handle to one posted operation.
 #[derive(Debug)]
 pub struct Request {
-    state: State,
-    seq: u64,
-    spin: Duration,
+    pub(crate) state: State,
+    pub(crate) seq: u64,
+    pub(crate) spin: Duration,
 }
 
 /// Where a request's result is.
 #[derive(Debug)]
-enum State {
+pub(crate) enum State {
     /// Finished while it was posted (the eager path): nothing shared, nothing to wait for.
     Done(Result<usize>),
     /// With the proxy, which fills the slot.
@@ -79,76 +73,6 @@ impl Request {
     }
 }
 
-/// The API side's handle on one pair's eager slots (see [`Config::eager_max`]).
-struct EagerLink {
-    /// This rank → peer.
-    out: Arc<Channel>,
-    /// Peer → this rank.
-    inc: Arc<Channel>,
-    /// Largest message this rank sends eagerly to the peer (0: none).
-    send_max: usize,
-    /// Largest message the peer can send eagerly to this rank (0: none).
-    recv_max: usize,
-    /// The peer's `RecvDone` as last read: slots below it + 64 are free without reading the
-    /// counter again (a cache line the peer writes on every message). Under the inbox lock.
-    freed: AtomicU64,
-}
-
-/// The API side's handle on an IPC pair, for operations the posting thread moves itself
-/// ([`Config::ipc_caller`]).
-struct CallerLink {
-    /// This rank → peer.
-    out: Arc<Channel>,
-    /// Peer → this rank.
-    inc: Arc<Channel>,
-    /// This rank copies what it sends into the peer's buffer (else the peer pulls it).
-    push: bool,
-    /// This rank copies what it receives out of the peer's buffer (else the peer pushes it).
-    pull: bool,
-}
-
-/// One message a posting thread moves: its direction, number, buffer and peer.
-#[derive(Clone, Copy)]
-struct Msg {
-    dir: Dir,
-    k: u64,
-    ptr: DevicePtr,
-    bytes: usize,
-    peer: usize,
-}
-
-impl CallerLink {
-    /// The channel carrying messages of `dir`, and the counters through which the peer
-    /// answers there (its descriptor or answer, and its failure).
-    fn lane(&self, dir: Dir) -> (&Channel, Counter, Counter) {
-        match dir {
-            Dir::Send => (&self.out, Counter::RecvPosted, Counter::RecvFault),
-            Dir::Recv => (&self.inc, Counter::SendPosted, Counter::SendFault),
-        }
-    }
-}
-
-/// What became of an IPC operation the posting thread took on.
-enum Caller {
-    /// Finished.
-    Done(Result<usize>),
-    /// The proxy goes on from here (`None`: from the start).
-    HandOff(Option<Resume>),
-}
-
-/// A page the callers' streams can wait on: the low 32 bits of the completion watermark.
-struct WatermarkPage {
-    host: *mut u8,
-    device: Option<DevicePtr>,
-}
-
-// SAFETY: the page is private to its communicator: mapped in `WatermarkPage::new`, unmapped
-// once in `release` from `Comm::drop`; the communicator's threads only touch its watermark
-// word, atomically (see `WatermarkWord`).
-unsafe impl Send for WatermarkPage {}
-// SAFETY: as above.
-unsafe impl Sync for WatermarkPage {}
-
 /// Point-to-point communication among the ranks of one job, on one device.
 ///
 /// Operations are ordered on the caller's stream: they start after the work enqueued before
@@ -162,33 +86,33 @@ unsafe impl Sync for WatermarkPage {}
 /// up to the spin time (plus up to 2 ms while the message's copy runs) and return a request
 /// that is already complete.
 pub struct Comm<A: DeviceAdaptor> {
-    adaptor: A,
-    rank: usize,
-    nranks: usize,
-    infos: Vec<PeerInfo>,
-    transports: Vec<Option<TransportKind>>,
+    pub(crate) adaptor: A,
+    pub(crate) rank: usize,
+    pub(crate) nranks: usize,
+    pub(crate) infos: Vec<PeerInfo>,
+    pub(crate) transports: Vec<Option<TransportKind>>,
     /// Per peer: the rank that issues the IPC copies of the pair (`None`: each sender).
-    copiers: Vec<Option<usize>>,
+    pub(crate) copiers: Vec<Option<usize>>,
     /// Per staged peer: the rank that copies straight into and out of the host-vendor rank's
     /// buffers (`None`: no direct path).
-    direct: Vec<Option<usize>>,
+    pub(crate) direct: Vec<Option<usize>>,
     /// Per peer: the eager slots, where both ranks' device memory is host addressable.
-    eager: Vec<Option<EagerLink>>,
+    pub(crate) eager: Vec<Option<EagerLink>>,
     /// Per IPC peer (unless `FLAGCX_P2P_IPC_CALLER=off`): its channels, for the posting thread.
-    caller: Vec<Option<CallerLink>>,
-    shared: Arc<Shared>,
-    proxy: Option<JoinHandle<()>>,
-    next_seq: AtomicU64,
-    group: Mutex<Option<Vec<(Op, StreamHandle)>>>,
+    pub(crate) caller: Vec<Option<CallerLink>>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) proxy: Option<JoinHandle<()>>,
+    pub(crate) next_seq: AtomicU64,
+    pub(crate) group: Mutex<Option<Vec<(Op, StreamHandle)>>>,
     /// Streams this communicator made wait on its watermark (synchronized before teardown).
     /// Per joined stream, an event of ours recorded right after its last join: teardown waits
     /// on it, so the watermark page outlives every wait on it even if the caller already
     /// destroyed the stream (a destroyed stream still runs what was queued).
     /// Beside it, the operation that last join waits for.
-    joined: Mutex<HashMap<u64, (EventHandle, u64)>>,
-    page: WatermarkPage,
-    config: Config,
-    _boot: Arc<Bootstrap>,
+    pub(crate) joined: Mutex<HashMap<u64, (EventHandle, u64)>>,
+    pub(crate) page: WatermarkPage,
+    pub(crate) config: Config,
+    pub(crate) _boot: Arc<Bootstrap>,
 }
 
 impl<A: DeviceAdaptor> std::fmt::Debug for Comm<A> {
@@ -254,70 +178,12 @@ impl<A: DeviceAdaptor> Comm<A> {
                 )));
             }
         }
-        let mut transports = vec![None; nranks];
-        for q in (0..nranks).filter(|&q| q != rank) {
-            let (t, why) = choose_transport(&infos[rank], &infos[q]);
-            tracing::info!(
-                rank,
-                peer = q,
-                transport = %t,
-                "rank {rank} ({} {}) ↔ rank {q} ({} {}): {t} ({why})",
-                infos[rank].vendor,
-                infos[rank].device,
-                infos[q].vendor,
-                infos[q].device
-            );
-            transports[q] = Some(t);
-        }
-        let direct: Vec<Option<usize>> = (0..nranks)
-            .map(|q| (q != rank).then(|| direct_copier(&infos[rank], &infos[q]))?)
-            .collect();
-        let roles: Vec<Roles> = (0..nranks)
-            .map(|q| match (transports[q], direct[q]) {
-                (Some(TransportKind::Ipc), _) => Roles {
-                    peer_pulls: receiver_copies(&infos[rank], &infos[q]),
-                    we_pull: receiver_copies(&infos[q], &infos[rank]),
-                    ..Roles::default()
-                },
-                // The direct copier pushes its sends and pulls the host rank's.
-                (Some(TransportKind::Staged), Some(c)) => Roles {
-                    peer_pulls: c == q,
-                    we_pull: c == rank,
-                    maps_peer: c == rank,
-                    peer_maps: c == q,
-                },
-                _ => Roles::default(),
-            })
-            .collect();
-        for (q, c) in direct.iter().enumerate() {
-            if let Some(c) = c {
-                tracing::info!(
-                    rank,
-                    peer = q,
-                    "rank {rank} ↔ rank {q}: rank {c} copies directly into and out of the host \
-                     rank's buffers once they are mapped (the staging ring until then)"
-                );
-            }
-        }
-        let copiers: Vec<Option<usize>> = roles
-            .iter()
-            .enumerate()
-            .map(|(q, r)| match transports[q] {
-                Some(TransportKind::Ipc) if r.peer_pulls || r.we_pull => {
-                    Some(if r.we_pull { rank } else { q })
-                }
-                _ => None,
-            })
-            .collect();
-        for (q, copier) in copiers.iter().enumerate() {
-            if let Some(copier) = copier {
-                tracing::info!(
-                    rank,
-                    peer = q,
-                    "rank {rank} ↔ rank {q}: rank {copier} issues the IPC copies both ways"
-                );
-            }
-        }
+        let Pairing {
+            transports,
+            direct,
+            roles,
+            copiers,
+        } = Pairing::choose(rank, &infos);
         let page = WatermarkPage::new(&adaptor)?;
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox {
@@ -380,7 +246,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                 })
             })
             .collect();
-        let proxy = Proxy::new(
+        let proxy = Engine::new(
             adaptor.clone(),
             shared.clone(),
             boot.clone(),
@@ -609,7 +475,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         self.shared.busy_polls.load(Ordering::Relaxed)
     }
 
-    fn post(
+    pub(crate) fn post(
         &self,
         dir: Dir,
         ptr: DevicePtr,
@@ -702,7 +568,7 @@ impl<A: DeviceAdaptor> Comm<A> {
     }
 
     /// Hands operations to the proxy, then makes each stream wait for its last one.
-    fn submit(&self, ops: Vec<(Op, StreamHandle)>) -> Result<()> {
+    pub(crate) fn submit(&self, ops: Vec<(Op, StreamHandle)>) -> Result<()> {
         if ops.is_empty() {
             return Ok(());
         }
@@ -735,118 +601,13 @@ impl<A: DeviceAdaptor> Comm<A> {
         Ok(())
     }
 
-    /// The eager path (the caller checked the pair has one, the post is outside a group and
-    /// the stream is idle): a small message, while no earlier operation of its pair and
-    /// direction is with the proxy, is moved by this thread. A send copies into the peer's channel; a receive takes
-    /// a message already there (waiting up to the spin time for one the size of the eager
-    /// slots). `None`: not taken, post normally.
-    fn try_eager(
-        &self,
-        dir: Dir,
-        ptr: DevicePtr,
-        bytes: usize,
-        peer: usize,
-    ) -> Result<Option<Request>> {
-        let Some(link) = self.eager.get(peer).and_then(|l| l.as_ref()) else {
-            return Ok(None);
-        };
-        let d = dir as usize;
-        let max = match dir {
-            Dir::Send => link.send_max,
-            Dir::Recv => link.recv_max,
-        };
-        if max == 0 || (dir == Dir::Send && bytes > max) {
-            return Ok(None);
-        }
-        // Whether the pair and direction is free for this thread: nothing of it with the proxy,
-        // not retired. Checked (again) under the inbox lock, which numbers messages.
-        let free = |inbox: &Inbox, index: u64| {
-            inbox.next[peer][d] == index
-                && self.shared.pending[peer][d].load(Ordering::Acquire) == 0
-                && !self.shared.lost[peer].load(Ordering::Acquire)
-        };
-        let r = match dir {
-            Dir::Send => {
-                let mut inbox = lock(&self.shared.inbox);
-                let k = inbox.next[peer][d];
-                let window_open = k < link.freed.load(Ordering::Relaxed) + DESC_RING || {
-                    let done = link.out.load(Counter::RecvDone);
-                    link.freed.store(done, Ordering::Relaxed);
-                    k < done + DESC_RING
-                };
-                if !free(&inbox, k) || !window_open || link.out.load(Counter::RecvFault) != 0 {
-                    return Ok(None);
-                }
-                // SAFETY: `ptr..ptr+bytes` was checked to lie in one allocation of this
-                // adaptor, whose memory is host addressable (the pair has eager slots only
-                // then), and the caller's stream is idle, so earlier work on it has finished
-                // writing it; `bytes <= send_max <= ` the slot size; message `k` is ours under
-                // the lock, with every earlier send finished (answered) and its slot free.
-                unsafe { link.out.post_eager(k, ptr.0 as *const u8, bytes) };
-                inbox.next[peer][d] = k + 1;
-                Ok(bytes)
-            }
-            Dir::Recv => {
-                let k = lock(&self.shared.inbox).next[peer][d];
-                // Wait without the lock for a message that may well come eagerly: only where
-                // any message this receive can take fits the eager slots.
-                let spin = if bytes <= max {
-                    self.config.spin.unwrap_or_default()
-                } else {
-                    Duration::ZERO
-                };
-                // Poll the descriptor's status word: an eager message publishes it last (one
-                // cache line to fetch); a message of the proxy's protocol shows in `SendPosted`
-                // and is left to the proxy.
-                let mut polls = 0u32;
-                let found = poll_for(
-                    spin,
-                    || spin,
-                    || {
-                        if let Some(sd) = link.inc.eager_arrived(k) {
-                            return Some(Some(sd));
-                        }
-                        // The counter costs more than a poll: every 64 polls.
-                        polls = polls.wrapping_add(1);
-                        // Message `k` is published. An eager one stored its status word before
-                        // the counter, so this look settles which kind it is.
-                        (polls % 64 == 0 && link.inc.load(Counter::SendPosted) > k)
-                            .then(|| link.inc.eager_arrived(k))
-                    },
-                );
-                let Some(Some(sd)) = found else {
-                    return Ok(None);
-                };
-                let mut inbox = lock(&self.shared.inbox);
-                if !free(&inbox, k) || link.inc.load(Counter::SendFault) > k {
-                    return Ok(None);
-                }
-                let r = receive_eager(&link.inc, k, &sd, ptr, bytes, peer);
-                inbox.next[peer][d] = k + 1;
-                if matches!(r, Err(CommError::Protocol(_))) {
-                    self.shared.mark_lost(peer);
-                }
-                r
-            }
-        };
-        match &r {
-            Ok(n) => {
-                self.shared.path_bytes[Path::Eager as usize]
-                    .fetch_add(*n as u64, Ordering::Relaxed);
-            }
-            Err(e) => self.shared.record_error(e),
-        }
-        Ok(Some(Request {
-            state: State::Done(r),
-            seq: 0,
-            spin: Duration::ZERO,
-        }))
-    }
-
     /// The inbox, once operations may be handed over: not while the proxy closes IPC mappings
     /// (which can wait for the device context: no stream may start waiting for a new operation
     /// until that is done, well under a millisecond), nor while `blocked` holds.
-    fn inbox_for_handover(&self, blocked: impl Fn() -> bool) -> std::sync::MutexGuard<'_, Inbox> {
+    pub(crate) fn inbox_for_handover(
+        &self,
+        blocked: impl Fn() -> bool,
+    ) -> std::sync::MutexGuard<'_, Inbox> {
         let mut inbox = lock(&self.shared.inbox);
         while self.shared.trimming.load(Ordering::Acquire) || blocked() {
             drop(inbox);
@@ -854,462 +615,6 @@ impl<A: DeviceAdaptor> Comm<A> {
             inbox = lock(&self.shared.inbox);
         }
         inbox
-    }
-
-    /// An event of the API side's pool (`Shared::spare_events`), or a new one.
-    fn spare_event(&self) -> Result<EventHandle> {
-        let spare = lock(&self.shared.spare_events).pop();
-        match spare {
-            Some(e) => Ok(e),
-            None => Ok(self.adaptor.event_create(false)?),
-        }
-    }
-
-    /// An event recorded on `stream` now: where an operation may start.
-    fn start_event(&self, stream: StreamHandle) -> Result<EventHandle> {
-        let start = self.spare_event()?;
-        if let Err(e) = self.adaptor.event_record(start, stream) {
-            let _ = self.adaptor.event_destroy(start);
-            return Err(e.into());
-        }
-        Ok(start)
-    }
-
-    /// The posting thread's IPC path (the caller checked the pair has one and the post is
-    /// outside a group): while nothing earlier of the pair and direction is with the proxy,
-    /// this thread takes the message. Where this rank copies, it waits (up to the spin time)
-    /// for the peer's descriptor and issues the copy on the caller's stream itself, so the
-    /// stream orders it with no event and no wait on the proxy; where the peer copies, it
-    /// publishes its own descriptor (idle streams only: the peer's copy engine may touch the
-    /// buffer at once) and waits for the peer's answer. Whatever is not finished within the
-    /// spin time goes to the proxy from where it stands. `None`: not taken (`start` and `keep`
-    /// stay the caller's), post normally.
-    #[allow(clippy::too_many_arguments)]
-    fn try_caller_ipc(
-        &self,
-        dir: Dir,
-        ptr: DevicePtr,
-        bytes: usize,
-        peer: usize,
-        stream: StreamHandle,
-        start: Option<EventHandle>,
-        keep: &mut Option<Box<dyn std::any::Any + Send>>,
-    ) -> Result<Option<Request>> {
-        let Some(link) = self.caller.get(peer).and_then(|l| l.as_ref()) else {
-            return Ok(None);
-        };
-        let copies = match dir {
-            Dir::Send => link.push,
-            Dir::Recv => link.pull,
-        };
-        if !copies && start.is_some() {
-            return Ok(None);
-        }
-        let d = dir as usize;
-        let k = {
-            let mut inbox = lock(&self.shared.inbox);
-            let k = inbox.next[peer][d];
-            if self.shared.pending[peer][d].load(Ordering::Acquire) != 0
-                || self.shared.lost[peer].load(Ordering::Acquire)
-                || self.shared.trimming.load(Ordering::Acquire)
-            {
-                return Ok(None);
-            }
-            inbox.next[peer][d] = k + 1;
-            self.shared.pending[peer][d].fetch_add(1, Ordering::AcqRel);
-            self.shared.reserved[peer][d].store(true, Ordering::Release);
-            k
-        };
-        let spin = self.config.spin.unwrap_or_default();
-        let idle = start.is_none();
-        let m = Msg {
-            dir,
-            k,
-            ptr,
-            bytes,
-            peer,
-        };
-        let outcome = match copies {
-            true => self.caller_copies(link, m, stream, idle, spin),
-            false => self.caller_publish(link, m, spin),
-        }
-        .unwrap_or_else(|e| Caller::HandOff(Some(Resume::Failed(e))));
-        let (resume, start) = match outcome {
-            Caller::Done(r) => {
-                self.shared.pending[peer][d].fetch_sub(1, Ordering::AcqRel);
-                self.shared.reserved[peer][d].store(false, Ordering::Release);
-                if let Some(start) = start {
-                    recycle_event(&self.adaptor, &self.shared, start);
-                }
-                match &r {
-                    Ok(n) => {
-                        self.shared.path_bytes[Path::Ipc as usize]
-                            .fetch_add(*n as u64, Ordering::Relaxed);
-                        self.shared.caller_ops.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(e) => self.shared.record_error(e),
-                }
-                drop(keep.take());
-                return Ok(Some(Request {
-                    state: State::Done(r),
-                    seq: 0,
-                    spin: Duration::ZERO,
-                }));
-            }
-            // A copy on the caller's stream needs no start: the stream orders it.
-            Caller::HandOff(Some(r @ (Resume::Pushed(_) | Resume::Pulled { .. }))) => {
-                if let Some(start) = start {
-                    recycle_event(&self.adaptor, &self.shared, start);
-                }
-                (Some(r), None)
-            }
-            Caller::HandOff(r) => (r, start),
-        };
-        self.shared.caller_handoffs[Resume::handoff(&resume) as usize]
-            .fetch_add(1, Ordering::Relaxed);
-        // The stream waits for the operation, unless it carries the copy itself (or the
-        // operation failed before anything of it was under way).
-        let join = !matches!(
-            resume,
-            Some(Resume::Pushed(_) | Resume::Pulled { .. } | Resume::Failed(_))
-        );
-        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let slot = Arc::new(Slot::default());
-        let op = Op {
-            seq,
-            dir,
-            peer,
-            index: k,
-            ptr,
-            bytes,
-            start,
-            slot: slot.clone(),
-            keep: keep.take(),
-            posted: std::time::Instant::now(),
-            resume,
-        };
-        {
-            let mut inbox = self.inbox_for_handover(|| false);
-            inbox.ops.push(op);
-            self.shared.reserved[peer][d].store(false, Ordering::Release);
-        }
-        self.shared.posted.fetch_add(1, Ordering::Release);
-        self.shared.wake();
-        if join {
-            self.join_stream(stream, seq)?;
-        }
-        Ok(Some(Request {
-            state: State::Pending(slot),
-            seq,
-            spin,
-        }))
-    }
-
-    /// This rank copies: once the peer described its side of message `k` (the receiver its
-    /// buffer, or the sender its offer), the one copy goes on the caller's stream — into the
-    /// peer's buffer for a send, out of it for a receive.
-    fn caller_copies(
-        &self,
-        link: &CallerLink,
-        m: Msg,
-        stream: StreamHandle,
-        idle: bool,
-        spin: Duration,
-    ) -> Result<Caller> {
-        let Msg {
-            dir,
-            k,
-            ptr,
-            bytes,
-            peer,
-        } = m;
-        let (ch, theirs, their_fault) = link.lane(dir);
-        let seen = poll_for(
-            spin,
-            || spin,
-            || (ch.load(theirs) > k || ch.load(their_fault) > k).then_some(()),
-        );
-        // The proxy reports a failure on the peer's side (and takes an eager message).
-        if seen.is_none() || ch.load(their_fault) > k {
-            return Ok(Caller::HandOff(None));
-        }
-        // The peer's buffer (its allocation's handle and the offset in it), and the bytes.
-        let (handle, offset, n) = match dir {
-            Dir::Send => {
-                let desc = ch.read_recv_desc(k)?;
-                if let Some(r) = push_without_copy(ch, k, bytes, &desc, peer) {
-                    return Ok(Caller::Done(r));
-                }
-                (desc.handle, desc.offset, bytes)
-            }
-            Dir::Recv => {
-                let offer = ch.read_send_desc(k)?;
-                if offer.status == SendStatus::Eager {
-                    return Ok(Caller::HandOff(None));
-                }
-                if let Some(r) = pull_without_copy(ch, k, bytes, &offer, peer) {
-                    return Ok(Caller::Done(r));
-                }
-                (offer.handle, offer.offset, offer.size as usize)
-            }
-        };
-        let push = dir == Dir::Send;
-        let ev = self
-            .caller_copy(stream, handle, offset, ptr, n, push)
-            .inspect_err(|_| {
-                if push {
-                    answer(ch, k, bytes, SendStatus::SenderFailed);
-                }
-            })?;
-        if idle {
-            ch.store(Counter::Issued, k + 1);
-        }
-        if !self.copy_finished(ev, running_copy_budget(spin, idle)) {
-            return Ok(Caller::HandOff(Some(match dir {
-                Dir::Send => Resume::Pushed(ev),
-                Dir::Recv => Resume::Pulled { ev, size: n },
-            })));
-        }
-        match dir {
-            Dir::Send => answer(ch, k, bytes, SendStatus::Ok),
-            Dir::Recv => give_verdict(ch, k, bytes),
-        }
-        Ok(Caller::Done(Ok(n)))
-    }
-
-    /// The peer copies: publish this side's descriptor (the receive buffer, or the offered
-    /// send buffer), then wait for the peer's answer (or verdict).
-    fn caller_publish(&self, link: &CallerLink, m: Msg, spin: Duration) -> Result<Caller> {
-        let Msg {
-            dir,
-            k,
-            ptr,
-            bytes,
-            peer,
-        } = m;
-        let (ch, theirs, their_fault) = link.lane(dir);
-        if !ch.window_open(k) {
-            return Ok(Caller::HandOff(None));
-        }
-        let (handle, offset) = match bytes {
-            0 => (None, 0),
-            _ => export(&self.adaptor, ptr, TransportKind::Ipc)?
-                .map_or((None, 0), |(h, offset)| (Some(h), offset)),
-        };
-        match dir {
-            Dir::Send => {
-                let sd = SendDesc {
-                    size: bytes as u64,
-                    status: SendStatus::Ok,
-                    handle,
-                    offset,
-                };
-                ch.write_send_desc(k, &sd);
-                ch.store(Counter::SendPosted, k + 1);
-            }
-            Dir::Recv => {
-                let rd = RecvDesc {
-                    size: bytes as u64,
-                    handle,
-                    offset,
-                    chunks: false,
-                };
-                ch.write_recv_desc(k, &rd);
-                ch.store(Counter::RecvPosted, k + 1);
-            }
-        }
-        // Past the spin time, only while the peer's copy of this message runs.
-        let budget = || running_copy_budget(spin, ch.load(Counter::Issued) > k);
-        let seen = poll_for(spin, budget, || {
-            (ch.load(theirs) > k || ch.load(their_fault) > k).then_some(())
-        });
-        if seen.is_none() || ch.load(their_fault) > k {
-            return Ok(Caller::HandOff(Some(Resume::Published)));
-        }
-        Ok(match dir {
-            Dir::Send => Caller::Done(verdict_result(bytes, &ch.read_recv_desc(k)?, peer)),
-            Dir::Recv => {
-                let sd = ch.read_send_desc(k)?;
-                if sd.status == SendStatus::Eager {
-                    // The proxy takes it out of its slot.
-                    return Ok(Caller::HandOff(Some(Resume::Published)));
-                }
-                let failed = send_failure(peer, &sd, bytes, false);
-                ch.store(Counter::RecvDone, k + 1);
-                Caller::Done(failed.map_or(Ok(sd.size as usize), Err))
-            }
-        })
-    }
-
-    /// Issues an IPC operation's copy on the caller's stream: `n` bytes between `ptr` and the
-    /// peer's buffer at `offset` of the allocation behind `handle` (`push`: into the peer's).
-    /// Returns the event that completes with it; until that is seen, the copy counts in
-    /// [`IpcCache::caller_copies`], so its mapping stays open.
-    fn caller_copy(
-        &self,
-        stream: StreamHandle,
-        handle: Option<flagcx_adaptor::IpcMemHandle>,
-        offset: u64,
-        ptr: DevicePtr,
-        n: usize,
-        push: bool,
-    ) -> Result<EventHandle> {
-        let ev = self.spare_event()?;
-        let issued = {
-            let mut cache = lock(&self.shared.ipc);
-            let issued = cache.open(&self.adaptor, handle).and_then(|base| {
-                let theirs = DevicePtr(base.0 + offset);
-                let (dst, src) = if push { (theirs, ptr) } else { (ptr, theirs) };
-                // SAFETY: the peer's buffer lies at `offset` of its allocation, which it
-                // described for this message (a receive of at least `n` bytes, or an offer of
-                // `n`) and keeps until this side answers; `ptr..ptr+n` was checked to lie in
-                // one allocation of this adaptor (for a pull, `n` is at most the receive's
-                // size), valid until the operation finishes; the stream orders the copy after
-                // the caller's earlier work on the buffer.
-                unsafe { self.adaptor.memcpy_d2d_async(dst, src, n, stream) }?;
-                Ok(())
-            });
-            if issued.is_ok() {
-                cache.caller_copies += 1;
-            }
-            issued
-        };
-        if let Err(e) = issued {
-            recycle_event(&self.adaptor, &self.shared, ev);
-            return Err(e);
-        }
-        if let Err(e) = self.adaptor.event_record(ev, stream) {
-            // Queued but untracked: let it finish before the proxy copies the same bytes again.
-            let _ = self.adaptor.stream_synchronize(stream);
-            lock(&self.shared.ipc).caller_copies -= 1;
-            recycle_event(&self.adaptor, &self.shared, ev);
-            return Err(e.into());
-        }
-        Ok(ev)
-    }
-
-    /// Whether the caller's copy (event `ev`) completes within `budget`; if so, its mapping
-    /// is free to close again and the event back in the pool.
-    fn copy_finished(&self, ev: EventHandle, budget: Duration) -> bool {
-        // An error is the proxy's to report: it queries the event again.
-        let done = poll_for(
-            budget,
-            || budget,
-            || match self.adaptor.event_query(ev) {
-                Ok(false) => None,
-                Ok(true) => Some(true),
-                Err(_) => Some(false),
-            },
-        );
-        if done != Some(true) {
-            return false;
-        }
-        lock(&self.shared.ipc).caller_copies -= 1;
-        recycle_event(&self.adaptor, &self.shared, ev);
-        true
-    }
-
-    /// Makes `stream` wait until operation `seq` (and all before it) finished.
-    fn join_stream(&self, stream: StreamHandle, seq: u64) -> Result<()> {
-        let join = self.config.join;
-        if join == StreamJoin::None {
-            return Ok(());
-        }
-        let caps = self.adaptor.capabilities();
-        match self.page.device {
-            Some(word) if caps.stream_mem_ops && join != StreamJoin::HostFn => {
-                // SAFETY: the word lives in the registered watermark page, which outlives every
-                // stream wait (Drop releases the waits and waits for each joined stream's
-                // last-join event before unmapping).
-                unsafe {
-                    self.adaptor.stream_wait_value32(
-                        stream,
-                        word,
-                        seq as u32,
-                        WaitCondition::Geq,
-                    )?
-                };
-            }
-            _ => {
-                let shared = self.shared.clone();
-                self.adaptor
-                    .launch_host_func(stream, Box::new(move || shared.wait_watermark(seq)))?;
-            }
-        }
-        let mut joined = lock(&self.joined);
-        let ev = match joined.get(&stream.0) {
-            Some(&(e, _)) => e,
-            None => self.adaptor.event_create(false)?,
-        };
-        joined.insert(stream.0, (ev, seq));
-        self.adaptor.event_record(ev, stream)?;
-        Ok(())
-    }
-
-    /// Whether `stream` is idle, waiting up to the spin time when all it may still hold is
-    /// this communicator's join of an operation that already finished: a caller that waited
-    /// for a request posts its next operation before the stream has passed that (satisfied)
-    /// wait, and only an idle stream lets the next message go eagerly. Without this, one
-    /// message through the proxy keeps every later one there.
-    /// Only waits where the eager path could follow (`eager`).
-    fn idle_or_soon(&self, stream: StreamHandle, eager: bool) -> Result<bool> {
-        if self.adaptor.stream_query(stream)? {
-            return Ok(true);
-        }
-        let spin = self.config.spin.unwrap_or_default();
-        let passed = |seq: u64| *lock(&self.shared.watermark) >= seq;
-        let last = lock(&self.joined).get(&stream.0).map(|&(_, seq)| seq);
-        match last {
-            Some(seq) if eager && !spin.is_zero() && passed(seq) => {}
-            _ => return Ok(false),
-        }
-        let t0 = std::time::Instant::now();
-        while t0.elapsed() < spin {
-            std::hint::spin_loop();
-            if self.adaptor.stream_query(stream)? {
-                return Ok(true);
-            }
-        }
-        Ok(false)
-    }
-}
-
-/// How much longer than the spin time a posting thread waits for a copy that is already
-/// running (its own, or the peer's copy of its message, see [`Counter::Issued`]) before
-/// handing the operation to the proxy. A hand-over costs the pair a stream wait on the device
-/// and a round through both proxies (~20 µs per hop on one H200); waiting for a running copy
-/// is bounded by its size (1 GiB: 0.5 ms on an H200).
-const RUNNING_COPY_WAIT: Duration = Duration::from_millis(2);
-
-/// Polls `ready` until it gives a value, for up to `budget()` (at least once; `spin` zero:
-/// exactly once), reading the clock and the budget every 64 polls (they cost more than a poll
-/// of shared memory).
-fn poll_for<T>(
-    spin: Duration,
-    budget: impl Fn() -> Duration,
-    mut ready: impl FnMut() -> Option<T>,
-) -> Option<T> {
-    let t0 = std::time::Instant::now();
-    let mut polls = 0u32;
-    loop {
-        if let Some(v) = ready() {
-            return Some(v);
-        }
-        polls = polls.wrapping_add(1);
-        if spin.is_zero() || polls % 64 == 0 && t0.elapsed() >= budget() {
-            return None;
-        }
-        std::hint::spin_loop();
-    }
-}
-
-/// The wait budget beside a copy that `running` says is under way: the spin time, plus
-/// [`RUNNING_COPY_WAIT`] while it runs (spinning at all only where the spin time allows it).
-fn running_copy_budget(spin: Duration, running: bool) -> Duration {
-    if running && !spin.is_zero() {
-        spin + RUNNING_COPY_WAIT
-    } else {
-        spin
     }
 }
 
@@ -1337,228 +642,5 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
             let _ = self.adaptor.event_destroy(ev);
         }
         self.page.release(&self.adaptor);
-    }
-}
-
-impl WatermarkPage {
-    fn new<A: DeviceAdaptor>(adaptor: &A) -> Result<Self> {
-        // SAFETY: a fresh private anonymous page; checked.
-        let host = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                4096,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if host == libc::MAP_FAILED {
-            return Err(CommError::io(
-                "mmap watermark page",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        let host = host as *mut u8;
-        let device =
-            if adaptor.capabilities().host_register && adaptor.capabilities().stream_mem_ops {
-                // SAFETY: the page stays mapped until `release`, which unregisters it first.
-                match unsafe { adaptor.host_register(host, 4096) } {
-                    Ok(d) => Some(d),
-                    Err(e) => {
-                        // SAFETY: our page, not yet shared with anyone.
-                        unsafe { libc::munmap(host.cast(), 4096) };
-                        return Err(e.into());
-                    }
-                }
-            } else {
-                None
-            };
-        Ok(WatermarkPage { host, device })
-    }
-
-    fn release<A: DeviceAdaptor>(&mut self, adaptor: &A) {
-        if self.device.take().is_some() {
-            // SAFETY: every joined stream passed its last wait; nothing reads the page any more.
-            let _ = unsafe { adaptor.host_unregister(self.host) };
-        }
-        // SAFETY: our mapping of one page.
-        unsafe { libc::munmap(self.host.cast(), 4096) };
-    }
-}
-
-/// Creates this rank's incoming channels, swaps descriptors with every peer, and maps the
-/// outgoing ones. Staged rings are registered with the adaptor for DMA.
-fn connect_channels<A: DeviceAdaptor>(
-    adaptor: &A,
-    boot: &Bootstrap,
-    transports: &[Option<TransportKind>],
-    roles: &[Roles],
-    lanes: &[bool],
-    config: &Config,
-) -> Result<Vec<Option<PeerConn>>> {
-    // The channel a rank creates for peer `q`'s sends; its eager slots are sized by the
-    // creating (receiving) rank's setting.
-    let geometry = |q: usize| {
-        let eager = if lanes[q] { config.eager_max } else { 0 };
-        match transports[q] {
-            Some(TransportKind::Staged) => Geometry {
-                slots: config.slots(),
-                chunk: config.chunksize,
-                eager,
-            },
-            _ => Geometry {
-                slots: 0,
-                chunk: 0,
-                eager,
-            },
-        }
-    };
-    let mut incoming = Vec::new();
-    for (q, t) in transports.iter().enumerate() {
-        let Some(t) = *t else {
-            incoming.push(None);
-            continue;
-        };
-        let geo = geometry(q);
-        let ch = Channel::create(geo)?;
-        let desc = Writer::new()
-            .u8(matches!(t, TransportKind::Staged) as u8)
-            .u64(geo.slots as u64)
-            .u64(geo.chunk as u64)
-            .u64(geo.eager as u64)
-            .u64(geo.len() as u64)
-            .finish();
-        boot.send(q, Tag::Connect, &desc, &[ch.segment().fd()])?;
-        incoming.push(Some(ch));
-    }
-    let mut peers: Vec<Option<PeerConn>> = Vec::new();
-    for (q, inc) in incoming.into_iter().enumerate() {
-        let Some(inc) = inc else {
-            peers.push(None);
-            continue;
-        };
-        match connect_one(adaptor, boot, q, transports, inc, &geometry, lanes[q]) {
-            Ok(conn) => peers.push(Some(conn.with_roles(roles[q]))),
-            Err(e) => {
-                // Undo the rings already registered for earlier peers before the channels go.
-                for conn in peers.iter().flatten().filter(|c| c.registered) {
-                    for ch in [&conn.out, &conn.inc] {
-                        // SAFETY: no copy was ever issued on these rings.
-                        let _ = unsafe { adaptor.host_unregister(ch.ring().0) };
-                    }
-                }
-                return Err(e);
-            }
-        }
-    }
-    Ok(peers)
-}
-
-/// Receives peer `q`'s channel for this rank's sends, checks it agrees with ours, maps it and
-/// registers both rings of a staged pair.
-fn connect_one<A: DeviceAdaptor>(
-    adaptor: &A,
-    boot: &Bootstrap,
-    q: usize,
-    transports: &[Option<TransportKind>],
-    inc: Channel,
-    geometry: &dyn Fn(usize) -> Geometry,
-    lane: bool,
-) -> Result<PeerConn> {
-    let t = transports[q].expect("a transport for every peer");
-    let (payload, mut fds) = boot.recv(q, Tag::Connect)?;
-    let mut r = Reader::new(&payload, "connect");
-    let staged = r.u8()? == 1;
-    let geo = Geometry {
-        slots: r.u64()? as usize,
-        chunk: r.u64()? as usize,
-        eager: r.u64()? as usize,
-    };
-    let len = r.u64()? as usize;
-    r.end()?;
-    let want = geometry(q);
-    // The receiver sizes the eager slots by its own FLAGCX_P2P_EAGER_MAX; any size within the
-    // bounds works for the sender (it sends eagerly up to the smaller of the two settings).
-    let eager_ok = geo.eager == 0 || (lane && geo.eager <= MAX_EAGER_MAX);
-    if staged != matches!(t, TransportKind::Staged)
-        || (geo.slots, geo.chunk) != (want.slots, want.chunk)
-        || !eager_ok
-        || len != geo.len()
-        || fds.len() != 1
-    {
-        return Err(CommError::Protocol(format!(
-            "rank {q} set up a different channel (staged {staged}, {geo:?}, {} fds); \
-             do all ranks use the same FLAGCX_P2P_* settings?",
-            fds.len()
-        )));
-    }
-    let out = Arc::new(Channel::open(ShmSegment::open(fds.remove(0), len)?, geo)?);
-    let inc = Arc::new(inc);
-    let registered = staged && adaptor.capabilities().host_register;
-    if registered {
-        let (p, n) = out.ring();
-        // SAFETY: the ring lies in a mapping the channel owns; the proxy (or the error path of
-        // `connect_channels`) unregisters it before the channel is unmapped.
-        unsafe { adaptor.host_register(p, n) }?;
-        let (p2, n2) = inc.ring();
-        // SAFETY: as above.
-        if let Err(e) = unsafe { adaptor.host_register(p2, n2) } {
-            // SAFETY: registered just above and unused.
-            let _ = unsafe { adaptor.host_unregister(p) };
-            return Err(e.into());
-        }
-    }
-    Ok(PeerConn::new(q, t, out, inc, registered))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{poll_for, running_copy_budget, RUNNING_COPY_WAIT};
-    use std::cell::Cell;
-    use std::time::{Duration, Instant};
-
-    #[test]
-    fn without_spinning_a_poll_looks_exactly_once() {
-        let looks = Cell::new(0);
-        let got: Option<()> = poll_for(
-            Duration::ZERO,
-            || Duration::from_secs(1),
-            || {
-                looks.set(looks.get() + 1);
-                None
-            },
-        );
-        assert_eq!((got, looks.get()), (None, 1));
-    }
-
-    #[test]
-    fn a_poll_returns_what_arrives_and_gives_up_after_its_budget() {
-        let looks = Cell::new(0);
-        let spin = Duration::from_millis(5);
-        // A budget no loaded machine exhausts before the 1000th look: the value arrives and
-        // is returned, whatever the timing.
-        let got = poll_for(
-            spin,
-            || Duration::from_secs(3600),
-            || {
-                looks.set(looks.get() + 1);
-                (looks.get() == 1000).then_some(7)
-            },
-        );
-        assert_eq!(got, Some(7));
-        assert_eq!(looks.get(), 1000, "it stopped looking once the value came");
-        let t0 = Instant::now();
-        let budget = Duration::from_millis(20);
-        assert_eq!(poll_for(spin, || budget, || None::<()>), None);
-        assert!(t0.elapsed() >= budget, "gave up early: {:?}", t0.elapsed());
-    }
-
-    #[test]
-    fn only_a_running_copy_extends_the_wait_and_only_where_spinning_is_allowed() {
-        let spin = Duration::from_micros(50);
-        assert_eq!(running_copy_budget(spin, false), spin);
-        assert_eq!(running_copy_budget(spin, true), spin + RUNNING_COPY_WAIT);
-        assert_eq!(running_copy_budget(Duration::ZERO, true), Duration::ZERO);
     }
 }

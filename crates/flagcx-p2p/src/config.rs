@@ -111,8 +111,8 @@ pub struct Config {
     pub ipc_copier: IpcCopier,
     /// How long a waiting thread (a [`crate::Request`] wait, the proxy between operations)
     /// spins before it sleeps (`FLAGCX_SPIN_US`). `None`: decided at [`crate::Comm::init`] by
-    /// [`flagcx_adaptor::spin::default_spin`] for the job's rank count (spin only where every
-    /// spinner gets a core).
+    /// [`flagcx_adaptor::spin::default_spin`] (50 µs; spinners yield between polls below 8
+    /// cores).
     pub spin: Option<Duration>,
     /// Direct copies for pairs with a host-vendor rank (`FLAGCX_P2P_HOST_DIRECT=auto|on|off`,
     /// default auto). Both ranks must allow it.

@@ -7,10 +7,14 @@
 //!   [`PeerInfo`], pass file descriptors;
 //! - [`shm`]: memfd segments, shared by descriptor — nothing in /dev/shm to leak;
 //! - [`channel`]: the shared control block and staging ring of one directed pair;
-//! - `proxy`: the progress thread that issues copies and publishes progress;
-//! - transports ([`TransportKind`]): **IPC** (same vendor: the sender's copy engine writes
-//!   straight into the receiver's exported buffer, one copy) and **staged** (different vendors
-//!   or `FLAGCX_P2P_DISABLE=1`: device→host into ring slots, host→device out of them, pipelined).
+//! - `engine`: the progress thread (the proxy) that drives every pair's operations in order
+//!   and publishes completion;
+//! - `transport`: one module per protocol, each with its posting and its progress side —
+//!   **IPC** (same vendor: one copy straight into or out of the peer's exported buffer),
+//!   **staged** (different vendors or `FLAGCX_P2P_DISABLE=1`: device→host into ring slots,
+//!   host→device out of them, pipelined), **direct** (a staged pair with a host-vendor rank:
+//!   one copy into or out of its mapped buffer) and **eager** (host-addressable pairs: small
+//!   messages copied by the CPU); [`TransportKind`] names the pair's choice.
 //!
 //! ```no_run
 //! # use std::sync::Arc;
@@ -35,12 +39,15 @@ pub mod channel;
 pub mod collectives;
 mod comm;
 pub mod config;
+mod engine;
 mod error;
-mod hostmap;
+mod join;
 pub mod launch;
+mod op;
 pub mod peer;
-mod proxy;
+mod setup;
 pub mod shm;
+mod transport;
 pub mod wire;
 
 pub use bootstrap::{Bootstrap, UniqueId};

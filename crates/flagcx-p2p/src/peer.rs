@@ -42,6 +42,7 @@ fn caps_bits(c: &Capabilities) -> u32 {
         c.stream_mem_ops_64,
         c.capture_mode,
         c.host_addressable,
+        c.host_pin,
     ]
     .iter()
     .enumerate()
@@ -60,6 +61,7 @@ fn bits_caps(b: u32) -> Capabilities {
         stream_mem_ops_64: f(6),
         capture_mode: f(7),
         host_addressable: f(8),
+        host_pin: f(9),
     }
 }
 
@@ -124,7 +126,7 @@ impl PeerInfo {
         let host_id = r.str()?;
         let pid = r.u32()?;
         let bits = r.u32()?;
-        if bits >> 9 != 0 {
+        if bits >> 10 != 0 {
             return Err(CommError::Protocol(format!(
                 "peer info: unknown capability bits {bits:#x}"
             )));
@@ -284,7 +286,7 @@ mod tests {
         p.pci_bus_id = None;
         let mut b = p.encode();
         let caps_at = b.len() - 7;
-        b[caps_at + 1] |= 0x02; // bit 9
+        b[caps_at + 1] |= 0x04; // bit 10 (bit 9 is host_pin)
         assert!(PeerInfo::decode(&b).is_err());
     }
 

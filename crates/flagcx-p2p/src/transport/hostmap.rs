@@ -69,7 +69,7 @@ pub(crate) struct HostMaps<A: DeviceAdaptor> {
 impl<A: DeviceAdaptor> HostMaps<A> {
     /// An empty cache for `rank`'s proxy; registers mappings iff the runtime can.
     pub fn new(adaptor: A, rank: usize, max: usize) -> Self {
-        let register = adaptor.capabilities().host_register;
+        let register = adaptor.capabilities().host_pin;
         HostMaps {
             adaptor,
             rank,
@@ -185,7 +185,7 @@ impl<A: DeviceAdaptor> HostMaps<A> {
             if self.register && e.state.load(Ordering::Acquire) == READY {
                 // SAFETY: registered by the helper (which has exited) on this mapping; no copy
                 // uses it any more (see above).
-                let _ = unsafe { self.adaptor.host_unregister(e.base as *mut u8) };
+                let _ = unsafe { self.adaptor.host_unpin(e.base as *mut u8) };
             }
             // SAFETY: a mapping made by `lookup`, unused, its registration (if any) undone.
             unsafe { hostmem::unmap(e.base, e.len) };
@@ -203,7 +203,7 @@ impl<A: DeviceAdaptor> HostMaps<A> {
 fn register<A: DeviceAdaptor>(adaptor: &A, rank: usize, job: Job) {
     // SAFETY: `base..base+len` is a live shared mapping owned by the cache, which unmaps it only
     // in `close`, after this thread has exited.
-    let r = unsafe { adaptor.host_register(job.base as *mut u8, job.len) };
+    let r = unsafe { adaptor.host_pin(job.base as *mut u8, job.len) };
     let state = match r {
         Ok(_) => READY,
         Err(e) => {

@@ -1,0 +1,745 @@
+//! The engine: one progress thread per communicator (the proxy) that moves the bytes.
+//!
+//! The API thread only records a start event on the caller's stream and hands the operation
+//! over ([`crate::op`]). The engine admits it to its pair's queue and drives it through its
+//! transport's steps ([`crate::transport`]), issuing the copies on its own streams (one for sends, one for receives, so a
+//! bidirectional exchange overlaps), records an event per step and polls it, and publishes
+//! progress through the channels' monotonic counters. Per peer and direction operations run in
+//! posting order; different peers and directions progress independently. When an operation
+//! finishes, the communicator's completion watermark advances; callers' streams wait on it
+//! (stream memory operations, or a host function where the vendor lacks them).
+//!
+//! The thread spins while work is in flight (spin → yield → 20 µs naps once a wait grows long)
+//! and parks when idle, so an idle communicator burns no core.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use flagcx_adaptor::{DeviceAdaptor, EventHandle, StreamHandle};
+
+pub(crate) use flagcx_adaptor::tracking::lock;
+
+pub(crate) use crate::op::{Dir, Handoff, Inbox, Op, Resume, Slot};
+
+use crate::bootstrap::Bootstrap;
+use crate::channel::{Counter, RETIRED};
+use crate::error::{CommError, Result};
+use crate::peer::TransportKind;
+use crate::transport::hostmap::HostMaps;
+use crate::transport::ipc::IpcCache;
+use crate::transport::{Path, PeerConn, Phase, Progress, Step};
+use crate::PathStats;
+
+/// State shared between the API side and the proxy thread.
+pub(crate) struct Shared {
+    pub inbox: Mutex<Inbox>,
+    /// Per peer and [`Dir`]: operations handed to the proxy and not finished yet. The eager
+    /// path only runs while its pair and direction has none (they still own channel counters).
+    pub pending: Vec<[AtomicU64; 2]>,
+    /// Per peer: the pair was retired (a failure, a timeout, the peer hung up); the eager path
+    /// leaves it to the proxy, which fails what comes.
+    pub lost: Vec<AtomicBool>,
+    /// Set (under the inbox lock, with nothing in flight) while the proxy closes IPC mappings,
+    /// which may wait for the device context: meanwhile no caller may hand over an operation
+    /// and make a stream wait for it.
+    pub trimming: AtomicBool,
+    /// Per peer and [`Dir`]: a posting thread is moving the pair's next message itself
+    /// (`Comm::try_caller_ipc`). Later operations of that pair and direction wait until it is
+    /// done or handed over, so the proxy sees every pair's messages in order.
+    pub reserved: Vec<[AtomicBool; 2]>,
+    /// Open peer allocations, shared by the proxy and posting threads that issue IPC copies.
+    pub ipc: Mutex<IpcCache>,
+    /// Bumped after every hand-over into `inbox`, so the proxy can poll it without the lock.
+    pub posted: AtomicU64,
+    /// Completed start events, recycled by the API side (creating one per operation costs a
+    /// runtime call and an allocation on the latency path).
+    pub spare_events: Mutex<Vec<EventHandle>>,
+    pub shutdown: AtomicBool,
+    /// Set by `Comm::abort`: everything pending fails with `Aborted`, nothing new is accepted.
+    pub aborted: AtomicBool,
+    /// Highest `n` such that every operation with `seq <= n` has finished.
+    pub watermark: Mutex<u64>,
+    pub watermark_cv: Condvar,
+    /// The device-visible word callers' streams wait on (low 32 bits of the watermark).
+    pub watermark_word: WatermarkWord,
+    pub thread: Mutex<Option<std::thread::Thread>>,
+    /// The first asynchronous failure ([`CommError::is_async_failure`]) any operation hit:
+    /// sticky, for `Comm::async_error` and `Comm::check`.
+    pub first_error: Mutex<Option<CommError>>,
+    pub busy_polls: AtomicU64,
+    /// Bytes moved by finished operations, per [`Path`] (for [`crate::Comm::stats`]).
+    pub path_bytes: [AtomicU64; 4],
+    /// IPC operations the posting thread finished itself (for [`crate::Comm::stats`]).
+    pub caller_ops: AtomicU64,
+    /// IPC operations the posting thread handed to the proxy, indexed by [`Handoff`], for
+    /// `FLAGCX_PROFILE` and [`crate::PathStats::caller_failures`].
+    pub caller_handoffs: [AtomicU64; 5],
+}
+
+/// The word of the communicator's watermark page that callers' streams wait on.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WatermarkWord(*const AtomicU32);
+
+// SAFETY: the word lies in a page the communicator maps before the proxy thread starts and
+// unmaps only in `Comm::drop`, after that thread has been joined, so it outlives every
+// thread that holds the pointer; it is only ever read or written atomically (or by the
+// adaptor's stream operations, which are atomic on the device side).
+unsafe impl Send for WatermarkWord {}
+// SAFETY: as above: shared access is atomic.
+unsafe impl Sync for WatermarkWord {}
+
+impl WatermarkWord {
+    /// The word at `page` (the page's first four bytes, aligned).
+    pub fn new(page: *mut u8) -> Self {
+        WatermarkWord(page as *const AtomicU32)
+    }
+
+    /// The word as a plain pointer, for the adaptor's value writes.
+    pub fn as_mut_ptr(self) -> *mut u32 {
+        self.0 as *mut u32
+    }
+}
+
+impl Shared {
+    pub fn wake(&self) {
+        if let Some(t) = lock(&self.thread).as_ref() {
+            t.unpark();
+        }
+    }
+
+    /// Blocks until the watermark reaches `seq` (host-function fallback and teardown).
+    pub fn wait_watermark(&self, seq: u64) {
+        let mut w = lock(&self.watermark);
+        while *w < seq && !self.shutdown.load(Ordering::Acquire) {
+            w = self
+                .watermark_cv
+                .wait_timeout(w, Duration::from_millis(50))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Keeps the first asynchronous failure of any operation (for
+    /// [`crate::Comm::async_error`]); the caller's own errors (a size mismatch, an abort) are
+    /// not kept.
+    pub fn record_error(&self, e: &CommError) {
+        if !e.is_async_failure() {
+            return;
+        }
+        let mut first = lock(&self.first_error);
+        if first.is_none() {
+            *first = Some(e.clone());
+        }
+    }
+
+    /// Records that the pair with `peer` was retired (see [`Shared::lost`]).
+    pub fn mark_lost(&self, peer: usize) {
+        if let Some(l) = self.lost.get(peer) {
+            l.store(true, Ordering::Release);
+        }
+    }
+
+    /// What [`crate::Comm::stats`] reports.
+    pub fn stats(&self) -> PathStats {
+        let b = |p: Path| self.path_bytes[p as usize].load(Ordering::Relaxed);
+        PathStats {
+            ipc_bytes: b(Path::Ipc),
+            staged_bytes: b(Path::Staged),
+            direct_bytes: b(Path::Direct),
+            eager_bytes: b(Path::Eager),
+            caller_ops: self.caller_ops.load(Ordering::Relaxed),
+            caller_failures: self.caller_handoffs[Handoff::Failed as usize].load(Ordering::Relaxed),
+            ipc_mappings_closed: lock(&self.ipc).closes,
+        }
+    }
+
+    /// Publishes the watermark: the device-visible word (through the adaptor, so vendors that
+    /// emulate stream waits on the host wake their waiters), then the host-side copy.
+    fn publish_watermark<A: DeviceAdaptor>(&self, adaptor: &A, w: u64) {
+        // SAFETY: see the type's Send/Sync argument: a live, aligned word.
+        unsafe { adaptor.host_write_value32(self.watermark_word.as_mut_ptr(), w as u32) };
+        *lock(&self.watermark) = w;
+        self.watermark_cv.notify_all();
+    }
+}
+
+/// Where operations spend their time, per direction (`FLAGCX_PROFILE=1` prints it at teardown).
+#[derive(Default)]
+pub(crate) struct Profile {
+    /// Per direction: count, post→admit, admit→matched, matched→done (seconds).
+    dirs: [(u64, f64, f64, f64); 2],
+    /// IPC handles opened (cache misses).
+    ipc_opens: u64,
+    /// IPC mappings closed while running (cache trims), and the seconds that took.
+    pub(crate) ipc_closes: u64,
+    pub(crate) ipc_close_secs: f64,
+}
+
+impl Profile {
+    fn add(&mut self, dir: Dir, posted: Instant, admitted: Instant, matched: Option<Instant>) {
+        let now = Instant::now();
+        let m = matched.unwrap_or(now);
+        let d = &mut self.dirs[dir as usize];
+        d.0 += 1;
+        d.1 += admitted.duration_since(posted).as_secs_f64();
+        d.2 += m.duration_since(admitted).as_secs_f64();
+        d.3 += now.duration_since(m).as_secs_f64();
+    }
+
+    fn report(&self, rank: usize) {
+        eprintln!(
+            "flagcx profile rank {rank}: {} IPC handle opens, {} closed while running ({:.1} ms)",
+            self.ipc_opens,
+            self.ipc_closes,
+            self.ipc_close_secs * 1e3
+        );
+        for (dir, (n, a, b, c)) in ["send", "recv"].iter().zip(self.dirs) {
+            if n == 0 {
+                continue;
+            }
+            let us = |x: f64| x / n as f64 * 1e6;
+            let (match_what, rest_what) = if *dir == "send" {
+                ("waiting for the receive descriptor", "copy and answer")
+            } else {
+                (
+                    "waiting for the caller's stream, then announcing",
+                    "waiting for the sender",
+                )
+            };
+            eprintln!(
+                "flagcx profile rank {rank}: {n} {dir}s, mean µs: post→proxy {:.1}, {match_what} {:.1}, {rest_what} {:.1}",
+                us(a),
+                us(b),
+                us(c)
+            );
+        }
+    }
+}
+
+/// The proxy thread's state.
+pub(crate) struct Engine<A: DeviceAdaptor> {
+    pub adaptor: A,
+    pub shared: Arc<Shared>,
+    pub boot: Arc<Bootstrap>,
+    pub peers: Vec<Option<PeerConn>>,
+    pub send_stream: StreamHandle,
+    pub recv_stream: StreamHandle,
+    pub(crate) timeout: Option<Duration>,
+    pub(crate) health_interval: Duration,
+    pub(crate) spin: Duration,
+    pub(crate) profile: Option<Profile>,
+    pub(crate) free_events: Vec<EventHandle>,
+    /// Mapped buffers of host-vendor peers (only when this rank is a direct copier).
+    pub(crate) host_maps: Option<HostMaps<A>>,
+    pub(crate) finished: BTreeSet<u64>,
+    pub(crate) watermark: u64,
+}
+
+impl<A: DeviceAdaptor> Engine<A> {
+    pub fn new(
+        adaptor: A,
+        shared: Arc<Shared>,
+        boot: Arc<Bootstrap>,
+        peers: Vec<Option<PeerConn>>,
+        config: &crate::config::Config,
+    ) -> Result<Self> {
+        let send_stream = adaptor.stream_create()?;
+        let recv_stream = adaptor.stream_create()?;
+        let host_maps = peers
+            .iter()
+            .flatten()
+            .any(|c| c.roles.maps_peer)
+            .then(|| HostMaps::new(adaptor.clone(), boot.rank(), config.host_map_max));
+        Ok(Engine {
+            adaptor,
+            shared,
+            boot,
+            peers,
+            send_stream,
+            recv_stream,
+            timeout: config.timeout,
+            health_interval: config.health_interval,
+            spin: config.spin.unwrap_or_default(),
+            profile: config.profile.then(Profile::default),
+            free_events: Vec::new(),
+            host_maps,
+            finished: BTreeSet::new(),
+            watermark: 0,
+        })
+    }
+
+    /// The thread body: runs until shutdown, then fails what is left and cleans up.
+    pub fn run(mut self) {
+        // Short naps must stay short: the default 50 µs timer slack would stretch every 20 µs
+        // back-off sleep to ~70 µs and show up directly in small-message latency.
+        // SAFETY: prctl on the calling thread with plain integer arguments.
+        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
+        let mut spins = 0u32;
+        let mut last_health = Instant::now();
+        let mut seen_posted = 0;
+        let mut last_moved = Instant::now();
+        loop {
+            let mut moved = false;
+            let posted = self.shared.posted.load(Ordering::Acquire);
+            if posted != seen_posted {
+                seen_posted = posted;
+                let new_ops = std::mem::take(&mut lock(&self.shared.inbox).ops);
+                moved = !new_ops.is_empty();
+                for op in new_ops {
+                    self.admit(op);
+                }
+            }
+            for p in 0..self.peers.len() {
+                moved |= self.progress_peer(p);
+            }
+            let busy = self.peers.iter().flatten().any(|c| !c.idle());
+            if busy && last_health.elapsed() >= self.health_interval {
+                self.check_peers();
+                last_health = Instant::now();
+            }
+            if self.shared.shutdown.load(Ordering::Acquire)
+                || self.shared.aborted.load(Ordering::Acquire)
+            {
+                break;
+            }
+            if moved {
+                spins = 0;
+                last_moved = Instant::now();
+            } else if !busy && self.trim_at_rest() {
+                continue;
+            } else if !self.spin.is_zero() && last_moved.elapsed() < self.spin {
+                // Hot for a while after progress, busy or not: the next step or the next
+                // operation usually comes within microseconds, and a wake-up costs more.
+                flagcx_adaptor::spin::relax();
+            } else if busy {
+                self.shared.busy_polls.fetch_add(1, Ordering::Relaxed);
+                spins = spins.saturating_add(1);
+                if spins < 2048 {
+                    flagcx_adaptor::spin::relax();
+                } else if spins < 4096 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+            } else {
+                std::thread::park_timeout(Duration::from_millis(100));
+            }
+        }
+        self.teardown();
+    }
+
+    /// With nothing in flight, closes a few IPC mappings past the cache's bound; whether it did.
+    ///
+    /// Closing a mapping may wait for the whole device context, including callers' streams
+    /// that wait for this communicator's operations, so the cache is trimmed only here: nothing
+    /// in flight, and callers held off handing over new operations (`Shared::trimming`) for the
+    /// few least recently used mappings closed per pass (~45 µs each on an H200). It is checked
+    /// in every pass without work, spinning or not: with the default spin the engine rarely
+    /// reaches its parking branch while traffic flows. The cache grows past its bound while
+    /// traffic never pauses. Seen on an H200: closing between operations hung, and closing at
+    /// idle while a caller posted the next operation stalled it. Posting threads' own copies
+    /// (`IpcCache::caller_copies`) hold it off too.
+    fn trim_at_rest(&mut self) -> bool {
+        if !lock(&self.shared.ipc).over_bound() || !self.streams_idle() {
+            return false;
+        }
+        let quiet = {
+            let inbox = lock(&self.shared.inbox);
+            let quiet = inbox.ops.is_empty();
+            self.shared.trimming.store(quiet, Ordering::Release);
+            quiet
+        };
+        if quiet {
+            self.trim_ipc_cache(8);
+            self.shared.trimming.store(false, Ordering::Release);
+        }
+        quiet
+    }
+
+    fn admit(&mut self, mut op: Op) {
+        let peer = op.peer;
+        let Some(conn) = self.peers.get_mut(peer).and_then(|c| c.as_mut()) else {
+            let e = CommError::InvalidArgument(format!("no connection to rank {peer}"));
+            return self.finish(op, Err(e));
+        };
+        if let Some(reason) = conn.lost.clone() {
+            return self.finish(op, Err(CommError::PeerLost { peer, reason }));
+        }
+        if let Some(Resume::Failed(_)) = &op.resume {
+            let Some(Resume::Failed(e)) = op.resume.take() else {
+                unreachable!("matched above")
+            };
+            fail_locally(conn, &self.shared, op.dir, op.index, &e);
+            return self.finish(op, Err(e));
+        }
+        let index = op.index;
+        let phase = match (
+            &op.resume,
+            op.dir,
+            conn.roles.peer_pulls,
+            conn.roles.we_pull,
+        ) {
+            (Some(Resume::Pushed(ev)), ..) => Phase::Copying(*ev),
+            (Some(Resume::Pulled { ev, size }), ..) => Phase::Pulling {
+                ev: *ev,
+                size: *size,
+            },
+            (Some(Resume::Published), Dir::Send, ..) => Phase::AwaitVerdict,
+            (Some(Resume::Published), Dir::Recv, ..) => Phase::AwaitSendDesc,
+            (Some(Resume::Failed(_)), ..) => unreachable!("finished above"),
+            (None, Dir::Send, true, _) => Phase::Offer,
+            (None, Dir::Send, false, _) => Phase::AwaitRecvDesc,
+            (None, Dir::Recv, _, true) => Phase::AwaitOffer,
+            (None, Dir::Recv, _, false) => Phase::Announce,
+        };
+        let path = match conn.transport {
+            TransportKind::Ipc => Path::Ipc,
+            TransportKind::Staged => Path::Staged,
+        };
+        let step = Step {
+            op,
+            index,
+            phase,
+            path,
+            progressed: Instant::now(),
+            admitted: Instant::now(),
+            matched: None,
+        };
+        match step.op.dir {
+            Dir::Send => conn.sends.push_back(step),
+            Dir::Recv => conn.recvs.push_back(step),
+        }
+    }
+
+    fn finish(&mut self, op: Op, r: Result<usize>) {
+        if let Err(e) = &r {
+            self.shared.record_error(e);
+            tracing::debug!(seq = op.seq, peer = op.peer, "operation failed: {e}");
+        }
+        // The start event has served its purpose.
+        if let Some(start) = op.start {
+            recycle_event(&self.adaptor, &self.shared, start);
+        }
+        // A posting thread's copy the operation still held (it failed or timed out first).
+        if let Some(Resume::Pushed(ev) | Resume::Pulled { ev, .. }) = op.resume {
+            self.caller_copy_over(ev);
+        }
+        // Before the request completes: a caller that waited for it may post the next message
+        // eagerly, which needs this one to be off the books.
+        if let Some(p) = self.shared.pending.get(op.peer) {
+            p[op.dir as usize].fetch_sub(1, Ordering::AcqRel);
+        }
+        op.slot.complete(r);
+        drop(op.keep);
+        self.finished.insert(op.seq);
+        let mut w = self.watermark;
+        while self.finished.remove(&(w + 1)) {
+            w += 1;
+        }
+        if w != self.watermark {
+            self.watermark = w;
+            self.shared.publish_watermark(&self.adaptor, w);
+        }
+    }
+
+    /// A copy's event completed: back to the pool it came from. A posting thread's copy (see
+    /// [`Resume`]) no longer holds its IPC mapping open.
+    pub(crate) fn copy_done(&mut self, op: &mut Op, ev: EventHandle) {
+        match op.resume.take() {
+            Some(Resume::Pushed(_) | Resume::Pulled { .. }) => self.caller_copy_over(ev),
+            _ => self.free_events.push(ev),
+        }
+    }
+
+    /// Settles the event of a posting thread's copy whose operation ends: the copy no longer
+    /// counts in `caller_copies` once its event completed. One that has not (the operation
+    /// failed or timed out around it) keeps counting, so no mapping is ever closed under it;
+    /// that only stops trimming.
+    pub(crate) fn caller_copy_over(&mut self, ev: EventHandle) {
+        if self.adaptor.event_query(ev).unwrap_or(false) {
+            lock(&self.shared.ipc).caller_copies -= 1;
+        }
+        recycle_event(&self.adaptor, &self.shared, ev);
+    }
+
+    pub(crate) fn event(&mut self) -> Result<EventHandle> {
+        match self.free_events.pop() {
+            Some(e) => Ok(e),
+            None => Ok(self.adaptor.event_create(false)?),
+        }
+    }
+
+    /// Enqueues `copy` on `stream` and records an event that completes with the copy. The
+    /// caller checked that the operation's caller stream passed its start (see `started`).
+    pub(crate) fn enqueue(
+        &mut self,
+        stream: StreamHandle,
+        copy: impl FnOnce(&A) -> flagcx_adaptor::Result<()>,
+    ) -> Result<EventHandle> {
+        copy(&self.adaptor)?;
+        let ev = self.event()?;
+        self.adaptor.event_record(ev, stream)?;
+        Ok(ev)
+    }
+
+    /// Advances the front send and front receive of one peer; true if anything moved.
+    fn progress_peer(&mut self, p: usize) -> bool {
+        let mut moved = false;
+        for dir in [Dir::Send, Dir::Recv] {
+            loop {
+                let Some(conn) = self.peers[p].as_mut() else {
+                    return moved;
+                };
+                let q = match dir {
+                    Dir::Send => &mut conn.sends,
+                    Dir::Recv => &mut conn.recvs,
+                };
+                let Some(mut step) = q.pop_front() else { break };
+                let lost = conn.lost.clone();
+                let r = match dir {
+                    Dir::Send => self.progress_send(p, &mut step),
+                    Dir::Recv => self.progress_recv(p, &mut step),
+                };
+                let r = match r {
+                    Ok(pr) => pr,
+                    Err(e) => {
+                        // A local failure mid-message: tell the peer (so its side fails instead
+                        // of waiting), settle our own in-flight copies, and retire the pair —
+                        // its counters no longer agree with the peer's.
+                        self.abandon_chunks(p, dir);
+                        if let Some(c) = self.peers[p].as_mut() {
+                            fail_locally(c, &self.shared, dir, step.index, &e);
+                        }
+                        Progress::Done(Err(e))
+                    }
+                };
+                match r {
+                    Progress::Done(res) => {
+                        moved = true;
+                        if let Ok(n) = res {
+                            self.shared.path_bytes[step.path as usize]
+                                .fetch_add(n as u64, Ordering::Relaxed);
+                        }
+                        if let (Some(pr), true) = (self.profile.as_mut(), res.is_ok()) {
+                            pr.add(dir, step.op.posted, step.admitted, step.matched);
+                        }
+                        self.finish(step.op, res);
+                    }
+                    Progress::Moved => {
+                        moved = true;
+                        step.progressed = Instant::now();
+                        self.requeue_front(p, dir, step);
+                        break;
+                    }
+                    Progress::Idle { on_peer } => {
+                        let stalled = self.timeout.filter(|t| step.progressed.elapsed() > *t);
+                        match (lost.filter(|_| on_peer), stalled) {
+                            (Some(reason), _) => {
+                                moved = true;
+                                self.abandon_chunks(p, dir);
+                                let e = CommError::PeerLost { peer: p, reason };
+                                self.finish(step.op, Err(e));
+                            }
+                            (None, Some(t)) => {
+                                moved = true;
+                                self.abandon_chunks(p, dir);
+                                // The pair's shared state is now out of step: retire it.
+                                let what = format!(
+                                    "{} of {} bytes with rank {p} made no progress: {}",
+                                    match step.op.dir {
+                                        Dir::Send => "send",
+                                        Dir::Recv => "receive",
+                                    },
+                                    step.op.bytes,
+                                    step.phase.waiting_for()
+                                );
+                                if let Some(c) = self.peers[p].as_mut() {
+                                    let why = format!("an operation timed out ({what})");
+                                    retire_both_ways(c, &self.shared, why);
+                                }
+                                let e = CommError::Timeout {
+                                    ms: t.as_millis() as u64,
+                                    peer: Some(p),
+                                    what,
+                                };
+                                self.finish(step.op, Err(e));
+                            }
+                            (None, None) => {
+                                self.requeue_front(p, dir, step);
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        moved
+    }
+
+    pub(crate) fn requeue_front(&mut self, p: usize, dir: Dir, step: Step) {
+        if let Some(conn) = self.peers[p].as_mut() {
+            match dir {
+                Dir::Send => conn.sends.push_front(step),
+                Dir::Recv => conn.recvs.push_front(step),
+            }
+        }
+    }
+
+    /// After a peer is lost mid-message, waits for our own in-flight chunk copies (they touch
+    /// the caller's buffer) and forgets them.
+    pub(crate) fn abandon_chunks(&mut self, p: usize, dir: Dir) {
+        let stream = match dir {
+            Dir::Send => self.send_stream,
+            Dir::Recv => self.recv_stream,
+        };
+        let _ = self.adaptor.stream_synchronize(stream);
+        if let Some(conn) = self.peers[p].as_mut() {
+            let q = match dir {
+                Dir::Send => &mut conn.send_ring.chunks,
+                Dir::Recv => &mut conn.recv_ring.chunks,
+            };
+            self.free_events.extend(q.drain(..));
+        }
+    }
+
+    pub(crate) fn streams_idle(&self) -> bool {
+        [self.send_stream, self.recv_stream]
+            .iter()
+            .all(|&s| self.adaptor.stream_query(s).unwrap_or(false))
+    }
+
+    /// Marks peers whose bootstrap socket hung up; their stuck operations then fail.
+    fn check_peers(&mut self) {
+        for conn in self.peers.iter_mut().flatten() {
+            if conn.lost.is_some() || conn.idle() {
+                continue;
+            }
+            let Some(fd) = self.boot.peer_fd(conn.peer) else {
+                continue;
+            };
+            let mut pfd = libc::pollfd {
+                fd,
+                events: libc::POLLRDHUP,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd, zero timeout.
+            let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+            if n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+                tracing::warn!(peer = conn.peer, "peer hung up");
+                let why = "the process exited or closed its communicator".into();
+                conn.retire(&self.shared, why);
+            }
+        }
+    }
+
+    fn teardown(mut self) {
+        if let Some(p) = self.profile.as_mut() {
+            p.ipc_opens = lock(&self.shared.ipc).opens;
+            p.report(self.boot.rank());
+            let n = |h: Handoff| self.shared.caller_handoffs[h as usize].load(Ordering::Relaxed);
+            eprintln!(
+                "flagcx profile rank {}: {} IPC operations finished by their posting thread; \
+                 handed to the proxy: {} before the peer's descriptor came, {} while the copy \
+                 ran ({} pushes, {} pulls), {} before the peer answered, {} failed",
+                self.boot.rank(),
+                self.shared.caller_ops.load(Ordering::Relaxed),
+                n(Handoff::Fresh),
+                n(Handoff::Pushed) + n(Handoff::Pulled),
+                n(Handoff::Pushed),
+                n(Handoff::Pulled),
+                n(Handoff::Published),
+                n(Handoff::Failed)
+            );
+        }
+        let aborted = self.shared.aborted.load(Ordering::Acquire);
+        if aborted {
+            tracing::warn!("communicator aborted: failing every pending operation");
+            // Peers fail what they have with this rank at once instead of waiting for it.
+            for conn in self.peers.iter_mut().flatten() {
+                retire_both_ways(conn, &self.shared, "this rank aborted".into());
+            }
+        }
+        let mut left = Vec::new();
+        for conn in self.peers.iter_mut().flatten() {
+            left.extend(
+                conn.sends
+                    .drain(..)
+                    .chain(conn.recvs.drain(..))
+                    .map(|s| s.op),
+            );
+        }
+        left.extend(std::mem::take(&mut lock(&self.shared.inbox).ops));
+        let _ = self.adaptor.stream_synchronize(self.send_stream);
+        let _ = self.adaptor.stream_synchronize(self.recv_stream);
+        for op in left {
+            // A copy a posting thread issued on its stream may still use a mapping, which
+            // closes below: let it finish first (`finish` then settles its event).
+            if let Some(Resume::Pushed(ev) | Resume::Pulled { ev, .. }) = op.resume {
+                let _ = self.adaptor.event_synchronize(ev);
+            }
+            self.finish(op, Err(CommError::Aborted));
+        }
+        self.flush_ipc_cache();
+        if let Some(m) = self.host_maps.as_mut() {
+            // Both streams were synchronized above: no copy touches the mappings.
+            m.close();
+        }
+        let spares = std::mem::take(&mut *lock(&self.shared.spare_events));
+        for e in self.free_events.drain(..).chain(spares) {
+            let _ = self.adaptor.event_destroy(e);
+        }
+        for conn in self.peers.iter_mut().flatten() {
+            for e in conn
+                .send_ring
+                .chunks
+                .drain(..)
+                .chain(conn.recv_ring.chunks.drain(..))
+            {
+                let _ = self.adaptor.event_destroy(e);
+            }
+            if conn.registered {
+                for ch in [&conn.out, &conn.inc] {
+                    // SAFETY: both proxy streams are idle, so no copy uses the ring.
+                    let _ = unsafe { self.adaptor.host_unpin(ch.ring().0) };
+                }
+            }
+        }
+        let _ = self.adaptor.stream_destroy(self.send_stream);
+        let _ = self.adaptor.stream_destroy(self.recv_stream);
+    }
+}
+
+/// A local failure (`e`) of message `index` mid-protocol: tells the peer, so its side fails
+/// instead of waiting, and retires the pair — its counters no longer agree with the peer's.
+/// Retires the pair in both directions and tells the peer through the channels' fault
+/// counters ([`RETIRED`]): whatever it has not started yet fails there with `RemoteFailure`
+/// instead of moving bytes into or out of this rank's buffers — the peer may only be stopped,
+/// and continue later.
+fn retire_both_ways(conn: &mut PeerConn, shared: &Shared, why: String) {
+    conn.out.store(Counter::SendFault, RETIRED);
+    conn.inc.store(Counter::RecvFault, RETIRED);
+    conn.retire(shared, why);
+}
+
+fn fail_locally(conn: &mut PeerConn, shared: &Shared, dir: Dir, index: u64, e: &CommError) {
+    let (ch, counter) = match dir {
+        Dir::Send => (&conn.out, Counter::SendFault),
+        Dir::Recv => (&conn.inc, Counter::RecvFault),
+    };
+    ch.store(counter, index + 1);
+    conn.retire(shared, format!("a local {dir:?} failed: {e}"));
+}
+
+/// Returns an event of the API side to its pool (`Shared::spare_events`) if it completed, else
+/// destroys it (allowed while a stream still has to pass it: runtimes release it once it
+/// completes).
+pub(crate) fn recycle_event<A: DeviceAdaptor>(adaptor: &A, shared: &Shared, ev: EventHandle) {
+    let mut spares = lock(&shared.spare_events);
+    if spares.len() < 1024 && adaptor.event_query(ev).unwrap_or(false) {
+        spares.push(ev);
+    } else {
+        let _ = adaptor.event_destroy(ev);
+    }
+}

@@ -1,0 +1,156 @@
+//! Joining callers' streams: the start event an operation waits for, and the wait of the
+//! caller's stream on the communicator's completion watermark (a stream memory operation on a
+//! registered host page, or a host function where the vendor has none).
+
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, StreamHandle, WaitCondition};
+
+use crate::comm::Comm;
+use crate::config::StreamJoin;
+use crate::engine::lock;
+use crate::error::{CommError, Result};
+
+/// A page the callers' streams can wait on: the low 32 bits of the completion watermark.
+pub(crate) struct WatermarkPage {
+    pub(crate) host: *mut u8,
+    pub(crate) device: Option<DevicePtr>,
+}
+
+// SAFETY: the page is private to its communicator: mapped in `WatermarkPage::new`, unmapped
+// once in `release` from `Comm::drop`; the communicator's threads only touch its watermark
+// word, atomically (see `WatermarkWord`).
+unsafe impl Send for WatermarkPage {}
+
+// SAFETY: as above.
+unsafe impl Sync for WatermarkPage {}
+
+impl WatermarkPage {
+    pub(crate) fn new<A: DeviceAdaptor>(adaptor: &A) -> Result<Self> {
+        // SAFETY: a fresh private anonymous page; checked.
+        let host = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if host == libc::MAP_FAILED {
+            return Err(CommError::io(
+                "mmap watermark page",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let host = host as *mut u8;
+        let device =
+            if adaptor.capabilities().host_register && adaptor.capabilities().stream_mem_ops {
+                // SAFETY: the page stays mapped until `release`, which unregisters it first.
+                match unsafe { adaptor.host_register(host, 4096) } {
+                    Ok(d) => Some(d),
+                    Err(e) => {
+                        // SAFETY: our page, not yet shared with anyone.
+                        unsafe { libc::munmap(host.cast(), 4096) };
+                        return Err(e.into());
+                    }
+                }
+            } else {
+                None
+            };
+        Ok(WatermarkPage { host, device })
+    }
+
+    pub(crate) fn release<A: DeviceAdaptor>(&mut self, adaptor: &A) {
+        if self.device.take().is_some() {
+            // SAFETY: every joined stream passed its last wait; nothing reads the page any more.
+            let _ = unsafe { adaptor.host_unregister(self.host) };
+        }
+        // SAFETY: our mapping of one page.
+        unsafe { libc::munmap(self.host.cast(), 4096) };
+    }
+}
+
+impl<A: DeviceAdaptor> Comm<A> {
+    /// An event of the API side's pool (`Shared::spare_events`), or a new one.
+    pub(crate) fn spare_event(&self) -> Result<EventHandle> {
+        let spare = lock(&self.shared.spare_events).pop();
+        match spare {
+            Some(e) => Ok(e),
+            None => Ok(self.adaptor.event_create(false)?),
+        }
+    }
+
+    /// An event recorded on `stream` now: where an operation may start.
+    pub(crate) fn start_event(&self, stream: StreamHandle) -> Result<EventHandle> {
+        let start = self.spare_event()?;
+        if let Err(e) = self.adaptor.event_record(start, stream) {
+            let _ = self.adaptor.event_destroy(start);
+            return Err(e.into());
+        }
+        Ok(start)
+    }
+
+    /// Makes `stream` wait until operation `seq` (and all before it) finished.
+    pub(crate) fn join_stream(&self, stream: StreamHandle, seq: u64) -> Result<()> {
+        let join = self.config.join;
+        if join == StreamJoin::None {
+            return Ok(());
+        }
+        let caps = self.adaptor.capabilities();
+        match self.page.device {
+            Some(word) if caps.stream_mem_ops && join != StreamJoin::HostFn => {
+                // SAFETY: the word lives in the registered watermark page, which outlives every
+                // stream wait (Drop releases the waits and waits for each joined stream's
+                // last-join event before unmapping).
+                unsafe {
+                    self.adaptor.stream_wait_value32(
+                        stream,
+                        word,
+                        seq as u32,
+                        WaitCondition::Geq,
+                    )?
+                };
+            }
+            _ => {
+                let shared = self.shared.clone();
+                self.adaptor
+                    .launch_host_func(stream, Box::new(move || shared.wait_watermark(seq)))?;
+            }
+        }
+        let mut joined = lock(&self.joined);
+        let ev = match joined.get(&stream.0) {
+            Some(&(e, _)) => e,
+            None => self.adaptor.event_create(false)?,
+        };
+        joined.insert(stream.0, (ev, seq));
+        self.adaptor.event_record(ev, stream)?;
+        Ok(())
+    }
+
+    /// Whether `stream` is idle, waiting up to the spin time when all it may still hold is
+    /// this communicator's join of an operation that already finished: a caller that waited
+    /// for a request posts its next operation before the stream has passed that (satisfied)
+    /// wait, and only an idle stream lets the next message go eagerly. Without this, one
+    /// message through the proxy keeps every later one there.
+    /// Only waits where the eager path could follow (`eager`).
+    pub(crate) fn idle_or_soon(&self, stream: StreamHandle, eager: bool) -> Result<bool> {
+        if self.adaptor.stream_query(stream)? {
+            return Ok(true);
+        }
+        let spin = self.config.spin.unwrap_or_default();
+        let passed = |seq: u64| *lock(&self.shared.watermark) >= seq;
+        let last = lock(&self.joined).get(&stream.0).map(|&(_, seq)| seq);
+        match last {
+            Some(seq) if eager && !spin.is_zero() && passed(seq) => {}
+            _ => return Ok(false),
+        }
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < spin {
+            flagcx_adaptor::spin::relax();
+            if self.adaptor.stream_query(stream)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+}

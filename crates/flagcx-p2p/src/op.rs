@@ -1,0 +1,147 @@
+//! What the API side hands the engine: operations ([`Op`]), where their results land
+//! ([`Slot`]), the inbox that numbers them per pair and direction ([`Inbox`]), and how far a
+//! posting thread got with one it began itself ([`Resume`]).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use flagcx_adaptor::tracking::lock;
+use flagcx_adaptor::{DevicePtr, EventHandle};
+
+use crate::error::{CommError, Result};
+
+/// Send or receive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dir {
+    Send,
+    Recv,
+}
+
+/// Where one operation's result lands; shared by the proxy and the [`crate::Request`].
+#[derive(Debug, Default)]
+pub(crate) struct Slot {
+    result: Mutex<Option<Result<usize>>>,
+    cv: Condvar,
+    /// Set once `result` is filled, for waiters that spin before sleeping.
+    done: AtomicBool,
+}
+
+impl Slot {
+    pub fn complete(&self, r: Result<usize>) {
+        *lock(&self.result) = Some(r);
+        self.done.store(true, Ordering::Release);
+        self.cv.notify_all();
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
+    /// Waits for the result, up to `timeout` if given, spinning for up to `spin` first.
+    pub fn wait(&self, timeout: Option<Duration>, spin: Duration) -> Option<Result<usize>> {
+        let t0 = Instant::now();
+        let spin = timeout.map_or(spin, |t| spin.min(t));
+        while !spin.is_zero() && !self.is_done() && t0.elapsed() < spin {
+            flagcx_adaptor::spin::relax();
+        }
+        let deadline = timeout.map(|t| t0 + t);
+        let mut g = lock(&self.result);
+        loop {
+            if let Some(r) = g.take() {
+                return Some(r);
+            }
+            match deadline {
+                None => g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner()),
+                Some(d) => {
+                    let left = d.checked_duration_since(Instant::now())?;
+                    g = self
+                        .cv
+                        .wait_timeout(g, left)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+        }
+    }
+}
+
+/// An operation handed to the proxy.
+pub(crate) struct Op {
+    pub seq: u64,
+    pub dir: Dir,
+    pub peer: usize,
+    /// The message's number on its pair and direction, given at submission (see [`Inbox`]).
+    pub index: u64,
+    pub ptr: DevicePtr,
+    pub bytes: usize,
+    /// Recorded on the caller's stream at posting: the operation may start once it completes.
+    /// `None` when the stream was already idle at posting (nothing to wait for).
+    pub start: Option<EventHandle>,
+    pub slot: Arc<Slot>,
+    /// Keeps a safe API caller's buffer alive until the operation finishes.
+    pub keep: Option<Box<dyn std::any::Any + Send>>,
+    /// When the API thread posted it (for `FLAGCX_PROFILE`).
+    pub posted: Instant,
+    /// Where the proxy takes over an operation the posting thread began itself (IPC pairs,
+    /// see `Comm::try_caller_ipc`); `None`: from the start.
+    pub resume: Option<Resume>,
+}
+
+/// How far the posting thread got with an IPC operation before handing it to the proxy.
+#[derive(Debug)]
+pub(crate) enum Resume {
+    /// It issued the copy into the receiver's buffer on the caller's stream; the event (from
+    /// `Shared::spare_events`) completes with it. The proxy answers the receiver then.
+    Pushed(EventHandle),
+    /// It issued the copy out of the sender's buffer (`size` bytes offered) on the caller's
+    /// stream; the proxy gives the verdict once the event completes.
+    Pulled { ev: EventHandle, size: usize },
+    /// It published the receive announcement, or the send offer; the proxy waits for the
+    /// peer's answer, or its verdict.
+    Published,
+    /// Its side failed (a vendor error): the proxy tells the peer and retires the pair, as
+    /// for a failure of its own.
+    Failed(CommError),
+}
+
+/// Where a posting thread handed an IPC operation to the proxy: the index of its counter in
+/// [`crate::engine::Shared::caller_handoffs`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Handoff {
+    /// Before the peer's descriptor came: the proxy starts from the beginning.
+    Fresh = 0,
+    /// With its copy into the peer's buffer running.
+    Pushed = 1,
+    /// With its copy out of the peer's buffer running.
+    Pulled = 2,
+    /// With its descriptor published, before the peer answered.
+    Published = 3,
+    /// After its own copy failed.
+    Failed = 4,
+}
+
+impl Resume {
+    /// The counter of a hand-over that resumes at `r`.
+    pub fn handoff(r: &Option<Resume>) -> Handoff {
+        match r {
+            None => Handoff::Fresh,
+            Some(Resume::Pushed(_)) => Handoff::Pushed,
+            Some(Resume::Pulled { .. }) => Handoff::Pulled,
+            Some(Resume::Published) => Handoff::Published,
+            Some(Resume::Failed(_)) => Handoff::Failed,
+        }
+    }
+}
+
+/// Operations on their way to the proxy, and the message numbering they get on the way.
+///
+/// Both the proxy and the API side's eager path (which completes small messages without the
+/// proxy) consume message numbers; numbering under this one lock keeps every pair's and
+/// direction's messages in posting order on both paths.
+#[derive(Default)]
+pub(crate) struct Inbox {
+    pub ops: Vec<Op>,
+    /// Per peer and [`Dir`]: the next message number.
+    pub next: Vec<[u64; 2]>,
+}

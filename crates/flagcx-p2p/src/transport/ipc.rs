@@ -1,0 +1,645 @@
+//! IPC: same-vendor pairs, one device copy between the two ranks' buffers.
+//!
+//! The copier (each sender by default; one rank per pair with `FLAGCX_P2P_IPC_COPIER`) opens
+//! the peer's allocation from its byte-form handle once ([`IpcCache`]) and copies straight into
+//! the receiver's buffer (push) or out of the sender's (pull). Outside a group the posting
+//! thread moves a message itself where nothing earlier of its pair is in flight
+//! ([`Comm::try_caller_ipc`], `FLAGCX_P2P_IPC_CALLER`); what it does not finish within its
+//! spin time goes to the engine from where it stands ([`Resume`]).
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, IpcMemHandle, StreamHandle};
+
+use super::{
+    answer, export, give_verdict, pull_without_copy, push_without_copy, send_failure,
+    verdict_result, Path, Step,
+};
+use crate::channel::{Channel, Counter, RecvDesc, SendDesc, SendStatus};
+use crate::comm::{Comm, State};
+use crate::engine::{lock, recycle_event, Dir, Engine, Resume};
+use crate::engine::{Op, Slot};
+use crate::error::{CommError, Result};
+use crate::peer::TransportKind;
+use crate::Request;
+
+/// Peer allocations the proxy keeps open for IPC copies; past it, the least recently used are
+/// closed, a few per pass while nothing is in flight (see the idle branch of `Engine::run`).
+pub(crate) const IPC_CACHE_MAX: usize = 256;
+
+/// Open peer allocations (IPC mappings) and when each was last used.
+#[derive(Default)]
+pub(crate) struct IpcCache {
+    map: HashMap<[u8; IpcMemHandle::WIRE_LEN], (DevicePtr, u64)>,
+    uses: u64,
+    /// Copies that posting threads issued on their own streams through a mapping of this cache
+    /// and whose completion nobody has seen yet: while there are any, no mapping is closed
+    /// (the proxy's streams being idle says nothing about the callers' streams).
+    pub caller_copies: usize,
+    /// Handles opened (cache misses), for `FLAGCX_PROFILE`.
+    pub opens: u64,
+    /// Mappings closed while running (trimming past the bound), for [`crate::Comm::stats`].
+    pub closes: u64,
+}
+
+impl IpcCache {
+    /// Whether the cache holds more mappings than its bound, with no posting thread's copy
+    /// in flight (then the engine may trim it while idle).
+    pub(crate) fn over_bound(&self) -> bool {
+        self.map.len() > IPC_CACHE_MAX && self.caller_copies == 0
+    }
+
+    /// Maps the peer's allocation behind `handle`, or reuses an earlier mapping of it.
+    pub fn open<A: DeviceAdaptor>(
+        &mut self,
+        adaptor: &A,
+        handle: Option<IpcMemHandle>,
+    ) -> Result<DevicePtr> {
+        let handle =
+            handle.ok_or_else(|| CommError::Protocol("IPC descriptor without a handle".into()))?;
+        let key = handle.to_wire();
+        self.uses += 1;
+        if let Some(e) = self.map.get_mut(&key) {
+            e.1 = self.uses;
+            return Ok(e.0);
+        }
+        let b = adaptor.ipc_open_handle(&handle)?;
+        self.opens += 1;
+        self.map.insert(key, (b, self.uses));
+        Ok(b)
+    }
+}
+
+/// The keys of up to `n` entries of `cache` (values: `(_, last use)`) to drop so that it holds
+/// at most `max`, least recently used first.
+pub(crate) fn lru_victims<K: Copy, V>(
+    cache: &HashMap<K, (V, u64)>,
+    max: usize,
+    n: usize,
+) -> Vec<K> {
+    let excess = cache.len().saturating_sub(max).min(n);
+    let mut by_age: Vec<(u64, K)> = cache.iter().map(|(k, v)| (v.1, *k)).collect();
+    by_age.sort_unstable_by_key(|&(used, _)| used);
+    by_age.into_iter().take(excess).map(|(_, k)| k).collect()
+}
+
+/// The API side's handle on an IPC pair, for operations the posting thread moves itself
+/// ([`crate::Config::ipc_caller`]).
+pub(crate) struct CallerLink {
+    /// This rank → peer.
+    pub(crate) out: Arc<Channel>,
+    /// Peer → this rank.
+    pub(crate) inc: Arc<Channel>,
+    /// This rank copies what it sends into the peer's buffer (else the peer pulls it).
+    pub(crate) push: bool,
+    /// This rank copies what it receives out of the peer's buffer (else the peer pushes it).
+    pub(crate) pull: bool,
+}
+
+/// One message a posting thread moves: its direction, number, buffer and peer.
+#[derive(Clone, Copy)]
+pub(crate) struct Msg {
+    pub(crate) dir: Dir,
+    pub(crate) k: u64,
+    pub(crate) ptr: DevicePtr,
+    pub(crate) bytes: usize,
+    pub(crate) peer: usize,
+}
+
+impl CallerLink {
+    /// The channel carrying messages of `dir`, and the counters through which the peer
+    /// answers there (its descriptor or answer, and its failure).
+    pub(crate) fn lane(&self, dir: Dir) -> (&Channel, Counter, Counter) {
+        match dir {
+            Dir::Send => (&self.out, Counter::RecvPosted, Counter::RecvFault),
+            Dir::Recv => (&self.inc, Counter::SendPosted, Counter::SendFault),
+        }
+    }
+}
+
+/// What became of an IPC operation the posting thread took on.
+pub(crate) enum Caller {
+    /// Finished.
+    Done(Result<usize>),
+    /// The proxy goes on from here (`None`: from the start).
+    HandOff(Option<Resume>),
+}
+
+/// How much longer than the spin time a posting thread waits for a copy that is already
+/// running (its own, or the peer's copy of its message, see [`Counter::Issued`]) before
+/// handing the operation to the proxy. A hand-over costs the pair a stream wait on the device
+/// and a round through both proxies (~20 µs per hop on one H200); waiting for a running copy
+/// is bounded by its size (1 GiB: 0.5 ms on an H200).
+pub(crate) const RUNNING_COPY_WAIT: Duration = Duration::from_millis(2);
+
+/// Polls `ready` until it gives a value, for up to `budget()` (at least once; `spin` zero:
+/// exactly once), reading the clock and the budget every 64 polls (they cost more than a poll
+/// of shared memory).
+pub(crate) fn poll_for<T>(
+    spin: Duration,
+    budget: impl Fn() -> Duration,
+    mut ready: impl FnMut() -> Option<T>,
+) -> Option<T> {
+    let t0 = std::time::Instant::now();
+    let mut polls = 0u32;
+    loop {
+        if let Some(v) = ready() {
+            return Some(v);
+        }
+        polls = polls.wrapping_add(1);
+        if spin.is_zero() || polls % 64 == 0 && t0.elapsed() >= budget() {
+            return None;
+        }
+        flagcx_adaptor::spin::relax();
+    }
+}
+
+/// The wait budget beside a copy that `running` says is under way: the spin time, plus
+/// [`RUNNING_COPY_WAIT`] while it runs (spinning at all only where the spin time allows it).
+pub(crate) fn running_copy_budget(spin: Duration, running: bool) -> Duration {
+    if running && !spin.is_zero() {
+        spin + RUNNING_COPY_WAIT
+    } else {
+        spin
+    }
+}
+
+impl<A: DeviceAdaptor> Engine<A> {
+    /// Maps the peer's allocation behind `handle`, or reuses an earlier mapping of it.
+    pub(crate) fn open_ipc(&mut self, handle: Option<IpcMemHandle>) -> Result<DevicePtr> {
+        lock(&self.shared.ipc).open(&self.adaptor, handle)
+    }
+
+    /// Opens (or reuses) the receiver's allocation and enqueues the one copy into it.
+    pub(crate) fn issue_ipc_copy(&mut self, step: &Step, desc: &RecvDesc) -> Result<EventHandle> {
+        let base = self.open_ipc(desc.handle)?;
+        let dst = DevicePtr(base.0 + desc.offset);
+        let (src, n, stream) = (step.op.ptr, step.op.bytes, self.send_stream);
+        self.enqueue(stream, |a| {
+            // SAFETY: `dst..dst+n` lies in the receiver's buffer (it announced `desc.size >= n`
+            // at `offset` of that allocation, which it keeps until we answer); `src` is the
+            // caller's buffer, valid until the operation completes.
+            unsafe { a.memcpy_d2d_async(dst, src, n, stream) }
+        })
+    }
+
+    /// Opens (or reuses) the sender's allocation and enqueues the one copy out of it into the
+    /// caller's receive buffer.
+    pub(crate) fn issue_ipc_pull(&mut self, step: &Step, offer: &SendDesc) -> Result<EventHandle> {
+        let base = self.open_ipc(offer.handle)?;
+        let src = DevicePtr(base.0 + offer.offset);
+        let (dst, n, stream) = (step.op.ptr, offer.size as usize, self.recv_stream);
+        self.enqueue(stream, |a| {
+            // SAFETY: `src..src+n` lies in the sender's buffer (it offered `n` bytes at `offset`
+            // of that allocation and keeps them until our verdict); the destination is the
+            // caller's buffer with `n <= bytes` (checked by the caller), valid until the
+            // operation completes.
+            unsafe { a.memcpy_d2d_async(dst, src, n, stream) }
+        })
+    }
+
+    pub(crate) fn flush_ipc_cache(&mut self) {
+        let _ = self.adaptor.stream_synchronize(self.send_stream);
+        let _ = self.adaptor.stream_synchronize(self.recv_stream);
+        for (_, (base, _)) in lock(&self.shared.ipc).map.drain() {
+            // SAFETY: both proxy streams are idle and no caller is left that could copy (the
+            // communicator is being destroyed, and each caller's copy was waited for before
+            // its operation finished), so no copy uses the mapping.
+            let _ = unsafe { self.adaptor.ipc_close(base) };
+        }
+    }
+
+    /// Closes up to `n` of the least recently used mappings beyond the bound (the caller
+    /// checked that both proxy streams are idle).
+    pub(crate) fn trim_ipc_cache(&mut self, n: usize) {
+        let t0 = Instant::now();
+        // Held throughout: a posting thread cannot take a mapping while it closes.
+        let mut cache = lock(&self.shared.ipc);
+        if cache.caller_copies > 0 {
+            return;
+        }
+        let victims = lru_victims(&cache.map, IPC_CACHE_MAX, n);
+        let closed = victims.len() as u64;
+        cache.closes += closed;
+        for key in victims {
+            if let Some((base, _)) = cache.map.remove(&key) {
+                // SAFETY: both proxy streams are idle and no posting thread's copy is in
+                // flight (`caller_copies`, checked under this lock), so no copy uses it.
+                let _ = unsafe { self.adaptor.ipc_close(base) };
+            }
+        }
+        if let Some(p) = self.profile.as_mut() {
+            p.ipc_closes += closed;
+            p.ipc_close_secs += t0.elapsed().as_secs_f64();
+        }
+    }
+}
+
+impl<A: DeviceAdaptor> Comm<A> {
+    /// The posting thread's IPC path (the caller checked the pair has one and the post is
+    /// outside a group): while nothing earlier of the pair and direction is with the proxy,
+    /// this thread takes the message. Where this rank copies, it waits (up to the spin time)
+    /// for the peer's descriptor and issues the copy on the caller's stream itself, so the
+    /// stream orders it with no event and no wait on the proxy; where the peer copies, it
+    /// publishes its own descriptor (idle streams only: the peer's copy engine may touch the
+    /// buffer at once) and waits for the peer's answer. Whatever is not finished within the
+    /// spin time goes to the proxy from where it stands. `None`: not taken (`start` and `keep`
+    /// stay the caller's), post normally.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn try_caller_ipc(
+        &self,
+        dir: Dir,
+        ptr: DevicePtr,
+        bytes: usize,
+        peer: usize,
+        stream: StreamHandle,
+        start: Option<EventHandle>,
+        keep: &mut Option<Box<dyn std::any::Any + Send>>,
+    ) -> Result<Option<Request>> {
+        let Some(link) = self.caller.get(peer).and_then(|l| l.as_ref()) else {
+            return Ok(None);
+        };
+        let copies = match dir {
+            Dir::Send => link.push,
+            Dir::Recv => link.pull,
+        };
+        if !copies && start.is_some() {
+            return Ok(None);
+        }
+        let d = dir as usize;
+        let k = {
+            let mut inbox = lock(&self.shared.inbox);
+            let k = inbox.next[peer][d];
+            if self.shared.pending[peer][d].load(Ordering::Acquire) != 0
+                || self.shared.lost[peer].load(Ordering::Acquire)
+                || self.shared.trimming.load(Ordering::Acquire)
+            {
+                return Ok(None);
+            }
+            inbox.next[peer][d] = k + 1;
+            self.shared.pending[peer][d].fetch_add(1, Ordering::AcqRel);
+            self.shared.reserved[peer][d].store(true, Ordering::Release);
+            k
+        };
+        let spin = self.config.spin.unwrap_or_default();
+        let idle = start.is_none();
+        let m = Msg {
+            dir,
+            k,
+            ptr,
+            bytes,
+            peer,
+        };
+        let outcome = match copies {
+            true => self.caller_copies(link, m, stream, idle, spin),
+            false => self.caller_publish(link, m, spin),
+        }
+        .unwrap_or_else(|e| Caller::HandOff(Some(Resume::Failed(e))));
+        let (resume, start) = match outcome {
+            Caller::Done(r) => {
+                self.shared.pending[peer][d].fetch_sub(1, Ordering::AcqRel);
+                self.shared.reserved[peer][d].store(false, Ordering::Release);
+                if let Some(start) = start {
+                    recycle_event(&self.adaptor, &self.shared, start);
+                }
+                match &r {
+                    Ok(n) => {
+                        self.shared.path_bytes[Path::Ipc as usize]
+                            .fetch_add(*n as u64, Ordering::Relaxed);
+                        self.shared.caller_ops.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => self.shared.record_error(e),
+                }
+                drop(keep.take());
+                return Ok(Some(Request {
+                    state: State::Done(r),
+                    seq: 0,
+                    spin: Duration::ZERO,
+                }));
+            }
+            // A copy on the caller's stream needs no start: the stream orders it.
+            Caller::HandOff(Some(r @ (Resume::Pushed(_) | Resume::Pulled { .. }))) => {
+                if let Some(start) = start {
+                    recycle_event(&self.adaptor, &self.shared, start);
+                }
+                (Some(r), None)
+            }
+            Caller::HandOff(r) => (r, start),
+        };
+        self.shared.caller_handoffs[Resume::handoff(&resume) as usize]
+            .fetch_add(1, Ordering::Relaxed);
+        // The stream waits for the operation, unless it carries the copy itself (or the
+        // operation failed before anything of it was under way).
+        let join = !matches!(
+            resume,
+            Some(Resume::Pushed(_) | Resume::Pulled { .. } | Resume::Failed(_))
+        );
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let slot = Arc::new(Slot::default());
+        let op = Op {
+            seq,
+            dir,
+            peer,
+            index: k,
+            ptr,
+            bytes,
+            start,
+            slot: slot.clone(),
+            keep: keep.take(),
+            posted: std::time::Instant::now(),
+            resume,
+        };
+        {
+            let mut inbox = self.inbox_for_handover(|| false);
+            inbox.ops.push(op);
+            self.shared.reserved[peer][d].store(false, Ordering::Release);
+        }
+        self.shared.posted.fetch_add(1, Ordering::Release);
+        self.shared.wake();
+        if join {
+            self.join_stream(stream, seq)?;
+        }
+        Ok(Some(Request {
+            state: State::Pending(slot),
+            seq,
+            spin,
+        }))
+    }
+
+    /// This rank copies: once the peer described its side of message `k` (the receiver its
+    /// buffer, or the sender its offer), the one copy goes on the caller's stream — into the
+    /// peer's buffer for a send, out of it for a receive.
+    pub(crate) fn caller_copies(
+        &self,
+        link: &CallerLink,
+        m: Msg,
+        stream: StreamHandle,
+        idle: bool,
+        spin: Duration,
+    ) -> Result<Caller> {
+        let Msg {
+            dir,
+            k,
+            ptr,
+            bytes,
+            peer,
+        } = m;
+        let (ch, theirs, their_fault) = link.lane(dir);
+        let seen = poll_for(
+            spin,
+            || spin,
+            || (ch.load(theirs) > k || ch.load(their_fault) > k).then_some(()),
+        );
+        // The proxy reports a failure on the peer's side (and takes an eager message).
+        if seen.is_none() || ch.load(their_fault) > k {
+            return Ok(Caller::HandOff(None));
+        }
+        // The peer's buffer (its allocation's handle and the offset in it), and the bytes.
+        let (handle, offset, n) = match dir {
+            Dir::Send => {
+                let desc = ch.read_recv_desc(k)?;
+                if let Some(r) = push_without_copy(ch, k, bytes, &desc, peer) {
+                    return Ok(Caller::Done(r));
+                }
+                (desc.handle, desc.offset, bytes)
+            }
+            Dir::Recv => {
+                let offer = ch.read_send_desc(k)?;
+                if offer.status == SendStatus::Eager {
+                    return Ok(Caller::HandOff(None));
+                }
+                if let Some(r) = pull_without_copy(ch, k, bytes, &offer, peer) {
+                    return Ok(Caller::Done(r));
+                }
+                (offer.handle, offer.offset, offer.size as usize)
+            }
+        };
+        let push = dir == Dir::Send;
+        let ev = self
+            .caller_copy(stream, handle, offset, ptr, n, push)
+            .inspect_err(|_| {
+                if push {
+                    answer(ch, k, bytes, SendStatus::SenderFailed);
+                }
+            })?;
+        if idle {
+            ch.store(Counter::Issued, k + 1);
+        }
+        if !self.copy_finished(ev, running_copy_budget(spin, idle)) {
+            return Ok(Caller::HandOff(Some(match dir {
+                Dir::Send => Resume::Pushed(ev),
+                Dir::Recv => Resume::Pulled { ev, size: n },
+            })));
+        }
+        match dir {
+            Dir::Send => answer(ch, k, bytes, SendStatus::Ok),
+            Dir::Recv => give_verdict(ch, k, bytes),
+        }
+        Ok(Caller::Done(Ok(n)))
+    }
+
+    /// The peer copies: publish this side's descriptor (the receive buffer, or the offered
+    /// send buffer), then wait for the peer's answer (or verdict).
+    pub(crate) fn caller_publish(
+        &self,
+        link: &CallerLink,
+        m: Msg,
+        spin: Duration,
+    ) -> Result<Caller> {
+        let Msg {
+            dir,
+            k,
+            ptr,
+            bytes,
+            peer,
+        } = m;
+        let (ch, theirs, their_fault) = link.lane(dir);
+        if !ch.window_open(k) {
+            return Ok(Caller::HandOff(None));
+        }
+        let (handle, offset) = match bytes {
+            0 => (None, 0),
+            _ => export(&self.adaptor, ptr, TransportKind::Ipc)?
+                .map_or((None, 0), |(h, offset)| (Some(h), offset)),
+        };
+        match dir {
+            Dir::Send => {
+                let sd = SendDesc {
+                    size: bytes as u64,
+                    status: SendStatus::Ok,
+                    handle,
+                    offset,
+                };
+                ch.write_send_desc(k, &sd);
+                ch.store(Counter::SendPosted, k + 1);
+            }
+            Dir::Recv => {
+                let rd = RecvDesc {
+                    size: bytes as u64,
+                    handle,
+                    offset,
+                    chunks: false,
+                };
+                ch.write_recv_desc(k, &rd);
+                ch.store(Counter::RecvPosted, k + 1);
+            }
+        }
+        // Past the spin time, only while the peer's copy of this message runs.
+        let budget = || running_copy_budget(spin, ch.load(Counter::Issued) > k);
+        let seen = poll_for(spin, budget, || {
+            (ch.load(theirs) > k || ch.load(their_fault) > k).then_some(())
+        });
+        if seen.is_none() || ch.load(their_fault) > k {
+            return Ok(Caller::HandOff(Some(Resume::Published)));
+        }
+        Ok(match dir {
+            Dir::Send => Caller::Done(verdict_result(bytes, &ch.read_recv_desc(k)?, peer)),
+            Dir::Recv => {
+                let sd = ch.read_send_desc(k)?;
+                if sd.status == SendStatus::Eager {
+                    // The proxy takes it out of its slot.
+                    return Ok(Caller::HandOff(Some(Resume::Published)));
+                }
+                let failed = send_failure(peer, &sd, bytes, false);
+                ch.store(Counter::RecvDone, k + 1);
+                Caller::Done(failed.map_or(Ok(sd.size as usize), Err))
+            }
+        })
+    }
+
+    /// Issues an IPC operation's copy on the caller's stream: `n` bytes between `ptr` and the
+    /// peer's buffer at `offset` of the allocation behind `handle` (`push`: into the peer's).
+    /// Returns the event that completes with it; until that is seen, the copy counts in
+    /// [`IpcCache::caller_copies`], so its mapping stays open.
+    pub(crate) fn caller_copy(
+        &self,
+        stream: StreamHandle,
+        handle: Option<flagcx_adaptor::IpcMemHandle>,
+        offset: u64,
+        ptr: DevicePtr,
+        n: usize,
+        push: bool,
+    ) -> Result<EventHandle> {
+        let ev = self.spare_event()?;
+        let issued = {
+            let mut cache = lock(&self.shared.ipc);
+            let issued = cache.open(&self.adaptor, handle).and_then(|base| {
+                let theirs = DevicePtr(base.0 + offset);
+                let (dst, src) = if push { (theirs, ptr) } else { (ptr, theirs) };
+                // SAFETY: the peer's buffer lies at `offset` of its allocation, which it
+                // described for this message (a receive of at least `n` bytes, or an offer of
+                // `n`) and keeps until this side answers; `ptr..ptr+n` was checked to lie in
+                // one allocation of this adaptor (for a pull, `n` is at most the receive's
+                // size), valid until the operation finishes; the stream orders the copy after
+                // the caller's earlier work on the buffer.
+                unsafe { self.adaptor.memcpy_d2d_async(dst, src, n, stream) }?;
+                Ok(())
+            });
+            if issued.is_ok() {
+                cache.caller_copies += 1;
+            }
+            issued
+        };
+        if let Err(e) = issued {
+            recycle_event(&self.adaptor, &self.shared, ev);
+            return Err(e);
+        }
+        if let Err(e) = self.adaptor.event_record(ev, stream) {
+            // Queued but untracked: let it finish before the proxy copies the same bytes again.
+            let _ = self.adaptor.stream_synchronize(stream);
+            lock(&self.shared.ipc).caller_copies -= 1;
+            recycle_event(&self.adaptor, &self.shared, ev);
+            return Err(e.into());
+        }
+        Ok(ev)
+    }
+
+    /// Whether the caller's copy (event `ev`) completes within `budget`; if so, its mapping
+    /// is free to close again and the event back in the pool.
+    pub(crate) fn copy_finished(&self, ev: EventHandle, budget: Duration) -> bool {
+        // An error is the proxy's to report: it queries the event again.
+        let done = poll_for(
+            budget,
+            || budget,
+            || match self.adaptor.event_query(ev) {
+                Ok(false) => None,
+                Ok(true) => Some(true),
+                Err(_) => Some(false),
+            },
+        );
+        if done != Some(true) {
+            return false;
+        }
+        lock(&self.shared.ipc).caller_copies -= 1;
+        recycle_event(&self.adaptor, &self.shared, ev);
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    pub(crate) fn ipc_cache_trims_least_recently_used_beyond_the_bound() {
+        // Key i last used at (i * 7) % 10: ages 0, 7, 4, 1, 8, 5, 2, 9, 6, 3.
+        let cache: std::collections::HashMap<u32, ((), u64)> =
+            (0..10).map(|i| (i, ((), (i as u64 * 7) % 10))).collect();
+        assert!(lru_victims(&cache, 10, 8).is_empty(), "within the bound");
+        assert_eq!(lru_victims(&cache, 7, 8), vec![0, 3, 6], "the three oldest");
+        assert_eq!(
+            lru_victims(&cache, 2, 4),
+            vec![0, 3, 6, 9],
+            "at most n per pass"
+        );
+    }
+
+    #[test]
+    pub(crate) fn without_spinning_a_poll_looks_exactly_once() {
+        let looks = Cell::new(0);
+        let got: Option<()> = poll_for(
+            Duration::ZERO,
+            || Duration::from_secs(1),
+            || {
+                looks.set(looks.get() + 1);
+                None
+            },
+        );
+        assert_eq!((got, looks.get()), (None, 1));
+    }
+
+    #[test]
+    pub(crate) fn a_poll_returns_what_arrives_and_gives_up_after_its_budget() {
+        let looks = Cell::new(0);
+        let spin = Duration::from_millis(5);
+        // A budget no loaded machine exhausts before the 1000th look: the value arrives and
+        // is returned, whatever the timing.
+        let got = poll_for(
+            spin,
+            || Duration::from_secs(3600),
+            || {
+                looks.set(looks.get() + 1);
+                (looks.get() == 1000).then_some(7)
+            },
+        );
+        assert_eq!(got, Some(7));
+        assert_eq!(looks.get(), 1000, "it stopped looking once the value came");
+        let t0 = Instant::now();
+        let budget = Duration::from_millis(20);
+        assert_eq!(poll_for(spin, || budget, || None::<()>), None);
+        assert!(t0.elapsed() >= budget, "gave up early: {:?}", t0.elapsed());
+    }
+
+    #[test]
+    pub(crate) fn only_a_running_copy_extends_the_wait_and_only_where_spinning_is_allowed() {
+        let spin = Duration::from_micros(50);
+        assert_eq!(running_copy_budget(spin, false), spin);
+        assert_eq!(running_copy_budget(spin, true), spin + RUNNING_COPY_WAIT);
+        assert_eq!(running_copy_budget(Duration::ZERO, true), Duration::ZERO);
+    }
+}

@@ -1,0 +1,358 @@
+//! The transports: how an operation's bytes move between a pair of ranks.
+//!
+//! The [engine](crate::engine) admits operations and drives each pair's queue of [`Step`]s in
+//! posting order; the steps' protocols live here, one module per transport:
+//!
+//! | module | protocol | posting side (API thread) | progress side (engine) |
+//! |---|---|---|---|
+//! | [`rendezvous`] | the descriptor handshake every non-eager message runs: receive announced, send answered (push), or send offered, verdict given (pull) | — | `Engine::progress_send`/`progress_recv`: the [`Phase`] machine, handing the copy to one of the modules below |
+//! | [`ipc`] | same vendor: one device copy into the receiver's exported buffer (push) or out of the sender's (pull, one copier per pair); the IPC mapping cache | `Comm::try_caller_ipc`: the posting thread moves the message itself | `Engine::issue_ipc_copy`/`issue_ipc_pull` |
+//! | [`staged`] | different vendors: device→host into ring slots, host→device out of them, pipelined | — | `Engine::pump`: both directions, one loop |
+//! | [`direct`] | a staged pair with a host-vendor rank: one copy straight into or out of its mapped buffer ([`hostmap`]) | — | `Engine::direct_push`/`direct_pull` |
+//! | [`eager`] | host-addressable pairs: small messages copied by the CPU through the channel's eager slots | `Comm::try_eager` | `Engine::take_eager` |
+//!
+//! Which transport a pair uses is chosen once at setup ([`crate::peer::choose_transport`]);
+//! a new protocol is a module here, its phases in [`Phase`], and a line in that choice.
+
+pub(crate) mod direct;
+pub(crate) mod eager;
+pub(crate) mod hostmap;
+pub(crate) mod ipc;
+pub(crate) mod rendezvous;
+pub(crate) mod staged;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, IpcMemHandle};
+
+use crate::channel::{Channel, Counter, RecvDesc, SendDesc, SendStatus, RETIRED};
+use crate::engine::{Op, Shared};
+use crate::error::{CommError, Result};
+use crate::peer::TransportKind;
+use staged::Cursor;
+
+/// Which path an operation's bytes took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Path {
+    /// One copy between the two ranks' device memory.
+    Ipc = 0,
+    /// Through the staging ring.
+    Staged = 1,
+    /// A staged pair's direct copy into or out of the host-vendor rank's buffer.
+    Direct = 2,
+    /// Through the channel's eager slots (small messages between host-addressable ranks).
+    Eager = 3,
+}
+
+/// Who copies on a pair (see [`crate::peer::receiver_copies`] and
+/// [`crate::peer::direct_copier`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Roles {
+    /// The peer pulls what this rank sends (it is the pair's copier).
+    pub peer_pulls: bool,
+    /// This rank pulls what the peer sends (this rank is the pair's copier).
+    pub we_pull: bool,
+    /// Staged pair, direct path: this rank maps the peer's buffers and copies.
+    pub maps_peer: bool,
+    /// Staged pair, direct path: the peer maps this rank's buffers, so receives announce them.
+    pub peer_maps: bool,
+}
+
+/// Both directions of the link to one peer.
+pub(crate) struct PeerConn {
+    pub peer: usize,
+    pub transport: TransportKind,
+    /// This rank → peer (created by the peer); shared with the API side's eager path.
+    pub out: Arc<Channel>,
+    /// Peer → this rank (created here); shared with the API side's eager path.
+    pub inc: Arc<Channel>,
+    /// Whether both rings were pinned for the adaptor (`host_pin`; unpinned at teardown).
+    pub registered: bool,
+    /// Who copies.
+    pub roles: Roles,
+    pub(crate) sends: VecDeque<Step>,
+    pub(crate) recvs: VecDeque<Step>,
+    /// Staged pairs: where each direction stands in its ring.
+    pub(crate) send_ring: Cursor,
+    pub(crate) recv_ring: Cursor,
+    pub(crate) lost: Option<String>,
+}
+
+impl PeerConn {
+    pub fn new(
+        peer: usize,
+        transport: TransportKind,
+        out: Arc<Channel>,
+        inc: Arc<Channel>,
+        registered: bool,
+    ) -> Self {
+        PeerConn {
+            peer,
+            transport,
+            out,
+            inc,
+            registered,
+            roles: Roles::default(),
+            sends: VecDeque::new(),
+            recvs: VecDeque::new(),
+            send_ring: Cursor::default(),
+            recv_ring: Cursor::default(),
+            lost: None,
+        }
+    }
+
+    /// Sets who copies on this pair.
+    pub fn with_roles(mut self, roles: Roles) -> Self {
+        self.roles = roles;
+        self
+    }
+
+    pub(crate) fn idle(&self) -> bool {
+        self.sends.is_empty() && self.recvs.is_empty()
+    }
+
+    /// Retires the pair: its later operations fail, and the eager path stays off it.
+    pub(crate) fn retire(&mut self, shared: &Shared, reason: String) {
+        self.lost = Some(reason);
+        shared.mark_lost(self.peer);
+    }
+}
+
+/// One operation in progress.
+pub(crate) struct Step {
+    pub(crate) op: Op,
+    pub(crate) index: u64,
+    pub(crate) phase: Phase,
+    /// The path the bytes take (decided per message on a direct-capable staged pair).
+    pub(crate) path: Path,
+    /// When the step last made progress (for `FLAGCX_TIMEOUT_MS`).
+    pub(crate) progressed: Instant,
+    /// When it was admitted, and when it matched its peer (a send saw the receive
+    /// descriptor; a receive announced itself) — for `FLAGCX_PROFILE`.
+    pub(crate) admitted: Instant,
+    pub(crate) matched: Option<Instant>,
+}
+
+pub(crate) enum Phase {
+    /// Sender: waiting for the matching receive descriptor.
+    AwaitRecvDesc,
+    /// Sender (IPC): the copy into the receiver's memory is in flight.
+    Copying(EventHandle),
+    /// Sender (IPC, the receiver pulls): waiting for the caller's stream, then offering the
+    /// source buffer.
+    Offer,
+    /// Sender (IPC, the receiver pulls): waiting for the receiver's verdict after its copy.
+    AwaitVerdict,
+    /// Receiver: waiting to announce the receive (start event, descriptor window).
+    Announce,
+    /// Receiver: waiting for the sender's answer.
+    AwaitSendDesc,
+    /// Receiver (IPC, pulling): waiting for the sender's offer.
+    AwaitOffer,
+    /// Receiver (IPC, pulling): the copy out of the sender's memory is in flight.
+    Pulling { ev: EventHandle, size: usize },
+    /// Staged, either side: `total` bytes in chunks, `issued` of them issued so far.
+    Chunks {
+        total: usize,
+        issued: usize,
+        started: bool,
+    },
+}
+
+impl Phase {
+    /// What a step in this phase waits for, in words (for [`CommError::Timeout`]).
+    pub(crate) fn waiting_for(&self) -> String {
+        match self {
+            Phase::AwaitRecvDesc => "waiting for the peer to post the matching receive".into(),
+            Phase::Copying(_) => "waiting for the copy into the peer's buffer".into(),
+            Phase::Offer => "waiting for earlier work on the caller's stream".into(),
+            Phase::AwaitVerdict => "waiting for the peer to copy the message out".into(),
+            Phase::Announce => {
+                "waiting for earlier work on the caller's stream or a free descriptor".into()
+            }
+            Phase::AwaitSendDesc => "waiting for the peer's send (or its data)".into(),
+            Phase::AwaitOffer => "waiting for the peer to post the matching send".into(),
+            Phase::Pulling { .. } => "waiting for the copy out of the peer's buffer".into(),
+            Phase::Chunks { total, issued, .. } => {
+                format!("waiting for the peer's side of the staged chunks ({issued} of {total} bytes issued)")
+            }
+        }
+    }
+}
+
+/// What one pass over a step achieved.
+pub(crate) enum Progress {
+    /// Nothing moved. `on_peer`: the step waits for the peer (its descriptor, answer, data or
+    /// free slots) rather than for work of ours in flight — only such a step fails when the
+    /// peer is gone; one finishing its own copies of data the peer already handed over must
+    /// be allowed to finish.
+    Idle {
+        on_peer: bool,
+    },
+    Moved,
+    Done(Result<usize>),
+}
+
+/// The IPC handle of the allocation holding `ptr`, and `ptr`'s offset in it: what a peer needs
+/// to reach the buffer (the receiver's for a push, the sender's for a pull). An IPC pair cannot
+/// do without it (the failure is the operation's); on the direct path a buffer that cannot be
+/// exported (not host-vendor device memory) just takes the ring: `None`.
+pub(crate) fn export<A: DeviceAdaptor>(
+    a: &A,
+    ptr: DevicePtr,
+    transport: TransportKind,
+) -> Result<Option<(IpcMemHandle, u64)>> {
+    let exported = a
+        .mem_get_range(ptr)
+        .and_then(|(base, _)| Ok((a.ipc_get_handle(base)?, ptr.0 - base.0)));
+    match exported {
+        Ok(x) => Ok(Some(x)),
+        Err(e) if transport == TransportKind::Ipc => Err(e.into()),
+        Err(_) => Ok(None),
+    }
+}
+
+/// Whether the caller's stream passed the point where the operation was posted.
+///
+/// The proxy's copy streams are shared by every peer, so they never wait on a caller's start
+/// event on the device: with iterations enqueued back to back, a later operation's start
+/// depends on an earlier one to another peer, and a device-side wait queued ahead of that
+/// earlier operation's copies would stall both for good. The proxy polls instead.
+pub(crate) fn started<A: DeviceAdaptor>(a: &A, start: Option<EventHandle>) -> Result<bool> {
+    match start {
+        None => Ok(true),
+        Some(e) => Ok(a.event_query(e)?),
+    }
+}
+
+pub(crate) fn remote_failure(peer: usize, fault: u64) -> CommError {
+    let reason = if fault == RETIRED {
+        "it retired the pair (an operation with this rank timed out there, or it aborted)"
+    } else {
+        "its side of the operation failed (a runtime error)"
+    };
+    CommError::RemoteFailure {
+        peer,
+        reason: reason.into(),
+    }
+}
+
+/// A pushing sender's decision on receive descriptor `desc` where no copy is needed (the
+/// receive is too small, or there is nothing to send): it answers, and this is the result.
+pub(crate) fn push_without_copy(
+    out: &Channel,
+    index: u64,
+    bytes: usize,
+    desc: &RecvDesc,
+    peer: usize,
+) -> Option<Result<usize>> {
+    if bytes as u64 > desc.size {
+        answer(out, index, bytes, SendStatus::SizeMismatch);
+        return Some(Err(CommError::SizeMismatch {
+            peer,
+            send_bytes: bytes,
+            recv_bytes: desc.size as usize,
+        }));
+    }
+    if bytes == 0 {
+        answer(out, index, 0, SendStatus::Ok);
+        return Some(Ok(0));
+    }
+    None
+}
+
+/// A pulling receiver's decision on offer `offer` where no copy is needed (the sender failed,
+/// the receive is too small, or nothing was sent): it gives its verdict, and this is the result.
+pub(crate) fn pull_without_copy(
+    inc: &Channel,
+    index: u64,
+    bytes: usize,
+    offer: &SendDesc,
+    peer: usize,
+) -> Option<Result<usize>> {
+    let r = match send_failure(peer, offer, bytes, true) {
+        Some(e) => Err(e),
+        None if offer.size == 0 => Ok(0),
+        None => return None,
+    };
+    give_verdict(inc, index, bytes);
+    Some(r)
+}
+
+/// An offering sender's result, from the pulling receiver's verdict (its buffer size).
+pub(crate) fn verdict_result(bytes: usize, verdict: &RecvDesc, peer: usize) -> Result<usize> {
+    if bytes as u64 > verdict.size {
+        return Err(CommError::SizeMismatch {
+            peer,
+            send_bytes: bytes,
+            recv_bytes: verdict.size as usize,
+        });
+    }
+    Ok(bytes)
+}
+
+/// Publishes the sender's answer for descriptor `index`.
+pub(crate) fn answer(out: &Channel, index: u64, bytes: usize, status: SendStatus) {
+    out.write_send_desc(
+        index,
+        &SendDesc {
+            size: bytes as u64,
+            status,
+            handle: None,
+            offset: 0,
+        },
+    );
+    out.store(Counter::SendPosted, index + 1);
+}
+
+/// The pulling receiver's verdict on message `index`, published once its copy finished (or
+/// it refused): its buffer size, from which the sender tells success from a size mismatch.
+pub(crate) fn give_verdict(inc: &Channel, index: u64, recv_bytes: usize) {
+    let d = RecvDesc {
+        size: recv_bytes as u64,
+        handle: None,
+        offset: 0,
+        chunks: false,
+    };
+    inc.write_recv_desc(index, &d);
+    inc.store(Counter::RecvPosted, index + 1);
+    inc.store(Counter::RecvDone, index + 1);
+}
+
+/// Why a receive of `bytes` cannot take the sender's descriptor `sd`, if it cannot. A pushing
+/// sender checks sizes itself and reports a mismatch in the status; a pulling receiver sees the
+/// sender's size in the offer and is the one to find it too large.
+pub(crate) fn send_failure(
+    peer: usize,
+    sd: &SendDesc,
+    bytes: usize,
+    pulling: bool,
+) -> Option<CommError> {
+    match sd.status {
+        SendStatus::Ok | SendStatus::Delivered if sd.size as usize <= bytes => None,
+        SendStatus::Ok if pulling => Some(CommError::SizeMismatch {
+            peer,
+            send_bytes: sd.size as usize,
+            recv_bytes: bytes,
+        }),
+        SendStatus::Ok | SendStatus::Delivered => Some(CommError::Protocol(format!(
+            "rank {peer} sent {} bytes into a {bytes}-byte receive",
+            sd.size
+        ))),
+        SendStatus::SizeMismatch => Some(CommError::SizeMismatch {
+            peer,
+            send_bytes: sd.size as usize,
+            recv_bytes: bytes,
+        }),
+        SendStatus::SenderFailed => Some(CommError::RemoteFailure {
+            peer,
+            reason: "the sender's copy could not be issued".into(),
+        }),
+        // An eager descriptor is taken out of its slot before this is asked.
+        SendStatus::Eager => Some(CommError::Protocol(format!(
+            "rank {peer}: an eager descriptor where an answer was expected"
+        ))),
+    }
+}

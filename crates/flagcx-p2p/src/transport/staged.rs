@@ -1,0 +1,155 @@
+//! Staged: any pair, through a ring of slots in the channel's shared host memory.
+//!
+//! The sender copies chunks device→host into free slots and publishes `Tail`; the receiver
+//! copies published slots host→device into its buffer and publishes `Head`. Copies run on the
+//! engine's send and receive streams, several chunks in flight each way.
+
+use std::collections::VecDeque;
+
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle};
+
+use super::{remote_failure, Phase, Progress, Step};
+use crate::channel::Counter;
+use crate::engine::{Dir, Engine};
+use crate::error::Result;
+
+/// The chunk size of a `total`-byte staged message over slots of `slot` bytes: about an eighth
+/// of the message (so mid-size messages still pipeline their two copies), in 64 KiB steps, at
+/// most a slot (so large messages pay the per-chunk cost of events and hand-offs rarely). Both
+/// sides derive it from the same total, so their chunk boundaries agree.
+pub(crate) fn chunk_len(total: usize, slot: usize) -> usize {
+    const STEP: usize = 64 << 10;
+    total.div_ceil(8).next_multiple_of(STEP).max(STEP).min(slot)
+}
+
+/// One direction's position in a pair's ring: chunks issued, chunks whose copy completed (and
+/// were published to the peer: `Tail` for sends, `Head` for receives), and the events of the
+/// copies in flight, oldest first.
+#[derive(Default)]
+pub(crate) struct Cursor {
+    pub(crate) issued: u64,
+    pub(crate) done: u64,
+    pub(crate) chunks: VecDeque<EventHandle>,
+}
+
+impl<A: DeviceAdaptor> Engine<A> {
+    /// One pass over a staged message ([`Phase::Chunks`]) in either direction: issues a chunk
+    /// copy for every slot that is ready (a send: slots the receiver released; a receive: slots
+    /// the sender published), then publishes the chunks whose copies completed, in order.
+    /// Chunk sizes come from the channel's geometry, which both sides share.
+    pub(crate) fn pump(&mut self, p: usize, dir: Dir, step: &mut Step) -> Result<Progress> {
+        let Phase::Chunks {
+            total,
+            ref mut issued,
+            ref mut started,
+        } = step.phase
+        else {
+            unreachable!("called for staged chunks only")
+        };
+        let conn = self.peers[p].as_mut().expect("checked by caller");
+        let (ch, fault, stream) = match dir {
+            Dir::Send => (&conn.out, Counter::RecvFault, self.send_stream),
+            Dir::Recv => (&conn.inc, Counter::SendFault, self.recv_stream),
+        };
+        let fault = ch.load(fault);
+        if fault > step.index {
+            return Err(remote_failure(p, fault));
+        }
+        // No chunk is in flight before the first: see `started`.
+        if !*started {
+            if !super::started(&self.adaptor, step.op.start)? {
+                return Ok(Progress::Idle { on_peer: false });
+            }
+            *started = true;
+        }
+        let geo = ch.geometry();
+        let cur = match dir {
+            Dir::Send => &mut conn.send_ring,
+            Dir::Recv => &mut conn.recv_ring,
+        };
+        let mut moved = false;
+        while *issued < total {
+            let ready = match dir {
+                Dir::Send => cur.issued - ch.load(Counter::Head) < geo.slots as u64,
+                Dir::Recv => cur.issued < ch.load(Counter::Tail),
+            };
+            if !ready {
+                break;
+            }
+            let len = chunk_len(total, geo.chunk).min(total - *issued);
+            let user = DevicePtr(step.op.ptr.0 + *issued as u64);
+            let slot = ch.slot(cur.issued);
+            // SAFETY: `slot` is a slot of `geo.chunk >= len` bytes in the live channel mapping,
+            // ours to fill (the receiver released it: `Head`) or to read (the sender published
+            // it: `Tail`); `user` lies in the caller's buffer (`total <= bytes`), which the
+            // operation keeps valid until it completes.
+            unsafe {
+                match dir {
+                    Dir::Send => self.adaptor.memcpy_d2h_async(slot, user, len, stream)?,
+                    Dir::Recv => self.adaptor.memcpy_h2d_async(user, slot, len, stream)?,
+                }
+            };
+            let ev = match self.free_events.pop() {
+                Some(e) => e,
+                None => self.adaptor.event_create(false)?,
+            };
+            self.adaptor.event_record(ev, stream)?;
+            cur.chunks.push_back(ev);
+            cur.issued += 1;
+            *issued += len;
+            moved = true;
+        }
+        while let Some(&ev) = cur.chunks.front() {
+            if !self.adaptor.event_query(ev)? {
+                break;
+            }
+            cur.chunks.pop_front();
+            self.free_events.push(ev);
+            cur.done += 1;
+            match dir {
+                Dir::Send => ch.store(Counter::Tail, cur.done),
+                Dir::Recv => ch.store(Counter::Head, cur.done),
+            }
+            moved = true;
+        }
+        if *issued == total && cur.chunks.is_empty() {
+            if dir == Dir::Recv {
+                ch.store(Counter::RecvDone, step.index + 1);
+            }
+            return Ok(Progress::Done(Ok(total)));
+        }
+        Ok(if moved {
+            Progress::Moved
+        } else {
+            // Waiting on the peer only when none of our copies is in flight: then a send's
+            // ring is full (the receiver must drain it), or a receive copies out every
+            // published chunk already.
+            Progress::Idle {
+                on_peer: cur.chunks.is_empty(),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_are_an_eighth_of_the_message_within_bounds() {
+        let (k, m) = (1 << 10, 1 << 20);
+        let slot = 4 * m;
+        assert_eq!(chunk_len(8, slot), 64 * k, "small messages: one chunk");
+        assert_eq!(chunk_len(2 * m, slot), 256 * k);
+        assert_eq!(chunk_len(2 * m + 1, slot), 320 * k, "rounded up to 64 KiB");
+        assert_eq!(chunk_len(16 * m, slot), 2 * m);
+        assert_eq!(chunk_len(1 << 30, slot), slot, "at most a slot");
+        // Slots smaller than the 64 KiB step (a tiny FLAGCX_P2P_CHUNKSIZE) still bound it.
+        assert_eq!(chunk_len(1 << 30, 4096), 4096);
+        for total in [1, 100, 65_537, 3 * m + 5, 1 << 31] {
+            let c = chunk_len(total, slot);
+            assert!(c > 0 && c <= slot && c % (64 * k) == 0);
+            assert!(total.div_ceil(c) <= 8 || c == slot, "{total}: {c}");
+        }
+    }
+}
