@@ -182,6 +182,8 @@ fn rank_worker() {
                 r.exchange(&others, &others, 100 + i as u64);
             }
         }
+        "enqueued" => enqueued(&r),
+        "early_sends" => early_sends(&r),
         "random" => {
             for iter in 0..12u64 {
                 let to: Vec<(usize, usize)> = (0..n)
@@ -342,6 +344,115 @@ fn rank_worker() {
 }
 
 /// Zero-byte messages through the raw API.
+/// Groups of all pairs posted back to back on one stream, nothing waited for until the end
+/// (as `flagcx-perf --enqueue` and nccl-tests time them): each group's operations start only
+/// when the stream passed the group before, which depends on every peer. This stalled 3-rank
+/// jobs for good while the proxy made its shared copy streams wait for callers' start events.
+fn enqueued(r: &Rank) {
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let h = r.stream.handle();
+    for (round, &s) in [8usize, 8192, 65536 + 3, 1 << 20].iter().enumerate() {
+        let tag = |i: usize| 7000 + (round * 100 + i) as u64;
+        let others: Vec<usize> = (0..n).filter(|&q| q != me).collect();
+        // Filled first: a fill synchronizes the stream, which would wait out earlier groups.
+        let held: Vec<_> = (0..6)
+            .map(|i| {
+                let sends: Vec<_> = others
+                    .iter()
+                    .map(|&q| (q, r.filled(q, tag(i), s)))
+                    .collect();
+                let recvs: Vec<_> = others.iter().map(|&q| (q, r.buffer(s))).collect();
+                (i, sends, recvs)
+            })
+            .collect();
+        let mut reqs = Vec::new();
+        for (_, sends, recvs) in &held {
+            let posted = r
+                .comm
+                .group(|| {
+                    let mut v = Vec::new();
+                    for (q, b) in sends {
+                        // SAFETY: `b` holds `s` bytes and is kept in `held` until the stream
+                        // synchronized below.
+                        v.push(unsafe { r.comm.send_raw(b.ptr(), s, *q, h)? });
+                    }
+                    for (q, b) in recvs {
+                        // SAFETY: as above.
+                        v.push(unsafe { r.comm.recv_raw(b.ptr(), s, *q, h)? });
+                    }
+                    Ok(v)
+                })
+                .expect("post");
+            reqs.extend(posted);
+        }
+        for q in reqs {
+            assert_eq!(q.wait().unwrap_or_else(|e| panic!("rank {me}: {e}")), s);
+        }
+        r.stream.synchronize().expect("sync");
+        for (i, _, recvs) in &held {
+            for (q, b) in recvs {
+                r.check(b, *q, tag(*i), s);
+            }
+        }
+    }
+}
+
+/// A post never blocks its thread on the peer: rank 0 posts 1000 sends (outside any group)
+/// while rank 1 sleeps for 2 s before posting a single receive. Were any post to wait for the
+/// receiver, rank 0's posting loop would take the 2 s; it must take well under one. Then every
+/// message arrives, in order, byte for byte.
+fn early_sends(r: &Rank) {
+    const N: usize = 1000;
+    const LEN: usize = 24;
+    let me = r.comm.rank();
+    let h = r.stream.handle();
+    let peer = 1 - me;
+    let buf = if me == 0 {
+        let b = r.buffer(N * LEN);
+        let data: Vec<u8> = (0..N).flat_map(|i| payload(0, 1, i as u64, LEN)).collect();
+        b.write(0, &data, &r.stream).expect("fill");
+        b
+    } else {
+        r.buffer(N * LEN)
+    };
+    let t0 = std::time::Instant::now();
+    let mut reqs = Vec::with_capacity(N);
+    if me == 1 {
+        std::thread::sleep(std::time::Duration::from_secs(2));
+    }
+    for i in 0..N {
+        let p = flagcx::DevicePtr(buf.ptr().0 + (i * LEN) as u64);
+        // SAFETY: message `i` lies inside `buf`, which outlives every wait below.
+        let q = unsafe {
+            if me == 0 {
+                r.comm.send_raw(p, LEN, peer, h)
+            } else {
+                r.comm.recv_raw(p, LEN, peer, h)
+            }
+        };
+        reqs.push(q.expect("post"));
+    }
+    let posting = t0.elapsed();
+    if me == 0 {
+        assert!(
+            posting < std::time::Duration::from_millis(1000),
+            "posting {N} sends took {posting:?} while the receiver slept 2 s: a post waited"
+        );
+        println!("early sends: {N} posted in {posting:?} while the receiver slept");
+    }
+    for q in reqs {
+        assert_eq!(q.wait().expect("completes"), LEN);
+    }
+    r.stream.synchronize().expect("sync");
+    if me == 1 {
+        let mut got = vec![0u8; N * LEN];
+        buf.read(0, &mut got, &r.stream).expect("read back");
+        for (i, m) in got.chunks(LEN).enumerate() {
+            assert_eq!(m, payload(0, 1, i as u64, LEN), "message {i}");
+        }
+    }
+}
+
 fn zero_byte_ring(r: &Rank, next: usize, prev: usize) {
     let b = r.buffer(1);
     let (s, q) = r
@@ -938,7 +1049,7 @@ fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) {
     // Echo a summary line per rank so `--nocapture` runs show the transports used.
     for line in stdout
         .lines()
-        .filter(|l| l.contains("worker ok") || l.contains("stress:"))
+        .filter(|l| l.contains("worker ok") || l.contains("stress:") || l.contains("early sends:"))
     {
         println!("{line}");
     }
@@ -973,7 +1084,7 @@ fn each_sender_copies() {
     job(2, &v, "mismatch", &sender);
 }
 
-/// Waiters spin before sleeping (the default on machines with 8+ cores; forced here).
+/// Waiters spin longer before sleeping (200 µs; the default is 50).
 #[test]
 fn spinning_waiters() {
     let v = vendors("FLAGCX_P2P_TEST_VENDORS");
@@ -1013,6 +1124,25 @@ fn all_pairs_8_ranks_staged() {
         "pairs",
         &[("FLAGCX_P2P_DISABLE", "1")],
     );
+}
+
+/// Posts never wait for the peer, over each transport (see `early_sends`).
+#[test]
+fn posts_never_wait_for_the_peer() {
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    job(2, &v, "early_sends", &[]);
+    job(2, &v, "early_sends", &[("FLAGCX_P2P_EAGER_MAX", "0")]);
+    job(2, &v, "early_sends", &[("FLAGCX_P2P_DISABLE", "1")]);
+    job(2, &v, "early_sends", &[("FLAGCX_SPIN_US", "100")]);
+}
+
+/// Iterations enqueued back to back on 3 ranks, over each transport.
+#[test]
+fn enqueued_groups_3_ranks() {
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    job(3, &v, "enqueued", &[]);
+    job(3, &v, "enqueued", &[("FLAGCX_P2P_DISABLE", "1")]);
+    job(3, &v, "enqueued", &[("FLAGCX_P2P_EAGER_MAX", "0")]);
 }
 
 #[test]
@@ -1131,7 +1261,10 @@ fn eager_small_messages() {
         &[("FLAGCX_TEST_EXPECT_EAGER", "1"), ("FLAGCX_SPIN_US", "50")],
     );
     // Without eager messages, and with one rank opening every buffer of the pair: over 256
-    // IPC mappings, so the proxy trims its cache between the phases.
+    // IPC mappings, so the proxy trims its cache between the phases. The posting threads stay
+    // out (`FLAGCX_P2P_IPC_CALLER=off`): with spinning (the default) they moved most of these
+    // messages themselves, and their copies in flight hold trimming off (`caller_copies`), so
+    // whether a trim fell between two of them was a matter of timing.
     job(
         2,
         "host",
@@ -1139,6 +1272,7 @@ fn eager_small_messages() {
         &[
             ("FLAGCX_P2P_EAGER_MAX", "0"),
             ("FLAGCX_P2P_IPC_COPIER", "lower"),
+            ("FLAGCX_P2P_IPC_CALLER", "off"),
             ("FLAGCX_TEST_EXPECT_TRIM", "1"),
         ],
     );

@@ -351,19 +351,80 @@ fn completion_scripts_name_the_options() {
     }
 }
 
-/// `--enqueue` (every iteration enqueued, one wait at the end) moves the same checked bytes
-/// as the default (a host wait per iteration), on a two-rank job.
+/// `--blocking` (each iteration waited for) and the default (every iteration enqueued, one
+/// wait at the end) move the same checked bytes, on two ranks and on three (where enqueued
+/// groups once stalled: `enqueued_groups_3_ranks` in tests/p2p.rs).
 #[test]
 fn enqueued_and_blocking_timing_both_check_out() {
-    for extra in [&[][..], &["--enqueue"][..]] {
-        let mut args = vec![
-            "-t", "sendrecv", "-N", "2", "-b", "8", "-e", "1M", "-f", "64", "-n", "5", "-w", "1",
-            "-c",
-        ];
+    let two = ["-t", "sendrecv", "-N", "2"];
+    let three = ["-t", "pairs", "-N", "3"];
+    for (job, extra) in [(two, &[][..]), (two, &["--blocking"][..]), (three, &[][..])] {
+        let mut args = job.to_vec();
+        args.extend_from_slice(&[
+            "-b", "8", "-e", "1M", "-f", "64", "-n", "5", "-w", "1", "-c",
+        ]);
         args.extend_from_slice(extra);
         let t = perf(&args);
         assert!(t.contains("# wrong bytes in all: 0"), "{extra:?}:\n{t}");
         // 8, 512, 32K.
         assert_eq!(rows(&t), 3, "{extra:?}:\n{t}");
     }
+}
+
+/// `--vs-nccl` where NCCL cannot run (host ranks): the header says why, every row carries
+/// `n/a` in the three NCCL columns, and the JSON rows carry them as null.
+#[test]
+fn vs_nccl_says_why_not_where_nccl_cannot_run() {
+    let args = [
+        "-t",
+        "sendrecv",
+        "-N",
+        "2",
+        "-b",
+        "8",
+        "-e",
+        "4K",
+        "-f",
+        "8",
+        "-n",
+        "3",
+        "--vs-nccl",
+    ];
+    let t = perf(&args);
+    assert!(
+        t.contains("# vs NCCL: n/a: NCCL runs CUDA ranks only"),
+        "{t}"
+    );
+    let header = t.lines().find(|l| l.contains("time_us")).expect("header");
+    assert!(header.ends_with("nccl_us   nccl_gbs  vs_nccl"), "{header}");
+    let data: Vec<&str> = t
+        .lines()
+        .filter(|l| l.starts_with("  ") && l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .collect();
+    assert_eq!(data.len(), 4, "{t}"); // 8, 64, 512, 4096
+    for row in data {
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(cols[cols.len() - 3..], ["n/a", "n/a", "n/a"], "{row}");
+    }
+    let mut json = args.to_vec();
+    json.push("--json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_flagcx-perf"))
+        .args(&json)
+        .env("FLAGCX_VENDOR", "host")
+        .env_remove("FLAGCX_RANK")
+        .output()
+        .expect("run flagcx-perf");
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for line in stdout.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).expect("one JSON object per line");
+        for k in ["nccl_us", "nccl_gbs", "vs_nccl"] {
+            assert!(v[k].is_null(), "{k} in {line}");
+        }
+    }
+    // Without the flag the fields are absent.
+    let plain = perf(&[
+        "-t", "sendrecv", "-N", "2", "-b", "8", "-e", "8", "-n", "2", "--json",
+    ]);
+    assert!(!plain.contains("nccl"), "{plain}");
 }

@@ -216,3 +216,40 @@ fn long_files_say_why() {
         "over {LONG_FILE} lines without a `tidy: long file` line saying why: {long:?}"
     );
 }
+
+/// The delegating adaptors (the facade's `Adaptor`, the tests' `FaultyAdaptor`) forward every
+/// method of `DeviceAdaptor`: a method with a default body that a delegator forgets silently
+/// answers with the default for every adaptor behind it (it happened to `host_pin`, twice).
+#[test]
+fn delegating_adaptors_forward_every_method() {
+    let names = |text: &str| -> BTreeSet<String> {
+        text.lines()
+            .filter_map(|l| {
+                let l = l.trim_start();
+                let rest = l
+                    .strip_prefix("unsafe fn ")
+                    .or_else(|| l.strip_prefix("fn "))?;
+                Some(rest.split(['(', '<']).next()?.to_string())
+            })
+            .collect()
+    };
+    let contract = read(&root().join("crates/flagcx-adaptor/src/adaptor.rs"));
+    let trait_body = &contract[contract.find("pub trait DeviceAdaptor").expect("the trait")..];
+    let want = names(trait_body);
+    // The delegating implementations: the facade's dispatch and the fault injector.
+    for (file, header) in [
+        ("src/dispatch.rs", "impl DeviceAdaptor for Adaptor"),
+        (
+            "crates/flagcx-adaptor/src/testing.rs",
+            "impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A>",
+        ),
+    ] {
+        let text = read(&root().join(file));
+        let body = &text[text
+            .find(header)
+            .unwrap_or_else(|| panic!("{header} in {file}"))..];
+        let have = names(body);
+        let missing: Vec<_> = want.difference(&have).collect();
+        assert!(missing.is_empty(), "{file} does not forward {missing:?}");
+    }
+}

@@ -9,7 +9,7 @@ use std::process::Stdio;
 use crate::{cargo, root, Result};
 
 /// Capabilities the CUDA conformance suite must find on a GPU node (all of them on the H200).
-const EXPECTED_CAPS: &str = "ipc_bytes,ipc_fd,host_register,peer_access,host_functions,\
+const EXPECTED_CAPS: &str = "ipc_bytes,ipc_fd,host_register,host_pin,peer_access,host_functions,\
 stream_mem_ops,stream_mem_ops_64,capture_mode";
 
 /// One thing `run.sh` runs: a label, a log name, extra env, and the command. For test
@@ -416,8 +416,8 @@ perf="$here/bin/flagcx-perf"
 # FLAGCX_PERF_ONLY=<extended regex>: run only the sweeps whose names match.
 sweep() {{ name=$1; shift; if [ -n "${{FLAGCX_PERF_ONLY:-}}" ] && ! echo "$name" | grep -Eq "$FLAGCX_PERF_ONLY"; then return; fi; echo "== $name: $*"; "$@" > "$logs/perf-$name.log" 2>&1; echo "   exit $?"; grep -v progress "$logs/perf-$name.log" | tail -n 30; }}
 export FLAGCX_VENDOR={vendor}
-sweep ipc-sendrecv   "$perf" -t sendrecv --transport ipc -b 8 -e 1G -f 4 -n 20 -w 5 -c --plot "$logs/ipc-sendrecv.svg"
-sweep ipc-pingpong   "$perf" -t pingpong --transport ipc -b 8 -e 1G -f 4 -n 50 -w 10
+sweep ipc-sendrecv   "$perf" -t sendrecv --transport ipc -b 8 -e 1G -f 4 -n 20 -w 5 -c --vs-nccl --plot "$logs/ipc-sendrecv.svg"
+sweep ipc-pingpong   "$perf" -t pingpong --transport ipc -b 8 -e 1G -f 4 -n 50 -w 10 --vs-nccl
 sweep staged-sendrecv "$perf" -t sendrecv --transport staged -b 8 -e 1G -f 4 -n 10 -w 3 -c
 sweep staged-pingpong "$perf" -t pingpong --transport staged -b 8 -e 1G -f 8 -n 10 -w 3
 for c in 1 8; do FLAGCX_P2P_CHUNKSIZE=${{c}}M FLAGCX_P2P_BUFFSIZE=$((c * 8))M sweep staged-pingpong-${{c}}m "$perf" -t pingpong --transport staged -b 64M -e 1G -f 4 -n 10 -w 3; done

@@ -412,75 +412,124 @@ fn bench(vs_mpi: bool) -> Result {
         "building flagcx-perf",
         cargo().args(["build", "--release", "-p", "flagcx", "--bin", "flagcx-perf"]),
     )?;
-    run(
-        "flagcx-perf: host-vendor ping-pong, 8 B .. 256 MiB",
-        Command::new(root().join("target/release/flagcx-perf"))
-            .args([
-                "-t", "pingpong", "-b", "8", "-e", "256M", "-f", "4", "-n", "100", "-w", "10",
-            ])
-            .env("FLAGCX_VENDOR", "host"),
-    )?;
-    if vs_mpi {
-        let have = Command::new("mpicc")
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if !have {
-            return Err(
-                "--vs-mpi needs Open MPI: sudo apt-get install openmpi-bin libopenmpi-dev".into(),
-            );
-        }
-        let exe = root().join("target/mpi-pingpong");
+    let perf = root().join("target/release/flagcx-perf");
+    let pingpong = [
+        "-t", "pingpong", "-b", "8", "-e", "256M", "-f", "4", "-n", "100", "-w", "10",
+    ];
+    // All-to-all of 4 ranks (whole buffers, 4 blocks), 1 MiB .. 256 MiB.
+    let alltoall = [
+        "-t", "alltoall", "-N", "4", "-b", "1M", "-e", "256M", "-f", "4", "-n", "10", "-w", "2",
+    ];
+    if !vs_mpi {
+        return run(
+            "flagcx-perf: host-vendor ping-pong, 8 B .. 256 MiB",
+            Command::new(&perf)
+                .args(pingpong)
+                .env("FLAGCX_VENDOR", "host"),
+        );
+    }
+    let have = Command::new("mpicc")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !have {
+        return Err(
+            "--vs-mpi needs Open MPI: sudo apt-get install openmpi-bin libopenmpi-dev".into(),
+        );
+    }
+    let mut rows = Vec::new();
+    for (name, args, source, ranks, mpi_args) in [
+        (
+            "ping-pong",
+            &pingpong[..],
+            "pingpong",
+            "2",
+            ["8", "268435456"],
+        ),
+        (
+            "all-to-all, 4 ranks",
+            &alltoall[..],
+            "alltoall",
+            "4",
+            ["1048576", "268435456"],
+        ),
+    ] {
+        let ours = capture(
+            &format!("flagcx-perf: host-vendor {name}"),
+            Command::new(&perf)
+                .args(args)
+                .arg("--json")
+                .env("FLAGCX_VENDOR", "host"),
+        )?;
+        let exe = root().join(format!("target/mpi-{source}"));
         run(
-            "mpicc benches/mpi/pingpong.c",
+            &format!("mpicc benches/mpi/{source}.c"),
             Command::new("mpicc")
                 .args(["-O2", "-o"])
                 .arg(&exe)
-                .arg(root().join("benches/mpi/pingpong.c")),
+                .arg(root().join(format!("benches/mpi/{source}.c"))),
         )?;
         let mut mpirun = Command::new("mpirun");
         // Open MPI refuses to run as root unless told to; CI runs as root.
         if std::env::var("USER").map(|u| u == "root").unwrap_or(true) {
             mpirun.arg("--allow-run-as-root");
         }
-        run(
-            "Open MPI ping-pong (shared-memory transport), 8 B .. 256 MiB",
+        let theirs = capture(
+            &format!("Open MPI {name} (shared-memory transport)"),
             mpirun
-                .args(["--oversubscribe", "-n", "2"])
+                .args(["--oversubscribe", "-n", ranks])
                 .arg(&exe)
-                .args(["8", "268435456"]),
+                .args(mpi_args),
         )?;
-        // All-to-all of 4 ranks: ours, then MPI_Alltoall, same sizes (whole buffers, 4 blocks).
-        run(
-            "flagcx-perf: host-vendor all-to-all, 4 ranks, 4 MiB .. 256 MiB",
-            Command::new(root().join("target/release/flagcx-perf"))
-                .args([
-                    "-t", "alltoall", "-N", "4", "-b", "4M", "-e", "256M", "-f", "4", "-n", "10",
-                    "-w", "2",
-                ])
-                .env("FLAGCX_VENDOR", "host"),
-        )?;
-        let a2a = root().join("target/mpi-alltoall");
-        run(
-            "mpicc benches/mpi/alltoall.c",
-            Command::new("mpicc")
-                .args(["-O2", "-o"])
-                .arg(&a2a)
-                .arg(root().join("benches/mpi/alltoall.c")),
-        )?;
-        let mut mpirun = Command::new("mpirun");
-        if std::env::var("USER").map(|u| u == "root").unwrap_or(true) {
-            mpirun.arg("--allow-run-as-root");
+        // Our JSON rows and MPI's table rows (bytes, time in µs, …), joined on bytes.
+        let ours: Vec<(u64, f64)> = ours
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| Some((v["bytes"].as_u64()?, v["time_us"].as_f64()?)))
+            .collect();
+        let mpi: std::collections::HashMap<u64, f64> = theirs
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| {
+                let mut c = l.split_whitespace();
+                Some((c.next()?.parse().ok()?, c.next()?.parse().ok()?))
+            })
+            .collect();
+        for (bytes, us) in ours {
+            if let Some(&m) = mpi.get(&bytes) {
+                rows.push((name, bytes, us, m));
+            }
         }
-        run(
-            "Open MPI all-to-all, 4 ranks, 4 MiB .. 256 MiB",
-            mpirun
-                .args(["--oversubscribe", "-n", "4"])
-                .arg(&a2a)
-                .args(["4194304", "268435456"]),
-        )?;
     }
+    println!(
+        "# same run: {:<22} {:>12} {:>12} {:>12} {:>9}",
+        "test", "bytes", "flagcx_us", "mpi_us", "mpi/ours"
+    );
+    for (name, bytes, us, m) in rows {
+        println!(
+            "  {:<32} {bytes:>12} {us:>12.2} {m:>12.2} {:>9.2}",
+            name,
+            m / us
+        );
+    }
+    println!("# mpi/ours above 1: flagcx-rs is faster (time ratio; for bandwidth the same number)");
     Ok(())
+}
+
+/// Runs `cmd`, echoing its stdout, and returns that stdout.
+fn capture(what: &str, cmd: &mut Command) -> std::result::Result<String, String> {
+    eprintln!("xtask: {what}");
+    let out = cmd
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("{what}: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    print!("{text}");
+    if out.status.success() {
+        Ok(text)
+    } else {
+        Err(format!("{what} failed ({})", out.status))
+    }
 }
 
 /// Completion scripts: the tools print their own (`--completions SHELL`), xtask writes its.

@@ -16,7 +16,6 @@
 //! staging, a memcpy for the host vendor; every rank copying at once for `sendrecv` and `pairs`,
 //! one copy at a time for `pingpong`) — with our bandwidth as a fraction of it.
 
-use std::io::IsTerminal as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -24,12 +23,17 @@ use std::time::Instant;
 
 use flagcx::p2p::config::parse_size;
 use flagcx::p2p::launch::{launch, LaunchSpec};
-use flagcx::{Adaptor, Comm, DeviceAdaptor, DeviceBuffer, PinnedBuffer, Stream, TransportKind};
+use flagcx::{Adaptor, Comm, DeviceAdaptor, DeviceBuffer, Stream, TransportKind};
 
 use clap::{CommandFactory as _, FromArgMatches as _, Parser};
 use serde::Serialize;
 
+mod ceiling;
+mod nccl;
 mod plot;
+mod progress;
+
+use progress::Progress;
 
 type Error = Box<dyn std::error::Error>;
 
@@ -74,13 +78,17 @@ struct Opts {
     /// Check every received byte (the "wrong" column counts mismatches; any fails the run).
     #[arg(short = 'c', long = "check")]
     check: bool,
-    /// Enqueue every iteration back to back on the stream and wait once at the end, as
-    /// nccl-tests times it (sendrecv, pairs, collectives). By default each iteration is waited
-    /// for on the host before the next is posted; pingpong always waits per round trip.
-    /// Experimental: host-vendor jobs of three or more ranks with eager slots can stall (see
-    /// docs/performance.md).
+    /// Wait for each iteration on the host before posting the next. By default every
+    /// iteration is enqueued back to back on the stream and waited for once at the end, as
+    /// nccl-tests times it (sendrecv, pairs, collectives); pingpong always waits per round trip.
     #[arg(long)]
-    enqueue: bool,
+    blocking: bool,
+    /// Also time NCCL (libnccl.so.2, loaded at run time) right after us on the same buffers,
+    /// stream and sizes, in columns nccl_us, nccl_gbs and vs_nccl (our bus bandwidth ÷ NCCL's);
+    /// `n/a` with the reason where it cannot run (not all CUDA ranks, two ranks on one GPU,
+    /// no library). sendrecv, pingpong, pairs, allgather, broadcast and alltoall.
+    #[arg(long)]
+    vs_nccl: bool,
     /// Ranks to start when not under a launcher.
     #[arg(short = 'N', long = "nranks", default_value_t = 2,
           value_parser = clap::value_parser!(u64).range(2..))]
@@ -304,6 +312,8 @@ enum Pending {
 /// One result row.
 struct Row {
     bytes: usize,
+    /// NCCL's time (µs) and bus bandwidth in the same run, with `--vs-nccl` where it ran.
+    nccl: Option<(f64, f64)>,
     time_us: f64,
     algbw: f64,
     busbw: f64,
@@ -336,6 +346,12 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         .filter_map(|q| comm.transport(q))
         .collect();
     let kind = transports[0];
+    // The rank that copies on a direct pair (two ranks; with more, each pair has its own).
+    let direct = if n == 2 {
+        comm.direct_copier(next)
+    } else {
+        None
+    };
     if o.transport == "ipc" && transports.iter().any(|t| *t != TransportKind::Ipc) {
         return Err(
             "--transport ipc: some pair cannot use IPC (different vendors or no IPC handles)"
@@ -345,6 +361,11 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
     // First transfer (a zero-byte ring), to report setup time.
     barrier(&comm, &stream, next, prev)?;
     let setup_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let nccl = if o.vs_nccl {
+        Some(nccl::Nccl::open(&comm, &stream, &o.test)?)
+    } else {
+        None
+    };
     if me == 0 && !o.json {
         let info = comm.peer_info(next).expect("peer");
         let copier = match (comm.ipc_copier(next), comm.direct_copier(next)) {
@@ -353,14 +374,36 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             (None, Some(r)) => format!(" (direct: rank {r} copies into/out of host buffers)"),
             (None, None) => String::new(),
         };
+        // Which physical device each rank uses: its PCI bus id where the runtime says.
+        let pci = |p: Option<&str>| p.map_or(String::new(), |p| format!(" ({p})"));
+        let mine = adaptor.properties(adaptor.device())?;
         println!(
-            "# flagcx-perf {} | {} ranks | rank 0: {} device {} | rank 1: {} device {} | transport {kind}{copier} | setup + first transfer {setup_ms:.1} ms",
-            o.test, n, adaptor.vendor(), adaptor.device(), info.vendor, info.device
+            "# flagcx-perf {} | {} ranks | rank 0: {} device {}{} | rank 1: {} device {}{} | transport {kind}{copier} | setup + first transfer {setup_ms:.1} ms",
+            o.test,
+            n,
+            adaptor.vendor(),
+            adaptor.device(),
+            pci(mine.pci_bus_id.as_deref()),
+            info.vendor,
+            info.device,
+            pci(info.pci_bus_id.as_deref())
         );
-        println!(
+        match &nccl {
+            Some(Ok(nc)) => println!(
+                "# vs {}: same buffers, stream and timing, run right after ours",
+                nc.version
+            ),
+            Some(Err(why)) => println!("# vs NCCL: n/a: {why}"),
+            None => {}
+        }
+        print!(
             "# {:>12} {:>11} {:>10} {:>10} {:>7} {:>11} {:>10} {:>7} {:>7}",
             "bytes", "time_us", "algbw", "busbw", "wrong", "ceil_us", "ceil_bw", "ratio", "path"
         );
+        if nccl.is_some() {
+            print!(" {:>11} {:>10} {:>8}", "nccl_us", "nccl_gbs", "vs_nccl");
+        }
+        println!();
     }
     let mut json_file = match (&o.json_file, me) {
         (Some(path), 0) => Some(std::io::BufWriter::new(
@@ -407,12 +450,24 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         }
         // The ceiling in the same traffic pattern: for sendrecv and pairs every rank copies at
         // once (on one GPU they share its memory bandwidth); for pingpong one copy at a time.
+        // Every rank measures its own copy and the row keeps the slowest: a heterogeneous
+        // pair runs at its slower side's speed.
         barrier(&comm, &stream, next, prev)?;
-        let (ceil_us, ceil_bw) = if me == 0 || o.test != "pingpong" {
-            ceiling(&adaptor, &stream, kind, size, o)?
-        } else {
-            (0.0, 0.0)
-        };
+        // On a direct pair only the copier copies, both ways: its copies are the ceiling.
+        let counts = direct.map_or(true, |c| c == me);
+        let mut mine = 0.0;
+        if o.test == "pingpong" {
+            for r in 0..n {
+                if r == me && counts {
+                    mine = ceiling::ceiling(&adaptor, &stream, kind, size, o)?;
+                }
+                barrier(&comm, &stream, next, prev)?;
+            }
+        } else if counts {
+            mine = ceiling::ceiling(&adaptor, &stream, kind, size, o)?;
+        }
+        let secs = ceiling::slowest(&comm, &stream, mine)?;
+        let (ceil_us, ceil_bw) = (secs * 1e6, size as f64 / secs / 1e9);
         barrier(&comm, &stream, next, prev)?;
         let mut start = Instant::now();
         let mut before = comm.stats();
@@ -476,7 +531,7 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
                     inflight.extend(reqs.into_iter().map(Pending::Op));
                 }
             }
-            if !o.enqueue {
+            if o.blocking {
                 settle(&mut inflight)?;
             }
         }
@@ -521,8 +576,32 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             }
             _ => 1.0,
         };
+        // NCCL after our check (it writes the same receive buffers), with the same formulas.
+        let nccl_row = match &nccl {
+            Some(Ok(nc)) => {
+                let t = nc.time(
+                    &o.test,
+                    me,
+                    n,
+                    sends[0].ptr(),
+                    recvs[0].ptr(),
+                    size,
+                    &stream,
+                    o.warmup as usize,
+                    o.iters as usize,
+                )?;
+                let alg = match o.test.as_str() {
+                    "pingpong" => size as f64 / (t / 2.0) / 1e9,
+                    "pairs" => (size * (n - 1)) as f64 / t / 1e9,
+                    _ => size as f64 / t / 1e9,
+                };
+                Some((t * 1e6, alg * bus))
+            }
+            _ => None,
+        };
         let row = Row {
             bytes: size,
+            nccl: nccl_row,
             time_us,
             algbw,
             busbw: algbw * bus,
@@ -614,6 +693,14 @@ struct JsonRow<'a> {
     ceiling_gbs: f64,
     ratio: f64,
     path: &'a str,
+    /// With `--vs-nccl`: NCCL's time and bus bandwidth, and ours ÷ NCCL's (null where NCCL
+    /// could not run).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    nccl_us: Option<Option<f64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    nccl_gbs: Option<Option<f64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    vs_nccl: Option<Option<f64>>,
 }
 
 impl<'a> JsonRow<'a> {
@@ -635,6 +722,11 @@ impl<'a> JsonRow<'a> {
                 0.0
             },
             path: &r.path,
+            nccl_us: o.vs_nccl.then(|| r.nccl.map(|(us, _)| us)),
+            nccl_gbs: o.vs_nccl.then(|| r.nccl.map(|(_, gbs)| gbs)),
+            vs_nccl: o
+                .vs_nccl
+                .then(|| r.nccl.filter(|&(_, g)| g > 0.0).map(|(_, g)| r.busbw / g)),
         }
     }
 }
@@ -646,81 +738,38 @@ fn print_row(r: &Row, json: &JsonRow<'_>, o: &Opts) {
             Err(e) => eprintln!("flagcx-perf: JSON: {e}"),
         }
     } else {
-        println!(
+        print!(
             "  {:>12} {:>11.2} {:>10.2} {:>10.2} {:>7} {:>11.2} {:>10.2} {:>7.3} {:>7}",
             r.bytes, r.time_us, r.algbw, r.busbw, r.wrong, r.ceil_us, r.ceil_bw, json.ratio, r.path
         );
+        match (o.vs_nccl, r.nccl, json.vs_nccl.flatten()) {
+            (false, ..) => {}
+            (true, Some((us, gbs)), Some(v)) => print!(" {us:>11.2} {gbs:>10.2} {v:>8.3}"),
+            (true, ..) => print!(" {:>11} {:>10} {:>8}", "n/a", "n/a", "n/a"),
+        }
+        println!();
     }
 }
 
-/// Rank 0's progress through the sweep on stderr: a bar where stderr is a terminal, else a
-/// plain line at most every 10 s (CI logs stay readable), and one at the end.
-struct Progress {
-    bar: Option<indicatif::ProgressBar>,
-    total: usize,
-    done: usize,
-    t0: Instant,
-    last_line: Instant,
-}
-
-impl Progress {
-    fn new(total: usize) -> Self {
-        let bar = std::io::stderr().is_terminal().then(|| {
-            let b = indicatif::ProgressBar::new(total as u64);
-            if let Ok(style) = indicatif::ProgressStyle::with_template(
-                "{elapsed_precise} [{bar:30}] {pos}/{len} sizes, now {msg}",
-            ) {
-                b.set_style(style.progress_chars("=> "));
-            }
-            b
-        });
-        let now = Instant::now();
-        Progress {
-            bar,
-            total,
-            done: 0,
-            t0: now,
-            last_line: now,
-        }
-    }
-
-    /// A new size begins (the previous one is done).
-    fn start(&mut self, size: usize) {
-        if let Some(b) = &self.bar {
-            b.set_position(self.done as u64);
-            b.set_message(format!("{size} B"));
-        } else if self.done > 0 && self.last_line.elapsed().as_secs() >= 10 {
-            eprintln!(
-                "progress: {}/{} sizes, now {size} B, {:.0} s",
-                self.done,
-                self.total,
-                self.t0.elapsed().as_secs_f64()
-            );
-            self.last_line = Instant::now();
-        }
-        self.done += 1;
-    }
-
-    /// Runs `f` (which prints a row) with the bar hidden, so rows and bar do not mix.
-    fn suspend(&self, f: impl FnOnce()) {
-        match &self.bar {
-            Some(b) => b.suspend(f),
-            None => f(),
-        }
-    }
-
-    fn finish(self) {
-        match self.bar {
-            Some(b) => b.finish_and_clear(),
-            None if self.total > 0 => eprintln!(
-                "progress: {}/{} sizes in {:.1} s",
-                self.total,
-                self.total,
-                self.t0.elapsed().as_secs_f64()
-            ),
-            None => {}
-        }
-    }
+/// Every rank's `mine` (all ranks pass the same length), in rank order, through the
+/// communicator's own all-gather.
+pub(crate) fn all_gather_bytes(
+    comm: &Comm<Adaptor>,
+    stream: &Stream<Adaptor>,
+    mine: &[u8],
+) -> Result<Vec<u8>, Error> {
+    let (n, len) = (comm.nranks(), mine.len());
+    let send = DeviceBuffer::new(comm.adaptor(), len)?;
+    let recv = DeviceBuffer::new(comm.adaptor(), len * n)?;
+    send.write(0, mine, stream)?;
+    // SAFETY: `send` holds `len` bytes and `recv` `len` per rank; both outlive the wait and
+    // the synchronize below.
+    let c = unsafe { comm.all_gather_raw(send.ptr(), recv.ptr(), len, stream.handle())? };
+    c.wait()?;
+    stream.synchronize()?;
+    let mut all = vec![0u8; len * n];
+    recv.read(0, &mut all, stream)?;
+    Ok(all)
 }
 
 /// A zero-byte exchange around the ring: everyone is past the previous step.
@@ -745,43 +794,4 @@ fn barrier(
     }
     stream.synchronize()?;
     Ok(())
-}
-
-/// The vendor's bare copy for `size` bytes: (µs per copy, GB/s).
-fn ceiling(
-    a: &Adaptor,
-    stream: &Stream<Adaptor>,
-    kind: TransportKind,
-    size: usize,
-    o: &Opts,
-) -> Result<(f64, f64), Error> {
-    let iters = o.iters.max(5);
-    let time = |f: &dyn Fn() -> flagcx::Result<()>| -> Result<f64, Error> {
-        f()?;
-        stream.synchronize()?;
-        let t = Instant::now();
-        for _ in 0..iters {
-            f()?;
-        }
-        stream.synchronize()?;
-        Ok(t.elapsed().as_secs_f64() / iters as f64)
-    };
-    let src = DeviceBuffer::new(a, size)?;
-    let secs = match kind {
-        TransportKind::Ipc => {
-            let dst = DeviceBuffer::new(a, size)?;
-            // SAFETY: both buffers hold `size` bytes and outlive the synchronize in `time`.
-            time(&|| unsafe { a.memcpy_d2d_async(dst.ptr(), src.ptr(), size, stream.handle()) })?
-        }
-        TransportKind::Staged => {
-            let host = PinnedBuffer::new(a, size)?;
-            let p = host.as_ptr();
-            // SAFETY: as above; the pinned buffer holds `size` bytes.
-            let d2h = time(&|| unsafe { a.memcpy_d2h_async(p, src.ptr(), size, stream.handle()) })?;
-            // SAFETY: as above.
-            let h2d = time(&|| unsafe { a.memcpy_h2d_async(src.ptr(), p, size, stream.handle()) })?;
-            d2h.max(h2d)
-        }
-    };
-    Ok((secs * 1e6, size as f64 / secs / 1e9))
 }
