@@ -19,6 +19,12 @@ command -v hipconfig >/dev/null || need_pkgs+=(hipcc)
 command -v mpicc >/dev/null || need_pkgs+=(openmpi-bin libopenmpi-dev)
 # CMake: the C ABI's CMake package test (find_package(Flagcx)).
 command -v cmake >/dev/null || need_pkgs+=(cmake)
+# UCX and iproute2: the network transport's tests run ranks in network namespaces ("hosts")
+# joined by veth pairs, with UCX over TCP between them; ucx_perftest is the peer
+# `xtask bench --net` measures against.
+[ -e /usr/lib/x86_64-linux-gnu/libucp.so.0 ] || need_pkgs+=(libucx0)
+command -v ucx_perftest >/dev/null || need_pkgs+=(ucx-utils)
+command -v ip >/dev/null || need_pkgs+=(iproute2)
 # A TrueType font: flagcx-perf --plot lays out its labels with it (tests/perf_smoke.rs).
 [ -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need_pkgs+=(fonts-dejavu-core)
 if [ ${#need_pkgs[@]} -gt 0 ]; then

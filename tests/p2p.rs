@@ -13,6 +13,8 @@ use std::sync::Arc;
 
 mod common;
 use common::flagcx_run;
+#[path = "common/netns.rs"]
+mod netns;
 
 use flagcx::{Adaptor, Comm, CommError, DeviceAdaptor, DeviceBuffer, DevicePtr, Stream};
 
@@ -211,6 +213,8 @@ fn rank_worker() {
             }
         }
         "mismatch" => mismatch(&r, next, prev),
+        "net_mismatch" => net_mismatch(&r, next, prev),
+        "net_killed" => net_killed(&r),
         "eager" => eager(&r, next, prev),
         "pingpong" => pingpong(&r, next),
         "reuse" => {
@@ -686,6 +690,69 @@ fn refused(r: &Rank, q: flagcx::Request, small: &DeviceBuffer<Adaptor>) {
     );
 }
 
+/// Over the network a sender larger than its receiver fails the receive (exact sizes, not a
+/// byte written) while the send completes; then the pair still works.
+fn net_mismatch(r: &Rank, next: usize, prev: usize) {
+    let big = r.filled(next, 7, 2000);
+    let small = r.buffer(1000);
+    small.fill(0xEE, &r.stream).expect("fill");
+    let (s, q) = r
+        .comm
+        .group(|| {
+            Ok((
+                r.comm.send(&big, next, &r.stream)?,
+                r.comm.recv(&small, prev, &r.stream)?,
+            ))
+        })
+        .expect("post");
+    assert_eq!(s.wait().expect("the sender's bytes were delivered"), 2000);
+    refused(r, q, &small);
+    let s500 = r.filled(next, 8, 500);
+    let recv = r.buffer(1000);
+    let (s, q) = r
+        .comm
+        .group(|| {
+            Ok((
+                r.comm.send(&s500, next, &r.stream)?,
+                r.comm.recv(&recv, prev, &r.stream)?,
+            ))
+        })
+        .expect("post");
+    assert_eq!(s.wait().expect("send"), 500);
+    assert_eq!(q.wait().expect("recv"), 500);
+    r.stream.synchronize().expect("sync");
+    r.check(&recv, prev, 8, 500);
+}
+
+/// Rank 1's host is killed after a first exchange (the test kills every process in its
+/// namespace once the marker file appears); rank 0's receive from it fails with `PeerLost`.
+fn net_killed(r: &Rank) {
+    let me = r.comm.rank();
+    let peer = 1 - me;
+    r.exchange(&[(peer, 4096)], &[(peer, 4096)], 0);
+    r.comm.barrier(r.stream.handle()).expect("barrier");
+    if me == 1 {
+        let marker = std::env::var("FLAGCX_TEST_MARKER").expect("marker path");
+        std::fs::write(marker, b"ready").expect("marker");
+        std::thread::sleep(std::time::Duration::from_secs(120));
+        panic!("rank 1 was not killed");
+    }
+    let buf = r.buffer(4096);
+    let q = r.comm.recv(&buf, 1, &r.stream).expect("post");
+    let t0 = std::time::Instant::now();
+    match q.wait() {
+        Err(CommError::PeerLost { peer: 1, reason }) => {
+            println!(
+                "rank 0 saw rank 1's host die after {:?}: {reason}",
+                t0.elapsed()
+            )
+        }
+        other => panic!("expected PeerLost from rank 1, got {other:?}"),
+    }
+    println!("worker ok: rank 0 of 2, peer loss seen");
+    std::process::exit(0);
+}
+
 /// A sender larger than its receiver fails on both sides, then the pair still works.
 fn mismatch(r: &Rank, next: usize, prev: usize) {
     let me = r.comm.rank();
@@ -1053,6 +1120,146 @@ fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) {
     {
         println!("{line}");
     }
+}
+
+/// Whether UCX's library is installed (the network transport loads it at run time).
+fn ucx_missing() -> Option<String> {
+    let out = Command::new("ldconfig").arg("-p").output().ok()?;
+    (!String::from_utf8_lossy(&out.stdout).contains("libucp.so.0"))
+        .then(|| "UCX is not installed (libucp.so.0; Debian: libucx0)".to_string())
+}
+
+/// A job over `hosts` network namespaces with `per_host` ranks each (ranks fill hosts in
+/// order), UCX over TCP between hosts: a skip where namespaces cannot be made or UCX is
+/// missing. `kill_host`: once the marker file appears, every process of that host is killed
+/// (its ranks are then not expected to finish).
+fn net_job(
+    hosts: usize,
+    per_host: usize,
+    scenario: &str,
+    env: &[(&str, &str)],
+    kill_host: Option<usize>,
+) {
+    let test = format!("p2p {scenario} over {hosts} hosts (network namespaces)");
+    if let Some(why) = ucx_missing() {
+        flagcx_adaptor::conformance::report_skip_reason(&test, "net", &why);
+        return;
+    }
+    let h = match netns::Hosts::new(hosts) {
+        Ok(h) => h,
+        Err(why) => {
+            flagcx_adaptor::conformance::report_skip_reason(&test, "net", &why);
+            return;
+        }
+    };
+    let n = hosts * per_host;
+    let port = 20_000 + (std::process::id() % 20_000) as u16;
+    let root: std::net::SocketAddr = format!("{}:{port}", h.addr(0)).parse().expect("address");
+    let id = flagcx::p2p::UniqueId::random().expect("id").with_root(root);
+    let exe = std::env::current_exe().expect("current_exe");
+    let marker = std::env::temp_dir().join(format!(
+        "flagcx-net-{}-{scenario}-{port}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&marker);
+    let mut children = Vec::new();
+    for rank in 0..n {
+        let mut cmd = h.command(rank / per_host, &exe);
+        cmd.args([
+            "--exact",
+            "rank_worker",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("FLAGCX_TEST_SCENARIO", scenario)
+        .env("FLAGCX_RANK", rank.to_string())
+        .env("FLAGCX_NRANKS", n.to_string())
+        .env("FLAGCX_LOCAL_RANK", (rank % per_host).to_string())
+        .env("FLAGCX_UNIQUE_ID", id.to_string())
+        .env("FLAGCX_VENDOR", "host")
+        .env("FLAGCX_TEST_MARKER", &marker)
+        .env("FLAGCX_TIMEOUT_MS", "60000")
+        .env("UCX_TLS", "tcp")
+        .env("UCX_WARN_UNUSED_ENV_VARS", "n")
+        .env_remove("FLAGCX_SKIP_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        children.push(cmd.spawn().expect("start a rank"));
+    }
+    if let Some(k) = kill_host {
+        let t0 = std::time::Instant::now();
+        while !marker.exists() {
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(120),
+                "the ranks never got ready"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        h.kill(k);
+    }
+    let mut log = String::new();
+    let mut ok = true;
+    for (rank, c) in children.into_iter().enumerate() {
+        let out = c.wait_with_output().expect("wait for a rank");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        log += &format!(
+            "--- rank {rank} ({})\n{stdout}\n{}\n",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if kill_host == Some(rank / per_host) {
+            continue;
+        }
+        ok &= out.status.success() && stdout.contains(&format!("worker ok: rank {rank} of {n},"));
+        for line in stdout
+            .lines()
+            .filter(|l| l.contains("worker ok") || l.contains("saw rank"))
+        {
+            println!("{line}");
+        }
+    }
+    let _ = std::fs::remove_file(&marker);
+    assert!(ok, "{test} failed\n{log}");
+}
+
+#[test]
+fn net_ring_2_hosts() {
+    net_job(2, 1, "ring", &[], None);
+}
+
+#[test]
+fn net_ring_staged_2_hosts() {
+    net_job(2, 1, "ring", &[("FLAGCX_NET_STAGING", "always")], None);
+}
+
+#[test]
+fn net_pairs_2_hosts_of_2() {
+    // Pairs inside a host use shared memory, pairs across the network.
+    net_job(2, 2, "pairs", &[], None);
+}
+
+#[test]
+fn net_random_4_hosts() {
+    net_job(4, 1, "random", &[], None);
+}
+
+#[test]
+fn net_collectives_2_hosts_of_2() {
+    net_job(2, 2, "collectives", &[("FLAGCX_TEST_MAX", "4194304")], None);
+}
+
+#[test]
+fn net_mismatch_2_hosts() {
+    net_job(2, 1, "net_mismatch", &[], None);
+}
+
+#[test]
+fn net_host_killed() {
+    net_job(2, 1, "net_killed", &[], Some(1));
 }
 
 #[test]

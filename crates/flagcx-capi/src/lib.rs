@@ -155,7 +155,7 @@ impl From<CommError> for Failure {
     fn from(e: CommError) -> Self {
         let code = match &e {
             CommError::Adaptor(a) => return Failure::from(a.clone()),
-            CommError::Io { .. } | CommError::Bootstrap(_) => flagcxSystemError,
+            CommError::Io { .. } | CommError::Bootstrap(_) | CommError::Net(_) => flagcxSystemError,
             CommError::Config { .. } | CommError::InvalidArgument(_) => flagcxInvalidArgument,
             CommError::SizeMismatch { .. } | CommError::Aborted => flagcxInvalidUsage,
             CommError::Protocol(_)

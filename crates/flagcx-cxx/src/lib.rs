@@ -96,7 +96,7 @@ impl std::error::Error for Failure {}
 fn kind(e: &CommError) -> &'static str {
     match e {
         CommError::Adaptor(_) => "Device",
-        CommError::Io { .. } | CommError::Bootstrap(_) => "System",
+        CommError::Io { .. } | CommError::Bootstrap(_) | CommError::Net(_) => "System",
         CommError::Config { .. } | CommError::InvalidArgument(_) => "InvalidArgument",
         CommError::SizeMismatch { .. } => "SizeMismatch",
         CommError::PeerLost { .. } => "PeerLost",

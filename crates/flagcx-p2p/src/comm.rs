@@ -17,6 +17,7 @@ use crate::peer::{PeerInfo, TransportKind};
 use crate::setup::{connect_channels, Pairing};
 use crate::transport::eager::EagerLink;
 use crate::transport::ipc::{CallerLink, IpcCache};
+use crate::transport::net::NetState;
 use crate::wire::Tag;
 use crate::PathStats;
 
@@ -246,11 +247,13 @@ impl<A: DeviceAdaptor> Comm<A> {
                 })
             })
             .collect();
+        let net = NetState::connect(&adaptor, &boot, &transports, config.net_staging)?;
         let proxy = Engine::new(
             adaptor.clone(),
             shared.clone(),
             boot.clone(),
             peers,
+            net,
             &config,
         )?;
         let handle = std::thread::Builder::new()

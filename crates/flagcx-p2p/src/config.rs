@@ -139,6 +139,10 @@ pub struct Config {
     /// Each rank prints where its operations spent their time when its communicator is
     /// destroyed (`FLAGCX_PROFILE` set to anything, default off).
     pub profile: bool,
+    /// The network transport stages every message through pinned host buffers, even where
+    /// device memory is host addressable (`FLAGCX_NET_STAGING=auto|always`, default auto:
+    /// only where it is not). For testing the staging path.
+    pub net_staging: bool,
 }
 
 /// Defaults, documented in the README's environment table.
@@ -169,6 +173,7 @@ impl Default for Config {
             eager_max: DEFAULT_EAGER_MAX,
             ipc_caller: true,
             profile: false,
+            net_staging: false,
         }
     }
 }
@@ -288,6 +293,14 @@ impl Config {
             c.host_map_max = parse_size("FLAGCX_P2P_HOST_MAP_MAX", &v)?;
         }
         c.profile = var("FLAGCX_PROFILE").is_some();
+        if let Some(v) = var("FLAGCX_NET_STAGING") {
+            c.net_staging = parse_choice(
+                "FLAGCX_NET_STAGING",
+                &v,
+                &[("auto", false), ("always", true)],
+                "expected auto or always",
+            )?;
+        }
         if let Some(v) = var("FLAGCX_P2P_IPC_CALLER") {
             c.ipc_caller = parse_choice(
                 "FLAGCX_P2P_IPC_CALLER",
@@ -428,6 +441,10 @@ impl RankEnv {
                 UniqueId::derived(&format!("{source}:{job}"))
             }
         };
+        let id = match (id.root(), root_from(&var, source)?) {
+            (None, Some(root)) => id.with_root(root),
+            _ => id,
+        };
         Ok(RankEnv {
             rank,
             nranks,
@@ -435,6 +452,50 @@ impl RankEnv {
             id,
             source,
         })
+    }
+}
+
+/// The root address for a job over several hosts: `FLAGCX_ROOT_ADDR` (`host:port`), or with
+/// `FLAGCX_BOOTSTRAP=tcp` under torchrun `MASTER_ADDR` and `MASTER_PORT` + 1 (torch's own
+/// store listens on `MASTER_PORT`). `None`: the job stays on one host (abstract sockets).
+fn root_from(
+    var: &dyn Fn(&str) -> Option<String>,
+    source: &str,
+) -> Result<Option<std::net::SocketAddr>> {
+    let resolve = |name: &str, v: &str| {
+        use std::net::ToSocketAddrs;
+        v.trim()
+            .to_socket_addrs()
+            .map_err(|e| CommError::config(name, v, format!("cannot resolve it: {e}")))?
+            .next()
+            .ok_or_else(|| CommError::config(name, v, "resolves to no address"))
+            .map(Some)
+    };
+    if let Some(v) = var("FLAGCX_ROOT_ADDR") {
+        return resolve("FLAGCX_ROOT_ADDR", &v);
+    }
+    match var("FLAGCX_BOOTSTRAP").as_deref().map(str::trim) {
+        None | Some("unix") => Ok(None),
+        Some("tcp") => {
+            let (Some(a), Some(p), "torchrun") = (var("MASTER_ADDR"), var("MASTER_PORT"), source)
+            else {
+                return Err(CommError::config(
+                    "FLAGCX_BOOTSTRAP",
+                    "tcp",
+                    "needs FLAGCX_ROOT_ADDR=host:port (or torchrun's MASTER_ADDR and MASTER_PORT)",
+                ));
+            };
+            let port = parse_usize("MASTER_PORT", &p)?
+                .checked_add(1)
+                .filter(|&p| p <= u16::MAX as usize)
+                .ok_or_else(|| CommError::config("MASTER_PORT", &p, "no port above it"))?;
+            resolve("MASTER_ADDR", &format!("{a}:{port}"))
+        }
+        Some(other) => Err(CommError::config(
+            "FLAGCX_BOOTSTRAP",
+            other,
+            "expected unix or tcp",
+        )),
     }
 }
 

@@ -29,6 +29,7 @@ use crate::error::{CommError, Result};
 use crate::peer::TransportKind;
 use crate::transport::hostmap::HostMaps;
 use crate::transport::ipc::IpcCache;
+use crate::transport::net::{NetPhase, NetState};
 use crate::transport::{Path, PeerConn, Phase, Progress, Step};
 use crate::PathStats;
 
@@ -70,7 +71,7 @@ pub(crate) struct Shared {
     pub first_error: Mutex<Option<CommError>>,
     pub busy_polls: AtomicU64,
     /// Bytes moved by finished operations, per [`Path`] (for [`crate::Comm::stats`]).
-    pub path_bytes: [AtomicU64; 4],
+    pub path_bytes: [AtomicU64; 5],
     /// IPC operations the posting thread finished itself (for [`crate::Comm::stats`]).
     pub caller_ops: AtomicU64,
     /// IPC operations the posting thread handed to the proxy, indexed by [`Handoff`], for
@@ -149,6 +150,7 @@ impl Shared {
             staged_bytes: b(Path::Staged),
             direct_bytes: b(Path::Direct),
             eager_bytes: b(Path::Eager),
+            net_bytes: b(Path::Net),
             caller_ops: self.caller_ops.load(Ordering::Relaxed),
             caller_failures: self.caller_handoffs[Handoff::Failed as usize].load(Ordering::Relaxed),
             ipc_mappings_closed: lock(&self.ipc).closes,
@@ -235,6 +237,8 @@ pub(crate) struct Engine<A: DeviceAdaptor> {
     pub(crate) host_maps: Option<HostMaps<A>>,
     pub(crate) finished: BTreeSet<u64>,
     pub(crate) watermark: u64,
+    /// The network transport's state, where a peer is on another host.
+    pub(crate) net: Option<NetState>,
 }
 
 impl<A: DeviceAdaptor> Engine<A> {
@@ -243,6 +247,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         shared: Arc<Shared>,
         boot: Arc<Bootstrap>,
         peers: Vec<Option<PeerConn>>,
+        net: Option<NetState>,
         config: &crate::config::Config,
     ) -> Result<Self> {
         let send_stream = adaptor.stream_create()?;
@@ -267,6 +272,7 @@ impl<A: DeviceAdaptor> Engine<A> {
             host_maps,
             finished: BTreeSet::new(),
             watermark: 0,
+            net,
         })
     }
 
@@ -364,7 +370,10 @@ impl<A: DeviceAdaptor> Engine<A> {
             let e = CommError::InvalidArgument(format!("no connection to rank {peer}"));
             return self.finish(op, Err(e));
         };
-        if let Some(reason) = conn.lost.clone() {
+        // A receive from a lost rank on another host still looks for its message: the rank
+        // may have sent it before it went (see `transport::net`).
+        let net_recv = conn.transport == TransportKind::Net && op.dir == Dir::Recv;
+        if let Some(reason) = conn.lost.clone().filter(|_| !net_recv) {
             return self.finish(op, Err(CommError::PeerLost { peer, reason }));
         }
         if let Some(Resume::Failed(_)) = &op.resume {
@@ -397,6 +406,11 @@ impl<A: DeviceAdaptor> Engine<A> {
         let path = match conn.transport {
             TransportKind::Ipc => Path::Ipc,
             TransportKind::Staged => Path::Staged,
+            TransportKind::Net => Path::Net,
+        };
+        let phase = match conn.transport {
+            TransportKind::Net => Phase::Net(NetPhase::Start),
+            _ => phase,
         };
         let step = Step {
             op,
@@ -498,9 +512,10 @@ impl<A: DeviceAdaptor> Engine<A> {
                 };
                 let Some(mut step) = q.pop_front() else { break };
                 let lost = conn.lost.clone();
-                let r = match dir {
-                    Dir::Send => self.progress_send(p, &mut step),
-                    Dir::Recv => self.progress_recv(p, &mut step),
+                let r = match (step.path, dir) {
+                    (Path::Net, _) => self.progress_net(p, &mut step),
+                    (_, Dir::Send) => self.progress_send(p, &mut step),
+                    (_, Dir::Recv) => self.progress_recv(p, &mut step),
                 };
                 let r = match r {
                     Ok(pr) => pr,
@@ -509,6 +524,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                         // of waiting), settle our own in-flight copies, and retire the pair —
                         // its counters no longer agree with the peer's.
                         self.abandon_chunks(p, dir);
+                        self.abandon_net(&mut step);
                         if let Some(c) = self.peers[p].as_mut() {
                             fail_locally(c, &self.shared, dir, step.index, &e);
                         }
@@ -539,12 +555,14 @@ impl<A: DeviceAdaptor> Engine<A> {
                             (Some(reason), _) => {
                                 moved = true;
                                 self.abandon_chunks(p, dir);
+                                self.abandon_net(&mut step);
                                 let e = CommError::PeerLost { peer: p, reason };
                                 self.finish(step.op, Err(e));
                             }
                             (None, Some(t)) => {
                                 moved = true;
                                 self.abandon_chunks(p, dir);
+                                self.abandon_net(&mut step);
                                 // The pair's shared state is now out of step: retire it.
                                 let what = format!(
                                     "{} of {} bytes with rank {p} made no progress: {}",
@@ -661,14 +679,14 @@ impl<A: DeviceAdaptor> Engine<A> {
                 retire_both_ways(conn, &self.shared, "this rank aborted".into());
             }
         }
-        let mut left = Vec::new();
+        let mut steps = Vec::new();
         for conn in self.peers.iter_mut().flatten() {
-            left.extend(
-                conn.sends
-                    .drain(..)
-                    .chain(conn.recvs.drain(..))
-                    .map(|s| s.op),
-            );
+            steps.extend(conn.sends.drain(..).chain(conn.recvs.drain(..)));
+        }
+        let mut left = Vec::new();
+        for mut s in steps {
+            self.abandon_net(&mut s);
+            left.push(s.op);
         }
         left.extend(std::mem::take(&mut lock(&self.shared.inbox).ops));
         let _ = self.adaptor.stream_synchronize(self.send_stream);
@@ -705,6 +723,9 @@ impl<A: DeviceAdaptor> Engine<A> {
                     let _ = unsafe { self.adaptor.host_unpin(ch.ring().0) };
                 }
             }
+        }
+        if let Some(net) = self.net.take() {
+            net.close(&self.adaptor, aborted);
         }
         let _ = self.adaptor.stream_destroy(self.send_stream);
         let _ = self.adaptor.stream_destroy(self.recv_stream);

@@ -79,6 +79,10 @@ pub enum CommError {
         /// What was waited for, in words (names the peer).
         what: String,
     },
+    /// The network library (UCX) failed an operation with a pair on another host; keeps its
+    /// status in words and number.
+    #[error("network: {0}")]
+    Net(String),
     /// The communicator was aborted or shut down.
     #[error("communicator aborted")]
     Aborted,
@@ -127,6 +131,7 @@ impl Clone for CommError {
                 peer: *peer,
                 what: what.clone(),
             },
+            Net(s) => Net(s.clone()),
             Aborted => Aborted,
         }
     }
@@ -146,6 +151,7 @@ impl CommError {
                 | CommError::PeerLost { .. }
                 | CommError::RemoteFailure { .. }
                 | CommError::Timeout { .. }
+                | CommError::Net(_)
         )
     }
 

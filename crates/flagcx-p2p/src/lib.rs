@@ -48,6 +48,7 @@ pub mod peer;
 mod setup;
 pub mod shm;
 mod transport;
+mod ucx;
 pub mod wire;
 
 pub use bootstrap::{Bootstrap, UniqueId};
@@ -70,6 +71,8 @@ pub struct PathStats {
     /// Small messages through the channels' eager slots (host-addressable pairs,
     /// [`Config::eager_max`]).
     pub eager_bytes: u64,
+    /// Pairs on different hosts: through the network transport (UCX).
+    pub net_bytes: u64,
     /// IPC operations (sends and receives) that the posting thread finished itself, without
     /// the proxy ([`Config::ipc_caller`]); their bytes count in `ipc_bytes`.
     pub caller_ops: u64,

@@ -73,8 +73,14 @@ pub fn host_id() -> String {
             .trim()
             .to_string()
     };
+    // The network namespace too: ranks in different namespaces cannot reach each other's
+    // abstract sockets, so they are on different hosts as far as the job goes (and that is how
+    // the network transport is tested on one machine).
+    let netns = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
     format!(
-        "{}/{}",
+        "{}/{}/{netns}",
         read("/proc/sys/kernel/hostname"),
         read("/proc/sys/kernel/random/boot_id")
     )
@@ -215,6 +221,8 @@ pub enum TransportKind {
     Ipc,
     /// Through a ring of chunks in shared host memory: device→host, host→device, pipelined.
     Staged,
+    /// Over the network (UCX): the ranks are on different hosts.
+    Net,
 }
 
 impl std::fmt::Display for TransportKind {
@@ -222,18 +230,19 @@ impl std::fmt::Display for TransportKind {
         f.write_str(match self {
             TransportKind::Ipc => "ipc",
             TransportKind::Staged => "staged",
+            TransportKind::Net => "net",
         })
     }
 }
 
 /// The transport for a pair, with the reason; symmetric, so both ranks agree without talking.
 pub fn choose_transport(a: &PeerInfo, b: &PeerInfo) -> (TransportKind, &'static str) {
-    if a.p2p_disable || b.p2p_disable {
+    if a.host_id != b.host_id {
+        (TransportKind::Net, "different hosts")
+    } else if a.p2p_disable || b.p2p_disable {
         (TransportKind::Staged, "FLAGCX_P2P_DISABLE is set")
     } else if a.vendor != b.vendor {
         (TransportKind::Staged, "different vendors")
-    } else if a.host_id != b.host_id {
-        (TransportKind::Staged, "different hosts")
     } else if !(a.caps.ipc_bytes && b.caps.ipc_bytes) {
         (TransportKind::Staged, "the vendor has no IPC handles")
     } else {

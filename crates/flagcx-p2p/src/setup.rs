@@ -139,6 +139,12 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
             continue;
         };
         let geo = geometry(q);
+        if t == TransportKind::Net {
+            // Nothing is shared with a rank on another host; the pair's channels stay local
+            // and carry only its fault counters.
+            incoming.push(Some(ch_local()?));
+            continue;
+        }
         let ch = Channel::create(geo)?;
         let desc = Writer::new()
             .u8(matches!(t, TransportKind::Staged) as u8)
@@ -156,6 +162,17 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
             peers.push(None);
             continue;
         };
+        if transports[q] == Some(TransportKind::Net) {
+            let out = Arc::new(ch_local()?);
+            peers.push(Some(PeerConn::new(
+                q,
+                TransportKind::Net,
+                out,
+                Arc::new(inc),
+                false,
+            )));
+            continue;
+        }
         match connect_one(adaptor, boot, q, transports, inc, &geometry, lanes[q]) {
             Ok(conn) => peers.push(Some(conn.with_roles(roles[q]))),
             Err(e) => {
@@ -171,6 +188,15 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
         }
     }
     Ok(peers)
+}
+
+/// A channel for a pair on two hosts: nothing in it is shared.
+fn ch_local() -> Result<Channel> {
+    Channel::create(Geometry {
+        slots: 0,
+        chunk: 0,
+        eager: 0,
+    })
 }
 
 /// Receives peer `q`'s channel for this rank's sends, checks it agrees with ours, maps it and

@@ -25,6 +25,10 @@ pub enum Tag {
     Connect = 4,
     /// Barrier token.
     Barrier = 5,
+    /// TCP bootstrap, root → rank: every rank's host and address.
+    Table = 6,
+    /// The network transport's worker address, pair by pair.
+    NetAddress = 7,
 }
 
 impl Tag {
@@ -36,6 +40,8 @@ impl Tag {
             3 => Tag::PeerInfo,
             4 => Tag::Connect,
             5 => Tag::Barrier,
+            6 => Tag::Table,
+            7 => Tag::NetAddress,
             _ => return None,
         })
     }

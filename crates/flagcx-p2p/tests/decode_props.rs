@@ -252,8 +252,11 @@ fn tags_round_trip() {
         Tag::PeerInfo,
         Tag::Connect,
         Tag::Barrier,
+        Tag::Table,
+        Tag::NetAddress,
     ] {
         assert_eq!(Tag::from_u32(t as u32), Some(t));
     }
     assert_eq!(Tag::from_u32(0), None);
+    assert_eq!(Tag::from_u32(8), None);
 }

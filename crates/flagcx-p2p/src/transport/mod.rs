@@ -10,6 +10,7 @@
 //! | [`staged`] | different vendors: device→host into ring slots, host→device out of them, pipelined | — | `Engine::pump`: both directions, one loop |
 //! | [`direct`] | a staged pair with a host-vendor rank: one copy straight into or out of its mapped buffer ([`hostmap`]) | — | `Engine::direct_push`/`direct_pull` |
 //! | [`eager`] | host-addressable pairs: small messages copied by the CPU through the channel's eager slots | `Comm::try_eager` | `Engine::take_eager` |
+//! | [`net`] | pairs on different hosts: one UCX tagged message per message, staged through pinned host memory where device memory is not host addressable | — | `Engine::progress_net` |
 //!
 //! Which transport a pair uses is chosen once at setup ([`crate::peer::choose_transport`]);
 //! a new protocol is a module here, its phases in [`Phase`], and a line in that choice.
@@ -18,6 +19,7 @@ pub(crate) mod direct;
 pub(crate) mod eager;
 pub(crate) mod hostmap;
 pub(crate) mod ipc;
+pub(crate) mod net;
 pub(crate) mod rendezvous;
 pub(crate) mod staged;
 
@@ -44,6 +46,8 @@ pub(crate) enum Path {
     Direct = 2,
     /// Through the channel's eager slots (small messages between host-addressable ranks).
     Eager = 3,
+    /// Over the network (a pair on two hosts).
+    Net = 4,
 }
 
 /// Who copies on a pair (see [`crate::peer::receiver_copies`] and
@@ -159,6 +163,8 @@ pub(crate) enum Phase {
         issued: usize,
         started: bool,
     },
+    /// Net (a pair on two hosts), either side.
+    Net(net::NetPhase),
 }
 
 impl Phase {
@@ -178,6 +184,7 @@ impl Phase {
             Phase::Chunks { total, issued, .. } => {
                 format!("waiting for the peer's side of the staged chunks ({issued} of {total} bytes issued)")
             }
+            Phase::Net(n) => n.waiting_for(),
         }
     }
 }

@@ -46,6 +46,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                 let issued = match conn.transport {
                     TransportKind::Ipc => self.issue_ipc_copy(step, &desc).map(Some),
                     TransportKind::Staged => self.direct_push(p, step, &desc),
+                    TransportKind::Net => Err(net_in_rendezvous(p)),
                 };
                 let conn = self.peers[p].as_mut().expect("present");
                 match issued {
@@ -145,6 +146,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                 Ok(Progress::Done(Ok(bytes)))
             }
             Phase::Chunks { .. } => self.pump(p, Dir::Send, step),
+            Phase::Net(_) => Err(net_in_rendezvous(p)),
             Phase::Announce | Phase::AwaitSendDesc | Phase::AwaitOffer | Phase::Pulling { .. } => {
                 unreachable!("receive phases")
             }
@@ -243,6 +245,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                 let issued = match conn.transport {
                     TransportKind::Ipc => Some(self.issue_ipc_pull(step, &offer)?),
                     TransportKind::Staged => self.direct_pull(step, &offer)?,
+                    TransportKind::Net => return Err(net_in_rendezvous(p)),
                 };
                 let Some(ev) = issued else {
                     // Not mapped (yet): ask for the data through the ring.
@@ -278,9 +281,18 @@ impl<A: DeviceAdaptor> Engine<A> {
                 Ok(Progress::Done(Ok(size)))
             }
             Phase::Chunks { .. } => self.pump(p, Dir::Recv, step),
+            Phase::Net(_) => Err(net_in_rendezvous(p)),
             Phase::AwaitRecvDesc | Phase::Copying(_) | Phase::Offer | Phase::AwaitVerdict => {
                 unreachable!("send phases")
             }
         }
     }
+}
+
+/// A pair on two hosts never runs the descriptor handshake (the engine hands its steps to
+/// [`super::net`]); reaching it here is a bug reported as an error, not a panic.
+fn net_in_rendezvous(p: usize) -> crate::error::CommError {
+    crate::error::CommError::Protocol(format!(
+        "a message with rank {p} (another host) reached the shared-memory handshake"
+    ))
 }

@@ -7,8 +7,17 @@
 //! checks the connector's uid and the secret; anything else is logged and dropped without
 //! disturbing the job. Over the mesh go tagged frames ([`crate::wire`]) with file descriptors
 //! (`SCM_RIGHTS`), an all-gather and a barrier.
+//!
+//! Across hosts (the id carries a root address, [`UniqueId::with_root`]) every rank first
+//! reaches the root (rank 0) over TCP and presents the secret, its host and the port it listens
+//! on; the root answers each with the table of every rank's host and address. Then pairs on one
+//! host (same [`crate::peer::host_id`]: machine and network namespace) connect over abstract
+//! Unix sockets as above — they keep descriptor passing and the intra-node transports — and
+//! pairs on different hosts over TCP, with the same admission checks except the uid (which
+//! only a local socket can tell).
 
 use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::net::TcpStream;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
@@ -23,16 +32,22 @@ use nix::sys::socket::{
 use crate::error::{CommError, Result};
 use crate::wire::{self, Reader, Tag, Writer, HEADER_LEN};
 
+mod tcp;
+use tcp::{admit_tcp, meet_at_root, tcp_connect};
+
 const MAGIC: &[u8; 8] = b"FLAGCXv1";
 const PROTOCOL_VERSION: u32 = 1;
 const MAX_FDS_PER_FRAME: usize = 16;
 
-/// A job's identity: a public name (which socket addresses derive from) and a secret that peers
-/// must present. Its text form, `fx1-<32 hex>-<32 hex>`, is what `FLAGCX_UNIQUE_ID` carries.
+/// A job's identity: a public name (which socket addresses derive from), a secret that peers
+/// must present, and for jobs over several hosts the root's TCP address. Its text form,
+/// `fx1-<32 hex>-<32 hex>` or `fx1-<32 hex>-<32 hex>@<host:port>`, is what
+/// `FLAGCX_UNIQUE_ID` carries.
 #[derive(Clone, PartialEq, Eq)]
 pub struct UniqueId {
     name: [u8; 16],
     secret: [u8; 16],
+    root: Option<std::net::SocketAddr>,
 }
 
 impl std::fmt::Debug for UniqueId {
@@ -50,6 +65,7 @@ impl UniqueId {
             .and_then(|mut f| f.read_exact(&mut b))
             .map_err(|e| CommError::io("read /dev/urandom", e))?;
         let mut id = UniqueId {
+            root: None,
             name: [0; 16],
             secret: [0; 16],
         };
@@ -66,7 +82,20 @@ impl UniqueId {
         UniqueId {
             name: fnv128(&format!("flagcx-name:{job}")),
             secret: fnv128(&format!("flagcx-secret:{job}")),
+            root: None,
         }
+    }
+
+    /// The same job over several hosts: rank 0 listens on `root` (an address of its host that
+    /// every rank can reach) and the ranks meet there over TCP.
+    pub fn with_root(mut self, root: std::net::SocketAddr) -> Self {
+        self.root = Some(root);
+        self
+    }
+
+    /// The root's address, where the job spans hosts.
+    pub fn root(&self) -> Option<std::net::SocketAddr> {
+        self.root
     }
 
     /// The public part, as hex (used in socket names and logs).
@@ -77,7 +106,11 @@ impl UniqueId {
 
 impl std::fmt::Display for UniqueId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "fx1-{}-{}", hex(&self.name), hex(&self.secret))
+        write!(f, "fx1-{}-{}", hex(&self.name), hex(&self.secret))?;
+        match self.root {
+            Some(a) => write!(f, "@{a}"),
+            None => Ok(()),
+        }
     }
 }
 
@@ -86,7 +119,17 @@ impl std::str::FromStr for UniqueId {
 
     fn from_str(s: &str) -> Result<Self> {
         let bad = |why: &str| CommError::config("FLAGCX_UNIQUE_ID", s, why.to_string());
-        let mut parts = s.trim().split('-');
+        let (s_id, root) = match s.trim().split_once('@') {
+            Some((i, a)) => (
+                i,
+                Some(
+                    a.parse::<std::net::SocketAddr>()
+                        .map_err(|_| bad("the part after @ is not an ip:port address"))?,
+                ),
+            ),
+            None => (s.trim(), None),
+        };
+        let mut parts = s_id.split('-');
         if parts.next() != Some("fx1") {
             return Err(bad("expected fx1-<32 hex>-<32 hex>"));
         }
@@ -95,7 +138,7 @@ impl std::str::FromStr for UniqueId {
         if parts.next().is_some() {
             return Err(bad("trailing data"));
         }
-        Ok(UniqueId { name, secret })
+        Ok(UniqueId { name, secret, root })
     }
 }
 
@@ -151,12 +194,91 @@ fn my_uid() -> u32 {
     unsafe { libc::getuid() }
 }
 
+/// One rank's socket to another: local (descriptors can pass) or TCP (another host).
+#[derive(Debug)]
+enum Link {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+/// What frames need of a socket.
+trait FrameIo: AsRawFd {
+    /// Whether descriptors can travel over it.
+    fn passes_fds(&self) -> bool;
+    fn write_all(&self, b: &[u8]) -> std::io::Result<()>;
+    fn read_exact(&self, b: &mut [u8]) -> std::io::Result<()>;
+}
+
+impl FrameIo for UnixStream {
+    fn passes_fds(&self) -> bool {
+        true
+    }
+    fn write_all(&self, b: &[u8]) -> std::io::Result<()> {
+        Write::write_all(&mut &*self, b)
+    }
+    fn read_exact(&self, b: &mut [u8]) -> std::io::Result<()> {
+        Read::read_exact(&mut &*self, b)
+    }
+}
+
+impl FrameIo for TcpStream {
+    fn passes_fds(&self) -> bool {
+        false
+    }
+    fn write_all(&self, b: &[u8]) -> std::io::Result<()> {
+        Write::write_all(&mut &*self, b)
+    }
+    fn read_exact(&self, b: &mut [u8]) -> std::io::Result<()> {
+        Read::read_exact(&mut &*self, b)
+    }
+}
+
+impl AsRawFd for Link {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Link::Unix(s) => s.as_raw_fd(),
+            Link::Tcp(s) => s.as_raw_fd(),
+        }
+    }
+}
+
+impl FrameIo for Link {
+    fn passes_fds(&self) -> bool {
+        matches!(self, Link::Unix(_))
+    }
+    fn write_all(&self, b: &[u8]) -> std::io::Result<()> {
+        match self {
+            Link::Unix(s) => FrameIo::write_all(s, b),
+            Link::Tcp(s) => FrameIo::write_all(s, b),
+        }
+    }
+    fn read_exact(&self, b: &mut [u8]) -> std::io::Result<()> {
+        match self {
+            Link::Unix(s) => FrameIo::read_exact(s, b),
+            Link::Tcp(s) => FrameIo::read_exact(s, b),
+        }
+    }
+}
+
+impl Link {
+    fn set_timeouts(&self, t: Duration) -> std::io::Result<()> {
+        match self {
+            Link::Unix(s) => s
+                .set_read_timeout(Some(t))
+                .and_then(|()| s.set_write_timeout(Some(t))),
+            Link::Tcp(s) => s
+                .set_read_timeout(Some(t))
+                .and_then(|()| s.set_write_timeout(Some(t))),
+        }
+    }
+}
+
 /// The mesh of one job: a socket to every other rank.
 #[derive(Debug)]
 pub struct Bootstrap {
     rank: usize,
     nranks: usize,
-    peers: Vec<Option<Mutex<UnixStream>>>,
+    peers: Vec<Option<Mutex<Link>>>,
     timeout: Duration,
 }
 
@@ -170,60 +292,107 @@ impl Bootstrap {
             )));
         }
         let deadline = Instant::now() + timeout;
-        let listener = UnixListener::bind_addr(&socket_addr(id, rank)?).map_err(|e| {
+        let unix = UnixListener::bind_addr(&socket_addr(id, rank)?).map_err(|e| {
             CommError::Bootstrap(format!(
                 "rank {rank} cannot listen (is another job using the same unique id?): {e}"
             ))
         })?;
-        let mut peers: Vec<Option<Mutex<UnixStream>>> = (0..nranks).map(|_| None).collect();
-        for (q, slot) in peers.iter_mut().enumerate().take(rank) {
-            *slot = Some(Mutex::new(connect_to(id, rank, nranks, q, deadline)?));
-        }
-        let mut missing = nranks - rank - 1;
-        listener
-            .set_nonblocking(true)
+        unix.set_nonblocking(true)
             .map_err(|e| CommError::io("listener nonblocking", e))?;
-        while missing > 0 {
-            match listener.accept() {
-                Ok((s, _)) => match admit(s, id, rank, nranks) {
-                    Ok((q, s)) if q > rank && peers[q].is_none() => {
-                        peers[q] = Some(Mutex::new(s));
-                        missing -= 1;
-                    }
-                    Ok((q, _)) => tracing::warn!(
-                        rank,
-                        "refused a duplicate or misordered hello from rank {q}"
-                    ),
-                    Err(e) => tracing::warn!(rank, "refused a bootstrap connection: {e}"),
-                },
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() > deadline {
-                        let absent: Vec<usize> =
-                            (rank + 1..nranks).filter(|&q| peers[q].is_none()).collect();
-                        return Err(CommError::Bootstrap(format!(
-                            "rank {rank}: ranks {absent:?} did not connect within {} ms",
-                            timeout.as_millis()
-                        )));
-                    }
-                    std::thread::sleep(Duration::from_millis(1));
+        let mut peers: Vec<Option<Link>> = (0..nranks).map(|_| None).collect();
+        let mut tcp = None;
+        // Which peers are on this host (all of them without a root).
+        let mut local = vec![true; nranks];
+        if let Some(root) = id.root {
+            let (listener, table, root_links) = meet_at_root(id, rank, nranks, root, deadline)?;
+            let host = crate::peer::host_id();
+            for (q, (h, _)) in table.iter().enumerate() {
+                local[q] = *h == host;
+            }
+            // Links to or from the root stay only between hosts.
+            for (q, l) in root_links.into_iter().enumerate() {
+                if !local[q] {
+                    peers[q] = l.map(Link::Tcp);
                 }
+            }
+            for q in (1..rank).filter(|&q| !local[q]) {
+                let s = tcp_connect(id, rank, nranks, q, table[q].1, deadline)?;
+                peers[q] = Some(Link::Tcp(s));
+            }
+            tcp = Some(listener);
+        }
+        for q in (0..rank).filter(|&q| local[q]) {
+            peers[q] = Some(Link::Unix(connect_to(id, rank, nranks, q, deadline)?));
+        }
+        let mut missing = (rank + 1..nranks).filter(|&q| peers[q].is_none()).count();
+        while missing > 0 {
+            let mut took = false;
+            let mut take = |got: Result<(usize, Link)>, via_tcp: bool| match got {
+                Ok((q, s)) if q > rank && peers[q].is_none() && local[q] != via_tcp => {
+                    peers[q] = Some(s);
+                    missing -= 1;
+                }
+                Ok((q, _)) => tracing::warn!(
+                    rank,
+                    "refused a duplicate, misordered or misrouted hello from rank {q}"
+                ),
+                Err(e) => tracing::warn!(rank, "refused a bootstrap connection: {e}"),
+            };
+            match unix.accept() {
+                Ok((s, _)) => {
+                    took = true;
+                    take(
+                        admit(s, id, rank, nranks).map(|(q, s)| (q, Link::Unix(s))),
+                        false,
+                    );
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Err(e) => return Err(CommError::io("accept", e)),
+            }
+            if let Some(l) = &tcp {
+                match l.accept() {
+                    Ok((s, _)) => {
+                        took = true;
+                        take(
+                            admit_tcp(s, id, rank, nranks).map(|(q, s, ..)| (q, Link::Tcp(s))),
+                            true,
+                        );
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(CommError::io("accept", e)),
+                }
+            }
+            if !took {
+                if Instant::now() > deadline {
+                    let absent: Vec<usize> =
+                        (rank + 1..nranks).filter(|&q| peers[q].is_none()).collect();
+                    return Err(CommError::Bootstrap(format!(
+                        "rank {rank}: ranks {absent:?} did not connect within {} ms",
+                        timeout.as_millis()
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(1));
             }
         }
         // Every later exchange (peer information, channels, barriers) is bounded by the same
         // limit: a peer that stops answering (stopped, wedged) fails it with `Timeout`.
         for s in peers.iter().flatten() {
-            let s = s.lock().unwrap_or_else(|p| p.into_inner());
-            s.set_read_timeout(Some(timeout))
-                .and_then(|()| s.set_write_timeout(Some(timeout)))
+            s.set_timeouts(timeout)
                 .map_err(|e| CommError::io("socket timeout", e))?;
         }
         Ok(Bootstrap {
             rank,
             nranks,
-            peers,
+            peers: peers.into_iter().map(|l| l.map(Mutex::new)).collect(),
             timeout,
         })
+    }
+
+    /// Whether the link to `peer` is a local socket (the peer is on this host).
+    pub fn is_local(&self, peer: usize) -> bool {
+        self.peer(peer)
+            .map(|l| matches!(*l, Link::Unix(_)))
+            .unwrap_or(false)
     }
 
     /// This rank.
@@ -236,7 +405,7 @@ impl Bootstrap {
         self.nranks
     }
 
-    fn peer(&self, peer: usize) -> Result<std::sync::MutexGuard<'_, UnixStream>> {
+    fn peer(&self, peer: usize) -> Result<std::sync::MutexGuard<'_, Link>> {
         self.peers
             .get(peer)
             .and_then(|p| p.as_ref())
@@ -261,13 +430,13 @@ impl Bootstrap {
         fds: &[BorrowedFd<'_>],
     ) -> Result<()> {
         let s = self.peer(peer)?;
-        send_frame(&s, tag, payload, fds).map_err(|e| self.lost_or(peer, tag, e))
+        send_frame(&*s, tag, payload, fds).map_err(|e| self.lost_or(peer, tag, e))
     }
 
     /// Receives the next frame from `peer`, which must carry `tag`.
     pub fn recv(&self, peer: usize, tag: Tag) -> Result<(Vec<u8>, Vec<OwnedFd>)> {
         let s = self.peer(peer)?;
-        let (got, payload, fds) = recv_frame(&s).map_err(|e| self.lost_or(peer, tag, e))?;
+        let (got, payload, fds) = recv_frame(&*s).map_err(|e| self.lost_or(peer, tag, e))?;
         if got != tag {
             return Err(CommError::Protocol(format!(
                 "expected a {tag:?} frame from rank {peer}, got {got:?}"
@@ -378,20 +547,37 @@ fn connect_to(
             my_uid()
         )));
     }
+    say_hello(&s, id, rank, nranks, q, None, deadline)?;
+    Ok(s)
+}
+
+/// Presents this rank to rank `q` on a fresh socket (over TCP with this rank's host and the
+/// port it listens on) and waits for the acknowledgement.
+fn say_hello<S: FrameIo + SetReadTimeout>(
+    s: &S,
+    id: &UniqueId,
+    rank: usize,
+    nranks: usize,
+    q: usize,
+    tcp: Option<(&str, u16)>,
+    deadline: Instant,
+) -> Result<()> {
     let left = deadline
         .saturating_duration_since(Instant::now())
         .max(Duration::from_millis(100));
-    s.set_read_timeout(Some(left))
+    s.read_timeout(left)
         .map_err(|e| CommError::io("socket timeout", e))?;
-    let hello = Writer::new()
-        .bytes(MAGIC)
+    let mut w = Writer::new();
+    w.bytes(MAGIC)
         .u32(PROTOCOL_VERSION)
         .u32(rank as u32)
         .u32(nranks as u32)
-        .bytes(&id.secret)
-        .finish();
-    send_frame(&s, Tag::Hello, &hello, &[])?;
-    let (tag, payload, _) = recv_frame(&s)
+        .bytes(&id.secret);
+    if let Some((host, port)) = tcp {
+        w.str(host).u32(port as u32);
+    }
+    send_frame(s, Tag::Hello, &w.finish(), &[])?;
+    let (tag, payload, _) = recv_frame(s)
         .map_err(|e| CommError::Bootstrap(format!("rank {q} did not accept rank {rank}: {e}")))?;
     let mut r = Reader::new(&payload, "hello ack");
     if tag != Tag::HelloAck || r.u32()? as usize != q {
@@ -399,22 +585,38 @@ fn connect_to(
             "rank {q} answered with a bad acknowledgement"
         )));
     }
-    Ok(s)
+    Ok(())
 }
 
-/// Checks a connecting peer: same uid, right magic, version, job size and secret.
-fn admit(s: UnixStream, id: &UniqueId, rank: usize, nranks: usize) -> Result<(usize, UnixStream)> {
-    s.set_nonblocking(false)
-        .map_err(|e| CommError::io("socket blocking", e))?;
-    let uid = peer_uid(&s)?;
-    if uid != my_uid() {
-        return Err(CommError::Bootstrap(format!(
-            "connection from uid {uid} refused"
-        )));
+/// Sockets whose read timeout can be set.
+trait SetReadTimeout {
+    fn read_timeout(&self, t: Duration) -> std::io::Result<()>;
+}
+
+impl SetReadTimeout for UnixStream {
+    fn read_timeout(&self, t: Duration) -> std::io::Result<()> {
+        self.set_read_timeout(Some(t))
     }
-    s.set_read_timeout(Some(Duration::from_secs(2)))
+}
+
+impl SetReadTimeout for TcpStream {
+    fn read_timeout(&self, t: Duration) -> std::io::Result<()> {
+        self.set_read_timeout(Some(t))
+    }
+}
+
+/// Reads and checks a hello: magic, version, job size and secret; over TCP also the
+/// connector's host and listening port. Acknowledges it. Returns the connector's rank.
+fn take_hello<S: FrameIo + SetReadTimeout>(
+    s: &S,
+    id: &UniqueId,
+    rank: usize,
+    nranks: usize,
+    tcp: bool,
+) -> Result<(usize, Option<(String, u16)>)> {
+    s.read_timeout(Duration::from_secs(2))
         .map_err(|e| CommError::io("socket timeout", e))?;
-    let (tag, payload, _) = recv_frame(&s)?;
+    let (tag, payload, _) = recv_frame(s)?;
     if tag != Tag::Hello {
         return Err(CommError::Bootstrap(format!("expected hello, got {tag:?}")));
     }
@@ -424,7 +626,6 @@ fn admit(s: UnixStream, id: &UniqueId, rank: usize, nranks: usize) -> Result<(us
     let q = r.u32()? as usize;
     let n = r.u32()? as usize;
     let secret = r.bytes()?;
-    r.end()?;
     if magic != MAGIC || version != PROTOCOL_VERSION {
         return Err(CommError::Bootstrap(
             "wrong magic or protocol version".into(),
@@ -435,21 +636,49 @@ fn admit(s: UnixStream, id: &UniqueId, rank: usize, nranks: usize) -> Result<(us
             "rank {q} presented a wrong secret"
         )));
     }
+    let place = if tcp {
+        let host = r.str()?;
+        let port = u16::try_from(r.u32()?)
+            .map_err(|_| CommError::Bootstrap(format!("rank {q} sent a bad port")))?;
+        Some((host, port))
+    } else {
+        None
+    };
+    r.end()?;
     if n != nranks || q >= nranks {
         return Err(CommError::Bootstrap(format!(
             "peer claims rank {q} of {n}, this job has {nranks} ranks"
         )));
     }
     send_frame(
-        &s,
+        s,
         Tag::HelloAck,
         &Writer::new().u32(rank as u32).finish(),
         &[],
     )?;
+    Ok((q, place))
+}
+
+/// Checks a connecting local peer: same uid, then [`take_hello`].
+fn admit(s: UnixStream, id: &UniqueId, rank: usize, nranks: usize) -> Result<(usize, UnixStream)> {
+    s.set_nonblocking(false)
+        .map_err(|e| CommError::io("socket blocking", e))?;
+    let uid = peer_uid(&s)?;
+    if uid != my_uid() {
+        return Err(CommError::Bootstrap(format!(
+            "connection from uid {uid} refused"
+        )));
+    }
+    let (q, _) = take_hello(&s, id, rank, nranks, false)?;
     Ok((q, s))
 }
 
-fn send_frame(s: &UnixStream, tag: Tag, payload: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+fn send_frame<S: FrameIo>(s: &S, tag: Tag, payload: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+    if !fds.is_empty() && !s.passes_fds() {
+        return Err(CommError::InvalidArgument(
+            "file descriptors cannot be sent to a rank on another host".into(),
+        ));
+    }
     if fds.len() > MAX_FDS_PER_FRAME {
         return Err(CommError::InvalidArgument(format!(
             "{} descriptors in one frame (at most {MAX_FDS_PER_FRAME})",
@@ -469,17 +698,16 @@ fn send_frame(s: &UnixStream, tag: Tag, payload: &[u8], fds: &[BorrowedFd<'_>]) 
             Err(e) => return Err(CommError::io("sendmsg", e.into())),
         }
     };
-    let mut w = s;
     if sent < HEADER_LEN {
-        w.write_all(&h[sent..])
+        s.write_all(&h[sent..])
             .map_err(|e| CommError::io("send", e))?;
         sent = HEADER_LEN;
     }
     debug_assert_eq!(sent, HEADER_LEN);
-    w.write_all(payload).map_err(|e| CommError::io("send", e))
+    s.write_all(payload).map_err(|e| CommError::io("send", e))
 }
 
-fn recv_frame(s: &UnixStream) -> Result<(Tag, Vec<u8>, Vec<OwnedFd>)> {
+fn recv_frame<S: FrameIo>(s: &S) -> Result<(Tag, Vec<u8>, Vec<OwnedFd>)> {
     let mut h = [0u8; HEADER_LEN];
     let mut fds = Vec::new();
     let mut cmsg_buf = nix::cmsg_space!([RawFd; MAX_FDS_PER_FRAME]);
@@ -516,14 +744,13 @@ fn recv_frame(s: &UnixStream) -> Result<(Tag, Vec<u8>, Vec<OwnedFd>)> {
             ),
         ));
     }
-    let mut r = s;
     if got < HEADER_LEN {
-        r.read_exact(&mut h[got..])
+        s.read_exact(&mut h[got..])
             .map_err(|e| CommError::io("recv", e))?;
     }
     let (tag, len) = wire::parse_header(&h)?;
     let mut payload = vec![0u8; len];
-    r.read_exact(&mut payload)
+    s.read_exact(&mut payload)
         .map_err(|e| CommError::io("recv", e))?;
     Ok((tag, payload, fds))
 }

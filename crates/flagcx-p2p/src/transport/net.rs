@@ -1,0 +1,472 @@
+//! Net: pairs on different hosts, over UCX ([`crate::ucx`]), which picks RDMA, TCP or shared
+//! memory by itself (`UCX_TLS` chooses).
+//!
+//! Every message is one UCX tagged message whose tag is the sender's rank and the message's
+//! number in its pair and direction ([`tag`]), and every receive matches exactly one tag: so
+//! messages of a pair arrive in posting order whatever UCX does underneath, and zero-byte
+//! messages are messages like any other. Device memory the CPU can address (the host vendor)
+//! goes to UCX as it is; other device memory is staged through pinned host buffers (a
+//! device→host copy before the send, a host→device copy after the receive) —
+//! `FLAGCX_NET_STAGING=always` forces that path, to test it where nothing needs it.
+//!
+//! Semantics as on one node, with one difference: a message larger than the receive buffer
+//! fails the receive with [`CommError::SizeMismatch`] (the receive probes the message's size
+//! first, so not a byte reaches its buffer), while the send, whose bytes UCX delivered,
+//! completes — as the eager path does on one node. A lost peer is seen two ways:
+//! its bootstrap socket hangs up (the engine's health check), or UCX fails its endpoint; its
+//! operations then fail with [`CommError::PeerLost`]. Only the engine thread calls UCX.
+
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
+
+use flagcx_adaptor::{DeviceAdaptor, EventHandle};
+
+use super::{started, Phase, Progress, Step};
+use crate::bootstrap::Bootstrap;
+use crate::engine::{Dir, Engine};
+use crate::error::{CommError, Result};
+use crate::peer::TransportKind;
+use crate::ucx::{Endpoint, NetReq, Ucx, Worker};
+use crate::wire::Tag;
+
+/// Bits of a tag that number messages; the sender's rank sits above them.
+const INDEX_BITS: u32 = 44;
+
+/// The UCX tag of message `index` from rank `sender`.
+pub(crate) fn tag(sender: usize, index: u64) -> u64 {
+    ((sender as u64) << INDEX_BITS) | (index & ((1 << INDEX_BITS) - 1))
+}
+
+/// Where a net step stands.
+pub(crate) enum NetPhase {
+    /// Waiting for the caller's stream to pass the posting point.
+    Start,
+    /// Receiver: waiting for the message to arrive (or be announced), to learn its size.
+    Probe,
+    /// Receiver: the message is larger than the buffer; UCX drains it into `scratch` (it
+    /// cannot be left in UCX), then the receive fails without touching the caller's buffer.
+    Discard {
+        req: NetReq,
+        /// Where UCX writes; held until the request is over.
+        _scratch: Vec<u8>,
+        len: usize,
+    },
+    /// Sender, staged: the device→host copy into `buf` runs.
+    ToHost { ev: EventHandle, buf: Bounce },
+    /// UCX moves the message (`buf`: the staging buffer, if any).
+    Wire { req: NetReq, buf: Option<Bounce> },
+    /// Receiver, staged: the host→device copy of `len` bytes out of `buf` runs.
+    FromHost {
+        ev: EventHandle,
+        buf: Bounce,
+        len: usize,
+    },
+}
+
+impl NetPhase {
+    pub(crate) fn waiting_for(&self) -> String {
+        match self {
+            NetPhase::Start => "waiting for earlier work on the caller's stream".into(),
+            NetPhase::Probe => "waiting for the peer's message".into(),
+            NetPhase::Discard { .. } => "waiting for an oversized message to drain".into(),
+            NetPhase::ToHost { .. } => "waiting for the copy into the staging buffer".into(),
+            NetPhase::Wire { .. } => {
+                "waiting for the network (the peer's matching operation)".into()
+            }
+            NetPhase::FromHost { .. } => "waiting for the copy out of the staging buffer".into(),
+        }
+    }
+}
+
+/// A pinned host buffer for staging (`host_alloc`).
+pub(crate) struct Bounce {
+    ptr: *mut u8,
+    cap: usize,
+}
+
+// SAFETY: host memory owned by the engine thread's state; moved with it.
+unsafe impl Send for Bounce {}
+
+/// This rank's network side: one UCX worker, an endpoint per peer on another host.
+pub(crate) struct NetState {
+    worker: Worker,
+    eps: Vec<Option<Endpoint>>,
+    failed: Vec<Arc<AtomicI32>>,
+    /// Stage device memory through host buffers (it is not host addressable, or forced).
+    stage: bool,
+    /// Staging buffers not in use.
+    pool: Vec<Bounce>,
+}
+
+impl NetState {
+    /// Loads UCX and connects to every peer whose pair is [`TransportKind::Net`]; `None` where
+    /// there is none (UCX is then never loaded).
+    pub(crate) fn connect<A: DeviceAdaptor>(
+        adaptor: &A,
+        boot: &Bootstrap,
+        transports: &[Option<TransportKind>],
+        force_staging: bool,
+    ) -> Result<Option<Self>> {
+        let peers: Vec<usize> = (0..transports.len())
+            .filter(|&q| transports[q] == Some(TransportKind::Net))
+            .collect();
+        if peers.is_empty() {
+            return Ok(None);
+        }
+        let worker = Worker::new(Ucx::load()?)?;
+        let addr = worker.address()?;
+        // Addresses are small (a few hundred bytes): sending to every peer before reading any
+        // cannot block on a peer doing the same.
+        for &q in &peers {
+            boot.send(q, Tag::NetAddress, &addr, &[])?;
+        }
+        let failed: Vec<Arc<AtomicI32>> = (0..transports.len()).map(|_| Arc::default()).collect();
+        let mut eps: Vec<Option<Endpoint>> = (0..transports.len()).map(|_| None).collect();
+        for &q in &peers {
+            let (a, _) = boot.recv(q, Tag::NetAddress)?;
+            match worker.connect(&a, failed[q].clone()) {
+                Ok(ep) => eps[q] = Some(ep),
+                Err(e) => {
+                    for ep in eps.iter_mut().filter_map(Option::take) {
+                        worker.close(ep, true);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        tracing::info!(
+            rank = boot.rank(),
+            "network transport (UCX) to ranks {peers:?}"
+        );
+        Ok(Some(NetState {
+            worker,
+            eps,
+            failed,
+            stage: force_staging || !adaptor.capabilities().host_addressable,
+            pool: Vec::new(),
+        }))
+    }
+
+    /// The message with `tag` from a peer that is gone: it may have sent it just before (its
+    /// bytes then sit in this host's sockets or in UCX), so the worker gets up to 200 ms to
+    /// bring it in.
+    fn probe_after_loss(&self, tag: u64) -> Option<(crate::ucx::Message, usize)> {
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < std::time::Duration::from_millis(200) {
+            self.worker.progress();
+            if let Some(m) = self.worker.probe(tag) {
+                return Some(m);
+            }
+        }
+        None
+    }
+
+    fn bounce<A: DeviceAdaptor>(&mut self, adaptor: &A, n: usize) -> Result<Bounce> {
+        if let Some(i) = self
+            .pool
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.cap >= n)
+            .min_by_key(|(_, b)| b.cap)
+            .map(|(i, _)| i)
+        {
+            return Ok(self.pool.swap_remove(i));
+        }
+        let cap = n.max(64 << 10).next_power_of_two();
+        Ok(Bounce {
+            ptr: adaptor.host_alloc(cap)?,
+            cap,
+        })
+    }
+
+    fn give_back<A: DeviceAdaptor>(&mut self, adaptor: &A, b: Bounce) {
+        if self.pool.len() < 16 {
+            self.pool.push(b);
+        } else {
+            // SAFETY: from `host_alloc`; its copy and its UCX request are over.
+            let _ = unsafe { adaptor.host_free(b.ptr) };
+        }
+    }
+
+    /// Cancels what `step` holds of UCX and gives its staging buffer back. The caller has
+    /// synchronized the engine's streams (no staging copy runs).
+    pub(crate) fn abandon<A: DeviceAdaptor>(&mut self, adaptor: &A, step: &mut Step) {
+        let Phase::Net(phase) = std::mem::replace(&mut step.phase, Phase::Net(NetPhase::Start))
+        else {
+            return;
+        };
+        match phase {
+            NetPhase::Start | NetPhase::Probe => {}
+            NetPhase::Discard { mut req, .. } => self.worker.cancel(&mut req),
+            NetPhase::ToHost { buf, .. } | NetPhase::FromHost { buf, .. } => {
+                self.give_back(adaptor, buf)
+            }
+            NetPhase::Wire { mut req, buf } => {
+                self.worker.cancel(&mut req);
+                if let Some(b) = buf {
+                    self.give_back(adaptor, b);
+                }
+            }
+        }
+    }
+
+    /// Closes every endpoint (flushing what was sent unless `force`: a send completes once
+    /// its buffer may be reused, which for a small message is before it left this host) and
+    /// frees the staging buffers; the worker goes with `self`.
+    pub(crate) fn close<A: DeviceAdaptor>(mut self, adaptor: &A, force: bool) {
+        for (q, ep) in self.eps.iter_mut().enumerate() {
+            if let Some(ep) = ep.take() {
+                let gone = self.failed[q].load(Ordering::Acquire) != 0;
+                self.worker.close(ep, force || gone);
+            }
+        }
+        for b in self.pool.drain(..) {
+            // SAFETY: from `host_alloc`, unused.
+            let _ = unsafe { adaptor.host_free(b.ptr) };
+        }
+    }
+}
+
+impl<A: DeviceAdaptor> Engine<A> {
+    /// One pass over a step of a pair on another host.
+    pub(crate) fn progress_net(&mut self, p: usize, step: &mut Step) -> Result<Progress> {
+        let rank = self.boot.rank();
+        let Some(net) = self.net.as_mut() else {
+            return Err(CommError::Protocol(format!(
+                "rank {p} is on another host but the network transport is not set up"
+            )));
+        };
+        net.worker.progress();
+        let status = net.failed[p].load(Ordering::Acquire);
+        if status != 0 {
+            return Err(CommError::PeerLost {
+                peer: p,
+                reason: format!(
+                    "the network endpoint to it failed: {}",
+                    net.worker.describe(status)
+                ),
+            });
+        }
+        let Phase::Net(phase) = &mut step.phase else {
+            return Err(CommError::Protocol("a net step in another phase".into()));
+        };
+        let dir = step.op.dir;
+        let (ptr, bytes) = (step.op.ptr, step.op.bytes);
+        let tag = match dir {
+            Dir::Send => tag(rank, step.index),
+            Dir::Recv => tag(p, step.index),
+        };
+        // A zero-byte message still needs an address UCX may hold.
+        static EMPTY: u8 = 0;
+        let empty = &EMPTY as *const u8 as *mut u8;
+        match phase {
+            NetPhase::Start => {
+                if !started(&self.adaptor, step.op.start)? {
+                    return Ok(Progress::Idle { on_peer: false });
+                }
+                if dir == Dir::Recv {
+                    *phase = NetPhase::Probe;
+                    return Ok(Progress::Moved);
+                }
+                let ep = net.eps[p].as_ref().ok_or_else(|| {
+                    CommError::Protocol(format!("no network endpoint to rank {p}"))
+                })?;
+                if !net.stage || bytes == 0 {
+                    let at = if bytes == 0 { empty } else { ptr.0 as *mut u8 };
+                    // SAFETY: host-addressable device memory (`stage` is false) is this
+                    // process's memory at its device address; the caller keeps the buffer
+                    // valid and unmodified until the operation finishes, and the request is
+                    // completed or cancelled before the step goes (`abandon`).
+                    let req = unsafe { net.worker.send(ep, at, bytes, tag) }?;
+                    *phase = NetPhase::Wire { req, buf: None };
+                    return Ok(Progress::Moved);
+                }
+                let buf = net.bounce(&self.adaptor, bytes)?;
+                let ev = match self.free_events.pop() {
+                    Some(e) => e,
+                    None => self.adaptor.event_create(false)?,
+                };
+                // SAFETY: `buf` holds `bytes`; the source is the caller's buffer.
+                let r = unsafe {
+                    self.adaptor
+                        .memcpy_d2h_async(buf.ptr, ptr, bytes, self.send_stream)
+                }
+                .and_then(|()| self.adaptor.event_record(ev, self.send_stream));
+                if let Err(e) = r {
+                    self.free_events.push(ev);
+                    net.give_back(&self.adaptor, buf);
+                    return Err(e.into());
+                }
+                *phase = NetPhase::ToHost { ev, buf };
+                Ok(Progress::Moved)
+            }
+            NetPhase::Probe => {
+                let lost = self.peers[p].as_ref().is_some_and(|c| c.lost.is_some());
+                let found = match net.worker.probe(tag) {
+                    None if lost => net.probe_after_loss(tag),
+                    m => m,
+                };
+                let Some((msg, len)) = found else {
+                    return Ok(Progress::Idle { on_peer: true });
+                };
+                step.matched = Some(std::time::Instant::now());
+                if len > bytes {
+                    let mut scratch = vec![0u8; len];
+                    // SAFETY: `scratch` holds `len` bytes and moves with the request (a Vec's
+                    // heap buffer does not move with it).
+                    let req = unsafe { net.worker.recv(scratch.as_mut_ptr(), len, msg) }?;
+                    *phase = NetPhase::Discard {
+                        req,
+                        _scratch: scratch,
+                        len,
+                    };
+                    return Ok(Progress::Moved);
+                }
+                if !net.stage || len == 0 {
+                    let at = if len == 0 { empty } else { ptr.0 as *mut u8 };
+                    // SAFETY: as for a send: the caller's host-addressable buffer of
+                    // `bytes >= len`, untouched by anyone else until the operation finishes.
+                    let req = unsafe { net.worker.recv(at, len, msg) }?;
+                    *phase = NetPhase::Wire { req, buf: None };
+                    return Ok(Progress::Moved);
+                }
+                let buf = net.bounce(&self.adaptor, len)?;
+                // SAFETY: `buf` holds `len` bytes and is ours until the request is over.
+                match unsafe { net.worker.recv(buf.ptr, len, msg) } {
+                    Ok(req) => {
+                        *phase = NetPhase::Wire {
+                            req,
+                            buf: Some(buf),
+                        }
+                    }
+                    Err(e) => {
+                        net.give_back(&self.adaptor, buf);
+                        return Err(e);
+                    }
+                }
+                Ok(Progress::Moved)
+            }
+            NetPhase::Discard { req, len, .. } => {
+                let len = *len;
+                if net.worker.test(req).is_none() {
+                    return Ok(Progress::Idle { on_peer: true });
+                }
+                *phase = NetPhase::Start;
+                Ok(Progress::Done(Err(CommError::SizeMismatch {
+                    peer: p,
+                    send_bytes: len,
+                    recv_bytes: bytes,
+                })))
+            }
+            NetPhase::ToHost { ev, .. } => {
+                if !self.adaptor.event_query(*ev)? {
+                    return Ok(Progress::Idle { on_peer: false });
+                }
+                let ev = *ev;
+                self.free_events.push(ev);
+                let NetPhase::ToHost { buf, .. } = std::mem::replace(phase, NetPhase::Start) else {
+                    unreachable!("matched above")
+                };
+                let ep = net.eps[p].as_ref().ok_or_else(|| {
+                    CommError::Protocol(format!("no network endpoint to rank {p}"))
+                })?;
+                // SAFETY: `buf` holds the message and stays ours until the request is over.
+                match unsafe { net.worker.send(ep, buf.ptr, bytes, tag) } {
+                    Ok(req) => {
+                        *phase = NetPhase::Wire {
+                            req,
+                            buf: Some(buf),
+                        }
+                    }
+                    Err(e) => {
+                        net.give_back(&self.adaptor, buf);
+                        return Err(e);
+                    }
+                }
+                Ok(Progress::Moved)
+            }
+            NetPhase::Wire { req, .. } => {
+                let Some(r) = net.worker.test(req) else {
+                    return Ok(Progress::Idle { on_peer: true });
+                };
+                let NetPhase::Wire { buf, .. } = std::mem::replace(phase, NetPhase::Start) else {
+                    unreachable!("matched above")
+                };
+                let n = match r {
+                    Ok(n) => n,
+                    Err(s) => {
+                        if let Some(b) = buf {
+                            net.give_back(&self.adaptor, b);
+                        }
+                        return Err(CommError::Net(format!(
+                            "{} with rank {p}: {}",
+                            match dir {
+                                Dir::Send => "send",
+                                Dir::Recv => "receive",
+                            },
+                            net.worker.describe(s)
+                        )));
+                    }
+                };
+                let n = match dir {
+                    Dir::Send => bytes,
+                    Dir::Recv => n,
+                };
+                match (dir, buf) {
+                    (Dir::Recv, Some(buf)) if n > 0 => {
+                        let ev = match self.free_events.pop() {
+                            Some(e) => e,
+                            None => self.adaptor.event_create(false)?,
+                        };
+                        // SAFETY: UCX wrote `n <= bytes` bytes into `buf`; the destination is
+                        // the caller's buffer of `bytes`.
+                        let r = unsafe {
+                            self.adaptor
+                                .memcpy_h2d_async(ptr, buf.ptr, n, self.recv_stream)
+                        }
+                        .and_then(|()| self.adaptor.event_record(ev, self.recv_stream));
+                        if let Err(e) = r {
+                            self.free_events.push(ev);
+                            net.give_back(&self.adaptor, buf);
+                            return Err(e.into());
+                        }
+                        *phase = NetPhase::FromHost { ev, buf, len: n };
+                        Ok(Progress::Moved)
+                    }
+                    (_, buf) => {
+                        if let Some(b) = buf {
+                            net.give_back(&self.adaptor, b);
+                        }
+                        Ok(Progress::Done(Ok(n)))
+                    }
+                }
+            }
+            NetPhase::FromHost { ev, len, .. } => {
+                if !self.adaptor.event_query(*ev)? {
+                    return Ok(Progress::Idle { on_peer: false });
+                }
+                let (ev, len) = (*ev, *len);
+                self.free_events.push(ev);
+                let NetPhase::FromHost { buf, .. } = std::mem::replace(phase, NetPhase::Start)
+                else {
+                    unreachable!("matched above")
+                };
+                net.give_back(&self.adaptor, buf);
+                Ok(Progress::Done(Ok(len)))
+            }
+        }
+    }
+
+    /// A net step that will not finish (failed, timed out, its peer lost, teardown): waits out
+    /// its staging copies and cancels its UCX request, so nothing touches its buffers later.
+    pub(crate) fn abandon_net(&mut self, step: &mut Step) {
+        if !matches!(step.phase, Phase::Net(_)) {
+            return;
+        }
+        let _ = self.adaptor.stream_synchronize(self.send_stream);
+        let _ = self.adaptor.stream_synchronize(self.recv_stream);
+        if let Some(net) = self.net.as_mut() {
+            net.abandon(&self.adaptor, step);
+        }
+    }
+}

@@ -1,0 +1,501 @@
+//! UCX, loaded at run time: the few UCP calls the network transport needs.
+//!
+//! Why loaded and not linked: a build of flagcx-rs must not need UCX (most jobs never leave one
+//! node), and the published Rust crates for UCX are years behind the C API (no `*_nbx` calls).
+//! So `libucp.so.0` and `libucs.so.0` are opened with `dlopen` when a job first has a pair on
+//! two hosts, and a missing library is an error that says so. The structures below are the
+//! UCP 1.13 API's (`ucp/api/ucp.h`); every one starts with a field mask saying which of its
+//! fields UCX may read, so later versions of the library accept them unchanged. The offsets
+//! were read off Debian's `libucx-dev` 1.13.1 headers and are checked by the size assertions.
+//!
+//! Thread use: the worker is created in `UCS_THREAD_MODE_SERIALIZED`; after setup only the
+//! engine thread calls into it.
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
+
+use libloading::Library;
+
+use crate::error::{CommError, Result};
+
+type Status = i32;
+const UCS_OK: Status = 0;
+/// `UCS_INPROGRESS`.
+const INPROGRESS: Status = 1;
+/// `UCS_ERR_LAST`: status pointers are errors from here up to -1.
+const ERR_LAST: isize = -100;
+
+const PARAM_FIELD_FEATURES: u64 = 1 << 0;
+const FEATURE_TAG: u64 = 1 << 0;
+const WORKER_PARAM_FIELD_THREAD_MODE: u64 = 1 << 0;
+const THREAD_MODE_SERIALIZED: c_int = 1;
+const EP_PARAM_FIELD_REMOTE_ADDRESS: u64 = 1 << 0;
+const EP_PARAM_FIELD_ERR_HANDLING_MODE: u64 = 1 << 1;
+const EP_PARAM_FIELD_ERR_HANDLER: u64 = 1 << 2;
+const ERR_HANDLING_MODE_PEER: c_int = 1;
+const OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
+const OP_ATTR_FLAG_NO_IMM_CMPL: u32 = 1 << 16;
+const EP_CLOSE_FLAG_FORCE: u32 = 1 << 0;
+/// UCP API version this code was written against (`ucp_init_version`).
+const API: (c_uint, c_uint) = (1, 13);
+
+/// `ucp_params_t` (80 bytes in 1.13).
+#[repr(C)]
+struct Params {
+    field_mask: u64,
+    features: u64,
+    rest: [u64; 8],
+}
+
+/// `ucp_worker_params_t` (200 bytes in 1.13).
+#[repr(C)]
+struct WorkerParams {
+    field_mask: u64,
+    thread_mode: c_int,
+    rest: [u8; 188],
+}
+
+type ErrHandler = unsafe extern "C" fn(arg: *mut c_void, ep: *mut c_void, status: Status);
+
+/// `ucp_ep_params_t` (104 bytes in 1.13).
+#[repr(C)]
+struct EpParams {
+    field_mask: u64,
+    address: *const c_void,
+    err_mode: c_int,
+    err_handler_cb: Option<ErrHandler>,
+    err_handler_arg: *mut c_void,
+    rest: [u64; 8],
+}
+
+/// `ucp_request_param_t` (72 bytes in 1.13).
+#[repr(C)]
+struct RequestParam {
+    op_attr_mask: u32,
+    flags: u32,
+    rest: [u64; 8],
+}
+
+/// `ucp_tag_recv_info_t`.
+#[repr(C)]
+#[derive(Default)]
+struct TagRecvInfo {
+    sender_tag: u64,
+    length: usize,
+}
+
+const _: () = assert!(std::mem::size_of::<Params>() == 80);
+const _: () = assert!(std::mem::size_of::<WorkerParams>() == 200);
+const _: () = assert!(std::mem::size_of::<EpParams>() == 104);
+const _: () = assert!(std::mem::offset_of!(EpParams, err_mode) == 16);
+const _: () = assert!(std::mem::offset_of!(EpParams, err_handler_cb) == 24);
+const _: () = assert!(std::mem::size_of::<RequestParam>() == 72);
+
+/// The library's entry points.
+struct Fns {
+    config_read: unsafe extern "C" fn(*const c_char, *const c_char, *mut *mut c_void) -> Status,
+    config_release: unsafe extern "C" fn(*mut c_void),
+    init_version: unsafe extern "C" fn(
+        c_uint,
+        c_uint,
+        *const Params,
+        *const c_void,
+        *mut *mut c_void,
+    ) -> Status,
+    cleanup: unsafe extern "C" fn(*mut c_void),
+    worker_create:
+        unsafe extern "C" fn(*mut c_void, *const WorkerParams, *mut *mut c_void) -> Status,
+    worker_destroy: unsafe extern "C" fn(*mut c_void),
+    worker_get_address: unsafe extern "C" fn(*mut c_void, *mut *mut c_void, *mut usize) -> Status,
+    worker_release_address: unsafe extern "C" fn(*mut c_void, *mut c_void),
+    worker_progress: unsafe extern "C" fn(*mut c_void) -> c_uint,
+    ep_create: unsafe extern "C" fn(*mut c_void, *const EpParams, *mut *mut c_void) -> Status,
+    ep_close_nbx: unsafe extern "C" fn(*mut c_void, *const RequestParam) -> *mut c_void,
+    tag_send_nbx: unsafe extern "C" fn(
+        *mut c_void,
+        *const c_void,
+        usize,
+        u64,
+        *const RequestParam,
+    ) -> *mut c_void,
+    tag_probe_nb:
+        unsafe extern "C" fn(*mut c_void, u64, u64, c_int, *mut TagRecvInfo) -> *mut c_void,
+    tag_msg_recv_nbx: unsafe extern "C" fn(
+        *mut c_void,
+        *mut c_void,
+        usize,
+        *mut c_void,
+        *const RequestParam,
+    ) -> *mut c_void,
+    request_check_status: unsafe extern "C" fn(*mut c_void) -> Status,
+    tag_recv_request_test: unsafe extern "C" fn(*mut c_void, *mut TagRecvInfo) -> Status,
+    request_cancel: unsafe extern "C" fn(*mut c_void, *mut c_void),
+    request_free: unsafe extern "C" fn(*mut c_void),
+    status_string: unsafe extern "C" fn(Status) -> *const c_char,
+}
+
+/// The loaded libraries (kept open while any worker lives).
+pub(crate) struct Ucx {
+    f: Fns,
+    _ucp: Library,
+    _ucs: Library,
+}
+
+impl Ucx {
+    /// Opens `libucp.so.0` and `libucs.so.0`; an error names what is missing.
+    pub(crate) fn load() -> Result<Arc<Ucx>> {
+        let open = |name: &str| {
+            // SAFETY: loading a shared library runs its initializers; UCX's are safe to run in
+            // any process (they read the environment and register memory hooks).
+            unsafe { Library::new(name) }.map_err(|e| {
+                CommError::Bootstrap(format!(
+                    "a rank on another host needs the network transport, which needs UCX: \
+                     cannot load {name} ({e}); install UCX (Debian: libucx0)"
+                ))
+            })
+        };
+        let ucs = open("libucs.so.0")?;
+        let ucp = open("libucp.so.0")?;
+        macro_rules! sym {
+            ($lib:expr, $name:literal) => {{
+                // SAFETY: the symbol's type is the one `ucp.h`/`status.h` declare for it.
+                let s = unsafe { $lib.get(concat!($name, "\0").as_bytes()) }.map_err(|e| {
+                    CommError::Bootstrap(format!(
+                        "UCX lacks {} ({e}); UCX 1.10 or later is needed",
+                        $name
+                    ))
+                })?;
+                *s
+            }};
+        }
+        let f = Fns {
+            config_read: sym!(ucp, "ucp_config_read"),
+            config_release: sym!(ucp, "ucp_config_release"),
+            init_version: sym!(ucp, "ucp_init_version"),
+            cleanup: sym!(ucp, "ucp_cleanup"),
+            worker_create: sym!(ucp, "ucp_worker_create"),
+            worker_destroy: sym!(ucp, "ucp_worker_destroy"),
+            worker_get_address: sym!(ucp, "ucp_worker_get_address"),
+            worker_release_address: sym!(ucp, "ucp_worker_release_address"),
+            worker_progress: sym!(ucp, "ucp_worker_progress"),
+            ep_create: sym!(ucp, "ucp_ep_create"),
+            ep_close_nbx: sym!(ucp, "ucp_ep_close_nbx"),
+            tag_send_nbx: sym!(ucp, "ucp_tag_send_nbx"),
+            tag_probe_nb: sym!(ucp, "ucp_tag_probe_nb"),
+            tag_msg_recv_nbx: sym!(ucp, "ucp_tag_msg_recv_nbx"),
+            request_check_status: sym!(ucp, "ucp_request_check_status"),
+            tag_recv_request_test: sym!(ucp, "ucp_tag_recv_request_test"),
+            request_cancel: sym!(ucp, "ucp_request_cancel"),
+            request_free: sym!(ucp, "ucp_request_free"),
+            status_string: sym!(ucs, "ucs_status_string"),
+        };
+        Ok(Arc::new(Ucx {
+            f,
+            _ucp: ucp,
+            _ucs: ucs,
+        }))
+    }
+
+    fn name(&self, s: Status) -> String {
+        // SAFETY: `ucs_status_string` returns a static NUL-terminated string for any code.
+        let p = unsafe { (self.f.status_string)(s) };
+        if p.is_null() {
+            return format!("UCS status {s}");
+        }
+        // SAFETY: non-null, NUL-terminated, static.
+        let text = unsafe { CStr::from_ptr(p) }.to_string_lossy();
+        format!("{text} ({s})")
+    }
+
+    fn check(&self, what: &str, s: Status) -> Result<()> {
+        if s == UCS_OK {
+            Ok(())
+        } else {
+            Err(CommError::Net(format!("{what}: {}", self.name(s))))
+        }
+    }
+}
+
+/// A UCP context and one worker on it: this rank's network endpoint.
+pub(crate) struct Worker {
+    ucx: Arc<Ucx>,
+    ctx: *mut c_void,
+    worker: *mut c_void,
+}
+
+// SAFETY: the worker is created in `UCS_THREAD_MODE_SERIALIZED`, which allows calls from any
+// thread one at a time; the communicator hands it to the engine thread after setup and only
+// that thread uses it from then on.
+unsafe impl Send for Worker {}
+
+impl Worker {
+    /// A context with tag matching (UCX reads its `UCX_*` environment, e.g. `UCX_TLS`) and a
+    /// worker on it.
+    pub(crate) fn new(ucx: Arc<Ucx>) -> Result<Self> {
+        let mut config = std::ptr::null_mut();
+        // SAFETY: null prefix and file mean the defaults; `config` receives the handle.
+        let s = unsafe { (ucx.f.config_read)(std::ptr::null(), std::ptr::null(), &mut config) };
+        ucx.check("ucp_config_read", s)?;
+        let params = Params {
+            field_mask: PARAM_FIELD_FEATURES,
+            features: FEATURE_TAG,
+            rest: [0; 8],
+        };
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: `params` is a valid `ucp_params_t` whose mask names only `features`; `config`
+        // came from `ucp_config_read`.
+        let s = unsafe { (ucx.f.init_version)(API.0, API.1, &params, config, &mut ctx) };
+        // SAFETY: the context copied what it needs.
+        unsafe { (ucx.f.config_release)(config) };
+        ucx.check("ucp_init", s)?;
+        let wp = WorkerParams {
+            field_mask: WORKER_PARAM_FIELD_THREAD_MODE,
+            thread_mode: THREAD_MODE_SERIALIZED,
+            rest: [0; 188],
+        };
+        let mut worker = std::ptr::null_mut();
+        // SAFETY: valid context and parameters.
+        let s = unsafe { (ucx.f.worker_create)(ctx, &wp, &mut worker) };
+        if let Err(e) = ucx.check("ucp_worker_create", s) {
+            // SAFETY: created above, nothing uses it.
+            unsafe { (ucx.f.cleanup)(ctx) };
+            return Err(e);
+        }
+        Ok(Worker { ucx, ctx, worker })
+    }
+
+    /// The worker's address, for peers to connect to.
+    pub(crate) fn address(&self) -> Result<Vec<u8>> {
+        let mut p = std::ptr::null_mut();
+        let mut n = 0usize;
+        // SAFETY: valid worker; out-parameters are ours.
+        let s = unsafe { (self.ucx.f.worker_get_address)(self.worker, &mut p, &mut n) };
+        self.ucx.check("ucp_worker_get_address", s)?;
+        // SAFETY: UCX returned `n` readable bytes at `p`, ours until released.
+        let v = unsafe { std::slice::from_raw_parts(p as *const u8, n) }.to_vec();
+        // SAFETY: `p` came from `ucp_worker_get_address` on this worker.
+        unsafe { (self.ucx.f.worker_release_address)(self.worker, p) };
+        Ok(v)
+    }
+
+    /// An endpoint to the worker at `address`. Its failure (the peer's process or host gone)
+    /// fails its operations and is recorded in `failed` (the UCS status, 0 while healthy).
+    pub(crate) fn connect(&self, address: &[u8], failed: Arc<AtomicI32>) -> Result<Endpoint> {
+        let arg = Arc::into_raw(failed.clone()) as *mut c_void;
+        let params = EpParams {
+            field_mask: EP_PARAM_FIELD_REMOTE_ADDRESS
+                | EP_PARAM_FIELD_ERR_HANDLING_MODE
+                | EP_PARAM_FIELD_ERR_HANDLER,
+            address: address.as_ptr() as *const c_void,
+            err_mode: ERR_HANDLING_MODE_PEER,
+            err_handler_cb: Some(on_ep_error),
+            err_handler_arg: arg,
+            rest: [0; 8],
+        };
+        let mut ep = std::ptr::null_mut();
+        // SAFETY: valid worker; `address` is a worker address a peer sent (UCX validates it);
+        // `arg` stays alive as long as the endpoint (released in `Endpoint::close`).
+        let s = unsafe { (self.ucx.f.ep_create)(self.worker, &params, &mut ep) };
+        if let Err(e) = self.ucx.check("ucp_ep_create", s) {
+            // SAFETY: the handler was never installed.
+            drop(unsafe { Arc::from_raw(arg as *const AtomicI32) });
+            return Err(e);
+        }
+        Ok(Endpoint { ep, arg, failed })
+    }
+
+    /// Makes progress on every operation of the worker; true if anything happened.
+    pub(crate) fn progress(&self) -> bool {
+        // SAFETY: valid worker, called from one thread at a time.
+        unsafe { (self.ucx.f.worker_progress)(self.worker) > 0 }
+    }
+
+    /// Starts sending `len` bytes at `buf` with `tag`.
+    ///
+    /// # Safety
+    /// `buf..buf+len` stays readable until the returned request completes or is cancelled.
+    pub(crate) unsafe fn send(
+        &self,
+        ep: &Endpoint,
+        buf: *const u8,
+        len: usize,
+        tag: u64,
+    ) -> Result<NetReq> {
+        let p = no_imm_param();
+        // SAFETY: by the caller's contract; `ep` belongs to this worker.
+        let r = unsafe { (self.ucx.f.tag_send_nbx)(ep.ep, buf as *const c_void, len, tag, &p) };
+        self.request("ucp_tag_send_nbx", r, len, false)
+    }
+
+    /// The message with exactly `tag`, if it arrived (all of it, or for a large one its
+    /// announcement), taken out of UCX's matching, with its length. Knowing the length before
+    /// receiving lets a receive refuse a message too large for its buffer without writing a
+    /// byte of it there.
+    pub(crate) fn probe(&self, tag: u64) -> Option<(Message, usize)> {
+        let mut info = TagRecvInfo::default();
+        // SAFETY: valid worker; `remove = 1` hands the message to us (received below).
+        let m = unsafe { (self.ucx.f.tag_probe_nb)(self.worker, tag, u64::MAX, 1, &mut info) };
+        (!m.is_null()).then_some((Message(m), info.length))
+    }
+
+    /// Starts receiving the probed message `msg` (`len` bytes) into `buf`.
+    ///
+    /// # Safety
+    /// `buf..buf+len` stays writable and otherwise untouched until the request completes or
+    /// is cancelled.
+    pub(crate) unsafe fn recv(&self, buf: *mut u8, len: usize, msg: Message) -> Result<NetReq> {
+        let p = no_imm_param();
+        // SAFETY: by the caller's contract; `msg` came from `probe` and is received once.
+        let r = unsafe {
+            (self.ucx.f.tag_msg_recv_nbx)(self.worker, buf as *mut c_void, len, msg.0, &p)
+        };
+        self.request("ucp_tag_msg_recv_nbx", r, len, true)
+    }
+
+    fn request(&self, what: &str, r: *mut c_void, len: usize, recv: bool) -> Result<NetReq> {
+        let v = r as isize;
+        if (ERR_LAST..0).contains(&v) {
+            return Err(CommError::Net(format!(
+                "{what}: {}",
+                self.ucx.name(v as Status)
+            )));
+        }
+        // Null: done at once (UCX 1.13 completes small sends immediately even when asked not
+        // to); the length is the one asked for, which for a probed receive is the message's.
+        Ok(NetReq { req: r, len, recv })
+    }
+
+    /// Where `req` stands: `None` while in flight; else the bytes it moved or its failure
+    /// (`Err(status)`, with [`Worker::describe`] for the words). Completed requests are freed.
+    pub(crate) fn test(&self, req: &mut NetReq) -> Option<std::result::Result<usize, i32>> {
+        if req.req.is_null() {
+            return Some(Ok(req.len));
+        }
+        let mut info = TagRecvInfo::default();
+        // SAFETY: `req` is a live request of this worker.
+        let s = unsafe {
+            if req.recv {
+                (self.ucx.f.tag_recv_request_test)(req.req, &mut info)
+            } else {
+                (self.ucx.f.request_check_status)(req.req)
+            }
+        };
+        if s == INPROGRESS {
+            return None;
+        }
+        // SAFETY: complete, so UCX no longer touches the buffer; freed once.
+        unsafe { (self.ucx.f.request_free)(req.req) };
+        req.req = std::ptr::null_mut();
+        Some(match (s, req.recv) {
+            (UCS_OK, true) => Ok(info.length),
+            (UCS_OK, false) => Ok(req.len),
+            (s, _) => Err(s),
+        })
+    }
+
+    /// Cancels `req` and waits (progressing the worker) until UCX lets go of its buffer.
+    pub(crate) fn cancel(&self, req: &mut NetReq) {
+        if req.req.is_null() {
+            return;
+        }
+        // SAFETY: a live request of this worker.
+        unsafe { (self.ucx.f.request_cancel)(self.worker, req.req) };
+        let t0 = std::time::Instant::now();
+        // `test` frees the request once it is over (cancelled or completed).
+        while self.test(req).is_none() {
+            self.progress();
+            if t0.elapsed() > std::time::Duration::from_secs(5) {
+                // A send UCX cannot cancel (already on the wire): give up the request, not the
+                // thread; its buffer belongs to an operation that failed.
+                tracing::warn!("a UCX request did not cancel within 5 s; leaving it");
+                req.req = std::ptr::null_mut();
+                return;
+            }
+        }
+    }
+
+    /// A status code in words.
+    pub(crate) fn describe(&self, s: i32) -> String {
+        self.ucx.name(s)
+    }
+
+    /// Closes `ep`: flushing first (what was sent reaches the peer even though this process
+    /// exits next; up to 2 s), or at once where `force` (an abort, or the peer is gone).
+    pub(crate) fn close(&self, ep: Endpoint, force: bool) {
+        let p = RequestParam {
+            op_attr_mask: OP_ATTR_FIELD_FLAGS,
+            flags: if force { EP_CLOSE_FLAG_FORCE } else { 0 },
+            rest: [0; 8],
+        };
+        // SAFETY: a live endpoint of this worker, closed once.
+        let r = unsafe { (self.ucx.f.ep_close_nbx)(ep.ep, &p) };
+        let v = r as isize;
+        if !r.is_null() && !(ERR_LAST..0).contains(&v) {
+            let mut req = NetReq {
+                req: r,
+                len: 0,
+                recv: false,
+            };
+            let t0 = std::time::Instant::now();
+            while self.test(&mut req).is_none() && t0.elapsed() < std::time::Duration::from_secs(2)
+            {
+                self.progress();
+            }
+        }
+        // SAFETY: the endpoint is closed: its error handler can no longer run.
+        drop(unsafe { Arc::from_raw(ep.arg as *const AtomicI32) });
+        drop(ep.failed);
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // SAFETY: endpoints were closed by their owner; destroyed once, then the context.
+        unsafe {
+            (self.ucx.f.worker_destroy)(self.worker);
+            (self.ucx.f.cleanup)(self.ctx);
+        }
+    }
+}
+
+fn no_imm_param() -> RequestParam {
+    RequestParam {
+        op_attr_mask: OP_ATTR_FIELD_FLAGS,
+        flags: OP_ATTR_FLAG_NO_IMM_CMPL,
+        rest: [0; 8],
+    }
+}
+
+/// UCX's endpoint error handler: records the status for the engine.
+unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: *mut c_void, status: Status) {
+    // SAFETY: `arg` is the `Arc<AtomicI32>` leaked in `Worker::connect`, alive until the
+    // endpoint is closed; only borrowed here.
+    let failed = unsafe { &*(arg as *const AtomicI32) };
+    failed.store(if status == 0 { -1 } else { status }, Ordering::Release);
+}
+
+/// One endpoint (to one peer's worker).
+pub(crate) struct Endpoint {
+    ep: *mut c_void,
+    arg: *mut c_void,
+    failed: Arc<AtomicI32>,
+}
+
+// SAFETY: used only through its worker, under the worker's rules (see `Worker`).
+unsafe impl Send for Endpoint {}
+
+/// A probed message, to be received once ([`Worker::recv`]).
+pub(crate) struct Message(*mut c_void);
+
+/// A request in flight (or freed: null).
+#[derive(Debug)]
+pub(crate) struct NetReq {
+    req: *mut c_void,
+    /// Bytes asked for (what a request done at once moved).
+    len: usize,
+    recv: bool,
+}
+
+// SAFETY: a handle the engine thread owns; only passed back to its worker.
+unsafe impl Send for NetReq {}
