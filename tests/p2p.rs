@@ -691,7 +691,7 @@ fn refused(r: &Rank, q: flagcx::Request, small: &DeviceBuffer<Adaptor>) {
 }
 
 /// Over the network a sender larger than its receiver fails the receive (exact sizes, not a
-/// byte written) while the send completes; then the pair still works.
+/// byte written for a small message) while the send completes; then the pair still works.
 fn net_mismatch(r: &Rank, next: usize, prev: usize) {
     let big = r.filled(next, 7, 2000);
     let small = r.buffer(1000);
@@ -707,6 +707,28 @@ fn net_mismatch(r: &Rank, next: usize, prev: usize) {
         .expect("post");
     assert_eq!(s.wait().expect("the sender's bytes were delivered"), 2000);
     refused(r, q, &small);
+    // A large one (UCX's rendezvous or many fragments): the receive fails all the same.
+    let big = r.filled(next, 9, 4 << 20);
+    let small = r.buffer(1 << 20);
+    let (s, q) = r
+        .comm
+        .group(|| {
+            Ok((
+                r.comm.send(&big, next, &r.stream)?,
+                r.comm.recv(&small, prev, &r.stream)?,
+            ))
+        })
+        .expect("post");
+    let me = r.comm.rank();
+    match q.wait() {
+        Err(CommError::SizeMismatch {
+            send_bytes,
+            recv_bytes,
+            ..
+        }) if recv_bytes == 1 << 20 && send_bytes > 1 << 20 => {}
+        other => panic!("rank {me}: receiver expected a size mismatch, got {other:?}"),
+    }
+    let _ = s.wait();
     let s500 = r.filled(next, 8, 500);
     let recv = r.buffer(1000);
     let (s, q) = r

@@ -13,6 +13,7 @@ use std::process::{Command, ExitCode, Stdio};
 
 mod bundle;
 mod capi;
+mod netbench;
 
 const VENDORS: [&str; 4] = ["host", "cuda", "hip", "opencl"];
 
@@ -62,6 +63,10 @@ enum Task {
         /// Also run Open MPI's ping-pong (needs mpicc and mpirun).
         #[arg(long)]
         vs_mpi: bool,
+        /// Instead: the network transport between two network namespaces next to
+        /// `ucx_perftest` (tag_lat, tag_bw) in the same run (needs root, ucx-utils).
+        #[arg(long)]
+        net: bool,
     },
     /// cargo-deny: bans, licenses, sources (deny.toml), then advisories.
     Audit,
@@ -86,7 +91,8 @@ fn main() -> ExitCode {
         Task::Bundle { vendor } => parse_vendors(&vendor).and_then(|v| bundle::bundle(&v)),
         Task::Soak { iters } => soak(iters),
         Task::Fuzz { secs } => fuzz(secs),
-        Task::Bench { vs_mpi } => bench(vs_mpi),
+        Task::Bench { net: true, .. } => netbench::bench_net(),
+        Task::Bench { vs_mpi, .. } => bench(vs_mpi),
         Task::Audit => audit(),
         Task::Capi { vendor } => capi::capi(&vendor).map(|_| ()),
         Task::Completions => completions(),

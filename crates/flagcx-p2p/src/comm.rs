@@ -17,7 +17,7 @@ use crate::peer::{PeerInfo, TransportKind};
 use crate::setup::{connect_channels, Pairing};
 use crate::transport::eager::EagerLink;
 use crate::transport::ipc::{CallerLink, IpcCache};
-use crate::transport::net::NetState;
+use crate::transport::net::{NetState, SharedNet};
 use crate::wire::Tag;
 use crate::PathStats;
 
@@ -114,6 +114,8 @@ pub struct Comm<A: DeviceAdaptor> {
     pub(crate) page: WatermarkPage,
     pub(crate) config: Config,
     pub(crate) _boot: Arc<Bootstrap>,
+    /// The network side, where a peer is on another host (shared with the engine).
+    pub(crate) net: Option<SharedNet>,
 }
 
 impl<A: DeviceAdaptor> std::fmt::Debug for Comm<A> {
@@ -253,7 +255,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             shared.clone(),
             boot.clone(),
             peers,
-            net,
+            net.clone(),
             &config,
         )?;
         let handle = std::thread::Builder::new()
@@ -279,6 +281,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             page,
             config,
             _boot: boot,
+            net,
         })
     }
 
@@ -523,7 +526,10 @@ impl<A: DeviceAdaptor> Comm<A> {
         let ungrouped = lock(&self.group).is_none();
         let eager = ungrouped && self.eager.get(peer).is_some_and(|l| l.is_some());
         let caller = ungrouped && self.caller.get(peer).is_some_and(|l| l.is_some());
-        let idle = self.idle_or_soon(stream, eager || caller)?;
+        let net = ungrouped
+            && self.net.is_some()
+            && self.transports.get(peer) == Some(&Some(TransportKind::Net));
+        let idle = self.idle_or_soon(stream, eager || caller || net)?;
         if idle && eager {
             if let Some(r) = self.try_eager(dir, ptr, bytes, peer)? {
                 return Ok(r);
@@ -535,13 +541,18 @@ impl<A: DeviceAdaptor> Comm<A> {
             Some(self.start_event(stream)?)
         };
         let mut keep = keep;
+        if net && idle {
+            if let Some(r) = self.try_caller_net(dir, ptr, bytes, peer, &mut keep)? {
+                return Ok(r);
+            }
+        }
         if caller {
             if let Some(r) = self.try_caller_ipc(dir, ptr, bytes, peer, stream, start, &mut keep)? {
                 return Ok(r);
             }
         }
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let slot = Arc::new(Slot::default());
+        let slot = Arc::new(Slot::helped(self.net_helper(peer)));
         let op = Op {
             seq,
             dir,

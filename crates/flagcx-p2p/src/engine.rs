@@ -29,7 +29,7 @@ use crate::error::{CommError, Result};
 use crate::peer::TransportKind;
 use crate::transport::hostmap::HostMaps;
 use crate::transport::ipc::IpcCache;
-use crate::transport::net::{NetPhase, NetState};
+use crate::transport::net::{NetPhase, SharedNet};
 use crate::transport::{Path, PeerConn, Phase, Progress, Step};
 use crate::PathStats;
 
@@ -238,7 +238,7 @@ pub(crate) struct Engine<A: DeviceAdaptor> {
     pub(crate) finished: BTreeSet<u64>,
     pub(crate) watermark: u64,
     /// The network transport's state, where a peer is on another host.
-    pub(crate) net: Option<NetState>,
+    pub(crate) net: Option<SharedNet>,
 }
 
 impl<A: DeviceAdaptor> Engine<A> {
@@ -247,7 +247,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         shared: Arc<Shared>,
         boot: Arc<Bootstrap>,
         peers: Vec<Option<PeerConn>>,
-        net: Option<NetState>,
+        net: Option<SharedNet>,
         config: &crate::config::Config,
     ) -> Result<Self> {
         let send_stream = adaptor.stream_create()?;
@@ -398,6 +398,8 @@ impl<A: DeviceAdaptor> Engine<A> {
             (Some(Resume::Published), Dir::Send, ..) => Phase::AwaitVerdict,
             (Some(Resume::Published), Dir::Recv, ..) => Phase::AwaitSendDesc,
             (Some(Resume::Failed(_)), ..) => unreachable!("finished above"),
+            // Replaced below: a net pair's phases are its own.
+            (Some(Resume::Net(_)), ..) => Phase::Net(NetPhase::Start),
             (None, Dir::Send, true, _) => Phase::Offer,
             (None, Dir::Send, false, _) => Phase::AwaitRecvDesc,
             (None, Dir::Recv, _, true) => Phase::AwaitOffer,
@@ -408,9 +410,16 @@ impl<A: DeviceAdaptor> Engine<A> {
             TransportKind::Staged => Path::Staged,
             TransportKind::Net => Path::Net,
         };
-        let phase = match conn.transport {
-            TransportKind::Net => Phase::Net(NetPhase::Start),
-            _ => phase,
+        let phase = match (conn.transport, op.resume.take()) {
+            // A posting thread's UCX request, under way.
+            (TransportKind::Net, Some(Resume::Net(req))) => {
+                Phase::Net(NetPhase::Wire { req, buf: None })
+            }
+            (TransportKind::Net, _) => Phase::Net(NetPhase::Start),
+            (_, r) => {
+                op.resume = r;
+                phase
+            }
         };
         let step = Step {
             op,
@@ -691,7 +700,10 @@ impl<A: DeviceAdaptor> Engine<A> {
         left.extend(std::mem::take(&mut lock(&self.shared.inbox).ops));
         let _ = self.adaptor.stream_synchronize(self.send_stream);
         let _ = self.adaptor.stream_synchronize(self.recv_stream);
-        for op in left {
+        for mut op in left {
+            if let (Some(Resume::Net(mut req)), Some(net)) = (op.resume.take(), &self.net) {
+                lock(net).cancel(&mut req);
+            }
             // A copy a posting thread issued on its stream may still use a mapping, which
             // closes below: let it finish first (`finish` then settles its event).
             if let Some(Resume::Pushed(ev) | Resume::Pulled { ev, .. }) = op.resume {
@@ -725,7 +737,7 @@ impl<A: DeviceAdaptor> Engine<A> {
             }
         }
         if let Some(net) = self.net.take() {
-            net.close(&self.adaptor, aborted);
+            lock(&net).close(&self.adaptor, aborted);
         }
         let _ = self.adaptor.stream_destroy(self.send_stream);
         let _ = self.adaptor.stream_destroy(self.recv_stream);

@@ -73,8 +73,9 @@ pub struct PathStats {
     pub eager_bytes: u64,
     /// Pairs on different hosts: through the network transport (UCX).
     pub net_bytes: u64,
-    /// IPC operations (sends and receives) that the posting thread finished itself, without
-    /// the proxy ([`Config::ipc_caller`]); their bytes count in `ipc_bytes`.
+    /// IPC and network operations (sends and receives) that the posting thread finished
+    /// itself, without the proxy ([`Config::ipc_caller`] for IPC); their bytes count in
+    /// `ipc_bytes` or `net_bytes`.
     pub caller_ops: u64,
     /// IPC operations whose posting thread's own copy failed (a vendor error), handed to the
     /// proxy to tell the peer and retire the pair.

@@ -18,6 +18,17 @@ pub(crate) enum Dir {
     Recv,
 }
 
+/// Work a waiting thread can do for its operation instead of sleeping (the network
+/// transport's: driving UCX, which moves the bytes, while the engine only watches for the end).
+#[derive(Clone)]
+pub(crate) struct Helper(pub Arc<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for Helper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Helper")
+    }
+}
+
 /// Where one operation's result lands; shared by the proxy and the [`crate::Request`].
 #[derive(Debug, Default)]
 pub(crate) struct Slot {
@@ -25,9 +36,19 @@ pub(crate) struct Slot {
     cv: Condvar,
     /// Set once `result` is filled, for waiters that spin before sleeping.
     done: AtomicBool,
+    /// What a waiter does between polls once its spin is over, instead of sleeping.
+    help: Option<Helper>,
 }
 
 impl Slot {
+    /// A slot whose waiters make progress with `help` rather than sleep.
+    pub fn helped(help: Option<Helper>) -> Self {
+        Slot {
+            help,
+            ..Slot::default()
+        }
+    }
+
     pub fn complete(&self, r: Result<usize>) {
         *lock(&self.result) = Some(r);
         self.done.store(true, Ordering::Release);
@@ -42,10 +63,18 @@ impl Slot {
     pub fn wait(&self, timeout: Option<Duration>, spin: Duration) -> Option<Result<usize>> {
         let t0 = Instant::now();
         let spin = timeout.map_or(spin, |t| spin.min(t));
+        let deadline = timeout.map(|t| t0 + t);
+        if let Some(Helper(help)) = &self.help {
+            // As MPI libraries do: the waiter works for its operation until it ends (the
+            // engine fails it on a timeout or a lost peer, so this ends too).
+            while !self.is_done() && !deadline.is_some_and(|d| Instant::now() >= d) {
+                help();
+                flagcx_adaptor::spin::relax();
+            }
+        }
         while !spin.is_zero() && !self.is_done() && t0.elapsed() < spin {
             flagcx_adaptor::spin::relax();
         }
-        let deadline = timeout.map(|t| t0 + t);
         let mut g = lock(&self.result);
         loop {
             if let Some(r) = g.take() {
@@ -103,6 +132,8 @@ pub(crate) enum Resume {
     /// Its side failed (a vendor error): the proxy tells the peer and retires the pair, as
     /// for a failure of its own.
     Failed(CommError),
+    /// A pair on two hosts: its UCX request (a send, or a probed receive) is under way.
+    Net(crate::ucx::NetReq),
 }
 
 /// Where a posting thread handed an IPC operation to the proxy: the index of its counter in
@@ -128,7 +159,7 @@ impl Resume {
             None => Handoff::Fresh,
             Some(Resume::Pushed(_)) => Handoff::Pushed,
             Some(Resume::Pulled { .. }) => Handoff::Pulled,
-            Some(Resume::Published) => Handoff::Published,
+            Some(Resume::Published | Resume::Net(_)) => Handoff::Published,
             Some(Resume::Failed(_)) => Handoff::Failed,
         }
     }

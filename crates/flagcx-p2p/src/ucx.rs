@@ -8,8 +8,9 @@
 //! fields UCX may read, so later versions of the library accept them unchanged. The offsets
 //! were read off Debian's `libucx-dev` 1.13.1 headers and are checked by the size assertions.
 //!
-//! Thread use: the worker is created in `UCS_THREAD_MODE_SERIALIZED`; after setup only the
-//! engine thread calls into it.
+//! Thread use: the worker is created in `UCS_THREAD_MODE_SERIALIZED` and every call is made
+//! under the network state's lock (`transport::net::SharedNet`), from the engine, a posting
+//! thread or a waiting one.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -19,10 +20,13 @@ use libloading::Library;
 
 use crate::error::{CommError, Result};
 
-type Status = i32;
+/// `ucs_status_t`: an enum UCX declares packed, so one signed byte across the ABI.
+pub(crate) type Status = i8;
 const UCS_OK: Status = 0;
 /// `UCS_INPROGRESS`.
 const INPROGRESS: Status = 1;
+/// `UCS_ERR_MESSAGE_TRUNCATED`.
+pub(crate) const ERR_TRUNCATED: Status = -9;
 /// `UCS_ERR_LAST`: status pointers are errors from here up to -1.
 const ERR_LAST: isize = -100;
 
@@ -119,6 +123,14 @@ struct Fns {
         u64,
         *const RequestParam,
     ) -> *mut c_void,
+    tag_recv_nbx: unsafe extern "C" fn(
+        *mut c_void,
+        *mut c_void,
+        usize,
+        u64,
+        u64,
+        *const RequestParam,
+    ) -> *mut c_void,
     tag_probe_nb:
         unsafe extern "C" fn(*mut c_void, u64, u64, c_int, *mut TagRecvInfo) -> *mut c_void,
     tag_msg_recv_nbx: unsafe extern "C" fn(
@@ -182,6 +194,7 @@ impl Ucx {
             ep_create: sym!(ucp, "ucp_ep_create"),
             ep_close_nbx: sym!(ucp, "ucp_ep_close_nbx"),
             tag_send_nbx: sym!(ucp, "ucp_tag_send_nbx"),
+            tag_recv_nbx: sym!(ucp, "ucp_tag_recv_nbx"),
             tag_probe_nb: sym!(ucp, "ucp_tag_probe_nb"),
             tag_msg_recv_nbx: sym!(ucp, "ucp_tag_msg_recv_nbx"),
             request_check_status: sym!(ucp, "ucp_request_check_status"),
@@ -225,8 +238,8 @@ pub(crate) struct Worker {
 }
 
 // SAFETY: the worker is created in `UCS_THREAD_MODE_SERIALIZED`, which allows calls from any
-// thread one at a time; the communicator hands it to the engine thread after setup and only
-// that thread uses it from then on.
+// thread one at a time; it lives behind a mutex (`transport::net::SharedNet`) and is only
+// used under it.
 unsafe impl Send for Worker {}
 
 impl Worker {
@@ -339,6 +352,24 @@ impl Worker {
         (!m.is_null()).then_some((Message(m), info.length))
     }
 
+    /// Posts a receive of up to `cap` bytes into `buf` for the message with exactly `tag`,
+    /// before it arrived: UCX then writes it straight into `buf` (a probed message was first
+    /// buffered by UCX, one more copy). A larger message fails it with [`ERR_TRUNCATED`]; UCX
+    /// writes none of a one-fragment or rendezvous message then, but may have written the
+    /// leading fragments of a larger eager one.
+    ///
+    /// # Safety
+    /// `buf..buf+cap` stays writable and otherwise untouched until the request completes or
+    /// is cancelled.
+    pub(crate) unsafe fn recv_tag(&self, buf: *mut u8, cap: usize, tag: u64) -> Result<NetReq> {
+        let p = no_imm_param();
+        // SAFETY: by the caller's contract.
+        let r = unsafe {
+            (self.ucx.f.tag_recv_nbx)(self.worker, buf as *mut c_void, cap, tag, u64::MAX, &p)
+        };
+        self.request("ucp_tag_recv_nbx", r, cap, true)
+    }
+
     /// Starts receiving the probed message `msg` (`len` bytes) into `buf`.
     ///
     /// # Safety
@@ -367,8 +398,12 @@ impl Worker {
     }
 
     /// Where `req` stands: `None` while in flight; else the bytes it moved or its failure
-    /// (`Err(status)`, with [`Worker::describe`] for the words). Completed requests are freed.
-    pub(crate) fn test(&self, req: &mut NetReq) -> Option<std::result::Result<usize, i32>> {
+    /// (`Err((status, length))`, with [`Worker::describe`] for the words; for a truncated
+    /// receive the message's length as UCX reports it). Completed requests are freed.
+    pub(crate) fn test(
+        &self,
+        req: &mut NetReq,
+    ) -> Option<std::result::Result<usize, (Status, usize)>> {
         if req.req.is_null() {
             return Some(Ok(req.len));
         }
@@ -390,7 +425,7 @@ impl Worker {
         Some(match (s, req.recv) {
             (UCS_OK, true) => Ok(info.length),
             (UCS_OK, false) => Ok(req.len),
-            (s, _) => Err(s),
+            (s, _) => Err((s, info.length)),
         })
     }
 
@@ -416,7 +451,7 @@ impl Worker {
     }
 
     /// A status code in words.
-    pub(crate) fn describe(&self, s: i32) -> String {
+    pub(crate) fn describe(&self, s: Status) -> String {
         self.ucx.name(s)
     }
 
@@ -472,7 +507,10 @@ unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: *mut c_void, status: Sta
     // SAFETY: `arg` is the `Arc<AtomicI32>` leaked in `Worker::connect`, alive until the
     // endpoint is closed; only borrowed here.
     let failed = unsafe { &*(arg as *const AtomicI32) };
-    failed.store(if status == 0 { -1 } else { status }, Ordering::Release);
+    failed.store(
+        if status == 0 { -1 } else { status.into() },
+        Ordering::Release,
+    );
 }
 
 /// One endpoint (to one peer's worker).
@@ -497,5 +535,5 @@ pub(crate) struct NetReq {
     recv: bool,
 }
 
-// SAFETY: a handle the engine thread owns; only passed back to its worker.
+// SAFETY: a handle passed back only to its worker, under the network state's lock.
 unsafe impl Send for NetReq {}

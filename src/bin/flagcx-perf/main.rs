@@ -665,13 +665,14 @@ fn path_taken(a: flagcx::PathStats, b: flagcx::PathStats, ops: usize) -> String 
         ("staged", b.staged_bytes - a.staged_bytes),
         ("direct", b.direct_bytes - a.direct_bytes),
         ("eager", b.eager_bytes - a.eager_bytes),
+        ("net", b.net_bytes - a.net_bytes),
     ];
     let used: Vec<&str> = d.iter().filter(|x| x.1 > 0).map(|x| x.0).collect();
     let caller = b.caller_ops - a.caller_ops;
     match used.as_slice() {
         [] => "-".into(),
-        ["ipc"] if caller > 0 && ops > 0 => {
-            format!("ipc {:.0}% caller", 100.0 * caller as f64 / ops as f64)
+        [p @ ("ipc" | "net")] if caller > 0 && ops > 0 => {
+            format!("{p} {:.0}% caller", 100.0 * caller as f64 / ops as f64)
         }
         [one] => one.to_string(),
         _ => "mixed".into(),

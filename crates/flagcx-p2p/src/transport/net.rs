@@ -10,23 +10,33 @@
 //! `FLAGCX_NET_STAGING=always` forces that path, to test it where nothing needs it.
 //!
 //! Semantics as on one node, with one difference: a message larger than the receive buffer
-//! fails the receive with [`CommError::SizeMismatch`] (the receive probes the message's size
-//! first, so not a byte reaches its buffer), while the send, whose bytes UCX delivered,
-//! completes — as the eager path does on one node. A lost peer is seen two ways:
-//! its bootstrap socket hangs up (the engine's health check), or UCX fails its endpoint; its
-//! operations then fail with [`CommError::PeerLost`]. Only the engine thread calls UCX.
+//! fails the receive with [`CommError::SizeMismatch`] while the send, whose bytes UCX
+//! delivered, completes — as the eager path does on one node. A receive whose message is
+//! already here probes its size first and writes nothing of a larger one; one posted before
+//! its message lets UCX write straight into the buffer (a copy less), and UCX then writes
+//! nothing of a larger one-fragment or rendezvous message but may write the leading fragments
+//! of a larger multi-fragment eager one. A lost peer is seen two ways: its bootstrap socket
+//! hangs up (the engine's health check), or UCX fails its endpoint; its
+//! operations then fail with [`CommError::PeerLost`] — after its last messages were taken in.
+//! UCX is called under [`SharedNet`]'s lock: by the engine, by a posting thread moving a
+//! message itself ([`Comm::try_caller_net`]), and by a thread waiting for a request (it drives
+//! UCX instead of sleeping).
 
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use flagcx_adaptor::{DeviceAdaptor, EventHandle};
 
 use super::{started, Phase, Progress, Step};
 use crate::bootstrap::Bootstrap;
-use crate::engine::{Dir, Engine};
+use crate::comm::{Comm, Request, State};
+use crate::engine::{lock, Dir, Engine, Op, Slot};
 use crate::error::{CommError, Result};
+use crate::op::Resume;
 use crate::peer::TransportKind;
-use crate::ucx::{Endpoint, NetReq, Ucx, Worker};
+use crate::transport::Path;
+use crate::ucx::{Endpoint, NetReq, Status, Ucx, Worker, ERR_TRUNCATED};
 use crate::wire::Tag;
 
 /// Bits of a tag that number messages; the sender's rank sits above them.
@@ -87,6 +97,10 @@ pub(crate) struct Bounce {
 // SAFETY: host memory owned by the engine thread's state; moved with it.
 unsafe impl Send for Bounce {}
 
+/// The network side, shared by the engine and posting threads (which move a message
+/// themselves where they can: [`Comm::try_caller_net`]); UCX is called under its lock.
+pub(crate) type SharedNet = Arc<Mutex<NetState>>;
+
 /// This rank's network side: one UCX worker, an endpoint per peer on another host.
 pub(crate) struct NetState {
     worker: Worker,
@@ -106,7 +120,7 @@ impl NetState {
         boot: &Bootstrap,
         transports: &[Option<TransportKind>],
         force_staging: bool,
-    ) -> Result<Option<Self>> {
+    ) -> Result<Option<SharedNet>> {
         let peers: Vec<usize> = (0..transports.len())
             .filter(|&q| transports[q] == Some(TransportKind::Net))
             .collect();
@@ -138,13 +152,18 @@ impl NetState {
             rank = boot.rank(),
             "network transport (UCX) to ranks {peers:?}"
         );
-        Ok(Some(NetState {
+        Ok(Some(Arc::new(Mutex::new(NetState {
             worker,
             eps,
             failed,
             stage: force_staging || !adaptor.capabilities().host_addressable,
             pool: Vec::new(),
-        }))
+        }))))
+    }
+
+    /// Cancels a request a posting thread handed over, which will not run.
+    pub(crate) fn cancel(&mut self, req: &mut NetReq) {
+        self.worker.cancel(req);
     }
 
     /// The message with `tag` from a peer that is gone: it may have sent it just before (its
@@ -213,7 +232,7 @@ impl NetState {
     /// Closes every endpoint (flushing what was sent unless `force`: a send completes once
     /// its buffer may be reused, which for a small message is before it left this host) and
     /// frees the staging buffers; the worker goes with `self`.
-    pub(crate) fn close<A: DeviceAdaptor>(mut self, adaptor: &A, force: bool) {
+    pub(crate) fn close<A: DeviceAdaptor>(&mut self, adaptor: &A, force: bool) {
         for (q, ep) in self.eps.iter_mut().enumerate() {
             if let Some(ep) = ep.take() {
                 let gone = self.failed[q].load(Ordering::Acquire) != 0;
@@ -231,11 +250,13 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// One pass over a step of a pair on another host.
     pub(crate) fn progress_net(&mut self, p: usize, step: &mut Step) -> Result<Progress> {
         let rank = self.boot.rank();
-        let Some(net) = self.net.as_mut() else {
+        let Some(shared) = self.net.clone() else {
             return Err(CommError::Protocol(format!(
                 "rank {p} is on another host but the network transport is not set up"
             )));
         };
+        let mut guard = lock(&shared);
+        let net = &mut *guard;
         net.worker.progress();
         let status = net.failed[p].load(Ordering::Acquire);
         if status != 0 {
@@ -243,7 +264,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                 peer: p,
                 reason: format!(
                     "the network endpoint to it failed: {}",
-                    net.worker.describe(status)
+                    net.worker.describe(status as Status)
                 ),
             });
         }
@@ -307,7 +328,15 @@ impl<A: DeviceAdaptor> Engine<A> {
                     m => m,
                 };
                 let Some((msg, len)) = found else {
-                    return Ok(Progress::Idle { on_peer: true });
+                    if lost || net.stage {
+                        return Ok(Progress::Idle { on_peer: true });
+                    }
+                    // Not here yet: post the receive, so UCX lands it in the buffer directly.
+                    let at = if bytes == 0 { empty } else { ptr.0 as *mut u8 };
+                    // SAFETY: as below: the caller's host-addressable buffer of `bytes`.
+                    let req = unsafe { net.worker.recv_tag(at, bytes, tag) }?;
+                    *phase = NetPhase::Wire { req, buf: None };
+                    return Ok(Progress::Moved);
                 };
                 step.matched = Some(std::time::Instant::now());
                 if len > bytes {
@@ -394,18 +423,14 @@ impl<A: DeviceAdaptor> Engine<A> {
                 };
                 let n = match r {
                     Ok(n) => n,
-                    Err(s) => {
+                    Err((s, len)) => {
                         if let Some(b) = buf {
                             net.give_back(&self.adaptor, b);
                         }
-                        return Err(CommError::Net(format!(
-                            "{} with rank {p}: {}",
-                            match dir {
-                                Dir::Send => "send",
-                                Dir::Recv => "receive",
-                            },
-                            net.worker.describe(s)
-                        )));
+                        return match failure(&net.worker, dir, p, s, len, bytes) {
+                            e @ CommError::SizeMismatch { .. } => Ok(Progress::Done(Err(e))),
+                            e => Err(e),
+                        };
                     }
                 };
                 let n = match dir {
@@ -465,8 +490,234 @@ impl<A: DeviceAdaptor> Engine<A> {
         }
         let _ = self.adaptor.stream_synchronize(self.send_stream);
         let _ = self.adaptor.stream_synchronize(self.recv_stream);
-        if let Some(net) = self.net.as_mut() {
-            net.abandon(&self.adaptor, step);
+        if let Some(net) = &self.net {
+            lock(net).abandon(&self.adaptor, step);
         }
     }
+}
+
+/// A failed UCX request as the operation reports it: a truncated receive is a size mismatch
+/// (`len`: the message's length as UCX reported it), anything else a network failure.
+fn failure(worker: &Worker, dir: Dir, p: usize, s: Status, len: usize, bytes: usize) -> CommError {
+    match dir {
+        Dir::Recv if s == ERR_TRUNCATED => CommError::SizeMismatch {
+            peer: p,
+            send_bytes: len.max(bytes + 1),
+            recv_bytes: bytes,
+        },
+        _ => CommError::Net(format!(
+            "{} with rank {p}: {}",
+            match dir {
+                Dir::Send => "send",
+                Dir::Recv => "receive",
+            },
+            worker.describe(s)
+        )),
+    }
+}
+
+/// What a posting thread achieved with a net message.
+enum Caller {
+    Done(Result<usize>),
+    /// Not finished within the spin time: the engine goes on from here.
+    HandOff(Option<Resume>),
+}
+
+impl<A: DeviceAdaptor> Comm<A> {
+    /// The posting thread's path for a pair on two hosts (the caller checked: outside a group,
+    /// the caller's stream idle): while nothing earlier of the pair and direction is with the
+    /// engine, this thread posts the UCX send, or probes for and receives the message, and
+    /// waits up to the spin time for it — a small message then never passes through the
+    /// engine thread. What is not done by then is handed to the engine where it stands.
+    /// `None`: not taken (staging needed, the pair busy or lost), post normally.
+    pub(crate) fn try_caller_net(
+        &self,
+        dir: Dir,
+        ptr: flagcx_adaptor::DevicePtr,
+        bytes: usize,
+        peer: usize,
+        keep: &mut Option<Box<dyn std::any::Any + Send>>,
+    ) -> Result<Option<Request>> {
+        let Some(shared) = self.net.as_ref() else {
+            return Ok(None);
+        };
+        if self.transports.get(peer) != Some(&Some(TransportKind::Net)) || lock(shared).stage {
+            return Ok(None);
+        }
+        let d = dir as usize;
+        let k = {
+            let mut inbox = lock(&self.shared.inbox);
+            let k = inbox.next[peer][d];
+            if self.shared.pending[peer][d].load(Ordering::Acquire) != 0
+                || self.shared.lost[peer].load(Ordering::Acquire)
+            {
+                return Ok(None);
+            }
+            inbox.next[peer][d] = k + 1;
+            self.shared.pending[peer][d].fetch_add(1, Ordering::AcqRel);
+            self.shared.reserved[peer][d].store(true, Ordering::Release);
+            k
+        };
+        let spin = self.config.spin.unwrap_or_default();
+        let outcome = self
+            .caller_net(shared, dir, k, ptr, bytes, peer, spin)
+            .unwrap_or_else(|e| Caller::HandOff(Some(Resume::Failed(e))));
+        let resume = match outcome {
+            Caller::Done(r) => {
+                self.shared.pending[peer][d].fetch_sub(1, Ordering::AcqRel);
+                self.shared.reserved[peer][d].store(false, Ordering::Release);
+                match &r {
+                    Ok(n) => {
+                        self.shared.path_bytes[Path::Net as usize]
+                            .fetch_add(*n as u64, Ordering::Relaxed);
+                        self.shared.caller_ops.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => self.shared.record_error(e),
+                }
+                drop(keep.take());
+                return Ok(Some(Request {
+                    state: State::Done(r),
+                    seq: 0,
+                    spin: Duration::ZERO,
+                }));
+            }
+            Caller::HandOff(r) => r,
+        };
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let slot = Arc::new(Slot::helped(self.net_helper(peer)));
+        let op = Op {
+            seq,
+            dir,
+            peer,
+            index: k,
+            ptr,
+            bytes,
+            start: None,
+            slot: slot.clone(),
+            keep: keep.take(),
+            posted: Instant::now(),
+            resume,
+        };
+        {
+            let mut inbox = self.inbox_for_handover(|| false);
+            inbox.ops.push(op);
+            self.shared.reserved[peer][d].store(false, Ordering::Release);
+        }
+        self.shared.posted.fetch_add(1, Ordering::Release);
+        self.shared.wake();
+        Ok(Some(Request {
+            state: State::Pending(slot),
+            seq,
+            spin,
+        }))
+    }
+
+    /// For an operation with `peer`: where it is on another host, a waiter drives UCX (when
+    /// the engine is not in it) instead of sleeping.
+    pub(crate) fn net_helper(&self, peer: usize) -> Option<crate::op::Helper> {
+        if self.transports.get(peer) != Some(&Some(TransportKind::Net)) {
+            return None;
+        }
+        let net = self.net.clone()?;
+        Some(crate::op::Helper(Arc::new(move || {
+            if let Ok(n) = net.try_lock() {
+                n.worker.progress();
+            }
+        })))
+    }
+
+    /// Message `k` of the pair, moved by this thread for up to `spin`.
+    #[allow(clippy::too_many_arguments)]
+    fn caller_net(
+        &self,
+        shared: &SharedNet,
+        dir: Dir,
+        k: u64,
+        ptr: flagcx_adaptor::DevicePtr,
+        bytes: usize,
+        peer: usize,
+        spin: Duration,
+    ) -> Result<Caller> {
+        static EMPTY: u8 = 0;
+        let empty = &EMPTY as *const u8 as *mut u8;
+        let t0 = Instant::now();
+        let mut polls = 0u32;
+        let mut req = match dir {
+            Dir::Send => {
+                let mut net = lock(shared);
+                let net = &mut *net;
+                let Some(ep) = net.eps[peer].as_ref() else {
+                    return Ok(Caller::HandOff(None));
+                };
+                let at = if bytes == 0 { empty } else { ptr.0 as *mut u8 };
+                // SAFETY: the pair is not staged, so the buffer is host-addressable memory of
+                // this process at its device address, which the caller keeps valid and
+                // unmodified until the operation finishes; the request is finished here or
+                // handed to the engine, which completes or cancels it.
+                unsafe { net.worker.send(ep, at, bytes, tag(self.rank, k)) }?
+            }
+            Dir::Recv => {
+                let net = lock(shared);
+                net.worker.progress();
+                match net.worker.probe(tag(peer, k)) {
+                    Some((msg, len)) if len > bytes => {
+                        // Here already and too large: drained and refused, buffer untouched.
+                        let mut scratch = vec![0u8; len];
+                        // SAFETY: `scratch` holds `len` bytes and outlives the request (waited
+                        // for right here).
+                        let mut req = unsafe { net.worker.recv(scratch.as_mut_ptr(), len, msg) }?;
+                        while net.worker.test(&mut req).is_none() {
+                            net.worker.progress();
+                        }
+                        return Ok(Caller::Done(Err(CommError::SizeMismatch {
+                            peer,
+                            send_bytes: len,
+                            recv_bytes: bytes,
+                        })));
+                    }
+                    Some((msg, len)) => {
+                        let at = if len == 0 { empty } else { ptr.0 as *mut u8 };
+                        // SAFETY: the caller's host-addressable buffer of `bytes >= len`,
+                        // untouched by anyone else until the operation finishes.
+                        unsafe { net.worker.recv(at, len, msg) }?
+                    }
+                    None => {
+                        // Not here yet: post the receive, so UCX lands it in the buffer
+                        // directly.
+                        let at = if bytes == 0 { empty } else { ptr.0 as *mut u8 };
+                        // SAFETY: as above, for `bytes`.
+                        unsafe { net.worker.recv_tag(at, bytes, tag(peer, k)) }?
+                    }
+                }
+            }
+        };
+        loop {
+            {
+                let net = lock(shared);
+                if let Some(r) = net.worker.test(&mut req) {
+                    return Ok(Caller::Done(r.map_err(|(s, len)| {
+                        failure(&net.worker, dir, peer, s, len, bytes)
+                    })));
+                }
+                net.worker.progress();
+            }
+            if t0.elapsed() >= spin {
+                return Ok(Caller::HandOff(Some(Resume::Net(req))));
+            }
+            polls = pause(polls);
+        }
+    }
+}
+
+/// Between polls of UCX on a posting thread: a CPU pause, and a yield every 16 polls. Each
+/// poll is already a few system calls (UCX reads its sockets), so yielding after every one, as
+/// `spin::relax` does below 8 cores, cost ~1.5 µs of an 8 B message on 2 cores; never yielding
+/// would keep a rank's other threads off a small machine for the whole spin.
+fn pause(polls: u32) -> u32 {
+    if polls % 16 == 15 {
+        std::thread::yield_now();
+    } else {
+        std::hint::spin_loop();
+    }
+    polls.wrapping_add(1)
 }

@@ -1,0 +1,138 @@
+//! `cargo xtask bench --net`: the network transport next to UCX's own `ucx_perftest`, over the
+//! same two "hosts" (network namespaces joined by a bridge, `UCX_TLS=tcp`) in the same run.
+//!
+//! Both sides are ping-pongs of one message at a time: flagcx-perf's `pingpong` (its time is a
+//! round trip; one way is half) against `ucx_perftest -t tag_lat` (one way), and for
+//! bandwidth our one-way rate against `-t tag_bw`, which streams a window of messages — a
+//! harder peer than the same pattern.
+
+use std::process::{Command, Stdio};
+
+use crate::{cargo, root, run, Result};
+
+#[path = "../../tests/common/netns.rs"]
+mod netns;
+
+/// Sizes of the sweep: 8 B to 16 MiB, ×8.
+const SIZES: [u64; 8] = [8, 64, 512, 4096, 32768, 262144, 2097152, 16777216];
+
+/// One `ucx_perftest` measurement between host 1 (server) and host 0 (client): the `Final:`
+/// line's average one-way latency (µs) and overall bandwidth (GB/s).
+fn perftest(h: &netns::Hosts, test: &str, size: u64, port: u16) -> Result<(f64, f64)> {
+    let exe = std::path::Path::new("ucx_perftest");
+    let mut server = h.command(1, exe);
+    server
+        .args(["-p", &port.to_string()])
+        .env("UCX_TLS", "tcp")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let mut server = server.spawn().map_err(|e| format!("ucx_perftest: {e}"))?;
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let iters = if size >= 1 << 20 { "100" } else { "5000" };
+    let out = h
+        .command(0, exe)
+        .args([&h.addr(1), "-p", &port.to_string(), "-t", test, "-s"])
+        .arg(size.to_string())
+        .args(["-n", iters])
+        .env("UCX_TLS", "tcp")
+        .output()
+        .map_err(|e| format!("ucx_perftest: {e}"))?;
+    let _ = server.wait();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let f: Vec<f64> = text
+        .lines()
+        .find(|l| l.starts_with("Final:"))
+        .ok_or_else(|| format!("ucx_perftest {test} {size}: no Final line\n{text}"))?
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|c| c.parse().ok())
+        .collect();
+    if f.len() < 6 {
+        return Err(format!(
+            "ucx_perftest {test} {size}: odd Final line\n{text}"
+        ));
+    }
+    // UCX prints MB/s of 2^20 bytes.
+    Ok((f[2], f[5] * 1048576.0 / 1e9))
+}
+
+/// A random job id with the root at host 0.
+fn job_id(h: &netns::Hosts, port: u16) -> Result<String> {
+    let mut b = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+        .map_err(|e| format!("/dev/urandom: {e}"))?;
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    Ok(format!(
+        "fx1-{}-{}@{}:{port}",
+        &hex[..32],
+        &hex[32..],
+        h.addr(0)
+    ))
+}
+
+pub(crate) fn bench_net() -> Result {
+    if Command::new("ucx_perftest").arg("-h").output().is_err() {
+        return Err("--net needs ucx_perftest: sudo apt-get install ucx-utils".into());
+    }
+    run(
+        "building flagcx-perf",
+        cargo().args(["build", "--release", "-p", "flagcx", "--bin", "flagcx-perf"]),
+    )?;
+    let h = netns::Hosts::new(2)?;
+    let perf = root().join("target/release/flagcx-perf");
+    let port = 21_000 + (std::process::id() % 20_000) as u16;
+    let id = job_id(&h, port)?;
+    eprintln!("xtask: flagcx-perf pingpong between two namespaces (UCX_TLS=tcp)");
+    let mut ranks = Vec::new();
+    for rank in 0..2 {
+        let mut c = h.command(rank, &perf);
+        c.args([
+            "-t", "pingpong", "-b", "8", "-e", "16M", "-f", "8", "-n", "200",
+        ])
+        .args(["-w", "20", "-c", "--json"])
+        .env("FLAGCX_RANK", rank.to_string())
+        .env("FLAGCX_NRANKS", "2")
+        .env("FLAGCX_UNIQUE_ID", &id)
+        .env("FLAGCX_VENDOR", "host")
+        .env("UCX_TLS", "tcp")
+        .stdout(Stdio::piped());
+        ranks.push(c.spawn().map_err(|e| format!("flagcx-perf: {e}"))?);
+    }
+    let mut outs = Vec::new();
+    for c in ranks {
+        let o = c.wait_with_output().map_err(|e| e.to_string())?;
+        if !o.status.success() {
+            return Err(format!("a flagcx-perf rank failed ({})", o.status));
+        }
+        outs.push(String::from_utf8_lossy(&o.stdout).into_owned());
+    }
+    let ours: std::collections::HashMap<u64, f64> = outs[0]
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| Some((v["bytes"].as_u64()?, v["time_us"].as_f64()? / 2.0)))
+        .collect();
+    eprintln!("xtask: ucx_perftest tag_lat and tag_bw, same namespaces");
+    println!(
+        "# same run, two network namespaces, UCX_TLS=tcp; one-way times (flagcx: half a round trip)"
+    );
+    println!(
+        "{:>10} {:>11} {:>11} {:>9} {:>11} {:>11} {:>9}",
+        "bytes", "flagcx_us", "ucx_lat_us", "lat_x", "flagcx_GBs", "ucx_bw_GBs", "bw_ratio"
+    );
+    for (i, &size) in SIZES.iter().enumerate() {
+        let Some(&us) = ours.get(&size) else {
+            continue;
+        };
+        let (lat, _) = perftest(&h, "tag_lat", size, port + 1 + 2 * i as u16)?;
+        let (_, bw) = perftest(&h, "tag_bw", size, port + 2 + 2 * i as u16)?;
+        let gbs = size as f64 / us / 1e3;
+        println!(
+            "{size:>10} {us:>11.2} {lat:>11.2} {:>9.2} {gbs:>11.3} {bw:>11.3} {:>9.2}",
+            us / lat,
+            gbs / bw
+        );
+    }
+    println!("# lat_x: our one-way time ÷ tag_lat's (target ≤ 1.2); bw_ratio: ours ÷ tag_bw's (target ≥ 0.9 from 1 MiB)");
+    Ok(())
+}
