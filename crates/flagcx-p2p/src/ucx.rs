@@ -40,6 +40,9 @@ const EP_PARAM_FIELD_ERR_HANDLER: u64 = 1 << 2;
 const ERR_HANDLING_MODE_PEER: c_int = 1;
 const OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 const OP_ATTR_FLAG_NO_IMM_CMPL: u32 = 1 << 16;
+const OP_ATTR_FIELD_MEMORY_TYPE: u32 = 1 << 6;
+/// `UCS_MEMORY_TYPE_HOST`.
+const MEMORY_TYPE_HOST: u64 = 0;
 const EP_CLOSE_FLAG_FORCE: u32 = 1 << 0;
 /// UCP API version this code was written against (`ucp_init_version`).
 const API: (c_uint, c_uint) = (1, 13);
@@ -494,11 +497,16 @@ impl Drop for Worker {
     }
 }
 
+/// Parameters of a send or receive: host memory (said, so UCX does not look the buffer up in
+/// its memory-type cache — our buffers are memfd mappings it has not seen allocated).
 fn no_imm_param() -> RequestParam {
+    let mut rest = [0u64; 8];
+    // `memory_type` (offset 48 = rest[5]): UCS_MEMORY_TYPE_HOST is 0.
+    rest[5] = MEMORY_TYPE_HOST;
     RequestParam {
-        op_attr_mask: OP_ATTR_FIELD_FLAGS,
+        op_attr_mask: OP_ATTR_FIELD_FLAGS | OP_ATTR_FIELD_MEMORY_TYPE,
         flags: OP_ATTR_FLAG_NO_IMM_CMPL,
-        rest: [0; 8],
+        rest,
     }
 }
 

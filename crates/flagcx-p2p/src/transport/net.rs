@@ -691,6 +691,10 @@ impl<A: DeviceAdaptor> Comm<A> {
                 }
             }
         };
+        // Up to the spin time without progress — the peer's side is missing — but while UCX
+        // keeps moving this message's bytes, up to 2 ms in all (as the IPC posting path waits
+        // for its copy): a hand-over mid-message costs two threads' wake-ups.
+        let mut moved = Instant::now();
         loop {
             {
                 let net = lock(shared);
@@ -699,15 +703,20 @@ impl<A: DeviceAdaptor> Comm<A> {
                         failure(&net.worker, dir, peer, s, len, bytes)
                     })));
                 }
-                net.worker.progress();
+                if net.worker.progress() {
+                    moved = Instant::now();
+                }
             }
-            if t0.elapsed() >= spin {
+            if moved.elapsed() >= spin || t0.elapsed() >= CALLER_MAX {
                 return Ok(Caller::HandOff(Some(Resume::Net(req))));
             }
             polls = pause(polls);
         }
     }
 }
+
+/// Longest a posting thread moves one message while its bytes flow.
+const CALLER_MAX: Duration = Duration::from_millis(2);
 
 /// Between polls of UCX on a posting thread: a CPU pause, and a yield every 16 polls. Each
 /// poll is already a few system calls (UCX reads its sockets), so yielding after every one, as
