@@ -1653,6 +1653,36 @@ fn truncated_unique_id_is_a_config_error() {
 }
 
 #[test]
+fn unique_id_carries_a_root_address() {
+    let id = UniqueId::random().expect("id");
+    assert_eq!(id.root(), None);
+    for addr in ["10.0.0.1:29600", "[fe80::1]:7"] {
+        let text = format!("{id}@{addr}");
+        let parsed: UniqueId = text.parse().expect("an id with a root");
+        assert_eq!(parsed.root(), Some(addr.parse().expect("address")));
+        assert_eq!(parsed.to_string(), text, "text form round trip");
+        assert_ne!(parsed, id, "the root is part of the id");
+    }
+    for bad in ["host:1", "10.0.0.1", "10.0.0.1:99999", ""] {
+        match format!("{id}@{bad}").parse::<UniqueId>() {
+            Err(CommError::Config { reason, .. }) => {
+                assert_eq!(reason, "the part after @ is not an ip:port address")
+            }
+            other => panic!("@{bad:?}: expected a Config error, got {other:?}"),
+        }
+    }
+    // flagcx-run prints ids for jobs that another launcher starts.
+    let out = Command::new(common::flagcx_run())
+        .arg("--print-id")
+        .output()
+        .expect("flagcx-run --print-id");
+    assert!(out.status.success());
+    let printed = String::from_utf8_lossy(&out.stdout);
+    let printed: UniqueId = printed.trim().parse().expect("a valid id");
+    assert_ne!(printed, id, "a fresh id each time");
+}
+
+#[test]
 fn garbage_and_strangers_do_not_stop_the_job() {
     if skip_unless_vendor() {
         return;

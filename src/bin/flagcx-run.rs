@@ -29,7 +29,8 @@ use flagcx::p2p::launch::{launch, LaunchSpec};
 struct Args {
     /// Number of ranks.
     #[arg(short = 'n', long = "nranks", value_parser = clap::value_parser!(u64).range(1..),
-          required_unless_present = "completions", default_value_t = 1, hide_default_value = true)]
+          required_unless_present_any = ["completions", "print_id"], default_value_t = 1,
+          hide_default_value = true)]
     nranks: u64,
     /// Vendor of each rank, cycled over ranks (host, cuda, hip, opencl; "cuda,host"
     /// alternates); sets FLAGCX_VENDOR. Without it the ranks inherit FLAGCX_VENDOR or detect.
@@ -47,11 +48,15 @@ struct Args {
     no_prefix: bool,
     /// The program each rank runs, and its arguments.
     #[arg(
-        required_unless_present = "completions",
+        required_unless_present_any = ["completions", "print_id"],
         last = true,
         value_name = "PROGRAM"
     )]
     program: Vec<String>,
+    /// Print a fresh job id (for FLAGCX_UNIQUE_ID; append @host:port of rank 0's host for a
+    /// job over several hosts, whose ranks another launcher starts) and exit.
+    #[arg(long)]
+    print_id: bool,
     /// Print a completion script for SHELL (bash, zsh, fish, elvish, powershell) and exit.
     #[arg(long, value_name = "SHELL", hide_short_help = true)]
     completions: Option<clap_complete::Shell>,
@@ -89,6 +94,18 @@ fn main() -> ExitCode {
             &mut std::io::stdout(),
         );
         return ExitCode::SUCCESS;
+    }
+    if a.print_id {
+        return match flagcx::p2p::UniqueId::random() {
+            Ok(id) => {
+                println!("{id}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("flagcx-run: {e}");
+                ExitCode::FAILURE
+            }
+        };
     }
     let spec = LaunchSpec {
         vendors: a.vendors,

@@ -504,6 +504,48 @@ mod tests {
     use super::*;
 
     #[test]
+    fn root_addresses_come_from_the_environment() {
+        let env = |vars: &[(&str, &str)]| {
+            RankEnv::from_lookup(|n| {
+                vars.iter().find(|(k, _)| *k == n).map(|(_, v)| v.to_string())
+            })
+        };
+        let root = |e: Result<RankEnv>| e.expect("rank env").id.root();
+        let base = [
+            ("FLAGCX_RANK", "1"),
+            ("FLAGCX_NRANKS", "2"),
+            (
+                "FLAGCX_UNIQUE_ID",
+                "fx1-00112233445566778899aabbccddeeff-00112233445566778899aabbccddeeff",
+            ),
+        ];
+        assert_eq!(root(env(&base)), None);
+        let mut with = base.to_vec();
+        with.push(("FLAGCX_ROOT_ADDR", "127.0.0.1:29600"));
+        assert_eq!(
+            root(env(&with)),
+            Some("127.0.0.1:29600".parse().unwrap())
+        );
+        let torch = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            ("FLAGCX_BOOTSTRAP", "tcp"),
+        ];
+        assert_eq!(root(env(&torch)), Some("127.0.0.1:29501".parse().unwrap()));
+        let mut tcp_alone = base.to_vec();
+        tcp_alone.push(("FLAGCX_BOOTSTRAP", "tcp"));
+        assert!(matches!(
+            env(&tcp_alone),
+            Err(CommError::Config { name, .. }) if name == "FLAGCX_BOOTSTRAP"
+        ));
+        let mut bad = base.to_vec();
+        bad.push(("FLAGCX_BOOTSTRAP", "udp"));
+        assert!(env(&bad).is_err());
+    }
+
+    #[test]
     fn sizes_and_bools_parse_strictly() {
         assert_eq!(parse_size("X", "4M").unwrap(), 4 << 20);
         assert_eq!(parse_size("X", " 512k ").unwrap(), 512 << 10);
