@@ -215,6 +215,7 @@ fn rank_worker() {
         "mismatch" => mismatch(&r, next, prev),
         "net_mismatch" => net_mismatch(&r, next, prev),
         "net_killed" => net_killed(&r),
+        "net_stalled" => net_stalled(&r),
         "eager" => eager(&r, next, prev),
         "pingpong" => pingpong(&r, next),
         "reuse" => {
@@ -775,6 +776,32 @@ fn net_killed(r: &Rank) {
     std::process::exit(0);
 }
 
+/// Rank 1 stays alive but never sends: rank 0's receive, posted on its own thread and then
+/// waited for (the waiter drives UCX), fails with `Timeout` after `FLAGCX_TIMEOUT_MS`.
+fn net_stalled(r: &Rank) {
+    let me = r.comm.rank();
+    r.comm.barrier(r.stream.handle()).expect("barrier");
+    if me == 1 {
+        std::thread::sleep(std::time::Duration::from_secs(4));
+        println!("worker ok: rank 1 of 2, stalled");
+        return;
+    }
+    let buf = r.buffer(4096);
+    let t0 = std::time::Instant::now();
+    let q = r.comm.recv(&buf, 1, &r.stream).expect("post");
+    match q.wait() {
+        Err(CommError::Timeout { peer: Some(1), .. }) => {}
+        other => panic!("expected a timeout naming rank 1, got {other:?}"),
+    }
+    let waited = t0.elapsed();
+    assert!(
+        waited >= std::time::Duration::from_millis(900)
+            && waited < std::time::Duration::from_secs(3),
+        "timed out after {waited:?} with FLAGCX_TIMEOUT_MS=1000"
+    );
+    println!("worker ok: rank 0 of 2, timed out after {waited:?}");
+}
+
 /// A sender larger than its receiver fails on both sides, then the pair still works.
 fn mismatch(r: &Rank, next: usize, prev: usize) {
     let me = r.comm.rank();
@@ -1277,6 +1304,11 @@ fn net_collectives_2_hosts_of_2() {
 #[test]
 fn net_mismatch_2_hosts() {
     net_job(2, 1, "net_mismatch", &[], None);
+}
+
+#[test]
+fn net_peer_that_stalls_times_out() {
+    net_job(2, 1, "net_stalled", &[("FLAGCX_TIMEOUT_MS", "1000")], None);
 }
 
 #[test]

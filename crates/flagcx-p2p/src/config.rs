@@ -507,7 +507,9 @@ mod tests {
     fn root_addresses_come_from_the_environment() {
         let env = |vars: &[(&str, &str)]| {
             RankEnv::from_lookup(|n| {
-                vars.iter().find(|(k, _)| *k == n).map(|(_, v)| v.to_string())
+                vars.iter()
+                    .find(|(k, _)| *k == n)
+                    .map(|(_, v)| v.to_string())
             })
         };
         let root = |e: Result<RankEnv>| e.expect("rank env").id.root();
@@ -522,10 +524,7 @@ mod tests {
         assert_eq!(root(env(&base)), None);
         let mut with = base.to_vec();
         with.push(("FLAGCX_ROOT_ADDR", "127.0.0.1:29600"));
-        assert_eq!(
-            root(env(&with)),
-            Some("127.0.0.1:29600".parse().unwrap())
-        );
+        assert_eq!(root(env(&with)), Some("127.0.0.1:29600".parse().unwrap()));
         let torch = [
             ("RANK", "0"),
             ("WORLD_SIZE", "2"),

@@ -737,7 +737,12 @@ impl<A: DeviceAdaptor> Engine<A> {
             }
         }
         if let Some(net) = self.net.take() {
-            lock(&net).close(&self.adaptor, aborted);
+            let lost: Vec<bool> = self
+                .peers
+                .iter()
+                .map(|c| c.as_ref().is_some_and(|c| c.lost.is_some()))
+                .collect();
+            lock(&net).close(&self.adaptor, aborted, &lost);
         }
         let _ = self.adaptor.stream_destroy(self.send_stream);
         let _ = self.adaptor.stream_destroy(self.recv_stream);

@@ -469,6 +469,7 @@ impl Worker {
         // SAFETY: a live endpoint of this worker, closed once.
         let r = unsafe { (self.ucx.f.ep_close_nbx)(ep.ep, &p) };
         let v = r as isize;
+        let mut closed = true;
         if !r.is_null() && !(ERR_LAST..0).contains(&v) {
             let mut req = NetReq {
                 req: r,
@@ -476,13 +477,30 @@ impl Worker {
                 recv: false,
             };
             let t0 = std::time::Instant::now();
-            while self.test(&mut req).is_none() && t0.elapsed() < std::time::Duration::from_secs(2)
-            {
+            closed = loop {
+                if self.test(&mut req).is_some() {
+                    break true;
+                }
+                if t0.elapsed() > std::time::Duration::from_secs(2) {
+                    break false;
+                }
                 self.progress();
+            };
+            if !closed {
+                // The peer did not take part in the flush (stopped, or wedged): release the
+                // request to UCX (destroying the worker asserts on an unreleased one), which
+                // finishes the close when the worker goes.
+                tracing::warn!("a network endpoint did not flush within 2 s; closing it anyway");
+                // SAFETY: a live request of this worker, released once and not used again.
+                unsafe { (self.ucx.f.request_free)(req.req) };
             }
         }
-        // SAFETY: the endpoint is closed: its error handler can no longer run.
-        drop(unsafe { Arc::from_raw(ep.arg as *const AtomicI32) });
+        if closed {
+            // SAFETY: the endpoint is closed: its error handler can no longer run.
+            drop(unsafe { Arc::from_raw(ep.arg as *const AtomicI32) });
+        }
+        // Otherwise its handler may still run until the worker is destroyed: its argument
+        // stays allocated (one small leak per endpoint that failed to close).
         drop(ep.failed);
     }
 }

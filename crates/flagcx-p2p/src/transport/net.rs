@@ -232,10 +232,12 @@ impl NetState {
     /// Closes every endpoint (flushing what was sent unless `force`: a send completes once
     /// its buffer may be reused, which for a small message is before it left this host) and
     /// frees the staging buffers; the worker goes with `self`.
-    pub(crate) fn close<A: DeviceAdaptor>(&mut self, adaptor: &A, force: bool) {
+    /// `lost`: the pairs retired (peer gone, or an operation timed out): not flushed.
+    pub(crate) fn close<A: DeviceAdaptor>(&mut self, adaptor: &A, force: bool, lost: &[bool]) {
         for (q, ep) in self.eps.iter_mut().enumerate() {
             if let Some(ep) = ep.take() {
-                let gone = self.failed[q].load(Ordering::Acquire) != 0;
+                let gone = self.failed[q].load(Ordering::Acquire) != 0
+                    || lost.get(q).copied().unwrap_or(false);
                 self.worker.close(ep, force || gone);
             }
         }
