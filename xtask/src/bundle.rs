@@ -87,11 +87,18 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
             });
             continue;
         }
+        // The network transport's jobs are host-vendor ranks in network namespaces with UCX:
+        // CI's, not a GPU node's.
+        let args = if target == "p2p" {
+            vec![format!("\"$here/bin/{file}\""), "--skip net_".into()]
+        } else {
+            vec![]
+        };
         entries.push(Entry {
             label: format!("{krate}::{target}"),
             file,
             env,
-            args: vec![],
+            args,
         });
     }
     if entries.len() != 5 {
