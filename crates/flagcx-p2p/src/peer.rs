@@ -65,26 +65,7 @@ fn bits_caps(b: u32) -> Capabilities {
     }
 }
 
-/// The machine's identity: hostname and kernel boot id.
-pub fn host_id() -> String {
-    let read = |p: &str| {
-        std::fs::read_to_string(p)
-            .unwrap_or_default()
-            .trim()
-            .to_string()
-    };
-    // The network namespace too: ranks in different namespaces cannot reach each other's
-    // abstract sockets, so they are on different hosts as far as the job goes (and that is how
-    // the network transport is tested on one machine).
-    let netns = std::fs::read_link("/proc/self/ns/net")
-        .map(|p| p.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    format!(
-        "{}/{}/{netns}",
-        read("/proc/sys/kernel/hostname"),
-        read("/proc/sys/kernel/random/boot_id")
-    )
-}
+pub use crate::bootstrap::host_id;
 
 impl PeerInfo {
     /// This process's description.

@@ -11,7 +11,7 @@
 //! Across hosts (the id carries a root address, [`UniqueId::with_root`]) every rank first
 //! reaches the root (rank 0) over TCP and presents the secret, its host and the port it listens
 //! on; the root answers each with the table of every rank's host and address. Then pairs on one
-//! host (same [`crate::peer::host_id`]: machine and network namespace) connect over abstract
+//! host (same [`host_id`]: machine and network namespace) connect over abstract
 //! Unix sockets as above — they keep descriptor passing and the intra-node transports — and
 //! pairs on different hosts over TCP, with the same admission checks except the uid (which
 //! only a local socket can tell).
@@ -194,6 +194,27 @@ fn my_uid() -> u32 {
     unsafe { libc::getuid() }
 }
 
+/// The machine's identity: hostname, kernel boot id and network namespace.
+pub fn host_id() -> String {
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    // The network namespace too: ranks in different namespaces cannot reach each other's
+    // abstract sockets, so they are on different hosts as far as the job goes (and that is how
+    // the network transport is tested on one machine).
+    let netns = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    format!(
+        "{}/{}/{netns}",
+        read("/proc/sys/kernel/hostname"),
+        read("/proc/sys/kernel/random/boot_id")
+    )
+}
+
 /// One rank's socket to another: local (descriptors can pass) or TCP (another host).
 #[derive(Debug)]
 enum Link {
@@ -305,7 +326,7 @@ impl Bootstrap {
         let mut local = vec![true; nranks];
         if let Some(root) = id.root {
             let (listener, table, root_links) = meet_at_root(id, rank, nranks, root, deadline)?;
-            let host = crate::peer::host_id();
+            let host = host_id();
             for (q, (h, _)) in table.iter().enumerate() {
                 local[q] = *h == host;
             }

@@ -66,7 +66,7 @@ pub(super) fn tcp_connect(
     deadline: Instant,
 ) -> Result<TcpStream> {
     let s = tcp_dial(rank, q, addr, deadline)?;
-    let host = crate::peer::host_id();
+    let host = super::host_id();
     say_hello(&s, id, rank, nranks, q, Some((&host, 0)), deadline)?;
     Ok(s)
 }
@@ -103,7 +103,7 @@ pub(super) fn meet_at_root(
         .local_addr()
         .map_err(|e| CommError::io("listener address", e))?
         .port();
-    let host = crate::peer::host_id();
+    let host = super::host_id();
     let mut links: Vec<Option<TcpStream>> = (0..nranks).map(|_| None).collect();
     if rank != 0 {
         let s = tcp_dial(rank, 0, root, deadline)?;
