@@ -33,6 +33,7 @@ use crate::error::{CommError, Result};
 use crate::wire::{self, Reader, Tag, Writer, HEADER_LEN};
 
 mod tcp;
+pub use tcp::host_id;
 use tcp::{admit_tcp, meet_at_root, tcp_connect};
 
 const MAGIC: &[u8; 8] = b"FLAGCXv1";
@@ -192,27 +193,6 @@ fn peer_uid(s: &UnixStream) -> Result<u32> {
 fn my_uid() -> u32 {
     // SAFETY: getuid has no preconditions and cannot fail.
     unsafe { libc::getuid() }
-}
-
-/// The machine's identity: hostname, kernel boot id and network namespace.
-pub fn host_id() -> String {
-    let read = |p: &str| {
-        std::fs::read_to_string(p)
-            .unwrap_or_default()
-            .trim()
-            .to_string()
-    };
-    // The network namespace too: ranks in different namespaces cannot reach each other's
-    // abstract sockets, so they are on different hosts as far as the job goes (and that is how
-    // the network transport is tested on one machine).
-    let netns = std::fs::read_link("/proc/self/ns/net")
-        .map(|p| p.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    format!(
-        "{}/{}/{netns}",
-        read("/proc/sys/kernel/hostname"),
-        read("/proc/sys/kernel/random/boot_id")
-    )
 }
 
 /// One rank's socket to another: local (descriptors can pass) or TCP (another host).

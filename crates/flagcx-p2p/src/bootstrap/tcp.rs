@@ -8,6 +8,27 @@ use super::{recv_frame, say_hello, send_frame, take_hello, UniqueId};
 use crate::error::{CommError, Result};
 use crate::wire::{Reader, Tag, Writer};
 
+/// The machine's identity: hostname, kernel boot id and network namespace.
+pub fn host_id() -> String {
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    // The network namespace too: ranks in different namespaces cannot reach each other's
+    // abstract sockets, so they are on different hosts as far as the job goes (and that is how
+    // the network transport is tested on one machine).
+    let netns = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    format!(
+        "{}/{}/{netns}",
+        read("/proc/sys/kernel/hostname"),
+        read("/proc/sys/kernel/random/boot_id")
+    )
+}
+
 /// Checks a peer connecting over TCP ([`take_hello`]; no uid to check across hosts).
 pub(super) fn admit_tcp(
     s: TcpStream,
@@ -66,7 +87,7 @@ pub(super) fn tcp_connect(
     deadline: Instant,
 ) -> Result<TcpStream> {
     let s = tcp_dial(rank, q, addr, deadline)?;
-    let host = super::host_id();
+    let host = host_id();
     say_hello(&s, id, rank, nranks, q, Some((&host, 0)), deadline)?;
     Ok(s)
 }
@@ -103,7 +124,7 @@ pub(super) fn meet_at_root(
         .local_addr()
         .map_err(|e| CommError::io("listener address", e))?
         .port();
-    let host = super::host_id();
+    let host = host_id();
     let mut links: Vec<Option<TcpStream>> = (0..nranks).map(|_| None).collect();
     if rank != 0 {
         let s = tcp_dial(rank, 0, root, deadline)?;
