@@ -378,14 +378,15 @@ pub struct RankEnv {
     pub local_rank: usize,
     /// The job's id.
     pub id: UniqueId,
-    /// Which launcher's variables were used (`flagcx`, `torchrun`, `openmpi`).
+    /// Which launcher's variables were used (`flagcx`, `torchrun`, `openmpi`, `slurm`).
     pub source: &'static str,
 }
 
 impl RankEnv {
     /// Reads the rank from `FLAGCX_RANK`/`FLAGCX_NRANKS`/`FLAGCX_UNIQUE_ID` (as `flagcx-run`
     /// sets them), else torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK`, else Open MPI's
-    /// `OMPI_COMM_WORLD_*`. Without `FLAGCX_UNIQUE_ID` the id is derived from the launcher's
+    /// `OMPI_COMM_WORLD_*`, else Slurm's `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_LOCALID` (srun).
+    /// Without `FLAGCX_UNIQUE_ID` the id is derived from the launcher's
     /// job identifier (see [`UniqueId::derived`]).
     pub fn from_env() -> Result<Self> {
         Self::from_lookup(|name| std::env::var(name).ok().filter(|v| !v.trim().is_empty()))
@@ -409,6 +410,8 @@ impl RankEnv {
                     get("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(r),
                     "openmpi",
                 )
+            } else if let (Some(r), Some(n)) = (get("SLURM_PROCID")?, get("SLURM_NTASKS")?) {
+                (r, n, get("SLURM_LOCALID")?.unwrap_or(r), "slurm")
             } else {
                 return Err(CommError::Bootstrap(
                     "no rank in the environment: set FLAGCX_RANK, FLAGCX_NRANKS and \
@@ -431,6 +434,8 @@ impl RankEnv {
                         Some(format!("{}:{}", var("MASTER_ADDR")?, var("MASTER_PORT")?))
                     }),
                     "openmpi" => var("OMPI_MCA_orte_ess_jobid").or_else(|| var("PMIX_NAMESPACE")),
+                    "slurm" => var("SLURM_JOB_ID")
+                        .map(|j| format!("{j}.{}", var("SLURM_STEP_ID").unwrap_or_default())),
                     _ => None,
                 }
                 .ok_or_else(|| {
@@ -542,6 +547,28 @@ mod tests {
         let mut bad = base.to_vec();
         bad.push(("FLAGCX_BOOTSTRAP", "udp"));
         assert!(env(&bad).is_err());
+        // srun: ranks and a job id from Slurm, the root from FLAGCX_ROOT_ADDR.
+        let slurm = [
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_JOB_ID", "77"),
+            ("SLURM_STEP_ID", "0"),
+            ("FLAGCX_ROOT_ADDR", "127.0.0.1:29600"),
+        ];
+        let e = env(&slurm).expect("slurm env");
+        assert_eq!(
+            (e.rank, e.nranks, e.local_rank, e.source),
+            (3, 4, 1, "slurm")
+        );
+        assert_eq!(e.id.root(), Some("127.0.0.1:29600".parse().unwrap()));
+        assert_eq!(
+            e.id.to_string().split('@').next(),
+            UniqueId::derived("slurm:77.0")
+                .to_string()
+                .split('@')
+                .next()
+        );
     }
 
     #[test]
