@@ -1682,6 +1682,61 @@ fn unique_id_carries_a_root_address() {
     assert_ne!(printed, id, "a fresh id each time");
 }
 
+/// Over TCP (a root address in the id), the root logs and drops garbage and a hello with a
+/// wrong secret, and the job still forms.
+#[test]
+fn tcp_bootstrap_drops_garbage_and_wrong_secrets() {
+    if skip_unless_vendor() {
+        return;
+    }
+    use flagcx::p2p::wire::{header, Tag, Writer};
+    let port = 30_000 + (std::process::id() % 20_000) as u16;
+    let root: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
+    let id = UniqueId::random().expect("id").with_root(root);
+    let r0 = spawn_rank(0, 2, &id.to_string(), "bootstrap_only", &[]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let connect = || loop {
+        match std::net::TcpStream::connect(root) {
+            Ok(s) => break s,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => panic!("the root never listened: {e}"),
+        }
+    };
+    let mut s = connect();
+    let _ = s.write_all(&[0xff; 64]);
+    drop(s);
+    // A well-formed hello for rank 1 with a wrong secret.
+    let mut hello = Writer::new();
+    hello
+        .bytes(b"FLAGCXv1")
+        .u32(1)
+        .u32(1)
+        .u32(2)
+        .bytes(&[7u8; 16])
+        .str("elsewhere")
+        .u32(9);
+    let payload = hello.finish();
+    let mut s = connect();
+    let _ = s.write_all(&header(Tag::Hello, payload.len()).expect("header"));
+    let _ = s.write_all(&payload);
+    let mut ack = [0u8; 1];
+    let refused = matches!(std::io::Read::read(&mut s, &mut ack), Ok(0) | Err(_));
+    assert!(refused, "a wrong secret was acknowledged");
+    let r1 = spawn_rank(1, 2, &id.to_string(), "bootstrap_only", &[]);
+    let (o0, o1) = (
+        finish(r0, Duration::from_secs(30)),
+        finish(r1, Duration::from_secs(30)),
+    );
+    assert_survived(&o0, "rank 0 (the root) after garbage and a wrong secret");
+    assert_survived(&o1, "rank 1");
+    let log = String::from_utf8_lossy(&o0.stderr);
+    assert!(
+        log.contains("root refused a bootstrap connection") && log.contains("wrong secret"),
+        "not logged:\n{}",
+        text(&o0)
+    );
+}
+
 #[test]
 fn garbage_and_strangers_do_not_stop_the_job() {
     if skip_unless_vendor() {
