@@ -16,8 +16,9 @@ use crate::join::WatermarkPage;
 use crate::peer::{PeerInfo, TransportKind};
 use crate::setup::{connect_channels, Pairing};
 use crate::transport::eager::EagerLink;
-use crate::transport::ipc::{CallerLink, IpcCache};
+use crate::transport::ipc::{CallerLink, IpcCache, Msg};
 use crate::transport::net::{NetState, SharedNet};
+use crate::transport::Path;
 use crate::wire::Tag;
 use crate::PathStats;
 
@@ -613,6 +614,68 @@ impl<A: DeviceAdaptor> Comm<A> {
             self.join_stream(StreamHandle(stream), seq)?;
         }
         Ok(())
+    }
+
+    /// A message a posting thread finished itself (`try_caller_ipc`, `try_caller_net`): its
+    /// pair and direction are free again, its bytes counted on `path`, its buffer released.
+    pub(crate) fn caller_finished(
+        &self,
+        m: &Msg,
+        path: Path,
+        r: Result<usize>,
+        keep: &mut Option<Box<dyn std::any::Any + Send>>,
+    ) -> Request {
+        let d = m.dir as usize;
+        self.shared.pending[m.peer][d].fetch_sub(1, Ordering::AcqRel);
+        self.shared.reserved[m.peer][d].store(false, Ordering::Release);
+        match &r {
+            Ok(n) => {
+                self.shared.path_bytes[path as usize].fetch_add(*n as u64, Ordering::Relaxed);
+                self.shared.caller_ops.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => self.shared.record_error(e),
+        }
+        drop(keep.take());
+        Request {
+            state: State::Done(r),
+            seq: 0,
+            spin: Duration::ZERO,
+        }
+    }
+
+    /// Hands message `m`, which a posting thread reserved and began, to the engine at
+    /// `resume` (after `start`, if any); returns its sequence number and result slot.
+    pub(crate) fn caller_hand_over(
+        &self,
+        m: &Msg,
+        start: Option<EventHandle>,
+        resume: Option<crate::op::Resume>,
+        slot: Slot,
+        keep: &mut Option<Box<dyn std::any::Any + Send>>,
+    ) -> (u64, Arc<Slot>) {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let slot = Arc::new(slot);
+        let op = Op {
+            seq,
+            dir: m.dir,
+            peer: m.peer,
+            index: m.k,
+            ptr: m.ptr,
+            bytes: m.bytes,
+            start,
+            slot: slot.clone(),
+            keep: keep.take(),
+            posted: std::time::Instant::now(),
+            resume,
+        };
+        {
+            let mut inbox = self.inbox_for_handover(|| false);
+            inbox.ops.push(op);
+            self.shared.reserved[m.peer][m.dir as usize].store(false, Ordering::Release);
+        }
+        self.shared.posted.fetch_add(1, Ordering::Release);
+        self.shared.wake();
+        (seq, slot)
     }
 
     /// The inbox, once operations may be handed over: not while the proxy closes IPC mappings

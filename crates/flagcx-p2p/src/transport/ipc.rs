@@ -20,8 +20,8 @@ use super::{
 };
 use crate::channel::{Channel, Counter, RecvDesc, SendDesc, SendStatus};
 use crate::comm::{Comm, State};
+use crate::engine::Slot;
 use crate::engine::{lock, recycle_event, Dir, Engine, Resume};
-use crate::engine::{Op, Slot};
 use crate::error::{CommError, Result};
 use crate::peer::TransportKind;
 use crate::Request;
@@ -300,25 +300,10 @@ impl<A: DeviceAdaptor> Comm<A> {
         .unwrap_or_else(|e| Caller::HandOff(Some(Resume::Failed(e))));
         let (resume, start) = match outcome {
             Caller::Done(r) => {
-                self.shared.pending[peer][d].fetch_sub(1, Ordering::AcqRel);
-                self.shared.reserved[peer][d].store(false, Ordering::Release);
                 if let Some(start) = start {
                     recycle_event(&self.adaptor, &self.shared, start);
                 }
-                match &r {
-                    Ok(n) => {
-                        self.shared.path_bytes[Path::Ipc as usize]
-                            .fetch_add(*n as u64, Ordering::Relaxed);
-                        self.shared.caller_ops.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(e) => self.shared.record_error(e),
-                }
-                drop(keep.take());
-                return Ok(Some(Request {
-                    state: State::Done(r),
-                    seq: 0,
-                    spin: Duration::ZERO,
-                }));
+                return Ok(Some(self.caller_finished(&m, Path::Ipc, r, keep)));
             }
             // A copy on the caller's stream needs no start: the stream orders it.
             Caller::HandOff(Some(r @ (Resume::Pushed(_) | Resume::Pulled { .. }))) => {
@@ -337,28 +322,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             resume,
             Some(Resume::Pushed(_) | Resume::Pulled { .. } | Resume::Failed(_))
         );
-        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let slot = Arc::new(Slot::default());
-        let op = Op {
-            seq,
-            dir,
-            peer,
-            index: k,
-            ptr,
-            bytes,
-            start,
-            slot: slot.clone(),
-            keep: keep.take(),
-            posted: std::time::Instant::now(),
-            resume,
-        };
-        {
-            let mut inbox = self.inbox_for_handover(|| false);
-            inbox.ops.push(op);
-            self.shared.reserved[peer][d].store(false, Ordering::Release);
-        }
-        self.shared.posted.fetch_add(1, Ordering::Release);
-        self.shared.wake();
+        let (seq, slot) = self.caller_hand_over(&m, start, resume, Slot::default(), keep);
         if join {
             self.join_stream(stream, seq)?;
         }

@@ -31,10 +31,11 @@ use flagcx_adaptor::{DeviceAdaptor, EventHandle};
 use super::{started, Phase, Progress, Step};
 use crate::bootstrap::Bootstrap;
 use crate::comm::{Comm, Request, State};
-use crate::engine::{lock, Dir, Engine, Op, Slot};
+use crate::engine::{lock, Dir, Engine, Slot};
 use crate::error::{CommError, Result};
 use crate::op::Resume;
 use crate::peer::TransportKind;
+use crate::transport::ipc::Msg;
 use crate::transport::Path;
 use crate::ucx::{Endpoint, NetReq, Status, Ucx, Worker, ERR_TRUNCATED};
 use crate::wire::Tag;
@@ -561,52 +562,22 @@ impl<A: DeviceAdaptor> Comm<A> {
             k
         };
         let spin = self.config.spin.unwrap_or_default();
-        let outcome = self
-            .caller_net(shared, dir, k, ptr, bytes, peer, spin)
-            .unwrap_or_else(|e| Caller::HandOff(Some(Resume::Failed(e))));
-        let resume = match outcome {
-            Caller::Done(r) => {
-                self.shared.pending[peer][d].fetch_sub(1, Ordering::AcqRel);
-                self.shared.reserved[peer][d].store(false, Ordering::Release);
-                match &r {
-                    Ok(n) => {
-                        self.shared.path_bytes[Path::Net as usize]
-                            .fetch_add(*n as u64, Ordering::Relaxed);
-                        self.shared.caller_ops.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(e) => self.shared.record_error(e),
-                }
-                drop(keep.take());
-                return Ok(Some(Request {
-                    state: State::Done(r),
-                    seq: 0,
-                    spin: Duration::ZERO,
-                }));
-            }
-            Caller::HandOff(r) => r,
-        };
-        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let slot = Arc::new(Slot::helped(self.net_helper(peer)));
-        let op = Op {
-            seq,
+        let m = Msg {
             dir,
-            peer,
-            index: k,
+            k,
             ptr,
             bytes,
-            start: None,
-            slot: slot.clone(),
-            keep: keep.take(),
-            posted: Instant::now(),
-            resume,
+            peer,
         };
-        {
-            let mut inbox = self.inbox_for_handover(|| false);
-            inbox.ops.push(op);
-            self.shared.reserved[peer][d].store(false, Ordering::Release);
-        }
-        self.shared.posted.fetch_add(1, Ordering::Release);
-        self.shared.wake();
+        let outcome = self
+            .caller_net(shared, &m, spin)
+            .unwrap_or_else(|e| Caller::HandOff(Some(Resume::Failed(e))));
+        let resume = match outcome {
+            Caller::Done(r) => return Ok(Some(self.caller_finished(&m, Path::Net, r, keep))),
+            Caller::HandOff(r) => r,
+        };
+        let helped = Slot::helped(self.net_helper(peer));
+        let (seq, slot) = self.caller_hand_over(&m, None, resume, helped, keep);
         Ok(Some(Request {
             state: State::Pending(slot),
             seq,
@@ -628,18 +599,15 @@ impl<A: DeviceAdaptor> Comm<A> {
         })))
     }
 
-    /// Message `k` of the pair, moved by this thread for up to `spin`.
-    #[allow(clippy::too_many_arguments)]
-    fn caller_net(
-        &self,
-        shared: &SharedNet,
-        dir: Dir,
-        k: u64,
-        ptr: flagcx_adaptor::DevicePtr,
-        bytes: usize,
-        peer: usize,
-        spin: Duration,
-    ) -> Result<Caller> {
+    /// Message `m`, moved by this thread for up to `spin` (see `try_caller_net`).
+    fn caller_net(&self, shared: &SharedNet, m: &Msg, spin: Duration) -> Result<Caller> {
+        let Msg {
+            dir,
+            k,
+            ptr,
+            bytes,
+            peer,
+        } = *m;
         static EMPTY: u8 = 0;
         let empty = &EMPTY as *const u8 as *mut u8;
         let t0 = Instant::now();
