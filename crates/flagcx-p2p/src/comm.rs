@@ -616,6 +616,25 @@ impl<A: DeviceAdaptor> Comm<A> {
         Ok(())
     }
 
+    /// The number of the next message of `peer` and `dir`, reserved for a posting thread to
+    /// move itself — only while nothing of that pair and direction is with the engine, the
+    /// pair is not lost, and the engine is not trimming mappings (IPC): `None` otherwise.
+    pub(crate) fn caller_reserve(&self, peer: usize, dir: Dir) -> Option<u64> {
+        let d = dir as usize;
+        let mut inbox = lock(&self.shared.inbox);
+        let k = inbox.next[peer][d];
+        if self.shared.pending[peer][d].load(Ordering::Acquire) != 0
+            || self.shared.lost[peer].load(Ordering::Acquire)
+            || self.shared.trimming.load(Ordering::Acquire)
+        {
+            return None;
+        }
+        inbox.next[peer][d] = k + 1;
+        self.shared.pending[peer][d].fetch_add(1, Ordering::AcqRel);
+        self.shared.reserved[peer][d].store(true, Ordering::Release);
+        Some(k)
+    }
+
     /// A message a posting thread finished itself (`try_caller_ipc`, `try_caller_net`): its
     /// pair and direction are free again, its bytes counted on `path`, its buffer released.
     pub(crate) fn caller_finished(

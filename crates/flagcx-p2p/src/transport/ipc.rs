@@ -269,20 +269,8 @@ impl<A: DeviceAdaptor> Comm<A> {
         if !copies && start.is_some() {
             return Ok(None);
         }
-        let d = dir as usize;
-        let k = {
-            let mut inbox = lock(&self.shared.inbox);
-            let k = inbox.next[peer][d];
-            if self.shared.pending[peer][d].load(Ordering::Acquire) != 0
-                || self.shared.lost[peer].load(Ordering::Acquire)
-                || self.shared.trimming.load(Ordering::Acquire)
-            {
-                return Ok(None);
-            }
-            inbox.next[peer][d] = k + 1;
-            self.shared.pending[peer][d].fetch_add(1, Ordering::AcqRel);
-            self.shared.reserved[peer][d].store(true, Ordering::Release);
-            k
+        let Some(k) = self.caller_reserve(peer, dir) else {
+            return Ok(None);
         };
         let spin = self.config.spin.unwrap_or_default();
         let idle = start.is_none();

@@ -199,6 +199,26 @@ impl NetState {
         })
     }
 
+    /// Starts a request on staging buffer `buf` (`start` gets this state and the buffer's
+    /// address): the buffer then travels with the request, or goes back on failure.
+    fn on_bounce<A: DeviceAdaptor>(
+        &mut self,
+        adaptor: &A,
+        buf: Bounce,
+        start: impl FnOnce(&NetState, *mut u8) -> Result<NetReq>,
+    ) -> Result<NetPhase> {
+        match start(self, buf.ptr) {
+            Ok(req) => Ok(NetPhase::Wire {
+                req,
+                buf: Some(buf),
+            }),
+            Err(e) => {
+                self.give_back(adaptor, buf);
+                Err(e)
+            }
+        }
+    }
+
     fn give_back<A: DeviceAdaptor>(&mut self, adaptor: &A, b: Bounce) {
         if self.pool.len() < 16 {
             self.pool.push(b);
@@ -364,18 +384,9 @@ impl<A: DeviceAdaptor> Engine<A> {
                 }
                 let buf = net.bounce(&self.adaptor, len)?;
                 // SAFETY: `buf` holds `len` bytes and is ours until the request is over.
-                match unsafe { net.worker.recv(buf.ptr, len, msg) } {
-                    Ok(req) => {
-                        *phase = NetPhase::Wire {
-                            req,
-                            buf: Some(buf),
-                        }
-                    }
-                    Err(e) => {
-                        net.give_back(&self.adaptor, buf);
-                        return Err(e);
-                    }
-                }
+                *phase = net.on_bounce(&self.adaptor, buf, |n, at| unsafe {
+                    n.worker.recv(at, len, msg)
+                })?;
                 Ok(Progress::Moved)
             }
             NetPhase::Discard { req, len, .. } => {
@@ -399,22 +410,14 @@ impl<A: DeviceAdaptor> Engine<A> {
                 let NetPhase::ToHost { buf, .. } = std::mem::replace(phase, NetPhase::Start) else {
                     unreachable!("matched above")
                 };
-                let ep = net.eps[p].as_ref().ok_or_else(|| {
-                    CommError::Protocol(format!("no network endpoint to rank {p}"))
+                *phase = net.on_bounce(&self.adaptor, buf, |n, at| {
+                    let ep = n.eps[p].as_ref().ok_or_else(|| {
+                        CommError::Protocol(format!("no network endpoint to rank {p}"))
+                    })?;
+                    // SAFETY: `buf` holds the message and stays ours until the request is
+                    // over.
+                    unsafe { n.worker.send(ep, at, bytes, tag) }
                 })?;
-                // SAFETY: `buf` holds the message and stays ours until the request is over.
-                match unsafe { net.worker.send(ep, buf.ptr, bytes, tag) } {
-                    Ok(req) => {
-                        *phase = NetPhase::Wire {
-                            req,
-                            buf: Some(buf),
-                        }
-                    }
-                    Err(e) => {
-                        net.give_back(&self.adaptor, buf);
-                        return Err(e);
-                    }
-                }
                 Ok(Progress::Moved)
             }
             NetPhase::Wire { req, .. } => {
@@ -547,19 +550,8 @@ impl<A: DeviceAdaptor> Comm<A> {
         if self.transports.get(peer) != Some(&Some(TransportKind::Net)) || lock(shared).stage {
             return Ok(None);
         }
-        let d = dir as usize;
-        let k = {
-            let mut inbox = lock(&self.shared.inbox);
-            let k = inbox.next[peer][d];
-            if self.shared.pending[peer][d].load(Ordering::Acquire) != 0
-                || self.shared.lost[peer].load(Ordering::Acquire)
-            {
-                return Ok(None);
-            }
-            inbox.next[peer][d] = k + 1;
-            self.shared.pending[peer][d].fetch_add(1, Ordering::AcqRel);
-            self.shared.reserved[peer][d].store(true, Ordering::Release);
-            k
+        let Some(k) = self.caller_reserve(peer, dir) else {
+            return Ok(None);
         };
         let spin = self.config.spin.unwrap_or_default();
         let m = Msg {
