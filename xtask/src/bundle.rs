@@ -19,6 +19,10 @@ struct Entry {
     file: String,
     env: Vec<(String, String)>,
     args: Vec<String>,
+    /// On a node with two or more GPUs, run it in both placements: every rank on GPU 0
+    /// (`CUDA_VISIBLE_DEVICES=0`), and ranks spread over the GPUs (the default device is the
+    /// local rank modulo the count: one rank per GPU for two ranks, two per GPU for four).
+    placements: bool,
 }
 
 pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
@@ -78,12 +82,14 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
                     bin.clone(),
                     "--skip direct --skip failed_registration_keeps_the_ring".into(),
                 ],
+                placements: false,
             });
             entries.push(Entry {
                 label: format!("{krate}::{target} host direct"),
                 file: format!("{file}-host-direct"),
                 env: vec![("FLAGCX_P2P_TEST_VENDORS".into(), "host".into())],
                 args: vec![bin, "direct failed_registration_keeps_the_ring".into()],
+                placements: false,
             });
             continue;
         }
@@ -99,6 +105,7 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
             file,
             env,
             args,
+            placements: target == "p2p",
         });
     }
     if entries.len() != 5 {
@@ -218,6 +225,7 @@ fi
                 "-- \"$here/bin/pingpong\" 1024".into(),
             ],
         },
+        placements: false,
     };
     entries.push(pingpong(
         &format!("pingpong {vendor} ipc"),
@@ -242,6 +250,7 @@ fi
         file: "capi-ring".into(),
         env: vec![("FLAGCX_VENDOR".into(), vendor.clone())],
         args: vec!["sh".into(), "\"$here/capi-ring.sh\"".into()],
+        placements: false,
     });
     write_script(&out, &entries)?;
     let size: u64 = std::fs::read_dir(out.join("bin"))
@@ -383,6 +392,7 @@ run() {
 }
 "#,
     );
+    s.push_str("gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')\n");
     for e in entries {
         let env: String = e.env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
         let command = if e.args.is_empty() {
@@ -390,7 +400,18 @@ run() {
         } else {
             e.args.join(" ")
         };
-        let _ = writeln!(s, "run '{}' '{}' env {env}{command}", e.label, e.file);
+        if e.placements {
+            let (l, f) = (&e.label, &e.file);
+            let _ = writeln!(
+                s,
+                "if [ \"${{gpus:-0}}\" -ge 2 ]; then\n  \
+                 run '{l} (all on GPU 0)' '{f}-one-gpu' env CUDA_VISIBLE_DEVICES=0 {env}{command}\n  \
+                 run '{l} (spread over GPUs)' '{f}-spread' env {env}{command}\n\
+                 else\n  run '{l}' '{f}' env {env}{command}\nfi"
+            );
+        } else {
+            let _ = writeln!(s, "run '{}' '{}' env {env}{command}", e.label, e.file);
+        }
     }
     s.push_str(
         r#"printf '\n%-34s %-8s %6s %6s %7s %6s\n' suite result passed failed skipped time
