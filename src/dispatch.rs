@@ -73,8 +73,10 @@ impl Adaptor {
 
     /// Opens the vendor named by `FLAGCX_VENDOR`, else the first compiled-in vendor that has
     /// a device (GPUs before the host vendor). The device is `FLAGCX_DEVICE` if set, else the
-    /// local rank (`FLAGCX_LOCAL_RANK`, `LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_RANK`) modulo the
-    /// device count, else 0 — so the ranks of a node spread over its devices.
+    /// local rank's (`FLAGCX_LOCAL_RANK`, `LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_RANK`) device,
+    /// modulo the device count, in PCI bus order where every device reports a bus id, else 0 —
+    /// so the ranks of a node spread over its devices, and ranks of different vendors count
+    /// the same physical GPUs alike.
     pub fn from_env() -> Result<Self> {
         let index = |name: &str| -> Result<Option<usize>> {
             match std::env::var(name) {
@@ -108,9 +110,18 @@ impl Adaptor {
             }
         }
         let count = first.device_count()?;
-        match local.map(|l| l % count.max(1)) {
-            Some(d) if d != 0 => Self::open(first.vendor(), d),
-            _ => Ok(first),
+        let Some(local) = local else {
+            return Ok(first);
+        };
+        // Devices in PCI order where every one has a bus id: a CUDA rank and an OpenCL rank
+        // of one node then count the same physical GPUs alike, so different local ranks land
+        // on different GPUs whatever each runtime's own numbering.
+        let pci: Vec<Option<String>> = (0..count)
+            .map(|i| first.properties(i).ok().and_then(|p| p.pci_bus_id))
+            .collect();
+        match spread_device(local, &pci) {
+            0 => Ok(first),
+            d => Self::open(first.vendor(), d),
         }
     }
 
@@ -332,5 +343,64 @@ impl DeviceAdaptor for Adaptor {
     ) -> Result<()> {
         // SAFETY: forwarded contract.
         each!(self, a => unsafe { a.stream_write_value64(stream, addr, value) })
+    }
+}
+
+/// The device of local rank `local` among devices with these PCI bus ids: the `local`-th (modulo
+/// the count) in bus order where every device has an id, else in the runtime's order.
+fn spread_device(local: usize, pci: &[Option<String>]) -> usize {
+    let n = pci.len().max(1);
+    let keys: Option<Vec<(u32, u32, u32, u32)>> =
+        pci.iter().map(|p| p.as_deref().and_then(pci_key)).collect();
+    match keys {
+        Some(keys) if !keys.is_empty() => {
+            let mut order: Vec<usize> = (0..keys.len()).collect();
+            order.sort_by_key(|&i| keys[i]);
+            order[local % n]
+        }
+        _ => local % n,
+    }
+}
+
+/// `[domain:]bus:device.function` in hex, any case (runtimes print it differently).
+fn pci_key(id: &str) -> Option<(u32, u32, u32, u32)> {
+    let (rest, function) = id.trim().rsplit_once('.')?;
+    let parts: Vec<&str> = rest.split(':').collect();
+    let hex = |s: &str| u32::from_str_radix(s, 16).ok();
+    let (domain, bus, device) = match parts.as_slice() {
+        [d, b, v] => (hex(d)?, hex(b)?, hex(v)?),
+        [b, v] => (0, hex(b)?, hex(v)?),
+        _ => return None,
+    };
+    Some((domain, bus, device, hex(function)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{pci_key, spread_device};
+
+    #[test]
+    fn local_ranks_spread_over_devices_in_pci_order() {
+        let ids = |v: &[&str]| v.iter().map(|s| Some(s.to_string())).collect::<Vec<_>>();
+        // CUDA's fastest-first numbering vs OpenCL's: both map local rank r to the r-th GPU
+        // in bus order.
+        let cuda = ids(&["0000:BB:00.0", "0000:3B:00.0"]);
+        let opencl = ids(&["3b:00.0", "bb:00.0"]);
+        for local in 0..4 {
+            let a = cuda[spread_device(local, &cuda)]
+                .as_deref()
+                .and_then(pci_key);
+            let b = opencl[spread_device(local, &opencl)]
+                .as_deref()
+                .and_then(pci_key);
+            assert_eq!(a, b, "local rank {local}");
+        }
+        assert_eq!(spread_device(0, &cuda), 1);
+        // Without ids (or one missing) the runtime's order stays.
+        assert_eq!(spread_device(3, &[None, None]), 1);
+        assert_eq!(spread_device(1, &[Some("0000:3b:00.0".into()), None]), 1);
+        assert_eq!(spread_device(5, &[]), 0);
+        assert_eq!(pci_key("0001:3B:00.1"), Some((1, 0x3b, 0, 1)));
+        assert_eq!(pci_key("garbage"), None);
     }
 }
