@@ -1190,6 +1190,14 @@ fn net_job(
     kill_host: Option<usize>,
 ) {
     let test = format!("p2p {scenario} over {hosts} hosts (network namespaces)");
+    if !vendors("FLAGCX_P2P_TEST_VENDORS")
+        .split(',')
+        .any(|v| v.trim() == "host")
+    {
+        let why = "the network jobs run host-vendor ranks; FLAGCX_P2P_TEST_VENDORS has no host";
+        flagcx_adaptor::conformance::report_skip_reason(&test, "net", why);
+        return;
+    }
     if let Some(why) = ucx_missing() {
         flagcx_adaptor::conformance::report_skip_reason(&test, "net", &why);
         return;
