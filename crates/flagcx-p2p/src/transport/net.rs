@@ -20,7 +20,7 @@
 //! operations then fail with [`CommError::PeerLost`] — after its last messages were taken in.
 //! UCX is called under [`SharedNet`]'s lock: by the engine, by a posting thread moving a
 //! message itself ([`Comm::try_caller_net`]), and by a thread waiting for a request (it drives
-//! UCX instead of sleeping).
+//! UCX instead of sleeping, until 100 ms pass with nothing moving; not with `FLAGCX_SPIN_US=0`).
 
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -584,10 +584,9 @@ impl<A: DeviceAdaptor> Comm<A> {
             return None;
         }
         let net = self.net.clone()?;
+        // Held by another thread: that one is at work on it, which counts as moving.
         Some(crate::op::Helper(Arc::new(move || {
-            if let Ok(n) = net.try_lock() {
-                n.worker.progress();
-            }
+            net.try_lock().map_or(true, |n| n.worker.progress())
         })))
     }
 
