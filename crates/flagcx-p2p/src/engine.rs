@@ -384,42 +384,41 @@ impl<A: DeviceAdaptor> Engine<A> {
             return self.finish(op, Err(e));
         }
         let index = op.index;
-        let phase = match (
-            &op.resume,
-            op.dir,
-            conn.roles.peer_pulls,
-            conn.roles.we_pull,
-        ) {
-            (Some(Resume::Pushed(ev)), ..) => Phase::Copying(*ev),
-            (Some(Resume::Pulled { ev, size }), ..) => Phase::Pulling {
-                ev: *ev,
-                size: *size,
-            },
-            (Some(Resume::Published), Dir::Send, ..) => Phase::AwaitVerdict,
-            (Some(Resume::Published), Dir::Recv, ..) => Phase::AwaitSendDesc,
-            (Some(Resume::Failed(_)), ..) => unreachable!("finished above"),
-            // Replaced below: a net pair's phases are its own.
-            (Some(Resume::Net(_)), ..) => Phase::Net(NetPhase::Start),
-            (None, Dir::Send, true, _) => Phase::Offer,
-            (None, Dir::Send, false, _) => Phase::AwaitRecvDesc,
-            (None, Dir::Recv, _, true) => Phase::AwaitOffer,
-            (None, Dir::Recv, _, false) => Phase::Announce,
+        let phase = if conn.transport == TransportKind::Net {
+            // A net pair's phases are its own; a posting thread may have its UCX request
+            // under way.
+            match op.resume.take() {
+                Some(Resume::Net(req)) => Phase::Net(NetPhase::Wire { req, buf: None }),
+                _ => Phase::Net(NetPhase::Start),
+            }
+        } else {
+            match (
+                &op.resume,
+                op.dir,
+                conn.roles.peer_pulls,
+                conn.roles.we_pull,
+            ) {
+                (Some(Resume::Pushed(ev)), ..) => Phase::Copying(*ev),
+                (Some(Resume::Pulled { ev, size }), ..) => Phase::Pulling {
+                    ev: *ev,
+                    size: *size,
+                },
+                (Some(Resume::Published), Dir::Send, ..) => Phase::AwaitVerdict,
+                (Some(Resume::Published), Dir::Recv, ..) => Phase::AwaitSendDesc,
+                (Some(Resume::Failed(_)), ..) => unreachable!("finished above"),
+                (Some(Resume::Net(_)), ..) => {
+                    unreachable!("only pairs on two hosts get a UCX request (try_caller_net)")
+                }
+                (None, Dir::Send, true, _) => Phase::Offer,
+                (None, Dir::Send, false, _) => Phase::AwaitRecvDesc,
+                (None, Dir::Recv, _, true) => Phase::AwaitOffer,
+                (None, Dir::Recv, _, false) => Phase::Announce,
+            }
         };
         let path = match conn.transport {
             TransportKind::Ipc => Path::Ipc,
             TransportKind::Staged => Path::Staged,
             TransportKind::Net => Path::Net,
-        };
-        let phase = match (conn.transport, op.resume.take()) {
-            // A posting thread's UCX request, under way.
-            (TransportKind::Net, Some(Resume::Net(req))) => {
-                Phase::Net(NetPhase::Wire { req, buf: None })
-            }
-            (TransportKind::Net, _) => Phase::Net(NetPhase::Start),
-            (_, r) => {
-                op.resume = r;
-                phase
-            }
         };
         let step = Step {
             op,

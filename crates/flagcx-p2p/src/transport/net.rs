@@ -300,9 +300,6 @@ impl<A: DeviceAdaptor> Engine<A> {
             Dir::Send => tag(rank, step.index),
             Dir::Recv => tag(p, step.index),
         };
-        // A zero-byte message still needs an address UCX may hold.
-        static EMPTY: u8 = 0;
-        let empty = &EMPTY as *const u8 as *mut u8;
         match phase {
             NetPhase::Start => {
                 if !started(&self.adaptor, step.op.start)? {
@@ -316,7 +313,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                     CommError::Protocol(format!("no network endpoint to rank {p}"))
                 })?;
                 if !net.stage || bytes == 0 {
-                    let at = if bytes == 0 { empty } else { ptr.0 as *mut u8 };
+                    let at = host_addr(ptr, bytes);
                     // SAFETY: host-addressable device memory (`stage` is false) is this
                     // process's memory at its device address; the caller keeps the buffer
                     // valid and unmodified until the operation finishes, and the request is
@@ -355,7 +352,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                         return Ok(Progress::Idle { on_peer: true });
                     }
                     // Not here yet: post the receive, so UCX lands it in the buffer directly.
-                    let at = if bytes == 0 { empty } else { ptr.0 as *mut u8 };
+                    let at = host_addr(ptr, bytes);
                     // SAFETY: as below: the caller's host-addressable buffer of `bytes`.
                     let req = unsafe { net.worker.recv_tag(at, bytes, tag) }?;
                     *phase = NetPhase::Wire { req, buf: None };
@@ -375,7 +372,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                     return Ok(Progress::Moved);
                 }
                 if !net.stage || len == 0 {
-                    let at = if len == 0 { empty } else { ptr.0 as *mut u8 };
+                    let at = host_addr(ptr, len);
                     // SAFETY: as for a send: the caller's host-addressable buffer of
                     // `bytes >= len`, untouched by anyone else until the operation finishes.
                     let req = unsafe { net.worker.recv(at, len, msg) }?;
@@ -599,8 +596,6 @@ impl<A: DeviceAdaptor> Comm<A> {
             bytes,
             peer,
         } = *m;
-        static EMPTY: u8 = 0;
-        let empty = &EMPTY as *const u8 as *mut u8;
         let t0 = Instant::now();
         let mut polls = 0u32;
         let mut req = match dir {
@@ -610,7 +605,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                 let Some(ep) = net.eps[peer].as_ref() else {
                     return Ok(Caller::HandOff(None));
                 };
-                let at = if bytes == 0 { empty } else { ptr.0 as *mut u8 };
+                let at = host_addr(ptr, bytes);
                 // SAFETY: the pair is not staged, so the buffer is host-addressable memory of
                 // this process at its device address, which the caller keeps valid and
                 // unmodified until the operation finishes; the request is finished here or
@@ -637,7 +632,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                         })));
                     }
                     Some((msg, len)) => {
-                        let at = if len == 0 { empty } else { ptr.0 as *mut u8 };
+                        let at = host_addr(ptr, len);
                         // SAFETY: the caller's host-addressable buffer of `bytes >= len`,
                         // untouched by anyone else until the operation finishes.
                         unsafe { net.worker.recv(at, len, msg) }?
@@ -645,7 +640,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                     None => {
                         // Not here yet: post the receive, so UCX lands it in the buffer
                         // directly.
-                        let at = if bytes == 0 { empty } else { ptr.0 as *mut u8 };
+                        let at = host_addr(ptr, bytes);
                         // SAFETY: as above, for `bytes`.
                         unsafe { net.worker.recv_tag(at, bytes, tag(peer, k)) }?
                     }
@@ -673,6 +668,18 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
             polls = pause(polls);
         }
+    }
+}
+
+/// Where UCX reads or writes `n` bytes of a host-addressable buffer at `ptr`: the buffer's own
+/// address, or for a zero-byte message a static byte (UCX may hold the address; it touches no
+/// byte of it).
+fn host_addr(ptr: flagcx_adaptor::DevicePtr, n: usize) -> *mut u8 {
+    static EMPTY: u8 = 0;
+    if n == 0 {
+        &EMPTY as *const u8 as *mut u8
+    } else {
+        ptr.0 as *mut u8
     }
 }
 
