@@ -117,6 +117,8 @@ pub struct Comm<A: DeviceAdaptor> {
     pub(crate) _boot: Arc<Bootstrap>,
     /// The network side, where a peer is on another host (shared with the engine).
     pub(crate) net: Option<SharedNet>,
+    /// The port proxy, started by the first port channel.
+    pub(crate) ports: crate::port::PortSlot<A>,
 }
 
 impl<A: DeviceAdaptor> std::fmt::Debug for Comm<A> {
@@ -259,9 +261,15 @@ impl<A: DeviceAdaptor> Comm<A> {
             net.clone(),
             &config,
         )?;
+        let cpus = crate::numa::adaptor_cpus(&adaptor);
         let handle = std::thread::Builder::new()
             .name(format!("flagcx-proxy-{rank}"))
-            .spawn(move || proxy.run())
+            .spawn(move || {
+                if let Some(c) = cpus {
+                    crate::numa::bind_current_thread(&c);
+                }
+                proxy.run()
+            })
             .map_err(|e| CommError::io("spawn proxy thread", e))?;
         *lock(&shared.thread) = Some(handle.thread().clone());
         Ok(Comm {
@@ -283,6 +291,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             config,
             _boot: boot,
             net,
+            ports: Default::default(),
         })
     }
 

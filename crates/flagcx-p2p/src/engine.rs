@@ -642,17 +642,7 @@ impl<A: DeviceAdaptor> Engine<A> {
             if conn.lost.is_some() || conn.idle() {
                 continue;
             }
-            let Some(fd) = self.boot.peer_fd(conn.peer) else {
-                continue;
-            };
-            let mut pfd = libc::pollfd {
-                fd,
-                events: libc::POLLRDHUP,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd, zero timeout.
-            let n = unsafe { libc::poll(&mut pfd, 1, 0) };
-            if n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+            if self.boot.peer_fd(conn.peer).is_some_and(hung_up) {
                 tracing::warn!(peer = conn.peer, "peer hung up");
                 let why = "the process exited or closed its communicator".into();
                 conn.retire(&self.shared, why);
@@ -779,4 +769,17 @@ pub(crate) fn recycle_event<A: DeviceAdaptor>(adaptor: &A, shared: &Shared, ev: 
     } else {
         let _ = adaptor.event_destroy(ev);
     }
+}
+
+/// Whether the other end of a bootstrap socket hung up (its process exited or closed its
+/// communicator).
+pub(crate) fn hung_up(fd: std::os::fd::RawFd) -> bool {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }

@@ -43,8 +43,10 @@ mod engine;
 mod error;
 mod join;
 pub mod launch;
+mod numa;
 mod op;
 pub mod peer;
+pub mod port;
 mod setup;
 pub mod shm;
 mod transport;
@@ -57,6 +59,7 @@ pub use comm::{Comm, Request};
 pub use config::{Config, HostDirect, IpcCopier, RankEnv, StreamJoin};
 pub use error::{CommError, Result};
 pub use peer::{PeerInfo, TransportKind};
+pub use port::{PortChannel, PortRaw, Registered};
 
 /// Bytes a rank's finished operations moved (sent plus received), by path. See
 /// [`Comm::stats`].

@@ -29,6 +29,9 @@ pub enum Tag {
     Table = 6,
     /// The network transport's worker address, pair by pair.
     NetAddress = 7,
+    /// Port channels (device-initiated transfers): a pair's buffers and flag word at creation,
+    /// and its goodbye at close.
+    Port = 8,
 }
 
 impl Tag {
@@ -42,6 +45,7 @@ impl Tag {
             5 => Tag::Barrier,
             6 => Tag::Table,
             7 => Tag::NetAddress,
+            8 => Tag::Port,
             _ => return None,
         })
     }

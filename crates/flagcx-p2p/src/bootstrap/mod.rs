@@ -280,6 +280,8 @@ pub struct Bootstrap {
     rank: usize,
     nranks: usize,
     peers: Vec<Option<Mutex<Link>>>,
+    /// Each link's descriptor, readable without its lock (a frame may be in flight).
+    fds: Vec<Option<RawFd>>,
     timeout: Duration,
 }
 
@@ -384,6 +386,10 @@ impl Bootstrap {
         Ok(Bootstrap {
             rank,
             nranks,
+            fds: peers
+                .iter()
+                .map(|l| l.as_ref().map(|l| l.as_raw_fd()))
+                .collect(),
             peers: peers.into_iter().map(|l| l.map(Mutex::new)).collect(),
             timeout,
         })
@@ -414,12 +420,10 @@ impl Bootstrap {
             .ok_or_else(|| CommError::InvalidArgument(format!("no bootstrap peer {peer}")))
     }
 
-    /// The raw socket to `peer`, for readiness polling (peer-death detection).
+    /// The raw socket to `peer`, for readiness polling (peer-death detection). Never waits
+    /// for a frame another thread is sending or receiving on the link.
     pub fn peer_fd(&self, peer: usize) -> Option<RawFd> {
-        self.peers
-            .get(peer)?
-            .as_ref()
-            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()).as_raw_fd())
+        self.fds.get(peer).copied().flatten()
     }
 
     /// Sends a tagged frame, with file descriptors, to `peer`.

@@ -1,0 +1,726 @@
+//! Device-initiated transfers: port channels.
+//!
+//! A kernel that has just computed a tile should not have to end, return to the host and be
+//! followed by a `send`. A *port channel* lets device code (or any thread of a host-addressable
+//! vendor) ask for transfers itself: it writes *triggers* into a FIFO that a proxy thread of
+//! this rank polls; the proxy executes each trigger on the pair's transport and tells the
+//! device what landed through flag words.
+//!
+//! One channel is one pair and direction of trigger flow, created by both ranks together
+//! ([`Comm::port_channel`]), each naming buffers it registered ([`Comm::register`]). A trigger
+//! names a source buffer of this rank and a destination buffer of the peer by their index in
+//! the lists the two ranks passed. Operations:
+//!
+//! | op | value | what the proxy does |
+//! |---|---|---|
+//! | `put` | 1 | copies `size` bytes from (src buffer, src offset) here to (dst buffer, dst offset) at the peer |
+//! | `signal` | 2 | after everything earlier in this FIFO, adds one to the peer's flag word |
+//! | `put_with_signal` | 3 | both, in that order |
+//! | `flush` | 4 | after everything earlier in this FIFO completed, writes the trigger's sequence number into `flushed` |
+//!
+//! # Memory layout
+//!
+//! The *control block* is host memory registered with the vendor (device-visible); the
+//! *device words* are device memory (the flag is mapped by the peer through IPC):
+//!
+//! | where | offset | word | written by | read by |
+//! |---|---|---|---|---|
+//! | control | 0 | `tail`: triggers the proxy took (a slot below it may be reused) | proxy | device |
+//! | control | 64 | `flushed`: sequence number of the last completed flush | proxy's stream | device |
+//! | control | 128 | `status`: 0 while healthy, else a [`PortStatus`] code | proxy | device |
+//! | control | 4096 + 32·i | trigger slot `i` of `depth` (below) | device | proxy |
+//! | device | 0 | `flag`: signals received from the peer, [`POISON`] on failure | peer's proxy stream | device |
+//! | device | 128 | `head`: slots reserved (device atomics) | device | device |
+//!
+//! A trigger is four little-endian 64-bit words: `src_offset`, `dst_offset`,
+//! `size | op << 40 | src_buffer << 44 | dst_buffer << 54`, and `seq` — the slot's sequence
+//! number plus one, written last (after a system-scope fence), which marks the slot valid. Slot
+//! `s` lives at index `s % depth`; the proxy takes slot `tail` once its `seq` reads `tail + 1`,
+//! so slots are never cleared. The device reserves a slot with an atomic add on `head` and
+//! waits while `slot - tail >= depth`.
+//!
+//! # Failures
+//!
+//! Nothing a kernel waits on may stay unwritten forever. When the proxy meets a bad trigger
+//! (unknown buffer, range past its end), a vendor error, the peer's death or the
+//! communicator's abort, it *poisons* the channel: writes the code into `status` and
+//! [`POISON`] into this rank's flag (and, unless the peer is gone, into the peer's flag too, so
+//! its kernels stop waiting for signals that will not come). Device-side waits check both and
+//! return the code. A poisoned channel stays failed; [`PortChannel::check`] reports why.
+//! A peer that hangs without dying is not detected by the proxy (there is no operation to
+//! time out): the application releases its kernels with [`PortChannel::poison`].
+//!
+//! The device side for users' kernels is `include/flagcx/device.cuh` (CUDA and HIP), and
+//! [`host::HostPort`] for host-addressable vendors (the host vendor's "kernels" are threads).
+
+pub mod host;
+mod proxy;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use flagcx_adaptor::{AdaptorError, DeviceAdaptor, DevicePtr, IpcMemHandle, StreamHandle};
+
+use crate::bootstrap::Bootstrap;
+use crate::comm::Comm;
+use crate::engine::Shared;
+use crate::error::{CommError, Result};
+use crate::peer::TransportKind;
+use crate::wire::{Reader, Tag, Writer};
+
+pub(crate) use proxy::PortProxy;
+
+/// Bytes of one trigger slot.
+pub const TRIGGER_BYTES: usize = 32;
+/// Trigger operation: copy bytes to the peer.
+pub const OP_PUT: u64 = 1;
+/// Trigger operation: add one to the peer's flag after everything earlier.
+pub const OP_SIGNAL: u64 = 2;
+/// Trigger operation: a put, then a signal.
+pub const OP_PUT_WITH_SIGNAL: u64 = 3;
+/// Trigger operation: report when everything earlier completed.
+pub const OP_FLUSH: u64 = 4;
+/// The flag value that means "this channel failed; stop waiting".
+pub const POISON: u64 = u64::MAX;
+/// Most buffers one side of a channel may name (10 bits of a trigger).
+pub const MAX_BUFFERS: usize = 1 << 10;
+/// Largest single put, in bytes (40 bits of a trigger).
+pub const MAX_PUT_BYTES: u64 = (1 << 40) - 1;
+/// Most trigger slots of one FIFO.
+pub const MAX_DEPTH: usize = 1 << 16;
+
+/// Offsets in the control block.
+pub(crate) const TAIL_OFF: u64 = 0;
+pub(crate) const FLUSHED_OFF: u64 = 64;
+pub(crate) const STATUS_OFF: u64 = 128;
+pub(crate) const TRIGGERS_OFF: u64 = 4096;
+/// Offsets in the device words.
+pub(crate) const FLAG_OFF: u64 = 0;
+pub(crate) const HEAD_OFF: u64 = 128;
+const DEVICE_WORDS: usize = 256;
+const PAGE: usize = 4096;
+
+/// Why a channel failed, as written into its `status` word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u64)]
+pub enum PortStatus {
+    /// Healthy.
+    Running = 0,
+    /// The peer died or closed its communicator.
+    PeerLost = 1,
+    /// A trigger named an unknown operation or buffer, or a range past a buffer's end.
+    BadTrigger = 2,
+    /// The vendor runtime failed a copy or a flag write.
+    DeviceError = 3,
+    /// The channel was closed, poisoned by the application, or its communicator aborted.
+    Closed = 4,
+}
+
+impl PortStatus {
+    /// The status for a raw word (unknown codes read as [`PortStatus::DeviceError`]).
+    pub fn from_word(w: u64) -> Self {
+        match w {
+            0 => PortStatus::Running,
+            1 => PortStatus::PeerLost,
+            2 => PortStatus::BadTrigger,
+            4 => PortStatus::Closed,
+            _ => PortStatus::DeviceError,
+        }
+    }
+}
+
+/// What device code needs to drive a channel: device-visible addresses (see the module's
+/// layout table) and the FIFO's depth. The same layout as `flagcx::PortChannelHandle` in
+/// `include/flagcx/device.cuh`; pass it to a kernel by value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PortRaw {
+    /// The first trigger slot.
+    pub triggers: u64,
+    /// The reservation counter (device memory).
+    pub head: u64,
+    /// Triggers the proxy took.
+    pub tail: u64,
+    /// Sequence number of the last completed flush.
+    pub flushed: u64,
+    /// 0 while healthy, else a [`PortStatus`] code.
+    pub status: u64,
+    /// This rank's flag: signals received from the peer (device memory).
+    pub flag: u64,
+    /// Trigger slots in the FIFO.
+    pub depth: u32,
+    /// Zero.
+    pub reserved: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<PortRaw>() == 56);
+
+/// Packs a trigger's third word; `None` when a field does not fit.
+pub fn pack_trigger(op: u64, src_buffer: usize, dst_buffer: usize, size: u64) -> Option<u64> {
+    (op < 16 && src_buffer < MAX_BUFFERS && dst_buffer < MAX_BUFFERS && size <= MAX_PUT_BYTES)
+        .then_some(size | op << 40 | (src_buffer as u64) << 44 | (dst_buffer as u64) << 54)
+}
+
+/// Unpacks a trigger's third word: operation, source buffer, destination buffer, size.
+pub fn unpack_trigger(w: u64) -> (u64, usize, usize, u64) {
+    (
+        (w >> 40) & 0xf,
+        ((w >> 44) & 0x3ff) as usize,
+        (w >> 54) as usize,
+        w & MAX_PUT_BYTES,
+    )
+}
+
+/// A buffer of this rank made reachable by port channels: its IPC identity, computed once.
+/// Cheap to clone; channels keep a clone while they live.
+#[derive(Debug, Clone)]
+pub struct Registered {
+    inner: Arc<RegInner>,
+}
+
+#[derive(Debug)]
+struct RegInner {
+    ptr: DevicePtr,
+    len: usize,
+    handle: IpcMemHandle,
+    /// `ptr`'s offset in the allocation `handle` names.
+    offset: u64,
+}
+
+impl Registered {
+    /// The buffer's address.
+    pub fn ptr(&self) -> DevicePtr {
+        self.inner.ptr
+    }
+
+    /// The buffer's length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.len
+    }
+
+    /// Whether the buffer is empty (never: registration refuses zero bytes).
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+}
+
+/// Host memory registered with the vendor: the control block of one channel.
+pub(crate) struct ControlBlock {
+    pub host: *mut u8,
+    pub len: usize,
+    pub device: DevicePtr,
+}
+
+// SAFETY: the block is a private mapping owned by its channel; every access after creation is
+// through atomics (`word`), so sharing the pointer between the channel's owner and the proxy
+// thread is sound.
+unsafe impl Send for ControlBlock {}
+// SAFETY: as above.
+unsafe impl Sync for ControlBlock {}
+
+impl ControlBlock {
+    fn new<A: DeviceAdaptor>(adaptor: &A, depth: usize) -> Result<Self> {
+        let len = (TRIGGERS_OFF as usize + depth * TRIGGER_BYTES).div_ceil(PAGE) * PAGE;
+        // SAFETY: a fresh private anonymous mapping; checked.
+        let host = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if host == libc::MAP_FAILED {
+            return Err(CommError::io(
+                "mmap port control block",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        let host = host as *mut u8;
+        // SAFETY: the mapping stays until `release`, which unregisters it first.
+        match unsafe { adaptor.host_register(host, len) } {
+            Ok(device) => Ok(ControlBlock { host, len, device }),
+            Err(e) => {
+                // SAFETY: our mapping, not yet shared with anyone.
+                unsafe { libc::munmap(host.cast(), len) };
+                Err(e.into())
+            }
+        }
+    }
+
+    /// The 64-bit word at byte `off` (8-aligned, inside the block).
+    pub fn word(&self, off: u64) -> &AtomicU64 {
+        debug_assert!(off % 8 == 0 && (off as usize) + 8 <= self.len);
+        // SAFETY: in bounds and aligned (callers pass the layout's offsets, and slot offsets
+        // below `len` by construction); the mapping lives as long as `self`; all accesses are
+        // atomic.
+        unsafe { &*(self.host.add(off as usize) as *const AtomicU64) }
+    }
+
+    fn release<A: DeviceAdaptor>(&mut self, adaptor: &A) {
+        // SAFETY: the proxy dropped the channel and its stream was synchronized; device code
+        // may no longer use the block (the contract of closing a channel).
+        unsafe {
+            let _ = adaptor.host_unregister(self.host);
+            libc::munmap(self.host.cast(), self.len);
+        }
+    }
+}
+
+/// Everything one channel owns, shared by the [`PortChannel`] and the proxy thread.
+pub(crate) struct Channel<A: DeviceAdaptor> {
+    pub adaptor: A,
+    pub id: u64,
+    pub peer: usize,
+    pub depth: usize,
+    pub control: ControlBlock,
+    /// Flag and head (device memory).
+    pub words: DevicePtr,
+    /// Puts, signals and flushes, in FIFO order.
+    pub stream: StreamHandle,
+    /// Poison writes, which must not queue behind the FIFO's work.
+    pub ctl: StreamHandle,
+    /// This rank's buffers: (address, length).
+    pub local: Vec<(DevicePtr, usize)>,
+    /// The peer's buffers as mapped here: (address, length).
+    pub remote: Vec<(DevicePtr, usize)>,
+    /// The peer's flag as mapped here.
+    pub peer_flag: DevicePtr,
+    /// The first failure (kept for [`PortChannel::check`]).
+    pub error: Mutex<Option<CommError>>,
+    /// Triggers executed and bytes put.
+    pub triggers_done: AtomicU64,
+    pub bytes_put: AtomicU64,
+    pub boot: Arc<Bootstrap>,
+    pub shared: Arc<Shared>,
+}
+
+impl<A: DeviceAdaptor> Channel<A> {
+    /// The device-visible view of the channel.
+    fn raw(&self) -> PortRaw {
+        let c = self.control.device.0;
+        PortRaw {
+            triggers: c + TRIGGERS_OFF,
+            head: self.words.0 + HEAD_OFF,
+            tail: c + TAIL_OFF,
+            flushed: c + FLUSHED_OFF,
+            status: c + STATUS_OFF,
+            flag: self.words.0 + FLAG_OFF,
+            depth: self.depth as u32,
+            reserved: 0,
+        }
+    }
+
+    /// Marks the channel failed with `code` and releases every waiter: this rank's flag and
+    /// (unless the peer is gone) the peer's are set to [`POISON`]. The first failure wins.
+    pub fn poison(&self, code: PortStatus, why: CommError) {
+        {
+            // The error is in place before anything a waiter sees says "failed".
+            let mut first = crate::engine::lock(&self.error);
+            if first.is_some() {
+                return;
+            }
+            tracing::warn!(peer = self.peer, ?code, "port channel failed: {why}");
+            *first = Some(why);
+        }
+        self.control
+            .word(STATUS_OFF)
+            .store(code as u64, Ordering::Release);
+        // SAFETY: both flags are live device words of this channel (ours allocated here, the
+        // peer's mapped until close), 8-byte aligned.
+        unsafe {
+            let _ = self.adaptor.stream_write_value64(
+                self.ctl,
+                DevicePtr(self.words.0 + FLAG_OFF),
+                POISON,
+            );
+            if code != PortStatus::PeerLost {
+                let _ = self
+                    .adaptor
+                    .stream_write_value64(self.ctl, self.peer_flag, POISON);
+            }
+        }
+    }
+}
+
+/// One end of a port channel (see the [module documentation](self)). Close it with
+/// [`PortChannel::close`] on both ranks once no kernel uses it.
+pub struct PortChannel<A: DeviceAdaptor> {
+    ch: Arc<Channel<A>>,
+    proxy: Arc<PortProxy<A>>,
+    /// The registrations the channel names (kept alive while it lives).
+    _buffers: Vec<Registered>,
+    /// Allocations of the peer mapped here (closed at release).
+    opened: Vec<DevicePtr>,
+    done: bool,
+}
+
+impl<A: DeviceAdaptor> std::fmt::Debug for PortChannel<A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PortChannel")
+            .field("peer", &self.ch.peer)
+            .field("depth", &self.ch.depth)
+            .field("raw", &self.ch.raw())
+            .finish()
+    }
+}
+
+impl<A: DeviceAdaptor> PortChannel<A> {
+    /// The handle device code drives the channel with.
+    pub fn raw(&self) -> PortRaw {
+        self.ch.raw()
+    }
+
+    /// The peer rank.
+    pub fn peer(&self) -> usize {
+        self.ch.peer
+    }
+
+    /// Triggers the proxy executed, and bytes it put.
+    pub fn stats(&self) -> (u64, u64) {
+        (
+            self.ch.triggers_done.load(Ordering::Relaxed),
+            self.ch.bytes_put.load(Ordering::Relaxed),
+        )
+    }
+
+    /// `Ok` while the channel is healthy; else why it failed.
+    pub fn check(&self) -> Result<()> {
+        match crate::engine::lock(&self.ch.error).as_ref() {
+            None => Ok(()),
+            Some(e) => Err(e.clone()),
+        }
+    }
+
+    /// Fails the channel on purpose (status [`PortStatus::Closed`]), releasing every kernel
+    /// waiting on it on both ranks: what an application does when it gives up on a peer that
+    /// hangs without dying.
+    pub fn poison(&self) {
+        self.ch.poison(PortStatus::Closed, CommError::Aborted);
+    }
+
+    /// Stops the channel and releases its memory. Both ranks call it (in the same order
+    /// as their other channels with this peer), after every kernel using the channel ended.
+    /// Returns the channel's failure if it had one.
+    pub fn close(mut self) -> Result<()> {
+        self.shutdown(true)
+    }
+
+    fn shutdown(&mut self, handshake: bool) -> Result<()> {
+        if std::mem::replace(&mut self.done, true) {
+            return Ok(());
+        }
+        let ch = &self.ch;
+        let mut first = self.proxy.remove(ch.id).err();
+        if let Err(e) = ch.adaptor.stream_synchronize(ch.ctl) {
+            first.get_or_insert(e.into());
+        }
+        let status = PortStatus::from_word(ch.control.word(STATUS_OFF).load(Ordering::Acquire));
+        // The peer must stop writing into our flag before it is freed: say goodbye and wait
+        // for its goodbye. A peer known dead writes nothing more.
+        let peer_done = status == PortStatus::PeerLost
+            || (handshake
+                && ch
+                    .boot
+                    .send(ch.peer, Tag::Port, &[FRAME_CLOSE], &[])
+                    .and_then(|()| ch.boot.recv(ch.peer, Tag::Port))
+                    .and_then(|(b, _)| match b.as_slice() {
+                        [FRAME_CLOSE] => Ok(()),
+                        _ => Err(CommError::Protocol(
+                            "port channel close: the peer sent something else (channels must \
+                             be created and closed in the same order on both ranks)"
+                                .into(),
+                        )),
+                    })
+                    .map_err(|e| {
+                        first.get_or_insert(e);
+                    })
+                    .is_ok());
+        for &base in &self.opened {
+            // SAFETY: the proxy no longer issues work on this channel and its streams are
+            // synchronized, so nothing uses the mapping.
+            let _ = unsafe { ch.adaptor.ipc_close(base) };
+        }
+        let _ = ch.adaptor.stream_destroy(ch.stream);
+        let _ = ch.adaptor.stream_destroy(ch.ctl);
+        if peer_done {
+            // SAFETY: the peer no longer writes the flag, and our device code no longer uses
+            // the words (close's contract).
+            let _ = unsafe { ch.adaptor.mem_free(ch.words) };
+        } else {
+            tracing::warn!(
+                peer = ch.peer,
+                "port channel dropped without the peer's goodbye: its flag word stays allocated"
+            );
+        }
+        // SAFETY: the `Arc` is only shared with the proxy, which dropped its clone in `remove`.
+        if let Some(c) = Arc::get_mut(&mut self.ch) {
+            c.control.release(&c.adaptor);
+        }
+        let channel_error = crate::engine::lock(&self.ch.error).clone();
+        match (first, channel_error) {
+            (_, Some(e)) if status != PortStatus::Running => Err(e),
+            (Some(e), _) => Err(e),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl<A: DeviceAdaptor> Drop for PortChannel<A> {
+    fn drop(&mut self) {
+        let _ = self.shutdown(false);
+    }
+}
+
+const FRAME_HELLO: u8 = 1;
+const FRAME_CLOSE: u8 = 2;
+
+/// Local resources made before the peer's hello arrives; freed if creation fails.
+struct Partial<'a, A: DeviceAdaptor> {
+    adaptor: &'a A,
+    control: Option<ControlBlock>,
+    words: Option<DevicePtr>,
+    streams: Vec<StreamHandle>,
+    opened: Vec<DevicePtr>,
+}
+
+impl<A: DeviceAdaptor> Drop for Partial<'_, A> {
+    fn drop(&mut self) {
+        for &b in &self.opened {
+            // SAFETY: nothing was issued on these mappings yet.
+            let _ = unsafe { self.adaptor.ipc_close(b) };
+        }
+        for &s in &self.streams {
+            let _ = self.adaptor.stream_synchronize(s);
+            let _ = self.adaptor.stream_destroy(s);
+        }
+        if let Some(w) = self.words.take() {
+            // SAFETY: the streams that touched it are synchronized; the peer never mapped it
+            // (creation failed before or while exchanging) or failed along with us.
+            let _ = unsafe { self.adaptor.mem_free(w) };
+        }
+        if let Some(mut c) = self.control.take() {
+            c.release(self.adaptor);
+        }
+    }
+}
+
+impl<A: DeviceAdaptor> Comm<A> {
+    /// Makes `len` bytes at `ptr` (device memory of this rank's adaptor) nameable in port
+    /// channels. Local: nothing is exchanged until a channel names the buffer.
+    pub fn register(&self, ptr: DevicePtr, len: usize) -> Result<Registered> {
+        if len == 0 {
+            return Err(CommError::InvalidArgument(
+                "cannot register a zero-byte buffer".into(),
+            ));
+        }
+        let (base, size) = self.adaptor.mem_get_range(ptr)?;
+        let end = ptr.0.checked_add(len as u64);
+        if end.map_or(true, |e| e > base.0 + size as u64) {
+            return Err(CommError::InvalidArgument(format!(
+                "{len} bytes at {ptr} run past the end of their allocation ({size} bytes at \
+                 {base})"
+            )));
+        }
+        let handle = self.adaptor.ipc_get_handle(base)?;
+        Ok(Registered {
+            inner: Arc::new(RegInner {
+                ptr,
+                len,
+                handle,
+                offset: ptr.0 - base.0,
+            }),
+        })
+    }
+
+    /// Ends a registration. Fails while a channel still names the buffer (close it first).
+    pub fn deregister(&self, buffer: Registered) -> Result<()> {
+        match Arc::try_unwrap(buffer.inner) {
+            Ok(_) => Ok(()),
+            Err(inner) => Err(CommError::InvalidArgument(format!(
+                "{} bytes at {} are still named by {} port channel(s)",
+                inner.len,
+                inner.ptr,
+                Arc::strong_count(&inner) - 1
+            ))),
+        }
+    }
+
+    /// Creates a port channel with `peer`: both ranks call it (in the same order as their
+    /// other channels with that peer), each with the buffers it registered; triggers name
+    /// them by index. `depth` is the FIFO's number of trigger slots (1 to [`MAX_DEPTH`]).
+    ///
+    /// Needs a pair whose buffers map into each other (an IPC pair: same vendor, IPC
+    /// handles) and a vendor with host registration and 64-bit stream memory operations;
+    /// otherwise `Unsupported`.
+    pub fn port_channel(
+        &self,
+        peer: usize,
+        buffers: &[&Registered],
+        depth: usize,
+    ) -> Result<PortChannel<A>> {
+        if peer >= self.nranks || peer == self.rank {
+            return Err(CommError::InvalidArgument(format!(
+                "port channel peer {peer}: not another rank of this {}-rank job",
+                self.nranks
+            )));
+        }
+        if depth == 0 || depth > MAX_DEPTH {
+            return Err(CommError::InvalidArgument(format!(
+                "port channel depth {depth}: must be 1 to {MAX_DEPTH}"
+            )));
+        }
+        if buffers.len() > MAX_BUFFERS {
+            return Err(CommError::InvalidArgument(format!(
+                "{} buffers: a port channel names at most {MAX_BUFFERS}",
+                buffers.len()
+            )));
+        }
+        let vendor = self.adaptor.vendor();
+        let caps = self.adaptor.capabilities();
+        if !(caps.ipc_bytes && caps.host_register && caps.stream_mem_ops_64) {
+            return Err(AdaptorError::Unsupported {
+                vendor,
+                op: "device-initiated transfers (port channels need IPC handles, host \
+                     registration and 64-bit stream memory operations)",
+            }
+            .into());
+        }
+        if self.transports[peer] != Some(TransportKind::Ipc) {
+            return Err(AdaptorError::Unsupported {
+                vendor,
+                op: "port channels with a peer outside an IPC pair (staged, direct and \
+                     network pairs are not supported yet)",
+            }
+            .into());
+        }
+        let a = &self.adaptor;
+        let mut part = Partial {
+            adaptor: a,
+            control: Some(ControlBlock::new(a, depth)?),
+            words: None,
+            streams: Vec::new(),
+            opened: Vec::new(),
+        };
+        part.streams.push(a.stream_create()?);
+        part.streams.push(a.stream_create()?);
+        let words = a.mem_alloc(DEVICE_WORDS)?;
+        part.words = Some(words);
+        // SAFETY: our fresh allocation of DEVICE_WORDS bytes; synchronized below.
+        unsafe { a.memset_async(words, 0, DEVICE_WORDS, part.streams[0])? };
+        a.stream_synchronize(part.streams[0])?;
+
+        let flag = crate::transport::export(a, words, TransportKind::Ipc)?
+            .ok_or_else(|| CommError::Protocol("flag word has no IPC handle".into()))?;
+        let mut w = Writer::new();
+        w.u8(FRAME_HELLO).u32(depth as u32);
+        w.bytes(&flag.0.to_wire()).u64(flag.1);
+        w.u32(buffers.len() as u32);
+        for b in buffers {
+            w.bytes(&b.inner.handle.to_wire())
+                .u64(b.inner.offset)
+                .u64(b.inner.len as u64);
+        }
+        self._boot.send(peer, Tag::Port, &w.finish(), &[])?;
+        let (hello, _) = self._boot.recv(peer, Tag::Port)?;
+        let mut r = Reader::new(&hello, "port channel hello");
+        if r.u8()? != FRAME_HELLO {
+            return Err(CommError::Protocol(
+                "port channel: expected the peer's hello (channels must be created and \
+                 closed in the same order on both ranks)"
+                    .into(),
+            ));
+        }
+        let _peer_depth = r.u32()?;
+        let mut open = |wire: &[u8], off: u64| -> Result<DevicePtr> {
+            let h = IpcMemHandle::from_wire(wire)?;
+            let base = a.ipc_open_handle(&h)?;
+            part.opened.push(base);
+            Ok(DevicePtr(base.0 + off))
+        };
+        let fw = r.bytes()?;
+        let foff = r.u64()?;
+        let peer_flag = open(fw, foff)?;
+        let n = r.u32()? as usize;
+        if n > MAX_BUFFERS {
+            return Err(CommError::Protocol(format!("peer named {n} buffers")));
+        }
+        let mut remote = Vec::with_capacity(n);
+        for _ in 0..n {
+            let wire = r.bytes()?;
+            let off = r.u64()?;
+            let len = r.u64()? as usize;
+            remote.push((open(wire, off)?, len));
+        }
+        r.end()?;
+
+        let proxy = self
+            .ports
+            .get_or_init(|| Arc::new(PortProxy::new(self.rank)))
+            .clone();
+        let ch = Arc::new(Channel {
+            adaptor: a.clone(),
+            id: proxy.next_id(),
+            peer,
+            depth,
+            control: part.control.take().expect("made above"),
+            words,
+            stream: part.streams[0],
+            ctl: part.streams[1],
+            local: buffers.iter().map(|b| (b.ptr(), b.len())).collect(),
+            remote,
+            peer_flag,
+            error: Mutex::new(None),
+            triggers_done: AtomicU64::new(0),
+            bytes_put: AtomicU64::new(0),
+            boot: self._boot.clone(),
+            shared: self.shared.clone(),
+        });
+        part.words = None;
+        part.streams.clear();
+        let opened = std::mem::take(&mut part.opened);
+        proxy.add(ch.clone(), crate::numa::adaptor_cpus(a))?;
+        Ok(PortChannel {
+            ch,
+            proxy,
+            _buffers: buffers.iter().map(|&b| b.clone()).collect(),
+            opened,
+            done: false,
+        })
+    }
+}
+
+/// How long the proxy keeps polling after the last trigger before it naps.
+pub(crate) const ACTIVE_WINDOW: Duration = Duration::from_millis(100);
+
+/// Lazily started per communicator (see [`Comm::port_channel`]).
+pub(crate) type PortSlot<A> = OnceLock<Arc<PortProxy<A>>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trigger_words_round_trip_and_refuse_what_does_not_fit() {
+        let w = pack_trigger(OP_PUT_WITH_SIGNAL, 1023, 7, MAX_PUT_BYTES).unwrap();
+        assert_eq!(unpack_trigger(w), (OP_PUT_WITH_SIGNAL, 1023, 7, MAX_PUT_BYTES));
+        let w = pack_trigger(OP_FLUSH, 0, 1023, 0).unwrap();
+        assert_eq!(unpack_trigger(w), (OP_FLUSH, 0, 1023, 0));
+        assert_eq!(pack_trigger(OP_PUT, MAX_BUFFERS, 0, 1), None);
+        assert_eq!(pack_trigger(OP_PUT, 0, MAX_BUFFERS, 1), None);
+        assert_eq!(pack_trigger(OP_PUT, 0, 0, MAX_PUT_BYTES + 1), None);
+        assert_eq!(pack_trigger(16, 0, 0, 1), None);
+    }
+
+    #[test]
+    fn unknown_status_words_read_as_device_errors() {
+        assert_eq!(PortStatus::from_word(0), PortStatus::Running);
+        assert_eq!(PortStatus::from_word(1), PortStatus::PeerLost);
+        assert_eq!(PortStatus::from_word(2), PortStatus::BadTrigger);
+        assert_eq!(PortStatus::from_word(4), PortStatus::Closed);
+        assert_eq!(PortStatus::from_word(99), PortStatus::DeviceError);
+    }
+}

@@ -1,0 +1,378 @@
+//! Port channels (device-initiated transfers) on the host vendor, whose "kernels" are threads
+//! driving the FIFO through `HostPort` exactly as `include/flagcx/device.cuh` does on a GPU:
+//! ping-pong with wrap-around, a ring kept full, many connections with random puts checked
+//! byte for byte, bad triggers, a peer killed while the other waits on its flag.
+//!
+//! Each test starts ranks of this binary's ignored `port_worker` directly (a rank may die on
+//! purpose), with the scenario in `FLAGCX_TEST_SCENARIO`; workers print `port ok …` lines.
+
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flagcx::p2p::bootstrap::UniqueId;
+use flagcx::p2p::port::host::{HostPort, PortFailure};
+use flagcx::p2p::port::{PortChannel, PortStatus, Registered};
+use flagcx::{Adaptor, Comm, CommError, DeviceBuffer};
+
+const LIMIT: Duration = Duration::from_secs(20);
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Fills `out` with the bytes of message `tag` from `src` to `dst`.
+fn fill(out: &mut [u8], src: usize, dst: usize, tag: u64) {
+    let seed = splitmix(((src as u64) << 40) ^ ((dst as u64) << 20) ^ tag);
+    for (j, chunk) in out.chunks_mut(8).enumerate() {
+        let w = splitmix(seed ^ j as u64).to_le_bytes();
+        chunk.copy_from_slice(&w[..chunk.len()]);
+    }
+}
+
+/// A host-vendor buffer and its registration.
+struct Buf {
+    mem: DeviceBuffer<Adaptor>,
+    reg: Registered,
+}
+
+impl Buf {
+    fn new(comm: &Comm<Adaptor>, len: usize) -> Buf {
+        let mem = DeviceBuffer::new(comm.adaptor(), len).expect("alloc");
+        let reg = comm.register(mem.ptr(), len).expect("register");
+        Buf { mem, reg }
+    }
+
+    /// The buffer's bytes. The host vendor's device memory is this process's memory; callers
+    /// touch a range only while no transfer uses it (the protocol's signals order that).
+    #[allow(clippy::mut_from_ref)]
+    fn bytes(&self) -> &mut [u8] {
+        // SAFETY: see above; the allocation lives as long as `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.mem.ptr().0 as *mut u8, self.mem.len()) }
+    }
+}
+
+fn port(ch: &PortChannel<Adaptor>) -> HostPort {
+    // SAFETY: a host-vendor channel, open while the port is used.
+    unsafe { HostPort::new(ch.raw(), LIMIT) }
+}
+
+/// A random (offset, size) inside `len` bytes: some empty, some tiny, some large.
+fn span(r: u64, len: usize) -> (u64, u64) {
+    let size = match r % 6 {
+        0 => 0,
+        1 => (r >> 8) % 16 + 1,
+        _ => (r >> 8) % len as u64,
+    };
+    let off = (r >> 32) % (len as u64 - size + 1);
+    (off, size)
+}
+
+/// Alternating turns on one channel: each turn, one side puts a random span with a signal
+/// and waits for the other's acknowledgement; the other checks every byte, then signals.
+/// Every 16 turns the sender also flushes.
+fn pingpong(me: usize, peer: usize, ch: &PortChannel<Adaptor>, src: &Buf, dst: &Buf, turns: u64) {
+    let mut p = port(ch);
+    let len = src.mem.len().min(dst.mem.len());
+    for t in 0..turns {
+        let r = splitmix(t ^ ((me.min(peer) as u64) << 48) ^ ((me.max(peer) as u64) << 56));
+        let (off, size) = span(r, len);
+        let sender = if t % 2 == 0 {
+            me.min(peer)
+        } else {
+            me.max(peer)
+        };
+        if sender == me {
+            fill(
+                &mut src.bytes()[off as usize..(off + size) as usize],
+                me,
+                peer,
+                t,
+            );
+            p.put_with_signal((1, off), (0, off), size).expect("put");
+            if t % 16 == 0 {
+                p.flush().expect("flush");
+            }
+            p.wait().expect("acknowledgement");
+        } else {
+            p.wait().expect("signal");
+            let got = &dst.bytes()[off as usize..(off + size) as usize];
+            let mut want = vec![0; size as usize];
+            fill(&mut want, peer, me, t);
+            assert!(
+                got == want,
+                "turn {t}: {size} bytes at {off} from rank {peer} differ"
+            );
+            p.signal().expect("ack");
+        }
+    }
+}
+
+fn ok(me: usize, what: &str) {
+    println!("port ok: rank {me}: {what}");
+}
+
+#[test]
+#[ignore = "one rank of a port job; the tests below start it"]
+fn port_worker() {
+    let Ok(scenario) = std::env::var("FLAGCX_TEST_SCENARIO") else {
+        return;
+    };
+    flagcx::init_logging();
+    let adaptor = Adaptor::from_env().expect("adaptor");
+    let comm = Comm::from_env(adaptor).expect("comm");
+    let (me, n) = (comm.rank(), comm.nranks());
+    match scenario.as_str() {
+        "pingpong" => {
+            let peer = 1 - me;
+            let (src, dst) = (Buf::new(&comm, 64 << 10), Buf::new(&comm, 64 << 10));
+            // Depth 3: slots wrap every three triggers, at a place that is no power of two.
+            let ch = comm
+                .port_channel(peer, &[&src.reg, &dst.reg], 3)
+                .expect("channel");
+            let t0 = Instant::now();
+            pingpong(me, peer, &ch, &src, &dst, 3000);
+            let (triggers, bytes) = ch.stats();
+            assert!(triggers >= 3000, "{triggers} triggers executed");
+            // A channel naming a buffer keeps it registered.
+            let again = comm.register(src.mem.ptr(), 8).expect("register");
+            comm.deregister(again).expect("an unused registration ends");
+            let err = comm.deregister(src.reg.clone()).unwrap_err();
+            assert!(matches!(err, CommError::InvalidArgument(_)), "{err}");
+            ch.close().expect("close");
+            ok(
+                me,
+                &format!(
+                    "3000 turns in {:?} ({triggers} triggers, {bytes} bytes put)",
+                    t0.elapsed()
+                ),
+            );
+        }
+        "full_ring" => {
+            // Depth 1: every trigger waits for the proxy to take the one before.
+            let peer = 1 - me;
+            let (src, dst) = (Buf::new(&comm, 40_000), Buf::new(&comm, 40_000));
+            let ch = comm
+                .port_channel(peer, &[&src.reg, &dst.reg], 1)
+                .expect("channel");
+            let mut p = port(&ch);
+            if me == 0 {
+                fill(src.bytes(), 0, 1, 7);
+                for i in 0..5000u64 {
+                    p.put((1, i * 8), (0, i * 8), 8).expect("put");
+                }
+                p.signal().expect("signal");
+                p.flush().expect("flush");
+                let r = p.wait();
+                assert!(
+                    r.is_ok(),
+                    "done: {r:?}, flag {} stats {:?}",
+                    p.signals(),
+                    ch.stats()
+                );
+            } else {
+                p.wait().expect("signal");
+                let mut want = vec![0; 40_000];
+                fill(&mut want, 0, 1, 7);
+                assert!(dst.bytes() == want.as_slice(), "5000 puts through one slot");
+                // The channel is closed right after: the signal still goes out.
+                p.signal().expect("done");
+            }
+            ch.close().expect("close");
+            ok(me, "5000 puts through a one-slot ring");
+        }
+        "many" => {
+            // Every pair at once, one thread per channel.
+            let mut chans = Vec::new();
+            for q in (0..n).filter(|&q| q != me) {
+                let (src, dst) = (Buf::new(&comm, 256 << 10), Buf::new(&comm, 256 << 10));
+                let ch = comm
+                    .port_channel(q, &[&src.reg, &dst.reg], 8)
+                    .expect("channel");
+                chans.push((q, Arc::new(ch), Arc::new(src), Arc::new(dst)));
+            }
+            std::thread::scope(|s| {
+                for (q, ch, src, dst) in &chans {
+                    s.spawn(move || pingpong(me, *q, ch, src, dst, 400));
+                }
+            });
+            for (_, ch, _, _) in chans {
+                Arc::into_inner(ch)
+                    .expect("sole owner")
+                    .close()
+                    .expect("close");
+            }
+            ok(me, &format!("400 turns with each of {} peers", n - 1));
+        }
+        "bad_trigger" => {
+            let peer = 1 - me;
+            let b = Buf::new(&comm, 4096);
+            let ch = comm.port_channel(peer, &[&b.reg], 4).expect("channel");
+            let mut p = port(&ch);
+            if me == 0 {
+                // Buffer 3 does not exist at the peer.
+                p.put((3, 0), (0, 0), 16)
+                    .expect("the trigger itself is well formed");
+                assert_eq!(p.flush(), Err(PortFailure::Failed(PortStatus::BadTrigger)));
+                assert!(matches!(ch.check(), Err(CommError::InvalidArgument(_))));
+                assert!(matches!(ch.close(), Err(CommError::InvalidArgument(_))));
+            } else {
+                // The failing side poisons our flag too: the wait ends.
+                assert_eq!(p.wait(), Err(PortFailure::Poisoned));
+                // Too large to encode: refused before it reaches the FIFO.
+                assert_eq!(p.put((0, 0), (0, 0), 1 << 41), Err(PortFailure::OutOfRange));
+                ch.close().expect("close (this side did nothing wrong)");
+            }
+            ok(me, "bad trigger poisoned both sides");
+        }
+        "killed" => {
+            let peer = 1 - me;
+            let b = Buf::new(&comm, 4096);
+            let ch = comm.port_channel(peer, &[&b.reg], 4).expect("channel");
+            let mut p = port(&ch);
+            if me == 1 {
+                p.signal().expect("signal");
+                std::thread::sleep(Duration::from_millis(200));
+                // SAFETY: dying on purpose.
+                unsafe { libc::raise(libc::SIGKILL) };
+            }
+            p.wait().expect("the first signal");
+            let t0 = Instant::now();
+            let e = p.wait().unwrap_err();
+            let waited = t0.elapsed();
+            assert!(
+                matches!(
+                    e,
+                    PortFailure::Poisoned | PortFailure::Failed(PortStatus::PeerLost)
+                ),
+                "{e:?}"
+            );
+            assert!(waited < Duration::from_secs(2), "released after {waited:?}");
+            assert!(matches!(
+                ch.check(),
+                Err(CommError::PeerLost { peer: 1, .. })
+            ));
+            assert!(matches!(ch.close(), Err(CommError::PeerLost { .. })));
+            ok(
+                me,
+                &format!("a killed peer released the wait after {waited:?}"),
+            );
+        }
+        "unsupported" => {
+            // FLAGCX_P2P_DISABLE=1 makes the pair staged: no port channels.
+            let b = Buf::new(&comm, 64);
+            let e = comm.port_channel(1 - me, &[&b.reg], 4).unwrap_err();
+            assert!(e.to_string().contains("does not support"), "{e}");
+            let e = comm.port_channel(me, &[&b.reg], 4).unwrap_err();
+            assert!(matches!(e, CommError::InvalidArgument(_)), "{e}");
+            ok(me, "staged pairs refuse port channels");
+        }
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+fn spawn(rank: usize, n: usize, id: &str, scenario: &str, env: &[(&str, &str)]) -> Child {
+    let mut cmd = Command::new(std::env::current_exe().expect("exe"));
+    cmd.args(["--exact", "port_worker", "--ignored", "--nocapture"])
+        .env("FLAGCX_TEST_SCENARIO", scenario)
+        .env("FLAGCX_RANK", rank.to_string())
+        .env("FLAGCX_NRANKS", n.to_string())
+        .env("FLAGCX_LOCAL_RANK", rank.to_string())
+        .env("FLAGCX_UNIQUE_ID", id)
+        .env("FLAGCX_VENDOR", "host")
+        .env_remove("FLAGCX_SKIP_LOG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.spawn().expect("spawn rank")
+}
+
+/// Runs `n` ranks; their outputs, each within a minute (a hung rank is killed and fails).
+fn job(n: usize, scenario: &str, env: &[(&str, &str)]) -> Vec<Output> {
+    let id = UniqueId::random().expect("id").to_string();
+    let ranks: Vec<Child> = (0..n).map(|r| spawn(r, n, &id, scenario, env)).collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    ranks
+        .into_iter()
+        .map(|mut c| {
+            while c.try_wait().expect("wait").is_none() {
+                if Instant::now() > deadline {
+                    let _ = c.kill();
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            c.wait_with_output().expect("output")
+        })
+        .collect()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}\n--- stdout\n{}\n--- stderr\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Every rank in `ranks` succeeded and printed its `port ok` line.
+fn assert_ok(outs: &[Output], ranks: &[usize]) {
+    for (r, o) in outs.iter().enumerate().filter(|(_, o)| !o.status.success()) {
+        eprintln!("rank {r} failed:\n{}", text(o));
+    }
+    for &r in ranks {
+        let t = text(&outs[r]);
+        assert!(
+            outs[r].status.success() && t.contains(&format!("port ok: rank {r}:")),
+            "rank {r}:\n{t}"
+        );
+        for l in t.lines().filter(|l| l.starts_with("port ok")) {
+            println!("{l}");
+        }
+    }
+}
+
+#[test]
+fn pingpong_wraps_a_three_slot_ring() {
+    assert_ok(&job(2, "pingpong", &[]), &[0, 1]);
+}
+
+#[test]
+fn a_one_slot_ring_stays_full_and_loses_nothing() {
+    assert_ok(&job(2, "full_ring", &[]), &[0, 1]);
+}
+
+#[test]
+fn four_ranks_drive_every_pair_at_once() {
+    assert_ok(&job(4, "many", &[]), &[0, 1, 2, 3]);
+}
+
+#[test]
+fn a_bad_trigger_poisons_both_sides() {
+    assert_ok(&job(2, "bad_trigger", &[]), &[0, 1]);
+}
+
+#[test]
+fn a_killed_peer_releases_the_waiting_side() {
+    let outs = job(2, "killed", &[]);
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&outs[1].status),
+        Some(libc::SIGKILL),
+        "rank 1 was to die:\n{}",
+        text(&outs[1])
+    );
+    assert_ok(&outs, &[0]);
+}
+
+#[test]
+fn staged_pairs_refuse_port_channels() {
+    assert_ok(
+        &job(2, "unsupported", &[("FLAGCX_P2P_DISABLE", "1")]),
+        &[0, 1],
+    );
+}
