@@ -119,6 +119,7 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         ("--bin", "flagcx-run"),
         ("--example", "pingpong"),
         ("--bin", "flagcx-perf"),
+        ("--example", "port_pingpong"),
     ] {
         // OpenCL too (loaded at run time), for trying a CUDA rank next to an OpenCL rank.
         let exe = build_binary(kind, name, &format!("flagcx/{vendor},flagcx/opencl"))?;
@@ -211,6 +212,36 @@ fi
 "#,
     )
     .map_err(|e| e.to_string())?;
+    // Device-initiated transfers: the example kernels, rebuilt to PTX with the host's nvcc
+    // when it has one (else the shipped PTX), driven by two ranks.
+    std::fs::create_dir_all(out.join("port/flagcx")).map_err(|e| e.to_string())?;
+    for (from, to) in [
+        ("examples/port/port_kernels.cu", "port/port_kernels.cu"),
+        (
+            "crates/flagcx-p2p/include/flagcx/device.cuh",
+            "port/flagcx/device.cuh",
+        ),
+    ] {
+        std::fs::copy(root().join(from), out.join(to)).map_err(|e| format!("copy {from}: {e}"))?;
+    }
+    std::fs::write(
+        out.join("port.sh"),
+        r#"#!/bin/sh
+# Port channels: kernels put, signal, flush and wait through include/flagcx/device.cuh.
+here=$(cd "$(dirname "$0")" && pwd)
+logs=${FLAGCX_BUNDLE_LOGS:-$here/logs}; mkdir -p "$logs"
+nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+ptx=
+if [ -x "$nvcc" ]; then
+  "$nvcc" -ptx -arch=compute_75 -I "$here/port" -o "$logs/port_kernels.ptx"     "$here/port/port_kernels.cu" || exit 1
+  ptx="$logs/port_kernels.ptx"
+else
+  echo "nvcc not found: the shipped PTX runs"
+fi
+exec "$here/bin/flagcx-run" -n 2 -- "$here/bin/port_pingpong" $ptx
+"#,
+    )
+    .map_err(|e| e.to_string())?;
     write_perf_script(&out, &vendor)?;
     let pingpong = |label: &str, env: Vec<(String, String)>, launcher: Option<&str>| Entry {
         label: label.into(),
@@ -245,6 +276,13 @@ fi
         vec![],
         Some(&format!("{vendor},host")),
     ));
+    entries.push(Entry {
+        label: format!("port channels ({vendor} kernels)"),
+        file: "port".into(),
+        env: vec![],
+        args: vec!["sh".into(), "\"$here/port.sh\"".into()],
+        placements: true,
+    });
     entries.push(Entry {
         label: format!("C, C++, MPI rings ({vendor})"),
         file: "capi-ring".into(),

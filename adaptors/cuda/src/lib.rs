@@ -24,6 +24,7 @@
 
 mod driver;
 mod error;
+pub mod kernel;
 
 pub use driver::CudaDriver;
 

@@ -104,6 +104,12 @@ impl<D: Driver> GpuAdaptor<D> {
         })
     }
 
+    /// The driver, with this device's context current on the calling thread: for a vendor
+    /// crate's own extensions (loading and launching kernels) beside the adaptor contract.
+    pub fn driver(&self) -> Result<&D> {
+        self.bound()
+    }
+
     /// The driver, bound to this device on the calling thread.
     fn bound(&self) -> Result<&D> {
         self.inner.driver.bind()?;

@@ -706,7 +706,10 @@ mod tests {
     #[test]
     fn trigger_words_round_trip_and_refuse_what_does_not_fit() {
         let w = pack_trigger(OP_PUT_WITH_SIGNAL, 1023, 7, MAX_PUT_BYTES).unwrap();
-        assert_eq!(unpack_trigger(w), (OP_PUT_WITH_SIGNAL, 1023, 7, MAX_PUT_BYTES));
+        assert_eq!(
+            unpack_trigger(w),
+            (OP_PUT_WITH_SIGNAL, 1023, 7, MAX_PUT_BYTES)
+        );
         let w = pack_trigger(OP_FLUSH, 0, 1023, 0).unwrap();
         assert_eq!(unpack_trigger(w), (OP_FLUSH, 0, 1023, 0));
         assert_eq!(pack_trigger(OP_PUT, MAX_BUFFERS, 0, 1), None);

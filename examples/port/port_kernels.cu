@@ -1,0 +1,81 @@
+// Example kernels driving a flagcx-rs port channel (include/flagcx/device.cuh), loaded as PTX
+// by examples/port_pingpong.rs. Build the PTX (no other flags are needed; the driver compiles
+// it for the GPU it finds):
+//
+//   nvcc -ptx -arch=compute_75 -I crates/flagcx-p2p/include \
+//        -o examples/port/port_kernels.ptx examples/port/port_kernels.cu
+//
+// Every kernel runs one thread and writes out[0] = nanoseconds of its timed part, out[1] = the
+// first failure code (0: none).
+#include <flagcx/device.cuh>
+
+__device__ static uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Ping-pong between the two ranks of the channel: `first` puts `bytes` from its buffer 0 into
+// the peer's buffer 1 with a signal, then waits for the answer; the other answers. `warm`
+// rounds, then `iters` timed ones. `seen` is how many signals this rank consumed before.
+extern "C" __global__ void port_pingpong(flagcx::PortChannelHandle h, int first, uint32_t warm,
+                                         uint32_t iters, uint64_t bytes, uint64_t seen,
+                                         uint64_t *out) {
+  flagcx::PortChannel ch(h);
+  ch.expected = seen;
+  int r = 0;
+  uint64_t t0 = 0;
+  for (uint32_t i = 0; i < warm + iters && r == 0; ++i) {
+    if (i == warm) t0 = now_ns();
+    if (first) {
+      r = ch.put_with_signal(1, 0, 0, 0, bytes);
+      if (r == 0) r = ch.wait();
+    } else {
+      r = ch.wait();
+      if (r == 0) r = ch.put_with_signal(1, 0, 0, 0, bytes);
+    }
+  }
+  out[0] = now_ns() - t0;
+  out[1] = r;
+}
+
+// `n` flushes back to back: each is a trigger the proxy must take and answer through the
+// control block, so the time per flush bounds trigger pick-up from above.
+extern "C" __global__ void port_flushes(flagcx::PortChannelHandle h, uint32_t n, uint64_t *out) {
+  flagcx::PortChannel ch(h);
+  int r = ch.flush();  // warm-up
+  uint64_t t0 = now_ns();
+  for (uint32_t i = 0; i < n && r == 0; ++i) r = ch.flush();
+  out[0] = now_ns() - t0;
+  out[1] = r;
+}
+
+// `n` puts of `bytes` each (buffer 0 here -> buffer 1 there), a flush, then one signal.
+extern "C" __global__ void port_puts(flagcx::PortChannelHandle h, uint32_t n, uint64_t bytes,
+                                     uint64_t *out) {
+  flagcx::PortChannel ch(h);
+  int r = 0;
+  uint64_t t0 = now_ns();
+  for (uint32_t i = 0; i < n && r == 0; ++i) r = ch.put(1, 0, 0, 0, bytes);
+  if (r == 0) r = ch.flush();
+  out[0] = now_ns() - t0;
+  if (r == 0) r = ch.signal();
+  out[1] = r;
+}
+
+// `n` empty puts, each waited for until the proxy took it (`tail` passed it): the time per
+// trigger is the device's write, the proxy's pick-up and the tail's way back over the bus.
+extern "C" __global__ void port_pickups(flagcx::PortChannelHandle h, uint32_t n, uint64_t *out) {
+  flagcx::PortChannel ch(h);
+  uint64_t seq = 0, t0 = 0;
+  int r = 0;
+  for (uint32_t i = 0; i <= n && r == 0; ++i) {
+    if (i == 1) t0 = now_ns();  // the first one warms up
+    r = ch.trigger(flagcx::kPortPut, 1, 0, 0, 0, 0, &seq);
+    while (r == 0 && flagcx::PortChannel::load(h.tail) < seq) {
+      if (ch.status() != flagcx::FLAGCX_PORT_OK) r = ch.status();
+    }
+  }
+  out[0] = now_ns() - t0;
+  out[1] = r;
+}
