@@ -215,12 +215,12 @@ impl<A: DeviceAdaptor> Comm<A> {
             caller_ops: AtomicU64::new(0),
             caller_handoffs: Default::default(),
         });
-        // Eager slots where both ranks' device memory is host addressable: the sender's CPU
-        // copies into them and the receiver's out of them.
+        // Eager slots: small messages through shared host memory, copied by the CPU where a
+        // rank's device memory is host addressable and by its runtime (a blocking copy on the
+        // caller's idle stream) where not. Every staged pair has them; IPC pairs only between
+        // host-addressable ranks (others do better with one device copy).
         let lanes: Vec<bool> = (0..nranks)
-            .map(|q| {
-                q != rank && infos[rank].caps.host_addressable && infos[q].caps.host_addressable
-            })
+            .map(|q| q != rank && eager_lane(&infos[rank], &infos[q], transports[q]))
             .collect();
         let peers = connect_channels(&adaptor, &boot, &transports, &roles, &lanes, &config)?;
         let eager = peers
@@ -237,6 +237,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                     send_max,
                     recv_max,
                     freed: AtomicU64::new(0),
+                    addressable: caps.host_addressable,
                 })
             })
             .collect();
@@ -337,7 +338,8 @@ impl<A: DeviceAdaptor> Comm<A> {
     }
 
     /// The largest message this rank sends eagerly to `peer` (0: none): the eager path exists
-    /// where both ranks' device memory is host addressable, up to the smaller of the two
+    /// where both ranks' device memory is host addressable and on every staged pair, up to the
+    /// smaller of the two
     /// ranks' `FLAGCX_P2P_EAGER_MAX`. See [`Config::eager_max`] for when it is taken.
     pub fn eager_limit(&self, peer: usize) -> usize {
         self.eager
@@ -541,7 +543,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             && self.transports.get(peer) == Some(&Some(TransportKind::Net));
         let idle = self.idle_or_soon(stream, eager || caller || net)?;
         if idle && eager {
-            if let Some(r) = self.try_eager(dir, ptr, bytes, peer)? {
+            if let Some(r) = self.try_eager(dir, ptr, bytes, peer, stream)? {
                 return Ok(r);
             }
         }
@@ -747,5 +749,14 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
             let _ = self.adaptor.event_destroy(ev);
         }
         self.page.release(&self.adaptor);
+    }
+}
+
+/// Whether the pair of `me` and `peer` (joined by `transport`) gets eager slots.
+fn eager_lane(me: &PeerInfo, peer: &PeerInfo, transport: Option<TransportKind>) -> bool {
+    match transport {
+        Some(TransportKind::Staged) => true,
+        Some(TransportKind::Ipc) => me.caps.host_addressable && peer.caps.host_addressable,
+        _ => false,
     }
 }

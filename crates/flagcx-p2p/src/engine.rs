@@ -239,6 +239,9 @@ pub(crate) struct Engine<A: DeviceAdaptor> {
     pub(crate) watermark: u64,
     /// The network transport's state, where a peer is on another host.
     pub(crate) net: Option<SharedNet>,
+    /// Where eager messages are copied into device memory that is not host addressable
+    /// (made on first use; kept apart so such a copy never waits behind ring chunks).
+    pub(crate) eager_stream: Option<StreamHandle>,
 }
 
 impl<A: DeviceAdaptor> Engine<A> {
@@ -273,6 +276,7 @@ impl<A: DeviceAdaptor> Engine<A> {
             finished: BTreeSet::new(),
             watermark: 0,
             net,
+            eager_stream: None,
         })
     }
 
@@ -735,6 +739,9 @@ impl<A: DeviceAdaptor> Engine<A> {
         }
         let _ = self.adaptor.stream_destroy(self.send_stream);
         let _ = self.adaptor.stream_destroy(self.recv_stream);
+        if let Some(s) = self.eager_stream.take() {
+            let _ = self.adaptor.stream_destroy(s);
+        }
     }
 }
 

@@ -254,9 +254,10 @@ fn tags_round_trip() {
         Tag::Barrier,
         Tag::Table,
         Tag::NetAddress,
+        Tag::Port,
     ] {
         assert_eq!(Tag::from_u32(t as u32), Some(t));
     }
     assert_eq!(Tag::from_u32(0), None);
-    assert_eq!(Tag::from_u32(8), None);
+    assert_eq!(Tag::from_u32(9), None);
 }

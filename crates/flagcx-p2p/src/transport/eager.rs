@@ -1,15 +1,19 @@
-//! Eager: small messages between ranks whose device memory is host addressable (the host
-//! vendor), copied by the CPU through the channel's eager slots, one per send descriptor.
+//! Eager: small messages through the channel's eager slots in shared host memory, one per send
+//! descriptor — between host-addressable ranks (the host vendor) and on every staged pair.
 //!
 //! Outside a group the posting thread copies a send into the peer's slot, or a receive out of
 //! it ([`Comm::try_eager`]); a receive with the engine takes an eager message there
-//! ([`Engine::take_eager`]).
+//! ([`Engine::take_eager`]). Where this rank's device memory is host addressable the CPU
+//! copies; where not, the message goes through a host bounce buffer and the rank's runtime
+//! copies between it and the device buffer, synchronously (on the caller's idle stream, or the
+//! engine's eager stream): one blocking copy per side instead of the ring's descriptor
+//! handshake, proxy hops and stream joins.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use flagcx_adaptor::{DeviceAdaptor, DevicePtr};
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, StreamHandle};
 
 use super::ipc::poll_for;
 use super::{started, Path, Progress, Step};
@@ -31,6 +35,14 @@ pub(crate) struct EagerLink {
     /// The peer's `RecvDone` as last read: slots below it + 64 are free without reading the
     /// counter again (a cache line the peer writes on every message). Under the inbox lock.
     pub(crate) freed: AtomicU64,
+    /// This rank's device memory is host addressable: the CPU copies (else the runtime, through
+    /// a bounce buffer).
+    pub(crate) addressable: bool,
+}
+
+/// A host buffer of `n` bytes for a message whose device side is not host addressable.
+fn bounce(n: usize) -> Vec<u8> {
+    vec![0; n]
 }
 
 impl<A: DeviceAdaptor> Engine<A> {
@@ -47,12 +59,44 @@ impl<A: DeviceAdaptor> Engine<A> {
         }
         let conn = self.peers[p].as_ref().expect("checked by caller");
         step.path = Path::Eager;
-        let r = receive_eager(&conn.inc, step.index, sd, step.op.ptr, step.op.bytes, p);
+        let (dst, cap) = (step.op.ptr, step.op.bytes);
+        let r = if self.adaptor.capabilities().host_addressable {
+            receive_eager(&conn.inc, step.index, sd, dst, cap, p)
+        } else {
+            let mut b = bounce((sd.size as usize).min(cap));
+            let got = receive_eager(&conn.inc, step.index, sd, host_ptr(&mut b), cap, p);
+            match got {
+                Ok(n) if n > 0 => self.eager_copy_in(dst, &b[..n]).map(|()| n),
+                r => r,
+            }
+        };
         match r {
             Err(e @ CommError::Protocol(_)) => Err(e),
             r => Ok(Progress::Done(r)),
         }
     }
+
+    /// Copies `data` into device memory at `dst`, waiting for it, on the eager stream.
+    fn eager_copy_in(&mut self, dst: DevicePtr, data: &[u8]) -> Result<()> {
+        let stream = match self.eager_stream {
+            Some(s) => s,
+            None => *self.eager_stream.insert(self.adaptor.stream_create()?),
+        };
+        // SAFETY: `dst` is the receive's buffer, at least `data.len()` bytes (the size was
+        // checked against it) and valid until the operation completes, which is after this
+        // synchronous copy; the caller's stream passed the posting point (`started`).
+        unsafe {
+            self.adaptor
+                .memcpy_h2d_async(dst, data.as_ptr(), data.len(), stream)?
+        };
+        self.adaptor.stream_synchronize(stream)?;
+        Ok(())
+    }
+}
+
+/// A host buffer's address in the form [`receive_eager`] takes.
+fn host_ptr(b: &mut [u8]) -> DevicePtr {
+    DevicePtr(b.as_mut_ptr() as u64)
 }
 
 /// Receives eager message `index` of `inc`, described by `sd`, into `dst` (`cap` bytes), and
@@ -80,10 +124,9 @@ pub(crate) fn receive_eager(
             recv_bytes: cap,
         })
     } else {
-        // SAFETY: a channel has eager slots only where this rank's device memory is host
-        // addressable (`Capabilities::host_addressable`), and a message too big for them is
-        // refused before copying; so `dst` is a CPU address of `cap >= sd.size` writable bytes:
-        // the caller's buffer, whose earlier stream work has completed.
+        // SAFETY: `dst` is a CPU address of `cap >= sd.size` writable bytes (a message too big
+        // is refused above): the caller's buffer in host-addressable device memory, whose
+        // earlier stream work has completed, or a bounce buffer of at least `cap` bytes.
         unsafe { inc.take_eager(index, sd, dst.0 as *mut u8) }
     };
     // Only the slot's release matters to the sender, which was done with the message;
@@ -104,6 +147,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         ptr: DevicePtr,
         bytes: usize,
         peer: usize,
+        stream: StreamHandle,
     ) -> Result<Option<Request>> {
         let Some(link) = self.eager.get(peer).and_then(|l| l.as_ref()) else {
             return Ok(None);
@@ -125,22 +169,48 @@ impl<A: DeviceAdaptor> Comm<A> {
         };
         let r = match dir {
             Dir::Send => {
-                let mut inbox = lock(&self.shared.inbox);
-                let k = inbox.next[peer][d];
-                let window_open = k < link.freed.load(Ordering::Relaxed) + DESC_RING || {
-                    let done = link.out.load(Counter::RecvDone);
-                    link.freed.store(done, Ordering::Relaxed);
-                    k < done + DESC_RING
+                let taken = |inbox: &Inbox| {
+                    let k = inbox.next[peer][d];
+                    let window_open = k < link.freed.load(Ordering::Relaxed) + DESC_RING || {
+                        let done = link.out.load(Counter::RecvDone);
+                        link.freed.store(done, Ordering::Relaxed);
+                        k < done + DESC_RING
+                    };
+                    (free(inbox, k) && window_open && link.out.load(Counter::RecvFault) == 0)
+                        .then_some(k)
                 };
-                if !free(&inbox, k) || !window_open || link.out.load(Counter::RecvFault) != 0 {
+                // Device memory the CPU cannot read: the runtime copies it to the host first,
+                // outside the lock (where the pair is not free now, nothing is copied).
+                let staged = match link.addressable || bytes == 0 {
+                    true => None,
+                    false => {
+                        if taken(&lock(&self.shared.inbox)).is_none() {
+                            return Ok(None);
+                        }
+                        let mut b = bounce(bytes);
+                        // SAFETY: `ptr..ptr+bytes` lies in one allocation of this adaptor
+                        // (checked by `post`), and the stream is idle, so earlier work on it
+                        // has finished writing it; `b` holds `bytes`; synchronized below.
+                        unsafe {
+                            self.adaptor
+                                .memcpy_d2h_async(b.as_mut_ptr(), ptr, bytes, stream)?
+                        };
+                        self.adaptor.stream_synchronize(stream)?;
+                        Some(b)
+                    }
+                };
+                let src = staged.as_ref().map_or(ptr.0 as *const u8, |b| b.as_ptr());
+                let mut inbox = lock(&self.shared.inbox);
+                let Some(k) = taken(&inbox) else {
                     return Ok(None);
-                }
-                // SAFETY: `ptr..ptr+bytes` was checked to lie in one allocation of this
-                // adaptor, whose memory is host addressable (the pair has eager slots only
-                // then), and the caller's stream is idle, so earlier work on it has finished
-                // writing it; `bytes <= send_max <= ` the slot size; message `k` is ours under
-                // the lock, with every earlier send finished (answered) and its slot free.
-                unsafe { link.out.post_eager(k, ptr.0 as *const u8, bytes) };
+                };
+                // SAFETY: `src` holds `bytes` readable bytes: the bounce buffer, or the
+                // caller's buffer in host-addressable device memory (checked by `post` to lie
+                // in one allocation; its stream is idle, so earlier work on it has finished
+                // writing it); `bytes <= send_max <= ` the slot size; message `k` is ours
+                // under the lock, with every earlier send finished (answered) and its slot
+                // free.
+                unsafe { link.out.post_eager(k, src, bytes) };
                 inbox.next[peer][d] = k + 1;
                 Ok(bytes)
             }
@@ -179,12 +249,35 @@ impl<A: DeviceAdaptor> Comm<A> {
                 if !free(&inbox, k) || link.inc.load(Counter::SendFault) > k {
                     return Ok(None);
                 }
-                let r = receive_eager(&link.inc, k, &sd, ptr, bytes, peer);
+                // Device memory the CPU cannot write: through a bounce buffer, copied in by
+                // the runtime once the slot is free again and the lock released.
+                let mut b = match link.addressable {
+                    true => None,
+                    false => Some(bounce((sd.size as usize).min(bytes))),
+                };
+                let dst = b.as_mut().map_or(ptr, |b| host_ptr(b));
+                let r = receive_eager(&link.inc, k, &sd, dst, bytes, peer);
                 inbox.next[peer][d] = k + 1;
+                drop(inbox);
                 if matches!(r, Err(CommError::Protocol(_))) {
                     self.shared.mark_lost(peer);
                 }
-                r
+                match (r, b) {
+                    (Ok(n), Some(b)) if n > 0 => {
+                        // SAFETY: `ptr..ptr+bytes` lies in one allocation of this adaptor
+                        // (checked by `post`) with `n <= bytes`; the stream is idle, so no
+                        // earlier work still uses the buffer; synchronized below, while `b`
+                        // lives.
+                        unsafe {
+                            self.adaptor
+                                .memcpy_h2d_async(ptr, b.as_ptr(), n, stream)
+                                .and_then(|()| self.adaptor.stream_synchronize(stream))
+                                .map(|()| n)
+                                .map_err(CommError::from)
+                        }
+                    }
+                    (r, _) => r,
+                }
             }
         };
         match &r {

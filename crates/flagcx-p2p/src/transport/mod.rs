@@ -9,7 +9,7 @@
 //! | [`ipc`] | same vendor: one device copy into the receiver's exported buffer (push) or out of the sender's (pull, one copier per pair); the IPC mapping cache | `Comm::try_caller_ipc`: the posting thread moves the message itself | `Engine::issue_ipc_copy`/`issue_ipc_pull` |
 //! | [`staged`] | different vendors: device→host into ring slots, host→device out of them, pipelined | — | `Engine::pump`: both directions, one loop |
 //! | [`direct`] | a staged pair with a host-vendor rank: one copy straight into or out of its mapped buffer ([`hostmap`]) | — | `Engine::direct_push`/`direct_pull` |
-//! | [`eager`] | host-addressable pairs: small messages copied by the CPU through the channel's eager slots | `Comm::try_eager` | `Engine::take_eager` |
+//! | [`eager`] | host-addressable and staged pairs: small messages through the channel's eager slots, copied by the CPU or by a blocking runtime copy via a bounce buffer | `Comm::try_eager` | `Engine::take_eager` |
 //! | [`net`] | pairs on different hosts: one UCX tagged message per message, staged through pinned host memory where device memory is not host addressable | — | `Engine::progress_net` |
 //!
 //! Which transport a pair uses is chosen once at setup ([`crate::peer::choose_transport`]);
