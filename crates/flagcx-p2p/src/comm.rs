@@ -15,7 +15,7 @@ use crate::error::{CommError, Result};
 use crate::join::WatermarkPage;
 use crate::peer::{PeerInfo, TransportKind};
 use crate::setup::{connect_channels, Pairing};
-use crate::transport::eager::EagerLink;
+use crate::transport::eager::{EagerLink, STAGED_EAGER_MAX};
 use crate::transport::ipc::{CallerLink, IpcCache, Msg};
 use crate::transport::net::{NetState, SharedNet};
 use crate::transport::Path;
@@ -119,6 +119,8 @@ pub struct Comm<A: DeviceAdaptor> {
     pub(crate) net: Option<SharedNet>,
     /// The port proxy, started by the first port channel.
     pub(crate) ports: crate::port::PortSlot<A>,
+    /// The posting threads' pinned bounce buffer for eager messages (see `transport::eager`).
+    pub(crate) bounce: Mutex<crate::transport::eager::Bounce>,
 }
 
 impl<A: DeviceAdaptor> std::fmt::Debug for Comm<A> {
@@ -227,9 +229,15 @@ impl<A: DeviceAdaptor> Comm<A> {
             .iter()
             .map(|c| {
                 let c = c.as_ref()?;
+                // Where both sides copy with their runtimes, two blocking copies lose to the
+                // ring's pipeline above a few KiB (both ranks derive the same cap).
+                let cap = match caps.host_addressable || infos[c.peer].caps.host_addressable {
+                    true => usize::MAX,
+                    false => STAGED_EAGER_MAX,
+                };
                 let (send_max, recv_max) = (
-                    c.out.geometry().eager.min(config.eager_max),
-                    c.inc.geometry().eager,
+                    c.out.geometry().eager.min(config.eager_max).min(cap),
+                    c.inc.geometry().eager.min(cap),
                 );
                 (send_max > 0 || recv_max > 0).then(|| EagerLink {
                     out: c.out.clone(),
@@ -293,6 +301,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             _boot: boot,
             net,
             ports: Default::default(),
+            bounce: Default::default(),
         })
     }
 
@@ -749,6 +758,7 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
             let _ = self.adaptor.event_destroy(ev);
         }
         self.page.release(&self.adaptor);
+        lock(&self.bounce).release(&self.adaptor);
     }
 }
 

@@ -242,6 +242,8 @@ pub(crate) struct Engine<A: DeviceAdaptor> {
     /// Where eager messages are copied into device memory that is not host addressable
     /// (made on first use; kept apart so such a copy never waits behind ring chunks).
     pub(crate) eager_stream: Option<StreamHandle>,
+    /// Its pinned bounce buffer.
+    pub(crate) eager_bounce: crate::transport::eager::Bounce,
 }
 
 impl<A: DeviceAdaptor> Engine<A> {
@@ -277,6 +279,7 @@ impl<A: DeviceAdaptor> Engine<A> {
             watermark: 0,
             net,
             eager_stream: None,
+            eager_bounce: Default::default(),
         })
     }
 
@@ -742,6 +745,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         if let Some(s) = self.eager_stream.take() {
             let _ = self.adaptor.stream_destroy(s);
         }
+        self.eager_bounce.release(&self.adaptor);
     }
 }
 

@@ -40,9 +40,62 @@ pub(crate) struct EagerLink {
     pub(crate) addressable: bool,
 }
 
-/// A host buffer of `n` bytes for a message whose device side is not host addressable.
-fn bounce(n: usize) -> Vec<u8> {
-    vec![0; n]
+/// Largest eager message of a pair where neither side's device memory is host addressable
+/// (two runtimes copy, each through a bounce buffer). On the H200, two CUDA ranks forced
+/// staged took 441–466 µs per 32 KiB round trip eagerly against 63–79 µs through the ring;
+/// where one side is the host vendor eager wins to 32 KiB (CUDA↔host 32–34 µs against 38–42
+/// µs direct), so there the eager limit alone applies.
+pub(crate) const STAGED_EAGER_MAX: usize = 8 << 10;
+
+/// The bounce buffer's size: the largest eager message ([`crate::config::Config::eager_max`]
+/// is at most 64 KiB).
+const BOUNCE_BYTES: usize = crate::config::MAX_EAGER_MAX;
+
+/// Pinned host memory for the eager messages of a rank whose device memory is not host
+/// addressable (its runtime copies to and from pinned memory faster than pageable), made on
+/// first use; a fresh vector where the vendor has none.
+#[derive(Default)]
+pub(crate) enum Bounce {
+    #[default]
+    Untried,
+    Pinned(*mut u8),
+    Unavailable,
+}
+
+// SAFETY: the pointer is a host allocation owned by this value; every use is under the lock
+// (or the engine's `&mut self`) that holds the value.
+unsafe impl Send for Bounce {}
+
+impl Bounce {
+    /// Runs `f` on `n` bytes of the pinned buffer, or of a fresh vector.
+    pub(crate) fn with<A: DeviceAdaptor, R>(
+        &mut self,
+        adaptor: &A,
+        n: usize,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> R {
+        if let Bounce::Untried = self {
+            *self = adaptor
+                .host_alloc(BOUNCE_BYTES)
+                .map_or(Bounce::Unavailable, Bounce::Pinned);
+        }
+        match *self {
+            Bounce::Pinned(p) if n <= BOUNCE_BYTES => {
+                // SAFETY: `n <= BOUNCE_BYTES` bytes of our live allocation, used by one
+                // caller at a time (the holder's exclusive borrow).
+                f(unsafe { std::slice::from_raw_parts_mut(p, n) })
+            }
+            _ => f(&mut vec![0; n]),
+        }
+    }
+
+    /// Frees the pinned buffer (no copy uses it any more: every use is synchronous).
+    pub(crate) fn release<A: DeviceAdaptor>(&mut self, adaptor: &A) {
+        if let Bounce::Pinned(p) = std::mem::replace(self, Bounce::Unavailable) {
+            // SAFETY: our allocation; every copy that used it was waited for.
+            let _ = unsafe { adaptor.host_free(p) };
+        }
+    }
 }
 
 impl<A: DeviceAdaptor> Engine<A> {
@@ -63,35 +116,40 @@ impl<A: DeviceAdaptor> Engine<A> {
         let r = if self.adaptor.capabilities().host_addressable {
             receive_eager(&conn.inc, step.index, sd, dst, cap, p)
         } else {
-            let mut b = bounce((sd.size as usize).min(cap));
-            let got = receive_eager(&conn.inc, step.index, sd, host_ptr(&mut b), cap, p);
-            match got {
-                Ok(n) if n > 0 => self.eager_copy_in(dst, &b[..n]).map(|()| n),
-                r => r,
-            }
+            let stream = match self.eager_stream {
+                Some(s) => s,
+                None => *self.eager_stream.insert(self.adaptor.stream_create()?),
+            };
+            let (a, inc, index) = (&self.adaptor, &conn.inc, step.index);
+            self.eager_bounce.with(a, (sd.size as usize).min(cap), |b| {
+                match receive_eager(inc, index, sd, host_ptr(b), cap, p) {
+                    Ok(n) if n > 0 => copy_in(a, dst, &b[..n], stream).map(|()| n),
+                    r => r,
+                }
+            })
         };
         match r {
             Err(e @ CommError::Protocol(_)) => Err(e),
             r => Ok(Progress::Done(r)),
         }
     }
+}
 
-    /// Copies `data` into device memory at `dst`, waiting for it, on the eager stream.
-    fn eager_copy_in(&mut self, dst: DevicePtr, data: &[u8]) -> Result<()> {
-        let stream = match self.eager_stream {
-            Some(s) => s,
-            None => *self.eager_stream.insert(self.adaptor.stream_create()?),
-        };
-        // SAFETY: `dst` is the receive's buffer, at least `data.len()` bytes (the size was
-        // checked against it) and valid until the operation completes, which is after this
-        // synchronous copy; the caller's stream passed the posting point (`started`).
-        unsafe {
-            self.adaptor
-                .memcpy_h2d_async(dst, data.as_ptr(), data.len(), stream)?
-        };
-        self.adaptor.stream_synchronize(stream)?;
-        Ok(())
-    }
+/// Copies `data` into device memory at `dst` on `stream` and waits for it.
+///
+/// The caller guarantees `dst` holds `data.len()` bytes of device memory of `a` that no
+/// earlier work on `stream` or elsewhere still uses (a receive's buffer whose stream passed
+/// the posting point, or is idle).
+fn copy_in<A: DeviceAdaptor>(
+    a: &A,
+    dst: DevicePtr,
+    data: &[u8],
+    stream: StreamHandle,
+) -> Result<()> {
+    // SAFETY: the caller's guarantee for `dst`; `data` outlives the synchronous copy.
+    unsafe { a.memcpy_h2d_async(dst, data.as_ptr(), data.len(), stream)? };
+    a.stream_synchronize(stream)?;
+    Ok(())
 }
 
 /// A host buffer's address in the form [`receive_eager`] takes.
@@ -181,38 +239,47 @@ impl<A: DeviceAdaptor> Comm<A> {
                 };
                 // Device memory the CPU cannot read: the runtime copies it to the host first,
                 // outside the lock (where the pair is not free now, nothing is copied).
-                let staged = match link.addressable || bytes == 0 {
-                    true => None,
-                    false => {
-                        if taken(&lock(&self.shared.inbox)).is_none() {
-                            return Ok(None);
-                        }
-                        let mut b = bounce(bytes);
+                let publish = |src: *const u8| {
+                    let mut inbox = lock(&self.shared.inbox);
+                    let k = taken(&inbox)?;
+                    // SAFETY: `src` holds `bytes` readable bytes: the bounce buffer, or the
+                    // caller's buffer in host-addressable device memory (checked by `post` to
+                    // lie in one allocation; its stream is idle, so earlier work on it has
+                    // finished writing it); `bytes <= send_max <= ` the slot size; message
+                    // `k` is ours under the lock, with every earlier send finished (answered)
+                    // and its slot free.
+                    unsafe { link.out.post_eager(k, src, bytes) };
+                    inbox.next[peer][d] = k + 1;
+                    Some(())
+                };
+                if link.addressable || bytes == 0 {
+                    if publish(ptr.0 as *const u8).is_none() {
+                        return Ok(None);
+                    }
+                    Ok(bytes)
+                } else {
+                    // Device memory the CPU cannot read: the runtime copies it to the host
+                    // first, outside the inbox lock (nothing is copied where the pair is not
+                    // free now).
+                    if taken(&lock(&self.shared.inbox)).is_none() {
+                        return Ok(None);
+                    }
+                    let sent = lock(&self.bounce).with(&self.adaptor, bytes, |b| {
                         // SAFETY: `ptr..ptr+bytes` lies in one allocation of this adaptor
                         // (checked by `post`), and the stream is idle, so earlier work on it
-                        // has finished writing it; `b` holds `bytes`; synchronized below.
+                        // has finished writing it; `b` holds `bytes`; synchronized here.
                         unsafe {
                             self.adaptor
                                 .memcpy_d2h_async(b.as_mut_ptr(), ptr, bytes, stream)?
                         };
                         self.adaptor.stream_synchronize(stream)?;
-                        Some(b)
+                        Ok::<_, CommError>(publish(b.as_ptr()))
+                    })?;
+                    if sent.is_none() {
+                        return Ok(None);
                     }
-                };
-                let src = staged.as_ref().map_or(ptr.0 as *const u8, |b| b.as_ptr());
-                let mut inbox = lock(&self.shared.inbox);
-                let Some(k) = taken(&inbox) else {
-                    return Ok(None);
-                };
-                // SAFETY: `src` holds `bytes` readable bytes: the bounce buffer, or the
-                // caller's buffer in host-addressable device memory (checked by `post` to lie
-                // in one allocation; its stream is idle, so earlier work on it has finished
-                // writing it); `bytes <= send_max <= ` the slot size; message `k` is ours
-                // under the lock, with every earlier send finished (answered) and its slot
-                // free.
-                unsafe { link.out.post_eager(k, src, bytes) };
-                inbox.next[peer][d] = k + 1;
-                Ok(bytes)
+                    Ok(bytes)
+                }
             }
             Dir::Recv => {
                 let k = lock(&self.shared.inbox).next[peer][d];
@@ -245,39 +312,40 @@ impl<A: DeviceAdaptor> Comm<A> {
                 let Some(Some(sd)) = found else {
                     return Ok(None);
                 };
-                let mut inbox = lock(&self.shared.inbox);
-                if !free(&inbox, k) || link.inc.load(Counter::SendFault) > k {
-                    return Ok(None);
-                }
-                // Device memory the CPU cannot write: through a bounce buffer, copied in by
-                // the runtime once the slot is free again and the lock released.
-                let mut b = match link.addressable {
-                    true => None,
-                    false => Some(bounce((sd.size as usize).min(bytes))),
-                };
-                let dst = b.as_mut().map_or(ptr, |b| host_ptr(b));
-                let r = receive_eager(&link.inc, k, &sd, dst, bytes, peer);
-                inbox.next[peer][d] = k + 1;
-                drop(inbox);
-                if matches!(r, Err(CommError::Protocol(_))) {
-                    self.shared.mark_lost(peer);
-                }
-                match (r, b) {
-                    (Ok(n), Some(b)) if n > 0 => {
-                        // SAFETY: `ptr..ptr+bytes` lies in one allocation of this adaptor
-                        // (checked by `post`) with `n <= bytes`; the stream is idle, so no
-                        // earlier work still uses the buffer; synchronized below, while `b`
-                        // lives.
-                        unsafe {
-                            self.adaptor
-                                .memcpy_h2d_async(ptr, b.as_ptr(), n, stream)
-                                .and_then(|()| self.adaptor.stream_synchronize(stream))
-                                .map(|()| n)
-                                .map_err(CommError::from)
-                        }
+                // Takes message `k` into `dst` (`None`: the pair is not free for this thread).
+                let take = |dst: DevicePtr| {
+                    let mut inbox = lock(&self.shared.inbox);
+                    if !free(&inbox, k) || link.inc.load(Counter::SendFault) > k {
+                        return None;
                     }
-                    (r, _) => r,
-                }
+                    let r = receive_eager(&link.inc, k, &sd, dst, bytes, peer);
+                    inbox.next[peer][d] = k + 1;
+                    drop(inbox);
+                    if matches!(r, Err(CommError::Protocol(_))) {
+                        self.shared.mark_lost(peer);
+                    }
+                    Some(r)
+                };
+                let taken = if link.addressable {
+                    take(ptr)
+                } else {
+                    // Device memory the CPU cannot write: through the bounce buffer, copied in
+                    // by the runtime once the slot is free again and the inbox lock released.
+                    let n = (sd.size as usize).min(bytes);
+                    lock(&self.bounce).with(&self.adaptor, n, |b| {
+                        take(host_ptr(b)).map(|r| match r {
+                            // The stream is idle, so nothing earlier still uses the buffer.
+                            Ok(n) if n > 0 => {
+                                copy_in(&self.adaptor, ptr, &b[..n], stream).map(|()| n)
+                            }
+                            r => r,
+                        })
+                    })
+                };
+                let Some(r) = taken else {
+                    return Ok(None);
+                };
+                r
             }
         };
         match &r {
