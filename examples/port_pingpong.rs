@@ -61,6 +61,58 @@ fn launch(
     Ok(())
 }
 
+/// Times `bus_echo`: µs per round trip of a word through host memory and a spinning thread.
+fn bus_echo(
+    a: &CudaAdaptor,
+    module: &Module,
+    stream: &Stream<CudaAdaptor>,
+    read_out: &dyn Fn() -> Result<(u64, u64), Error>,
+    out_ptr: &mut u64,
+) -> Result<f64, Error> {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    // Two words 64 bytes apart in a page of registered host memory.
+    let page = Box::leak(Box::new([0u64; 512]));
+    let host = page.as_mut_ptr().cast::<u8>();
+    // SAFETY: a live, leaked allocation of 4096 bytes; unregistered below.
+    let dev = unsafe { a.host_register(host, 4096)? };
+    // SAFETY: aligned words of the leaked page, touched only atomically from here on.
+    let (ping, pong) = unsafe {
+        (
+            &*(host as *const AtomicU64),
+            &*(host.add(64) as *const AtomicU64),
+        )
+    };
+    let stop = AtomicBool::new(false);
+    let n = 1000u32;
+    let r = std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut last = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let v = ping.load(Ordering::Acquire);
+                if v != last {
+                    pong.store(v, Ordering::Release);
+                    last = v;
+                }
+                std::hint::spin_loop();
+            }
+        });
+        let (mut p, mut q, mut n) = (dev.0, dev.0 + 64, n);
+        let r = launch(
+            module,
+            c"bus_echo",
+            stream,
+            &mut [arg(&mut p), arg(&mut q), arg(&mut n), arg(out_ptr)],
+        )
+        .and_then(|()| Ok(stream.synchronize()?));
+        stop.store(true, Ordering::Relaxed);
+        r
+    });
+    // SAFETY: the kernel finished (synchronized) and nothing else uses the page.
+    unsafe { a.host_unregister(host)? };
+    r?;
+    Ok(read_out()?.0 as f64 / 1e3 / f64::from(n))
+}
+
 fn arg<T>(v: &mut T) -> *mut c_void {
     (v as *mut T).cast()
 }
@@ -170,51 +222,68 @@ fn run() -> Result<(), Error> {
     }
     barrier(&comm)?;
 
-    // 3. Back-to-back 4 MiB puts from rank 0's kernel; rank 1 waits for the final signal on
-    //    its stream. Then the ceiling: the same copies issued from the host, into local memory.
-    let puts = 200u32;
-    let (mut gbs, mut ceiling) = (0.0, 0.0);
+    // The bus alone: the device writes host memory, a spinning CPU thread echoes it back.
+    let mut echo_us = 0.0;
     if me == 0 {
-        let (mut n, mut bytes) = (puts, BIG as u64);
-        launch(
-            &module,
-            c"port_puts",
-            &stream,
-            &mut [
-                arg(&mut raw),
-                arg(&mut n),
-                arg(&mut bytes),
-                arg(&mut out_ptr),
-            ],
-        )?;
-        stream.synchronize()?;
-        gbs = (BIG as f64 * f64::from(puts)) / read_out()?.0 as f64;
-        let (e0, e1) = (Event::new(&a, true)?, Event::new(&a, true)?);
-        e0.record(&stream)?;
-        for _ in 0..puts {
-            // SAFETY: both are live allocations of BIG bytes; synchronized below.
-            unsafe { a.memcpy_d2d_async(scratch.ptr(), src.ptr(), BIG, stream.handle())? };
+        echo_us = bus_echo(&a, &module, &stream, &read_out, &mut out_ptr)?;
+    }
+    barrier(&comm)?;
+
+    // 3. Back-to-back 4 MiB puts from rank 0's kernel; rank 1 waits for each round's final
+    //    signal on its stream. Alternating with them, the ceiling: the same copies issued from
+    //    the host, into local memory. Medians of three rounds of each.
+    let (puts, rounds) = (200u32, 3u64);
+    let (mut ours, mut host) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        if me == 0 {
+            let (mut n, mut bytes) = (puts, BIG as u64);
+            launch(
+                &module,
+                c"port_puts",
+                &stream,
+                &mut [
+                    arg(&mut raw),
+                    arg(&mut n),
+                    arg(&mut bytes),
+                    arg(&mut out_ptr),
+                ],
+            )?;
+            stream.synchronize()?;
+            ours.push((BIG as f64 * f64::from(puts)) / read_out()?.0 as f64);
+            let (e0, e1) = (Event::new(&a, true)?, Event::new(&a, true)?);
+            e0.record(&stream)?;
+            for _ in 0..puts {
+                // SAFETY: both are live allocations of BIG bytes; synchronized below.
+                unsafe { a.memcpy_d2d_async(scratch.ptr(), src.ptr(), BIG, stream.handle())? };
+            }
+            e1.record(&stream)?;
+            e1.synchronize()?;
+            host.push((BIG as f64 * f64::from(puts)) / (e1.elapsed_ms_since(&e0)? as f64 * 1e6));
+        } else {
+            // SAFETY: the flag is this channel's live device word.
+            unsafe {
+                a.stream_wait_value64(
+                    stream.handle(),
+                    flagcx::DevicePtr(raw.flag),
+                    signals + round + 1,
+                    WaitCondition::Geq,
+                )?
+            };
+            stream.synchronize()?;
         }
-        e1.record(&stream)?;
-        e1.synchronize()?;
-        ceiling = (BIG as f64 * f64::from(puts)) / (e1.elapsed_ms_since(&e0)? as f64 * 1e6);
-    } else {
-        // SAFETY: the flag is this channel's live device word.
-        unsafe {
-            a.stream_wait_value64(
-                stream.handle(),
-                flagcx::DevicePtr(raw.flag),
-                signals + 1,
-                WaitCondition::Geq,
-            )?
-        };
-        stream.synchronize()?;
+    }
+    if me == 1 {
         let mut all = vec![0u8; BIG];
         dst.read(0, &mut all, &stream)?;
         if all != pattern(BIG, peer as u8) {
             return Err("puts: the 4 MiB buffer differs from rank 0's".into());
         }
     }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    let (gbs, ceiling) = (median(&mut ours), median(&mut host));
     barrier(&comm)?;
     let (triggers, moved) = ch.stats();
     ch.close()?;
@@ -226,9 +295,10 @@ fn run() -> Result<(), Error> {
         );
         println!("port pingpong 8 B: {rtt_us:.2} us round trip ({iters} rounds, kernel to kernel)");
         println!("port pick-up: {pickup_us:.2} us per trigger (device write -> proxy -> tail seen by the device)");
+        println!("bus echo: {echo_us:.2} us (device write -> a spinning CPU thread -> device; the floor of the line above)");
         println!("port flush: {flush_us:.2} us per flush (trigger -> proxy -> stream write -> flushed word)");
         println!(
-            "port puts 4 MiB x{puts}: {gbs:.1} GB/s; host-issued copies {ceiling:.1} GB/s; ratio {:.3}",
+            "port puts 4 MiB x{puts}: {gbs:.1} GB/s; host-issued copies {ceiling:.1} GB/s; ratio {:.3} (medians of {rounds})",
             gbs / ceiling
         );
         println!("port ok: {triggers} triggers, {moved} bytes put, every byte checked");

@@ -72,10 +72,25 @@ extern "C" __global__ void port_pickups(flagcx::PortChannelHandle h, uint32_t n,
   for (uint32_t i = 0; i <= n && r == 0; ++i) {
     if (i == 1) t0 = now_ns();  // the first one warms up
     r = ch.trigger(flagcx::kPortPut, 1, 0, 0, 0, 0, &seq);
-    while (r == 0 && flagcx::PortChannel::load(h.tail) < seq) {
-      if (ch.status() != flagcx::FLAGCX_PORT_OK) r = ch.status();
+    for (uint32_t spins = 1; r == 0 && flagcx::PortChannel::load(h.tail) < seq; ++spins) {
+      if ((spins & 1023) == 0) r = ch.status();
     }
   }
   out[0] = now_ns() - t0;
   out[1] = r;
+}
+
+// The bus alone, for comparison with port_pickups: `n` times, write i into `ping` (host
+// memory) and wait until a CPU thread spinning on it has copied it into `pong`.
+extern "C" __global__ void bus_echo(uint64_t ping, uint64_t pong, uint32_t n, uint64_t *out) {
+  uint64_t t0 = 0;
+  for (uint32_t i = 1; i <= n + 1; ++i) {
+    if (i == 2) t0 = now_ns();  // the first one warms up
+    *reinterpret_cast<volatile uint64_t *>(ping) = i;
+    __threadfence_system();
+    while (flagcx::PortChannel::load(pong) != i) {
+    }
+  }
+  out[0] = now_ns() - t0;
+  out[1] = 0;
 }

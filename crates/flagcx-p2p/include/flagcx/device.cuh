@@ -73,8 +73,10 @@ static_assert(sizeof(PortChannelHandle) == 56, "PortChannelHandle must match Rus
 struct PortChannel {
   PortChannelHandle h;
   uint64_t expected; /* signals this object has waited for */
+  uint64_t tail;     /* the proxy's tail as last read: no bus read while the ring has room */
 
-  __device__ explicit PortChannel(const PortChannelHandle &handle) : h(handle), expected(0) {}
+  __device__ explicit PortChannel(const PortChannelHandle &handle)
+      : h(handle), expected(0), tail(0) {}
 
   __device__ static uint64_t load(uint64_t addr) {
     return *reinterpret_cast<volatile uint64_t *>(addr);
@@ -91,7 +93,9 @@ struct PortChannel {
   __device__ int push(uint64_t w0, uint64_t w1, uint64_t w2, uint64_t *seq) {
     uint64_t slot = atomicAdd(reinterpret_cast<unsigned long long *>(h.head), 1ull);
     uint64_t spins = 0;
-    while (slot - load(h.tail) >= h.depth) {
+    /* The tail only grows: a cached value that leaves room is safe to trust. */
+    while (slot - tail >= h.depth) {
+      tail = load(h.tail);
       if ((++spins & 1023) == 0) {
         int s = status();
         if (s != FLAGCX_PORT_OK) return s;
