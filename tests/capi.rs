@@ -155,6 +155,17 @@ fn c_collectives_on_host_ranks() {
     }
 }
 
+/// Port channels from C (host ranks drive the FIFO themselves): a put with a signal checked
+/// byte for byte, a poisoned channel releasing the peer, the calls' argument errors.
+#[test]
+fn c_port_channel_on_host_ranks() {
+    let Some(p) = prefix("capi::c_port_channel_on_host_ranks") else {
+        return;
+    };
+    let exe = compile(&p, "cc", "port.c");
+    run_ranks(&exe, 2, &["host"], "capi port ok");
+}
+
 /// The C++ API (`flagcx/comm.hpp`): a ring, exceptions with their kind.
 #[test]
 fn cxx_ring_on_two_and_four_host_ranks() {

@@ -179,6 +179,10 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
     for (from, to) in [
         (root().join("tests/capi/mpi_ring.c"), "mpi_ring.c"),
         (root().join("tests/capi/common.h"), "common.h"),
+        (
+            root().join("tests/capi/port_pingpong.cu"),
+            "port_pingpong.cu",
+        ),
         (prefix.join("include/flagcx.h"), "flagcx.h"),
     ] {
         std::fs::copy(&from, out.join("capi").join(to))
@@ -238,7 +242,19 @@ if [ -x "$nvcc" ]; then
 else
   echo "nvcc not found: the shipped PTX runs"
 fi
-exec "$here/bin/flagcx-run" -n 2 -- "$here/bin/port_pingpong" $ptx
+"$here/bin/flagcx-run" -n 2 -- "$here/bin/port_pingpong" $ptx || exit 1
+# The same from CUDA C++ through the C ABI (tests/capi/port_pingpong.cu), built here.
+if [ -x "$nvcc" ]; then
+  "$nvcc" -O2 -arch=native -I "$here/capi" -I "$here/port" -o "$logs/capi-port-pingpong" \
+    "$here/capi/port_pingpong.cu" -Xlinker "$here/lib/libflagcx.so.0" -Xlinker -rpath -Xlinker "$here/lib" \
+    || exit 1
+  id=$(mktemp -u /tmp/flagcx-port-id.XXXXXX)
+  export FLAGCX_VENDOR=cuda
+  FLAGCX_RANK=0 FLAGCX_NRANKS=2 FLAGCX_LOCAL_RANK=0 FLAGCX_TEST_ID_FILE=$id "$logs/capi-port-pingpong" & a=$!
+  FLAGCX_RANK=1 FLAGCX_NRANKS=2 FLAGCX_LOCAL_RANK=1 FLAGCX_TEST_ID_FILE=$id "$logs/capi-port-pingpong" & b=$!
+  wait $a; ra=$?; wait $b; rb=$?; rm -f "$id"
+  [ $ra -eq 0 ] && [ $rb -eq 0 ] || exit 1
+fi
 "#,
     )
     .map_err(|e| e.to_string())?;

@@ -6,6 +6,7 @@
 //! target/flagcx/lib/libflagcx.so.0, libflagcx.so -> libflagcx.so.0, libflagcx.a
 //! target/flagcx/lib/pkgconfig/flagcx.pc
 //! target/flagcx/include/flagcx/comm.hpp, bridge.h; include/rust/cxx.h (the C++ API)
+//! target/flagcx/include/flagcx/device.cuh (port channels' device side, CUDA and HIP)
 //! target/flagcx/lib/libflagcx_cxx.a, pkgconfig/flagcx-cxx.pc, cmake/Flagcx/FlagcxConfig.cmake
 //! ```
 //!
@@ -59,6 +60,11 @@ pub(crate) fn capi(vendors: &[String]) -> Result<PathBuf> {
     copy(
         &root().join("crates/flagcx-cxx/include/flagcx/comm.hpp"),
         &prefix.join("include/flagcx/comm.hpp"),
+    )?;
+    // The device side of port channels, for CUDA and HIP kernels.
+    copy(
+        &root().join("crates/flagcx-p2p/include/flagcx/device.cuh"),
+        &prefix.join("include/flagcx/device.cuh"),
     )?;
     copy(
         &root().join("target/cxxbridge/flagcx-cxx/src/lib.rs.h"),

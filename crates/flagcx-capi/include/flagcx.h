@@ -275,6 +275,46 @@ flagcxResult_t flagcxCommDeregister(const flagcxComm_t comm, void *handle,
 #endif
 );
 
+/* ---- port channels: device-initiated transfers (a flagcx-rs extension) ---------------------
+ * Kernels put data into the peer's registered buffers, signal it and wait for its signals
+ * through flagcx/device.cuh, without returning to the host. */
+
+/* What a kernel needs to drive a port channel: pass it by value as flagcx::PortChannelHandle
+ * (flagcx/device.cuh defines the same struct under the same guard). */
+#ifndef FLAGCX_PORT_CHANNEL_HANDLE_DEFINED
+#define FLAGCX_PORT_CHANNEL_HANDLE_DEFINED
+typedef struct flagcxPortChannelHandle {
+  uint64_t triggers; /* first trigger slot (host memory the device reaches) */
+  uint64_t head;     /* slots reserved (device memory) */
+  uint64_t tail;     /* triggers the proxy took */
+  uint64_t flushed;  /* sequence number of the last completed flush */
+  uint64_t status;   /* 0 while healthy, else a failure code */
+  uint64_t flag;     /* signals received from the peer (device memory) */
+  uint32_t depth;    /* trigger slots */
+  uint32_t reserved;
+} flagcxPortChannelHandle_t;
+#endif
+typedef struct flagcxPortChannel *flagcxPortChannel_t;
+
+/* Creates a port channel with peer. Both ranks call it, in the same order as their other
+ * channels with that peer, each naming nhandles registrations from flagcxCommRegister; triggers
+ * name buffers by their index in these lists. depth is the trigger FIFO's slot count (1 to
+ * 65536). Needs a pair whose buffers map into each other (same vendor with IPC handles) and a
+ * vendor with host registration and 64-bit stream memory operations: else
+ * flagcxNotSupported. *device_handle receives what kernels take. */
+flagcxResult_t flagcxPortChannelCreate(const flagcxComm_t comm, int peer, void *const *handles,
+                                       int nhandles, int depth, flagcxPortChannel_t *channel,
+                                       flagcxPortChannelHandle_t *device_handle);
+/* Fails the channel on purpose: every kernel waiting on it, on both ranks, is released with a
+ * failure code (for a peer that hangs without dying). */
+flagcxResult_t flagcxPortChannelPoison(flagcxPortChannel_t channel);
+/* flagcxSuccess while the channel is healthy; else the code of its failure (the peer died, a
+ * bad trigger, a runtime error, poisoned), with flagcxGetLastError(NULL) saying which. */
+flagcxResult_t flagcxPortChannelCheck(flagcxPortChannel_t channel);
+/* Closes and frees the channel. Both ranks call it after every kernel using it ended; returns
+ * the channel's failure if it had one. */
+flagcxResult_t flagcxPortChannelClose(flagcxPortChannel_t channel);
+
 /* Reduce: not implemented yet (flagcxNotSupported). */
 flagcxResult_t flagcxReduce(const void *sendbuff, void *recvbuff, size_t count,
                             flagcxDataType_t datatype, flagcxRedOp_t op, int root,

@@ -29,7 +29,9 @@ use flagcx_rs::{
 };
 
 mod device;
+mod port;
 pub use device::*;
+pub use port::*;
 
 /// `flagcxResult_t`.
 #[repr(C)]
@@ -86,7 +88,7 @@ pub struct flagcxUniqueId {
 
 /// A communicator behind `flagcxComm_t`.
 pub struct flagcxComm {
-    comm: Comm<Adaptor>,
+    pub(crate) comm: Comm<Adaptor>,
     /// A stream for calls given a NULL stream.
     default_stream: StreamHandle,
     /// Requests not seen finished yet (for `flagcxCommFinalize`).
@@ -222,7 +224,7 @@ pub(crate) fn guard(comm: Option<*const flagcxComm>, body: impl FnOnce() -> R) -
 ///
 /// # Safety
 /// `comm` is NULL or a live communicator from `flagcxCommInitRank`.
-unsafe fn comm_ref<'a>(comm: *const flagcxComm) -> R<&'a flagcxComm> {
+pub(crate) unsafe fn comm_ref<'a>(comm: *const flagcxComm) -> R<&'a flagcxComm> {
     // SAFETY: the caller's contract.
     unsafe { comm.as_ref() }.ok_or_else(|| invalid("NULL communicator"))
 }
@@ -1040,10 +1042,12 @@ pub unsafe extern "C" fn flagcxMemFree(
     })
 }
 
-/// A registration: the buffer it names (checked to be memory of the communicator's device).
-struct Registration {
+/// A registration: the buffer it names (checked to be memory of the communicator's device),
+/// and its port-channel identity where the vendor can export it (see `flagcxPortChannelCreate`).
+pub(crate) struct Registration {
     ptr: u64,
     size: usize,
+    pub(crate) port: Option<flagcx_rs::p2p::Registered>,
 }
 
 /// Registers a buffer: checks it is device memory of `comm`'s device, whole, and returns a
@@ -1072,7 +1076,13 @@ pub unsafe extern "C" fn flagcxCommRegister(
                 "{size} bytes at {ptr} run past the end of its {len}-byte allocation"
             )));
         }
-        let reg = Box::into_raw(Box::new(Registration { ptr: ptr.0, size }));
+        // Port channels need the buffer's IPC identity; vendors without one still register.
+        let port = c.comm.register(ptr, size).ok();
+        let reg = Box::into_raw(Box::new(Registration {
+            ptr: ptr.0,
+            size,
+            port,
+        }));
         // SAFETY: the caller's contract.
         unsafe { put(handle, reg.cast::<c_void>(), "handle pointer") }.inspect_err(|_| {
             // SAFETY: just made, never shared.

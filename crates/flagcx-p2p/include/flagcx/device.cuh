@@ -57,8 +57,14 @@ enum : int {
 /* The flag value that means "failed". */
 static constexpr uint64_t kPortPoison = ~uint64_t(0);
 
-/* The raw handle: device-visible addresses and the FIFO's depth (56 bytes, = Rust's PortRaw). */
-struct PortChannelHandle {
+} /* namespace flagcx */
+
+/* The raw handle: device-visible addresses and the FIFO's depth (56 bytes, = Rust's PortRaw and
+ * flagcx.h's flagcxPortChannelHandle_t, defined under the same guard by whichever header comes
+ * first). */
+#ifndef FLAGCX_PORT_CHANNEL_HANDLE_DEFINED
+#define FLAGCX_PORT_CHANNEL_HANDLE_DEFINED
+typedef struct flagcxPortChannelHandle {
   uint64_t triggers; /* first trigger slot (host memory, device-mapped); slots are 32 bytes */
   uint64_t head;     /* slots reserved (device memory) */
   uint64_t tail;     /* triggers the proxy took (host memory) */
@@ -67,7 +73,12 @@ struct PortChannelHandle {
   uint64_t flag;     /* signals received from the peer (device memory) */
   uint32_t depth;    /* trigger slots */
   uint32_t reserved;
-};
+} flagcxPortChannelHandle_t;
+#endif
+
+namespace flagcx {
+
+typedef ::flagcxPortChannelHandle PortChannelHandle;
 static_assert(sizeof(PortChannelHandle) == 56, "PortChannelHandle must match Rust's PortRaw");
 
 struct PortChannel {
