@@ -4,7 +4,7 @@
 
 use std::ffi::{c_int, c_void};
 
-use flagcx_rs::p2p::port::PortChannel;
+use flagcx_rs::p2p::port::{PortChannel, PortRaw};
 use flagcx_rs::Adaptor;
 
 use crate::{comm_ref, flagcxComm, flagcxResult_t, guard, invalid, put, Failure, Registration, R};
@@ -14,30 +14,9 @@ pub struct flagcxPortChannel {
     chan: PortChannel<Adaptor>,
 }
 
-/// What a kernel needs to drive a port channel (`flagcxPortChannelHandle_t`; the layout of
-/// `flagcx::PortChannelHandle` in `flagcx/device.cuh` and of Rust's `PortRaw`).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub struct flagcxPortChannelHandle {
-    /// The first trigger slot.
-    pub triggers: u64,
-    /// The reservation counter.
-    pub head: u64,
-    /// Triggers the proxy took.
-    pub tail: u64,
-    /// Sequence number of the last completed flush.
-    pub flushed: u64,
-    /// 0 while healthy, else a failure code.
-    pub status: u64,
-    /// Signals received from the peer.
-    pub flag: u64,
-    /// Trigger slots.
-    pub depth: u32,
-    /// Zero.
-    pub reserved: u32,
-}
-
-const _: () = assert!(std::mem::size_of::<flagcxPortChannelHandle>() == 56);
+/// What a kernel needs to drive a port channel (`flagcxPortChannelHandle_t`): Rust's
+/// [`PortRaw`], whose layout `flagcx.h` and `flagcx/device.cuh` repeat.
+pub type flagcxPortChannelHandle = PortRaw;
 
 /// The channel behind `channel`, or an `InvalidArgument` failure for NULL.
 ///
@@ -97,17 +76,7 @@ pub unsafe extern "C" fn flagcxPortChannelCreate(
             })?);
         }
         let chan = c.comm.port_channel(peer, &regs, depth)?;
-        let raw = chan.raw();
-        let h = flagcxPortChannelHandle {
-            triggers: raw.triggers,
-            head: raw.head,
-            tail: raw.tail,
-            flushed: raw.flushed,
-            status: raw.status,
-            flag: raw.flag,
-            depth: raw.depth,
-            reserved: 0,
-        };
+        let h = chan.raw();
         let boxed = Box::into_raw(Box::new(flagcxPortChannel { chan }));
         // SAFETY: both checked non-null above; writable by the caller's contract.
         unsafe {

@@ -23,26 +23,29 @@ unsafe impl Send for WatermarkPage {}
 // SAFETY: as above.
 unsafe impl Sync for WatermarkPage {}
 
+/// `len` bytes of fresh private anonymous memory (zeroed, page aligned); `what` names the
+/// mapping in the error. Freed with `munmap`.
+pub(crate) fn anon_pages(len: usize, what: &'static str) -> Result<*mut u8> {
+    // SAFETY: a fresh private anonymous mapping; checked.
+    let host = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if host == libc::MAP_FAILED {
+        return Err(CommError::io(what, std::io::Error::last_os_error()));
+    }
+    Ok(host.cast())
+}
+
 impl WatermarkPage {
     pub(crate) fn new<A: DeviceAdaptor>(adaptor: &A) -> Result<Self> {
-        // SAFETY: a fresh private anonymous page; checked.
-        let host = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                4096,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if host == libc::MAP_FAILED {
-            return Err(CommError::io(
-                "mmap watermark page",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        let host = host as *mut u8;
+        let host = anon_pages(4096, "mmap watermark page")?;
         let device =
             if adaptor.capabilities().host_register && adaptor.capabilities().stream_mem_ops {
                 // SAFETY: the page stays mapped until `release`, which unregisters it first.

@@ -222,24 +222,7 @@ unsafe impl Sync for ControlBlock {}
 impl ControlBlock {
     fn new<A: DeviceAdaptor>(adaptor: &A, depth: usize) -> Result<Self> {
         let len = (TRIGGERS_OFF as usize + depth * TRIGGER_BYTES).div_ceil(PAGE) * PAGE;
-        // SAFETY: a fresh private anonymous mapping; checked.
-        let host = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if host == libc::MAP_FAILED {
-            return Err(CommError::io(
-                "mmap port control block",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        let host = host as *mut u8;
+        let host = crate::join::anon_pages(len, "mmap port control block")?;
         // SAFETY: the mapping stays until `release`, which unregisters it first.
         match unsafe { adaptor.host_register(host, len) } {
             Ok(device) => Ok(ControlBlock { host, len, device }),
