@@ -23,7 +23,8 @@ pub enum PortFailure {
     #[error("trigger field out of range")]
     OutOfRange,
     /// Nothing happened within the port's timeout (the ring stayed full, or the awaited
-    /// signal or flush did not come).
+    /// signal or flush did not come). A put or signal that timed out on a full ring holds a
+    /// reserved slot it never filled: the channel takes no further triggers (close it).
     #[error("timed out")]
     Timeout,
 }

@@ -397,7 +397,12 @@ impl<A: DeviceAdaptor> PortChannel<A> {
             return Ok(());
         }
         let ch = &self.ch;
-        let mut first = self.proxy.remove(ch.id).err();
+        if let Err(e) = self.proxy.remove(ch.id) {
+            // The proxy may still use the channel's streams and mappings: leave them.
+            tracing::warn!(peer = ch.peer, "port channel left allocated: {e}");
+            return Err(e);
+        }
+        let mut first = None;
         if let Err(e) = ch.adaptor.stream_synchronize(ch.ctl) {
             first.get_or_insert(e.into());
         }

@@ -171,8 +171,13 @@ fn handle<A: DeviceAdaptor>(cmd: Cmd<A>, chans: &mut Vec<Active<A>>, bound: &mut
                 Some(i) => {
                     let mut a = chans.swap_remove(i);
                     // Triggers already in the FIFO were asked for before the close (a
-                    // kernel's last signal): they still run.
-                    while a.step() {}
+                    // kernel's last signal): they still run (at most a ring's worth: device
+                    // code still writing triggers now breaks close's contract).
+                    for _ in 0..=a.ch.depth / BATCH + 1 {
+                        if !a.step() {
+                            break;
+                        }
+                    }
                     a.ch.adaptor
                         .stream_synchronize(a.ch.stream)
                         .map_err(CommError::from)
