@@ -600,6 +600,28 @@ fn eager(r: &Rank, next: usize, prev: usize) {
         }
     }
     println!("eager: rank {me}: bursts checked");
+    // Groups: their small messages go eagerly at the group's end (sends first, then the
+    // receives polled together), beside larger ones that the proxy moves; several per pair and
+    // direction, of distinct sizes, so that a message out of order shows in the bytes. A small
+    // one posted behind a large one must follow it through the proxy.
+    let before = r.comm.stats().eager_bytes;
+    let at_limit = if limit > 100 { limit } else { 7 };
+    for round in 0..24u64 {
+        let plan: Vec<usize> = match round % 4 {
+            0 => vec![8],
+            1 => vec![100, 3, at_limit],
+            2 => vec![16, 200_000, 40],
+            _ => vec![0, 4096, 5],
+        };
+        let to: Vec<_> = plan.iter().map(|&n| (next, n)).collect();
+        let from: Vec<_> = plan.iter().map(|&n| (prev, n)).collect();
+        r.exchange(&to, &from, 60_000 + round);
+    }
+    let grouped = r.comm.stats().eager_bytes - before;
+    if limit > 0 && r.comm.eager_limit(prev) > 0 {
+        assert!(grouped > 0, "rank {me}: no grouped message went eagerly");
+    }
+    println!("eager: rank {me}: groups checked ({grouped} bytes eagerly)");
     // Too large for its receive: refused at the receiver, which is left untouched. An eager
     // sender was done with the message when it posted, so only it succeeds.
     let big = r.filled(next, 41_000, 2000);
@@ -613,7 +635,7 @@ fn eager(r: &Rank, next: usize, prev: usize) {
         (Ok(2000), true) | (Err(CommError::SizeMismatch { .. }), false) => {}
         (other, eager) => panic!("rank {me}: sender (eager {eager}) got {other:?}"),
     }
-    refused(r, q, &small);
+    refused(r, q, &small, 2000);
     // The pair goes on.
     let ok = r.filled(next, 41_001, 999);
     let s = r.comm.send(&ok, next, &ss).expect("send");
@@ -673,17 +695,17 @@ fn pingpong(r: &Rank, peer: usize) {
 
 /// A 1000-byte receive (filled with 0xEE) refused a 2000-byte message: a size mismatch, and
 /// not a byte written.
-fn refused(r: &Rank, q: flagcx::Request, small: &DeviceBuffer<Adaptor>) {
+fn refused(r: &Rank, q: flagcx::Request, small: &DeviceBuffer<Adaptor>, sent: usize) {
     let me = r.comm.rank();
     match q.wait() {
         Err(CommError::SizeMismatch {
-            send_bytes: 2000,
-            recv_bytes: 1000,
+            send_bytes,
+            recv_bytes,
             ..
-        }) => {}
+        }) if send_bytes == sent && recv_bytes == small.len() => {}
         other => panic!("rank {me}: receiver expected a size mismatch, got {other:?}"),
     }
-    let mut untouched = vec![0u8; 1000];
+    let mut untouched = vec![0u8; small.len()];
     small.read(0, &mut untouched, &r.stream).expect("read");
     assert!(
         untouched.iter().all(|&b| b == 0xEE),
@@ -707,7 +729,7 @@ fn net_mismatch(r: &Rank, next: usize, prev: usize) {
         })
         .expect("post");
     assert_eq!(s.wait().expect("the sender's bytes were delivered"), 2000);
-    refused(r, q, &small);
+    refused(r, q, &small, 2000);
     // A large one (UCX's rendezvous or many fragments): the receive fails all the same.
     let big = r.filled(next, 9, 4 << 20);
     let small = r.buffer(1 << 20);
@@ -802,11 +824,13 @@ fn net_stalled(r: &Rank) {
     println!("worker ok: rank 0 of 2, timed out after {waited:?}");
 }
 
-/// A sender larger than its receiver fails on both sides, then the pair still works.
+/// A sender larger than its receiver fails on both sides, then the pair still works. The
+/// sizes are above the eager limit (32 KiB): an eager send is complete when posted, and only
+/// its receive fails (`eager_small_messages`).
 fn mismatch(r: &Rank, next: usize, prev: usize) {
     let me = r.comm.rank();
-    let big = r.filled(next, 7, 2000);
-    let small = r.buffer(1000);
+    let big = r.filled(next, 7, 80_000);
+    let small = r.buffer(40_000);
     small.fill(0xEE, &r.stream).expect("fill");
     let (s, q) = r
         .comm
@@ -819,13 +843,13 @@ fn mismatch(r: &Rank, next: usize, prev: usize) {
         .expect("post");
     match s.wait() {
         Err(CommError::SizeMismatch {
-            send_bytes: 2000,
-            recv_bytes: 1000,
+            send_bytes: 80_000,
+            recv_bytes: 40_000,
             ..
         }) => {}
         other => panic!("rank {me}: sender expected a size mismatch, got {other:?}"),
     }
-    refused(r, q, &small);
+    refused(r, q, &small, 80_000);
     // A smaller sender is fine: the receiver learns the size.
     let s500 = r.filled(next, 8, 500);
     let recv = r.buffer(1000);

@@ -125,11 +125,13 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         let exe = build_binary(kind, name, &format!("flagcx/{vendor},flagcx/opencl"))?;
         copy_stripped(&exe, &out.join("bin").join(name))?;
     }
-    std::fs::copy(
-        root().join("benches/mpi/pingpong.c"),
-        out.join("mpi-pingpong.c"),
-    )
-    .map_err(|e| format!("copy the MPI peer: {e}"))?;
+    for source in ["pingpong", "alltoall"] {
+        std::fs::copy(
+            root().join(format!("benches/mpi/{source}.c")),
+            out.join(format!("mpi-{source}.c")),
+        )
+        .map_err(|e| format!("copy the MPI peer ({source}): {e}"))?;
+    }
     std::fs::copy(
         root().join("benches/probes/ipc_floor.c"),
         out.join("ipc_floor.c"),
@@ -537,9 +539,22 @@ fi
 if command -v mpicc >/dev/null; then
   mpicc -O2 -o "$logs/mpi-pingpong" "$here/mpi-pingpong.c" &&
   sweep mpi-pingpong mpirun --allow-run-as-root --oversubscribe -n 2 "$logs/mpi-pingpong" 8 268435456
+  # The host vendor against Open MPI on this machine's cores: three alternating rounds, as
+  # `cargo xtask bench --vs-mpi` does on the development machine.
+  if mpicc -O2 -o "$logs/mpi-alltoall" "$here/mpi-alltoall.c"; then
+    for r in 1 2 3; do
+      sweep host-vs-mpi-pp-$r "$perf" -t pingpong --vendor host -b 8 -e 512K -f 4 -n 1000 -w 50
+      sweep host-vs-mpi-pp-large-$r "$perf" -t pingpong --vendor host -b 2M -e 256M -f 4 -n 20 -w 3
+      sweep mpi-pp-$r mpirun --allow-run-as-root --oversubscribe -n 2 "$logs/mpi-pingpong" 8 268435456
+      sweep host-vs-mpi-a2a-$r "$perf" -t alltoall -N 4 --vendor host -b 1M -e 256M -f 4 -n 10 -w 2 -c
+      sweep mpi-a2a-$r mpirun --allow-run-as-root --oversubscribe -n 4 "$logs/mpi-alltoall" 1048576 268435456
+    done
+  fi
 else
   echo "== mpi-pingpong: skipped: mpicc not found"
 fi
+# Collectives of a GPU rank and a host rank against the pair's point-to-point (mixed-sendrecv).
+for t in allgather alltoall broadcast; do sweep mixed-$t "$perf" -t $t --vendors {vendor},host -b 8 -e 1G -f 8 -n 10 -w 3 -c; done
 "#
     );
     let path = out.join("perf.sh");

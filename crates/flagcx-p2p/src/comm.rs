@@ -60,7 +60,11 @@ impl Request {
                 Err(CommError::Timeout {
                     ms: timeout.as_millis() as u64,
                     peer: None,
-                    what: format!("operation {seq} (Request::wait_timeout)"),
+                    what: if seq == 0 {
+                        "an operation of a group (Request::wait_timeout)".into()
+                    } else {
+                        format!("operation {seq} (Request::wait_timeout)")
+                    },
                 })
             }),
         }
@@ -86,7 +90,8 @@ impl Request {
 /// thread moves a message itself where it can: eagerly between host-addressable ranks
 /// ([`Config::eager_max`]), and on IPC pairs ([`Config::ipc_caller`]). Such a post may then take
 /// up to the spin time (plus up to 2 ms while the message's copy runs) and return a request
-/// that is already complete.
+/// that is already complete. A group's small messages go eagerly at [`Comm::group_end`], which
+/// may likewise wait up to the spin time for the group's eager receives.
 pub struct Comm<A: DeviceAdaptor> {
     pub(crate) adaptor: A,
     pub(crate) rank: usize,
@@ -456,11 +461,14 @@ impl<A: DeviceAdaptor> Comm<A> {
         Ok(())
     }
 
-    /// Closes the group [`Comm::group_begin`] opened and hands its operations over.
+    /// Closes the group [`Comm::group_begin`] opened and hands its operations over, after
+    /// moving its small messages itself where the pairs have eager slots (sends first; then it
+    /// waits up to the spin time for the group's eager receives).
     pub fn group_end(&self) -> Result<()> {
         let ops = lock(&self.group)
             .take()
             .ok_or_else(|| CommError::InvalidArgument("no group is open".into()))?;
+        let ops = self.group_eager(ops);
         self.submit(ops)
     }
 
@@ -572,10 +580,9 @@ impl<A: DeviceAdaptor> Comm<A> {
                 return Ok(r);
             }
         }
-        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(Slot::helped(self.net_helper(peer)));
-        let op = Op {
-            seq,
+        let mut op = Op {
+            seq: 0, // numbered when submitted: a group's eager moves take none
             dir,
             peer,
             index: 0, // numbered in `submit`
@@ -588,13 +595,19 @@ impl<A: DeviceAdaptor> Comm<A> {
             resume: None,
         };
         let mut g = lock(&self.group);
-        match g.as_mut() {
-            Some(ops) => ops.push((op, stream)),
+        let seq = match g.as_mut() {
+            Some(ops) => {
+                ops.push((op, stream));
+                0
+            }
             None => {
                 drop(g);
+                op.seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+                let seq = op.seq;
                 self.submit(vec![(op, stream)])?;
+                seq
             }
-        }
+        };
         Ok(Request {
             state: State::Pending(slot),
             seq,
@@ -603,12 +616,15 @@ impl<A: DeviceAdaptor> Comm<A> {
     }
 
     /// Hands operations to the proxy, then makes each stream wait for its last one.
-    pub(crate) fn submit(&self, ops: Vec<(Op, StreamHandle)>) -> Result<()> {
+    pub(crate) fn submit(&self, mut ops: Vec<(Op, StreamHandle)>) -> Result<()> {
         if ops.is_empty() {
             return Ok(());
         }
         let mut last: BTreeMap<u64, u64> = BTreeMap::new();
-        for (op, s) in &ops {
+        for (op, s) in &mut ops {
+            if op.seq == 0 {
+                op.seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+            }
             let e = last.entry(s.0).or_default();
             *e = (*e).max(op.seq);
         }

@@ -125,9 +125,10 @@ pub struct Config {
     /// Largest message sent eagerly through shared host memory (`FLAGCX_P2P_EAGER_MAX`, default
     /// 32 KiB, at most 64 KiB; 0 turns it off): between two ranks whose device memory the CPU
     /// addresses (host vendor on both sides), and on every staged pair. Such a send, posted
-    /// outside a group on an idle stream, is copied into the receiver's channel by the calling
-    /// thread (by the CPU, or by the runtime's blocking copy where device memory is not host
-    /// addressable) and complete on return; the receiver copies it out on its own thread. The receiver's setting sizes its channel's eager slots (64 per
+    /// on an idle stream, is copied into the receiver's channel by the calling thread (by the
+    /// CPU, or by the runtime's blocking copy where device memory is not host addressable) and
+    /// complete on return — in a group, at [`crate::Comm::group_end`]; the receiver copies it
+    /// out on its own thread. The receiver's setting sizes its channel's eager slots (64 per
     /// direction); the smaller of the two settings applies.
     pub eager_max: usize,
     /// Whether the posting thread moves an IPC operation itself (`FLAGCX_P2P_IPC_CALLER=on|off`,

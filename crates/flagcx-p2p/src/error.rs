@@ -40,7 +40,9 @@ pub enum CommError {
     /// An argument the operation cannot accept.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
-    /// The sender's message is larger than the receiver's buffer; raised on both sides.
+    /// The sender's message is larger than the receiver's buffer; raised on both sides, except
+    /// for an eager message (see [`crate::Config::eager_max`]), whose send was complete when
+    /// posted: then only the receive fails.
     #[error(
         "size mismatch with rank {peer}: sender has {send_bytes} bytes, receiver {recv_bytes}"
     )]

@@ -9,17 +9,18 @@
 //! engine's eager stream): one blocking copy per side instead of the ring's descriptor
 //! handshake, proxy hops and stream joins.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use flagcx_adaptor::{DeviceAdaptor, DevicePtr, StreamHandle};
 
-use super::ipc::poll_for;
+use super::ipc::poll_peer_for;
 use super::{started, Path, Progress, Step};
 use crate::channel::{Channel, Counter, SendDesc, DESC_RING};
 use crate::comm::{Comm, Request, State};
-use crate::engine::{lock, Dir, Engine, Inbox};
+use crate::engine::{lock, Dir, Engine, Inbox, Op};
 use crate::error::{CommError, Result};
 
 /// The API side's handle on one pair's eager slots (see [`crate::Config::eager_max`]).
@@ -193,6 +194,16 @@ pub(crate) fn receive_eager(
     r
 }
 
+/// What one look at a receive's next eager slot found.
+pub(crate) enum Arrival {
+    /// An eager message, described.
+    Eager(SendDesc),
+    /// A message of the proxy's protocol: the receive is the proxy's.
+    Other,
+    /// Nothing yet.
+    NotYet,
+}
+
 impl<A: DeviceAdaptor> Comm<A> {
     /// The eager path (the caller checked the pair has one, the post is outside a group and
     /// the stream is idle): a small message, while no earlier operation of its pair and
@@ -210,155 +221,298 @@ impl<A: DeviceAdaptor> Comm<A> {
         let Some(link) = self.eager.get(peer).and_then(|l| l.as_ref()) else {
             return Ok(None);
         };
-        let d = dir as usize;
-        let max = match dir {
-            Dir::Send => link.send_max,
-            Dir::Recv => link.recv_max,
-        };
-        if max == 0 || (dir == Dir::Send && bytes > max) {
-            return Ok(None);
-        }
-        // Whether the pair and direction is free for this thread: nothing of it with the proxy,
-        // not retired. Checked (again) under the inbox lock, which numbers messages.
-        let free = |inbox: &Inbox, index: u64| {
-            inbox.next[peer][d] == index
-                && self.shared.pending[peer][d].load(Ordering::Acquire) == 0
-                && !self.shared.lost[peer].load(Ordering::Acquire)
-        };
         let r = match dir {
-            Dir::Send => {
-                let taken = |inbox: &Inbox| {
-                    let k = inbox.next[peer][d];
-                    let window_open = k < link.freed.load(Ordering::Relaxed) + DESC_RING || {
-                        let done = link.out.load(Counter::RecvDone);
-                        link.freed.store(done, Ordering::Relaxed);
-                        k < done + DESC_RING
-                    };
-                    (free(inbox, k) && window_open && link.out.load(Counter::RecvFault) == 0)
-                        .then_some(k)
-                };
-                // Device memory the CPU cannot read: the runtime copies it to the host first,
-                // outside the lock (where the pair is not free now, nothing is copied).
-                let publish = |src: *const u8| {
-                    let mut inbox = lock(&self.shared.inbox);
-                    let k = taken(&inbox)?;
-                    // SAFETY: `src` holds `bytes` readable bytes: the bounce buffer, or the
-                    // caller's buffer in host-addressable device memory (checked by `post` to
-                    // lie in one allocation; its stream is idle, so earlier work on it has
-                    // finished writing it); `bytes <= send_max <= ` the slot size; message
-                    // `k` is ours under the lock, with every earlier send finished (answered)
-                    // and its slot free.
-                    unsafe { link.out.post_eager(k, src, bytes) };
-                    inbox.next[peer][d] = k + 1;
-                    Some(())
-                };
-                if link.addressable || bytes == 0 {
-                    if publish(ptr.0 as *const u8).is_none() {
-                        return Ok(None);
-                    }
-                    Ok(bytes)
-                } else {
-                    // Device memory the CPU cannot read: the runtime copies it to the host
-                    // first, outside the inbox lock (nothing is copied where the pair is not
-                    // free now).
-                    if taken(&lock(&self.shared.inbox)).is_none() {
-                        return Ok(None);
-                    }
-                    let sent = lock(&self.bounce).with(&self.adaptor, bytes, |b| {
-                        // SAFETY: `ptr..ptr+bytes` lies in one allocation of this adaptor
-                        // (checked by `post`), and the stream is idle, so earlier work on it
-                        // has finished writing it; `b` holds `bytes`; synchronized here.
-                        unsafe {
-                            self.adaptor
-                                .memcpy_d2h_async(b.as_mut_ptr(), ptr, bytes, stream)?
-                        };
-                        self.adaptor.stream_synchronize(stream)?;
-                        Ok::<_, CommError>(publish(b.as_ptr()))
-                    })?;
-                    if sent.is_none() {
-                        return Ok(None);
-                    }
-                    Ok(bytes)
-                }
-            }
+            Dir::Send => self.eager_send(link, ptr, bytes, peer, stream),
             Dir::Recv => {
-                let k = lock(&self.shared.inbox).next[peer][d];
+                if link.recv_max == 0 {
+                    return Ok(None);
+                }
+                let k = lock(&self.shared.inbox).next[peer][Dir::Recv as usize];
                 // Wait without the lock for a message that may well come eagerly: only where
                 // any message this receive can take fits the eager slots.
-                let spin = if bytes <= max {
+                let spin = if bytes <= link.recv_max {
                     self.config.spin.unwrap_or_default()
                 } else {
                     Duration::ZERO
                 };
-                // Poll the descriptor's status word: an eager message publishes it last (one
-                // cache line to fetch); a message of the proxy's protocol shows in `SendPosted`
-                // and is left to the proxy.
                 let mut polls = 0u32;
-                let found = poll_for(
+                let found = poll_peer_for(
                     spin,
                     || spin,
-                    || {
-                        if let Some(sd) = link.inc.eager_arrived(k) {
-                            return Some(Some(sd));
-                        }
-                        // The counter costs more than a poll: every 64 polls.
-                        polls = polls.wrapping_add(1);
-                        // Message `k` is published. An eager one stored its status word before
-                        // the counter, so this look settles which kind it is.
-                        (polls % 64 == 0 && link.inc.load(Counter::SendPosted) > k)
-                            .then(|| link.inc.eager_arrived(k))
+                    || match link.probe(k, &mut polls) {
+                        Arrival::Eager(sd) => Some(Some(sd)),
+                        Arrival::Other => Some(None),
+                        Arrival::NotYet => None,
                     },
                 );
-                let Some(Some(sd)) = found else {
-                    return Ok(None);
-                };
-                // Takes message `k` into `dst` (`None`: the pair is not free for this thread).
-                let take = |dst: DevicePtr| {
-                    let mut inbox = lock(&self.shared.inbox);
-                    if !free(&inbox, k) || link.inc.load(Counter::SendFault) > k {
-                        return None;
-                    }
-                    let r = receive_eager(&link.inc, k, &sd, dst, bytes, peer);
-                    inbox.next[peer][d] = k + 1;
-                    drop(inbox);
-                    if matches!(r, Err(CommError::Protocol(_))) {
-                        self.shared.mark_lost(peer);
-                    }
-                    Some(r)
-                };
-                let taken = if link.addressable {
-                    take(ptr)
-                } else {
-                    // Device memory the CPU cannot write: through the bounce buffer, copied in
-                    // by the runtime once the slot is free again and the inbox lock released.
-                    let n = (sd.size as usize).min(bytes);
-                    lock(&self.bounce).with(&self.adaptor, n, |b| {
-                        take(host_ptr(b)).map(|r| match r {
-                            // The stream is idle, so nothing earlier still uses the buffer.
-                            Ok(n) if n > 0 => {
-                                copy_in(&self.adaptor, ptr, &b[..n], stream).map(|()| n)
-                            }
-                            r => r,
-                        })
-                    })
-                };
-                let Some(r) = taken else {
-                    return Ok(None);
-                };
-                r
+                match found {
+                    Some(Some(sd)) => self.eager_take(link, k, &sd, ptr, bytes, peer, stream),
+                    _ => None,
+                }
             }
         };
-        match &r {
+        Ok(r.map(|r| self.eager_request(r)))
+    }
+
+    /// A request already finished by this thread's eager move, counted in the path statistics
+    /// (or the communicator's errors).
+    pub(crate) fn eager_request(&self, r: Result<usize>) -> Request {
+        self.eager_counted(&r);
+        Request {
+            state: State::Done(r),
+            seq: 0,
+            spin: Duration::ZERO,
+        }
+    }
+
+    /// Counts a finished eager move: its bytes on the eager path, or its failure.
+    pub(crate) fn eager_counted(&self, r: &Result<usize>) {
+        match r {
             Ok(n) => {
                 self.shared.path_bytes[Path::Eager as usize]
                     .fetch_add(*n as u64, Ordering::Relaxed);
             }
             Err(e) => self.shared.record_error(e),
         }
-        Ok(Some(Request {
-            state: State::Done(r),
-            seq: 0,
-            spin: Duration::ZERO,
-        }))
+    }
+
+    /// Whether message `index` of `peer` and `dir` is free for the posting thread: nothing of
+    /// the pair and direction with the proxy, the pair not lost, and `index` the next number.
+    fn eager_free(&self, inbox: &Inbox, peer: usize, dir: Dir, index: u64) -> bool {
+        let d = dir as usize;
+        inbox.next[peer][d] == index
+            && self.shared.pending[peer][d].load(Ordering::Acquire) == 0
+            && !self.shared.lost[peer].load(Ordering::Acquire)
+    }
+
+    /// Sends `bytes` at `ptr` into the peer's next eager slot (the caller checked that the
+    /// stream is idle). `None`: not taken (too big, the pair not free, the window full).
+    pub(crate) fn eager_send(
+        &self,
+        link: &EagerLink,
+        ptr: DevicePtr,
+        bytes: usize,
+        peer: usize,
+        stream: StreamHandle,
+    ) -> Option<Result<usize>> {
+        if link.send_max == 0 || bytes > link.send_max {
+            return None;
+        }
+        let taken = |inbox: &Inbox| {
+            let k = inbox.next[peer][Dir::Send as usize];
+            let window_open = k < link.freed.load(Ordering::Relaxed) + DESC_RING || {
+                let done = link.out.load(Counter::RecvDone);
+                link.freed.store(done, Ordering::Relaxed);
+                k < done + DESC_RING
+            };
+            (self.eager_free(inbox, peer, Dir::Send, k)
+                && window_open
+                && link.out.load(Counter::RecvFault) == 0)
+                .then_some(k)
+        };
+        let publish = |src: *const u8| {
+            let mut inbox = lock(&self.shared.inbox);
+            let k = taken(&inbox)?;
+            // SAFETY: `src` holds `bytes` readable bytes: the bounce buffer, or the caller's
+            // buffer in host-addressable device memory (checked by `post` to lie in one
+            // allocation; its stream is idle, so earlier work on it has finished writing it);
+            // `bytes <= send_max <= ` the slot size; message `k` is ours under the lock, with
+            // every earlier send finished (answered) and its slot free.
+            unsafe { link.out.post_eager(k, src, bytes) };
+            inbox.next[peer][Dir::Send as usize] = k + 1;
+            Some(())
+        };
+        if link.addressable || bytes == 0 {
+            return publish(ptr.0 as *const u8).map(|()| Ok(bytes));
+        }
+        // Device memory the CPU cannot read: the runtime copies it to the host first, outside
+        // the inbox lock (nothing is copied where the pair is not free now).
+        taken(&lock(&self.shared.inbox))?;
+        let sent = lock(&self.bounce).with(&self.adaptor, bytes, |b| {
+            // SAFETY: `ptr..ptr+bytes` lies in one allocation of this adaptor (checked by
+            // `post`), and the stream is idle, so earlier work on it has finished writing it;
+            // `b` holds `bytes`; synchronized here.
+            unsafe {
+                self.adaptor
+                    .memcpy_d2h_async(b.as_mut_ptr(), ptr, bytes, stream)?
+            };
+            self.adaptor.stream_synchronize(stream)?;
+            Ok::<_, CommError>(publish(b.as_ptr()))
+        });
+        match sent {
+            Ok(Some(())) => Some(Ok(bytes)),
+            Ok(None) => None,
+            Err(e) => Some(Err(e)),
+        }
+    }
+
+    /// Takes eager message `k` of `peer` (described by `sd`) into `ptr` (`bytes`; the caller
+    /// checked that the stream is idle). `None`: the pair is not free for this thread.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn eager_take(
+        &self,
+        link: &EagerLink,
+        k: u64,
+        sd: &SendDesc,
+        ptr: DevicePtr,
+        bytes: usize,
+        peer: usize,
+        stream: StreamHandle,
+    ) -> Option<Result<usize>> {
+        let take = |dst: DevicePtr| {
+            let mut inbox = lock(&self.shared.inbox);
+            if !self.eager_free(&inbox, peer, Dir::Recv, k) || link.inc.load(Counter::SendFault) > k
+            {
+                return None;
+            }
+            let r = receive_eager(&link.inc, k, sd, dst, bytes, peer);
+            inbox.next[peer][Dir::Recv as usize] = k + 1;
+            drop(inbox);
+            if matches!(r, Err(CommError::Protocol(_))) {
+                self.shared.mark_lost(peer);
+            }
+            Some(r)
+        };
+        if link.addressable {
+            return take(ptr);
+        }
+        // Device memory the CPU cannot write: through the bounce buffer, copied in by the
+        // runtime once the slot is free again and the inbox lock released.
+        let n = (sd.size as usize).min(bytes);
+        lock(&self.bounce).with(&self.adaptor, n, |b| {
+            take(host_ptr(b)).map(|r| match r {
+                // The stream is idle, so nothing earlier still uses the buffer.
+                Ok(n) if n > 0 => copy_in(&self.adaptor, ptr, &b[..n], stream).map(|()| n),
+                r => r,
+            })
+        })
+    }
+}
+
+impl EagerLink {
+    /// One look at the peer's message `k`: its status word (an eager message publishes it
+    /// last: one cache line to fetch), and every 64th look (`polls` counts them) the counter,
+    /// which shows a message of the proxy's protocol.
+    pub(crate) fn probe(&self, k: u64, polls: &mut u32) -> Arrival {
+        if let Some(sd) = self.inc.eager_arrived(k) {
+            return Arrival::Eager(sd);
+        }
+        *polls = polls.wrapping_add(1);
+        // Message `k` is published. An eager one stored its status word before the counter,
+        // so this look settles which kind it is.
+        if *polls % 64 == 0 && self.inc.load(Counter::SendPosted) > k {
+            return match self.inc.eager_arrived(k) {
+                Some(sd) => Arrival::Eager(sd),
+                None => Arrival::Other,
+            };
+        }
+        Arrival::NotYet
+    }
+}
+
+impl<A: DeviceAdaptor> Comm<A> {
+    /// A group's eager moves, at its end: every small send whose pair and direction is free
+    /// goes into the peer's eager slots, then the receives wait together, up to the spin time,
+    /// for eager messages to take. What remains is returned for the proxy, in order: behind an
+    /// operation handed over, the later ones of its pair and direction follow it.
+    ///
+    /// Sends never wait (a full window hands the send over), and every send is published before
+    /// any receive waits, so ranks whose groups send to each other do not wait on each other
+    /// for longer than the spin time. Only operations whose stream was idle at posting and
+    /// still is qualify: the move is done before `group_end` returns, as outside a group.
+    pub(crate) fn group_eager(&self, ops: Vec<(Op, StreamHandle)>) -> Vec<(Op, StreamHandle)> {
+        let spin = self.config.spin.unwrap_or_default();
+        let eligible = |op: &Op| {
+            op.start.is_none()
+                && self
+                    .eager
+                    .get(op.peer)
+                    .and_then(|l| l.as_ref())
+                    .is_some_and(|l| match op.dir {
+                        Dir::Send => op.bytes <= l.send_max,
+                        Dir::Recv => op.bytes <= l.recv_max && !spin.is_zero(),
+                    })
+        };
+        if !ops.iter().any(|(op, _)| eligible(op)) {
+            return ops;
+        }
+        // Streams idle now: work enqueued on one since the posts comes first.
+        let mut idle: HashMap<u64, bool> = HashMap::new();
+        let mut is_idle = |s: StreamHandle| {
+            *idle
+                .entry(s.0)
+                .or_insert_with(|| self.adaptor.stream_query(s).unwrap_or(false))
+        };
+        let mut ops: Vec<Option<(Op, StreamHandle)>> = ops.into_iter().map(Some).collect();
+        // Pairs and directions with an operation handed over: the rest of theirs follow it.
+        let mut handed: HashSet<(usize, usize)> = HashSet::new();
+        let mut receives = Vec::new();
+        for (i, entry) in ops.iter_mut().enumerate() {
+            let (op, s) = entry.as_ref().expect("unvisited");
+            let key = (op.peer, op.dir as usize);
+            if handed.contains(&key) || !eligible(op) || !is_idle(*s) {
+                handed.insert(key);
+                continue;
+            }
+            if op.dir == Dir::Recv {
+                receives.push(i);
+                continue;
+            }
+            let link = self.eager[op.peer].as_ref().expect("eligible");
+            match self.eager_send(link, op.ptr, op.bytes, op.peer, *s) {
+                Some(r) => self.eager_finish(entry.take().expect("unvisited").0, r),
+                None => {
+                    handed.insert(key);
+                }
+            }
+        }
+        // The receives, polled in turn; each peer's next one only (later ones are numbered
+        // after it).
+        let t0 = std::time::Instant::now();
+        let mut polls = 0u32;
+        loop {
+            let mut busy: HashSet<usize> = HashSet::new();
+            let mut left = false;
+            for &i in &receives {
+                let Some((op, s)) = ops[i].as_ref() else {
+                    continue;
+                };
+                let (peer, stream) = (op.peer, *s);
+                if handed.contains(&(peer, Dir::Recv as usize)) || !busy.insert(peer) {
+                    left |= !handed.contains(&(peer, Dir::Recv as usize));
+                    continue;
+                }
+                let link = self.eager[peer].as_ref().expect("eligible");
+                let k = lock(&self.shared.inbox).next[peer][Dir::Recv as usize];
+                let taken = match link.probe(k, &mut polls) {
+                    Arrival::Eager(sd) => {
+                        self.eager_take(link, k, &sd, op.ptr, op.bytes, peer, stream)
+                    }
+                    Arrival::Other => None,
+                    Arrival::NotYet => {
+                        left = true;
+                        continue;
+                    }
+                };
+                match taken {
+                    Some(r) => self.eager_finish(ops[i].take().expect("present").0, r),
+                    None => {
+                        handed.insert((peer, Dir::Recv as usize));
+                    }
+                }
+            }
+            if !left || t0.elapsed() >= spin {
+                break;
+            }
+            flagcx_adaptor::spin::relax_on_peer(polls);
+        }
+        ops.into_iter().flatten().collect()
+    }
+
+    /// Completes a group's operation this thread moved eagerly.
+    fn eager_finish(&self, op: Op, r: Result<usize>) {
+        self.eager_counted(&r);
+        op.slot.complete(r);
+        drop(op.keep);
     }
 }

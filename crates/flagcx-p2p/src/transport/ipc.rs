@@ -137,11 +137,31 @@ pub(crate) const RUNNING_COPY_WAIT: Duration = Duration::from_millis(2);
 
 /// Polls `ready` until it gives a value, for up to `budget()` (at least once; `spin` zero:
 /// exactly once), reading the clock and the budget every 64 polls (they cost more than a poll
-/// of shared memory).
+/// of shared memory). Between polls: [`flagcx_adaptor::spin::relax`], for waits that this
+/// process's own threads (proxy, stream workers) may have to serve.
 pub(crate) fn poll_for<T>(
     spin: Duration,
     budget: impl Fn() -> Duration,
+    ready: impl FnMut() -> Option<T>,
+) -> Option<T> {
+    poll_with(spin, budget, ready, |_| flagcx_adaptor::spin::relax())
+}
+
+/// [`poll_for`] for a store only the peer's process makes (an eager message): between polls
+/// [`flagcx_adaptor::spin::relax_on_peer`], which yields the core less often.
+pub(crate) fn poll_peer_for<T>(
+    spin: Duration,
+    budget: impl Fn() -> Duration,
+    ready: impl FnMut() -> Option<T>,
+) -> Option<T> {
+    poll_with(spin, budget, ready, flagcx_adaptor::spin::relax_on_peer)
+}
+
+fn poll_with<T>(
+    spin: Duration,
+    budget: impl Fn() -> Duration,
     mut ready: impl FnMut() -> Option<T>,
+    relax: impl Fn(u32),
 ) -> Option<T> {
     let t0 = std::time::Instant::now();
     let mut polls = 0u32;
@@ -153,7 +173,7 @@ pub(crate) fn poll_for<T>(
         if spin.is_zero() || polls % 64 == 0 && t0.elapsed() >= budget() {
             return None;
         }
-        flagcx_adaptor::spin::relax();
+        relax(polls);
     }
 }
 
