@@ -256,16 +256,28 @@ const PAR_MAX: usize = 4;
 /// Thread-name prefix of the copy pool (tests tell its threads from leaked ones by it).
 pub const COPY_THREAD_PREFIX: &str = "flagcx-copy";
 
-/// The process-wide pool that splits large copies: a quarter of the cores, at most [`PAR_MAX`]
-/// threads (none below 8 cores), started on the first large copy and kept for the process's
-/// life (a fixed cost, not a per-stream one). Its own pool, so it neither waits behind nor
-/// oversubscribes the application's rayon work.
+/// Overrides the copy pool's size ([`copy_threads`]): a whole number, 0 or 1 for none.
+pub const COPY_THREADS_ENV: &str = "FLAGCX_HOST_COPY_THREADS";
+
+/// How many threads split a large copy: `FLAGCX_HOST_COPY_THREADS` if it is a number (at most
+/// the core count), else a quarter of the cores, at most [`PAR_MAX`] — the rest belong to the
+/// ranks' other threads. Fewer than 2: no pool.
+fn copy_threads(cores: usize, env: Option<&str>) -> usize {
+    match env.and_then(|v| v.trim().parse::<usize>().ok()) {
+        Some(n) => n.min(cores),
+        None => (cores / 4).min(PAR_MAX),
+    }
+}
+
+/// The process-wide pool that splits large copies ([`copy_threads`]; none below 8 cores by
+/// default), started on the first large copy and kept for the process's life (a fixed cost,
+/// not a per-stream one). Its own pool, so it neither waits behind nor oversubscribes the
+/// application's rayon work.
 fn copy_pool() -> Option<&'static rayon::ThreadPool> {
     static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
     POOL.get_or_init(|| {
-        // A quarter of the cores: the rest belong to the ranks' other threads.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads = (cores / 4).min(PAR_MAX);
+        let threads = copy_threads(cores, std::env::var(COPY_THREADS_ENV).ok().as_deref());
         if threads < 2 {
             return None;
         }
@@ -491,7 +503,19 @@ impl EventState {
 
 #[cfg(test)]
 mod tests {
-    use super::copy_on;
+    use super::{copy_on, copy_threads};
+
+    #[test]
+    fn copy_threads_default_to_a_quarter_of_the_cores_and_obey_the_variable() {
+        assert_eq!(copy_threads(2, None), 0);
+        assert_eq!(copy_threads(8, None), 2);
+        assert_eq!(copy_threads(16, None), 4);
+        assert_eq!(copy_threads(128, None), 4);
+        assert_eq!(copy_threads(16, Some("8")), 8);
+        assert_eq!(copy_threads(16, Some(" 0 ")), 0);
+        assert_eq!(copy_threads(4, Some("64")), 4);
+        assert_eq!(copy_threads(16, Some("many")), 4);
+    }
 
     /// A pool of its own, so the split path runs even where the machine gets no copy pool.
     fn pool() -> rayon::ThreadPool {

@@ -7,8 +7,11 @@
 //! nothing of a rank's own data goes through a transport. The copy is enqueued after the
 //! posts, never before: a copy already queued would make the stream busy when the transfers
 //! are posted, and each would then wait for a start event (on one GPU shared by two processes,
-//! a context switch of ~150 µs per hop). No transfer reads what the copy writes. Like point-to-point, a call enqueues and
-//! returns: the stream sees the result when it reaches that point; the returned
+//! a context switch of ~150 µs per hop). It is enqueued before the stream is made to wait for
+//! the transfers, though, so it runs beside them: on a host rank the copy is a CPU memcpy of a
+//! whole block, which took as long as the transfers when it ran after them (CUDA + host
+//! all-gather). No transfer reads what the copy writes. Like point-to-point, a call enqueues
+//! and returns: the stream sees the result when it reaches that point; the returned
 //! [`Collective`] also lets the host wait.
 //!
 //! Algorithms: broadcast is direct (the root sends to every rank at once) up to four ranks
@@ -145,36 +148,50 @@ impl<A: DeviceAdaptor> Comm<A> {
         Ok(())
     }
 
-    /// Posts `ops` (peer, send?, pointer, bytes) as one group.
+    /// Posts `ops` (peer, send?, pointer, bytes) as one group, then enqueues the local copy
+    /// `local` (destination, source, bytes), if any, before the stream is made to wait for the
+    /// group: the copy runs beside the transfers, not after them (on a host rank, a CPU copy
+    /// of a whole block took as long as the transfers).
     ///
     /// # Safety
-    /// As [`Comm::send_raw`] and [`Comm::recv_raw`] for every operation.
+    /// As [`Comm::send_raw`] and [`Comm::recv_raw`] for every operation, and as
+    /// [`Comm::local_copy`] for `local`.
     unsafe fn post_group(
         &self,
         ops: &[(usize, bool, DevicePtr, usize)],
         stream: StreamHandle,
+        local: Option<(DevicePtr, DevicePtr, usize)>,
     ) -> Result<Collective> {
+        let mut c = Collective::default();
+        let copy = |c: &mut Collective| match local {
+            // SAFETY: the caller's contract.
+            Some((dst, src, n)) => unsafe { self.local_copy(c, dst, src, n, stream) },
+            None => Ok(()),
+        };
         if ops.is_empty() {
-            return Ok(Collective::default());
+            copy(&mut c)?;
+            return Ok(c);
         }
-        let requests = self.group(|| {
-            ops.iter()
-                .map(|&(peer, send, ptr, bytes)| {
-                    // SAFETY: the caller's contract.
-                    unsafe {
-                        if send {
-                            self.send_raw(ptr, bytes, peer, stream)
-                        } else {
-                            self.recv_raw(ptr, bytes, peer, stream)
-                        }
+        self.group_begin()?;
+        let posted = ops
+            .iter()
+            .map(|&(peer, send, ptr, bytes)| {
+                // SAFETY: the caller's contract.
+                unsafe {
+                    if send {
+                        self.send_raw(ptr, bytes, peer, stream)
+                    } else {
+                        self.recv_raw(ptr, bytes, peer, stream)
                     }
-                })
-                .collect::<Result<Vec<_>>>()
-        })?;
-        Ok(Collective {
-            requests,
-            local: None,
-        })
+                }
+            })
+            .collect::<Result<Vec<_>>>();
+        let ok = posted.is_ok();
+        // What was posted is handed over even where a later post failed, as `Comm::group` does.
+        let submitted = self.group_end_then(|| if ok { copy(&mut c) } else { Ok(()) });
+        c.requests = posted?;
+        submitted?;
+        Ok(c)
     }
 
     /// Broadcast: `bytes` at the root's `send` arrive in every rank's `recv` (in place when
@@ -203,13 +220,9 @@ impl<A: DeviceAdaptor> Comm<A> {
                 vec![(root, false, recv, bytes)]
             };
             // SAFETY: the caller's contract.
-            unsafe {
-                let mut c = self.post_group(&ops, stream)?;
-                if me == root {
-                    self.local_copy(&mut c, recv, send, bytes, stream)?;
-                }
-                return Ok(c);
-            }
+            return unsafe {
+                self.post_group(&ops, stream, (me == root).then_some((recv, send, bytes)))
+            };
         }
         // Binomial tree on ranks relative to the root: receive from the parent, then send to
         // the children (the sends are ordered after the receive by the stream).
@@ -238,16 +251,11 @@ impl<A: DeviceAdaptor> Comm<A> {
             .map(|c| (abs(c), true, data, bytes))
             .collect();
         // SAFETY: the caller's contract.
-        let mut sends = unsafe { self.post_group(&children, stream) }?;
-        requests.append(&mut sends.requests);
-        let mut c = Collective {
-            requests,
-            local: None,
-        };
-        if me == root {
-            // SAFETY: the caller's contract.
-            unsafe { self.local_copy(&mut c, recv, send, bytes, stream) }?;
-        }
+        let local = (me == root).then_some((recv, send, bytes));
+        // SAFETY: the caller's contract.
+        let mut c = unsafe { self.post_group(&children, stream, local) }?;
+        requests.append(&mut c.requests);
+        c.requests = requests;
         Ok(c)
     }
 
@@ -275,14 +283,13 @@ impl<A: DeviceAdaptor> Comm<A> {
         } else {
             ops.push((root, true, send, bytes));
         }
+        let local = if me == root {
+            Some((at(recv, me, bytes)?, send, bytes))
+        } else {
+            None
+        };
         // SAFETY: the caller's contract.
-        unsafe {
-            let mut c = self.post_group(&ops, stream)?;
-            if me == root {
-                self.local_copy(&mut c, at(recv, me, bytes)?, send, bytes, stream)?;
-            }
-            Ok(c)
-        }
+        unsafe { self.post_group(&ops, stream, local) }
     }
 
     /// Scatter: block `q` (`bytes` at `send + q * bytes`) of the root arrives at rank `q`'s
@@ -309,14 +316,13 @@ impl<A: DeviceAdaptor> Comm<A> {
         } else {
             ops.push((root, false, recv, bytes));
         }
+        let local = if me == root {
+            Some((recv, at(send, me, bytes)?, bytes))
+        } else {
+            None
+        };
         // SAFETY: the caller's contract.
-        unsafe {
-            let mut c = self.post_group(&ops, stream)?;
-            if me == root {
-                self.local_copy(&mut c, recv, at(send, me, bytes)?, bytes, stream)?;
-            }
-            Ok(c)
-        }
+        unsafe { self.post_group(&ops, stream, local) }
     }
 
     /// All-gather: every rank's `bytes` at `send` arrive in every rank's `recv` at offset
@@ -337,12 +343,9 @@ impl<A: DeviceAdaptor> Comm<A> {
             ops.push((q, true, send, bytes));
             ops.push((q, false, at(recv, q, bytes)?, bytes));
         }
+        let local = Some((at(recv, me, bytes)?, send, bytes));
         // SAFETY: the caller's contract.
-        unsafe {
-            let mut c = self.post_group(&ops, stream)?;
-            self.local_copy(&mut c, at(recv, me, bytes)?, send, bytes, stream)?;
-            Ok(c)
-        }
+        unsafe { self.post_group(&ops, stream, local) }
     }
 
     /// All-to-all: block `q` of `send` (`bytes` at `send + q * bytes`) arrives at rank `q`'s
@@ -422,11 +425,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         let (dst, src) = (off(recv, recv_displs[me])?, off(send, send_displs[me])?);
         // SAFETY: the caller's contract.
-        unsafe {
-            let mut c = self.post_group(&ops, stream)?;
-            self.local_copy(&mut c, dst, src, send_bytes[me], stream)?;
-            Ok(c)
-        }
+        unsafe { self.post_group(&ops, stream, Some((dst, src, send_bytes[me]))) }
     }
 
     /// Returns once every rank reached it (a zero-byte exchange with every other rank); the
@@ -443,6 +442,6 @@ impl<A: DeviceAdaptor> Comm<A> {
             })
             .collect();
         // SAFETY: zero bytes move; no memory is touched.
-        unsafe { self.post_group(&ops, stream) }?.wait()
+        unsafe { self.post_group(&ops, stream, None) }?.wait()
     }
 }

@@ -465,11 +465,17 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// moving its small messages itself where the pairs have eager slots (sends first; then it
     /// waits up to the spin time for the group's eager receives).
     pub fn group_end(&self) -> Result<()> {
+        self.group_end_then(|| Ok(()))
+    }
+
+    /// [`Comm::group_end`], running `before_join` once the operations are handed over and
+    /// before the streams wait for them (see [`Comm::submit_then`]).
+    pub(crate) fn group_end_then(&self, before_join: impl FnOnce() -> Result<()>) -> Result<()> {
         let ops = lock(&self.group)
             .take()
             .ok_or_else(|| CommError::InvalidArgument("no group is open".into()))?;
         let ops = self.group_eager(ops);
-        self.submit(ops)
+        self.submit_then(ops, before_join)
     }
 
     /// The first asynchronous failure of this communicator, without waiting: a lost peer, an
@@ -616,9 +622,20 @@ impl<A: DeviceAdaptor> Comm<A> {
     }
 
     /// Hands operations to the proxy, then makes each stream wait for its last one.
-    pub(crate) fn submit(&self, mut ops: Vec<(Op, StreamHandle)>) -> Result<()> {
+    pub(crate) fn submit(&self, ops: Vec<(Op, StreamHandle)>) -> Result<()> {
+        self.submit_then(ops, || Ok(()))
+    }
+
+    /// [`Comm::submit`], running `before_join` after the hand-over and before the streams are
+    /// made to wait: work it enqueues on those streams runs beside the operations instead of
+    /// after them (a collective's local copy). Its failure is returned after the joins.
+    pub(crate) fn submit_then(
+        &self,
+        mut ops: Vec<(Op, StreamHandle)>,
+        before_join: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
         if ops.is_empty() {
-            return Ok(());
+            return before_join();
         }
         let mut last: BTreeMap<u64, u64> = BTreeMap::new();
         for (op, s) in &mut ops {
@@ -646,10 +663,11 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         self.shared.posted.fetch_add(1, Ordering::Release);
         self.shared.wake();
+        let between = before_join();
         for (stream, seq) in last {
             self.join_stream(StreamHandle(stream), seq)?;
         }
-        Ok(())
+        between
     }
 
     /// The number of the next message of `peer` and `dir`, reserved for a posting thread to
