@@ -41,6 +41,7 @@ mod comm;
 pub mod config;
 mod engine;
 mod error;
+mod group;
 mod join;
 pub mod launch;
 mod numa;

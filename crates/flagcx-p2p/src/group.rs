@@ -1,0 +1,102 @@
+//! Groups and the hand-over of operations to the proxy: what `Comm::group_end` does with a
+//! group (its eager moves, then the rest to the engine) and how streams are made to wait.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+
+use flagcx_adaptor::{DeviceAdaptor, StreamHandle};
+
+use crate::comm::Comm;
+use crate::engine::{lock, Op};
+use crate::error::{CommError, Result};
+
+impl<A: DeviceAdaptor> Comm<A> {
+    /// Runs `f`, posting its operations together: they progress at once and each stream waits
+    /// once for all of them. Use it for exchanges in both directions.
+    pub fn group<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        self.group_begin()?;
+        let r = f();
+        let submitted = self.group_end();
+        let t = r?;
+        submitted?;
+        Ok(t)
+    }
+
+    /// Opens a group explicitly (for callers that cannot pass a closure, like the C ABI's
+    /// `flagcxGroupStart`): operations posted until [`Comm::group_end`] progress together.
+    /// Groups do not nest.
+    pub fn group_begin(&self) -> Result<()> {
+        let mut g = lock(&self.group);
+        if g.is_some() {
+            return Err(CommError::InvalidArgument("groups do not nest".into()));
+        }
+        *g = Some(Vec::new());
+        Ok(())
+    }
+
+    /// Closes the group [`Comm::group_begin`] opened and hands its operations over, after
+    /// moving its small messages itself where the pairs have eager slots (sends first; then it
+    /// waits up to the spin time for the group's eager receives).
+    pub fn group_end(&self) -> Result<()> {
+        self.group_end_then(|| Ok(()))
+    }
+
+    /// [`Comm::group_end`], running `before_join` once the operations are handed over and
+    /// before the streams wait for them (see [`Comm::submit_then`]).
+    pub(crate) fn group_end_then(&self, before_join: impl FnOnce() -> Result<()>) -> Result<()> {
+        let ops = lock(&self.group)
+            .take()
+            .ok_or_else(|| CommError::InvalidArgument("no group is open".into()))?;
+        let ops = self.group_eager(ops);
+        self.submit_then(ops, before_join)
+    }
+
+    /// Hands operations to the proxy, then makes each stream wait for its last one.
+    pub(crate) fn submit(&self, ops: Vec<(Op, StreamHandle)>) -> Result<()> {
+        self.submit_then(ops, || Ok(()))
+    }
+
+    /// [`Comm::submit`], running `before_join` after the hand-over and before the streams are
+    /// made to wait: work it enqueues on those streams runs beside the operations instead of
+    /// after them (a collective's local copy). Its failure is returned after the joins.
+    pub(crate) fn submit_then(
+        &self,
+        mut ops: Vec<(Op, StreamHandle)>,
+        before_join: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        if ops.is_empty() {
+            return before_join();
+        }
+        let mut last: BTreeMap<u64, u64> = BTreeMap::new();
+        for (op, s) in &mut ops {
+            if op.seq == 0 {
+                op.seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+            }
+            let e = last.entry(s.0).or_default();
+            *e = (*e).max(op.seq);
+        }
+        {
+            // Behind a message a posting thread is moving itself, the pair's next ones wait
+            // until it is done or handed over (well under a millisecond: its spin time).
+            let mut inbox = self.inbox_for_handover(|| {
+                ops.iter().any(|(op, _)| {
+                    self.shared.reserved[op.peer][op.dir as usize].load(Ordering::Acquire)
+                })
+            });
+            for (mut op, _) in ops {
+                let d = op.dir as usize;
+                op.index = inbox.next[op.peer][d];
+                inbox.next[op.peer][d] += 1;
+                self.shared.pending[op.peer][d].fetch_add(1, Ordering::AcqRel);
+                inbox.ops.push(op);
+            }
+        }
+        self.shared.posted.fetch_add(1, Ordering::Release);
+        self.shared.wake();
+        let between = before_join();
+        for (stream, seq) in last {
+            self.join_stream(StreamHandle(stream), seq)?;
+        }
+        between
+    }
+}
