@@ -17,7 +17,7 @@
 mod memory;
 mod stream;
 
-pub use stream::COPY_THREAD_PREFIX;
+pub use stream::{COPY_THREADS_DEFAULT_MAX, COPY_THREAD_PREFIX};
 
 use std::cell::Cell;
 use std::collections::HashMap;

@@ -258,6 +258,10 @@ const PAR_MAX: usize = 8;
 /// Thread-name prefix of the copy pool (tests tell its threads from leaked ones by it).
 pub const COPY_THREAD_PREFIX: &str = "flagcx-copy";
 
+/// The most threads the copy pool starts by default (`FLAGCX_HOST_COPY_THREADS` may ask for
+/// more, up to the core count).
+pub const COPY_THREADS_DEFAULT_MAX: usize = PAR_MAX;
+
 /// Overrides the copy pool's size ([`copy_threads`]): a whole number, 0 or 1 for none.
 pub const COPY_THREADS_ENV: &str = "FLAGCX_HOST_COPY_THREADS";
 
