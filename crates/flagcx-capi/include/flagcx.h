@@ -235,7 +235,8 @@ const char *flagcxGetLastError(flagcxComm_t comm);
 /* Starts a group: sends and receives until flagcxGroupEnd progress together (a bidirectional
  * exchange must be grouped). Groups nest; the outermost end submits. */
 flagcxResult_t flagcxGroupStart(flagcxComm_t comm);
-/* Ends a group and enqueues its operations. */
+/* Ends a group and enqueues its operations; small messages between ranks with eager slots are
+ * moved before it returns (it may wait up to FLAGCX_SPIN_US for the group's eager receives). */
 flagcxResult_t flagcxGroupEnd(flagcxComm_t comm);
 /* Sends count elements to peer, ordered on stream. */
 flagcxResult_t flagcxSend(const void *sendbuff, size_t count, flagcxDataType_t datatype,
