@@ -422,18 +422,16 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// still is qualify: the move is done before `group_end` returns, as outside a group.
     pub(crate) fn group_eager(&self, ops: Vec<(Op, StreamHandle)>) -> Vec<(Op, StreamHandle)> {
         let spin = self.config.spin.unwrap_or_default();
+        // The pair's eager link, where the operation may take it.
         let eligible = |op: &Op| {
-            op.start.is_none()
-                && self
-                    .eager
-                    .get(op.peer)
-                    .and_then(|l| l.as_ref())
-                    .is_some_and(|l| match op.dir {
-                        Dir::Send => op.bytes <= l.send_max,
-                        Dir::Recv => op.bytes <= l.recv_max && !spin.is_zero(),
-                    })
+            let link = self.eager.get(op.peer)?.as_ref()?;
+            let fits = match op.dir {
+                Dir::Send => op.bytes <= link.send_max,
+                Dir::Recv => op.bytes <= link.recv_max && !spin.is_zero(),
+            };
+            (op.start.is_none() && fits).then_some(link)
         };
-        if !ops.iter().any(|(op, _)| eligible(op)) {
+        if !ops.iter().any(|(op, _)| eligible(op).is_some()) {
             return ops;
         }
         // Streams idle now: work enqueued on one since the posts comes first.
@@ -448,19 +446,27 @@ impl<A: DeviceAdaptor> Comm<A> {
         let mut handed: HashSet<(usize, usize)> = HashSet::new();
         let mut receives = Vec::new();
         for (i, entry) in ops.iter_mut().enumerate() {
-            let (op, s) = entry.as_ref().expect("unvisited");
+            let Some((op, s)) = entry.as_ref() else {
+                continue;
+            };
             let key = (op.peer, op.dir as usize);
-            if handed.contains(&key) || !eligible(op) || !is_idle(*s) {
-                handed.insert(key);
-                continue;
-            }
+            let link = match eligible(op) {
+                Some(link) if !handed.contains(&key) && is_idle(*s) => link,
+                _ => {
+                    handed.insert(key);
+                    continue;
+                }
+            };
             if op.dir == Dir::Recv {
-                receives.push(i);
+                receives.push((i, link));
                 continue;
             }
-            let link = self.eager[op.peer].as_ref().expect("eligible");
             match self.eager_send(link, op.ptr, op.bytes, op.peer, *s) {
-                Some(r) => self.eager_finish(entry.take().expect("unvisited").0, r),
+                Some(r) => {
+                    if let Some((op, _)) = entry.take() {
+                        self.eager_finish(op, r);
+                    }
+                }
                 None => {
                     handed.insert(key);
                 }
@@ -470,19 +476,22 @@ impl<A: DeviceAdaptor> Comm<A> {
         // after it).
         let t0 = std::time::Instant::now();
         let mut polls = 0u32;
+        let mut busy: HashSet<usize> = HashSet::new();
         loop {
-            let mut busy: HashSet<usize> = HashSet::new();
+            busy.clear();
             let mut left = false;
-            for &i in &receives {
+            for &(i, link) in &receives {
                 let Some((op, s)) = ops[i].as_ref() else {
                     continue;
                 };
                 let (peer, stream) = (op.peer, *s);
-                if handed.contains(&(peer, Dir::Recv as usize)) || !busy.insert(peer) {
-                    left |= !handed.contains(&(peer, Dir::Recv as usize));
+                if handed.contains(&(peer, Dir::Recv as usize)) {
                     continue;
                 }
-                let link = self.eager[peer].as_ref().expect("eligible");
+                if !busy.insert(peer) {
+                    left = true;
+                    continue;
+                }
                 let k = lock(&self.shared.inbox).next[peer][Dir::Recv as usize];
                 let taken = match link.probe(k, &mut polls) {
                     Arrival::Eager(sd) => {
@@ -495,7 +504,11 @@ impl<A: DeviceAdaptor> Comm<A> {
                     }
                 };
                 match taken {
-                    Some(r) => self.eager_finish(ops[i].take().expect("present").0, r),
+                    Some(r) => {
+                        if let Some((op, _)) = ops[i].take() {
+                            self.eager_finish(op, r);
+                        }
+                    }
                     None => {
                         handed.insert((peer, Dir::Recv as usize));
                     }
