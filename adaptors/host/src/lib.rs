@@ -14,10 +14,11 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod copy;
 mod memory;
 mod stream;
 
-pub use stream::{COPY_THREADS_DEFAULT_MAX, COPY_THREAD_PREFIX};
+pub use copy::{COPY_THREADS_DEFAULT_MAX, COPY_THREAD_PREFIX, STREAMING_MIN_ENV};
 
 use std::cell::Cell;
 use std::collections::HashMap;

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use flagcx_adaptor::{HostFn, WaitCondition};
 
+use crate::copy::copy_bytes;
+
 /// One unit of stream work. Addresses are validated by the adaptor before enqueueing.
 pub(crate) enum Op {
     Copy {
@@ -244,115 +246,6 @@ fn value_holds(addr: u64, value: u64, wide: bool, cond: WaitCondition) -> bool {
     }
 }
 
-/// Copies of at least this many bytes are split across threads (below, the fork-join costs
-/// more than it saves). On the 16-core H200 host, four host ranks' all-to-all of 1 MiB blocks
-/// took 330–528 µs per call copying each block on one thread and 695–997 µs splitting it in 4;
-/// a 2 MiB ping-pong took 222 µs split and 454 µs not.
-const PAR_MIN: usize = 2 << 20;
-/// The smallest piece of a split copy.
-const PAR_PIECE: usize = 512 << 10;
-/// At most this many pieces: a few cores reach most of a socket's memory bandwidth, and more
-/// threads than free cores make every split copy wait for its slowest, preempted piece.
-const PAR_MAX: usize = 8;
-
-/// Thread-name prefix of the copy pool (tests tell its threads from leaked ones by it).
-pub const COPY_THREAD_PREFIX: &str = "flagcx-copy";
-
-/// The most threads the copy pool starts by default (`FLAGCX_HOST_COPY_THREADS` may ask for
-/// more, up to the core count).
-pub const COPY_THREADS_DEFAULT_MAX: usize = PAR_MAX;
-
-/// Overrides the copy pool's size ([`copy_threads`]): a whole number, 0 or 1 for none.
-pub const COPY_THREADS_ENV: &str = "FLAGCX_HOST_COPY_THREADS";
-
-/// How many threads split a large copy, for `ranks` processes on this machine (1: unknown):
-/// `FLAGCX_HOST_COPY_THREADS` if it is a number (at most the core count); else, below 8 cores
-/// none, with the ranks known (`flagcx-run` announces them) the cores per rank, at most
-/// [`PAR_MAX`], and otherwise a quarter of the cores, at most 4 — the rest belong to the ranks'
-/// other threads. Fewer than 2: no pool.
-///
-/// On the 16-core H200 host, two ranks: 8 threads against 4 took a 32 MiB host ping-pong from
-/// 20 to 41.6 GB/s and a CUDA + host all-gather of 1 GiB from 16–17 to 19–25 GB/s bus bandwidth.
-fn copy_threads(cores: usize, ranks: usize, env: Option<&str>) -> usize {
-    match env.and_then(|v| v.trim().parse::<usize>().ok()) {
-        Some(n) => n.min(cores),
-        None if cores < 8 => 0,
-        None if ranks > 1 => (cores / ranks).min(PAR_MAX),
-        None => (cores / 4).min(4),
-    }
-}
-
-/// The process-wide pool that splits large copies ([`copy_threads`]; none below 8 cores by
-/// default), started on the first large copy and kept for the process's life (a fixed cost,
-/// not a per-stream one). Its own pool, so it neither waits behind nor oversubscribes the
-/// application's rayon work.
-fn copy_pool() -> Option<&'static rayon::ThreadPool> {
-    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
-    POOL.get_or_init(|| {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let threads = copy_threads(
-            cores,
-            flagcx_adaptor::spin::ranks_from_env(),
-            std::env::var(COPY_THREADS_ENV).ok().as_deref(),
-        );
-        if threads < 2 {
-            return None;
-        }
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("{COPY_THREAD_PREFIX}-{i}"))
-            .build()
-            .ok()
-    })
-    .as_ref()
-}
-
-/// Copies `n` bytes from `src` to `dst`. Large copies between disjoint ranges are split across
-/// the copy pool (one core's memcpy reaches 6–14 GB/s, well below memory bandwidth);
-/// overlapping ones run as one `memmove`, as a device copy within one buffer may overlap.
-///
-/// # Safety
-/// Both ranges are valid for `n` bytes for the whole call.
-pub(crate) unsafe fn copy_bytes(dst: u64, src: u64, n: usize) {
-    let pool = if n >= PAR_MIN { copy_pool() } else { None };
-    // SAFETY: the caller's contract.
-    unsafe { copy_on(pool, dst, src, n) }
-}
-
-/// [`copy_bytes`] on a given pool (`None`: one thread).
-///
-/// # Safety
-/// As for [`copy_bytes`].
-unsafe fn copy_on(pool: Option<&rayon::ThreadPool>, dst: u64, src: u64, n: usize) {
-    let disjoint = dst.abs_diff(src) >= n as u64;
-    let Some(pool) = pool.filter(|_| disjoint && n >= 2 * 64) else {
-        // SAFETY: the caller's contract; `copy` allows overlap.
-        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) };
-        return;
-    };
-    let pieces = (n / PAR_PIECE).clamp(2, pool.current_num_threads().max(2));
-    let step = n.div_ceil(pieces).next_multiple_of(64);
-    use rayon::prelude::*;
-    pool.install(|| {
-        (0..pieces).into_par_iter().for_each(|i| {
-            let off = i * step;
-            if off < n {
-                let len = step.min(n - off);
-                // SAFETY: `off + len <= n`, so each piece lies inside both ranges, the pieces are
-                // disjoint, and the ranges do not overlap (checked above); the call does not return
-                // before every piece finished, so the ranges stay valid throughout.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        (src as usize + off) as *const u8,
-                        (dst as usize + off) as *mut u8,
-                        len,
-                    )
-                }
-            }
-        })
-    });
-}
-
 /// How long a stream waiting on a value spins before sleeping on the doorbell: `FLAGCX_SPIN_US`
 /// if it is valid, else the shared rule for the ranks `flagcx-run` announced
 /// ([`flagcx_adaptor::spin::default_spin`]).
@@ -515,75 +408,5 @@ impl EventState {
         (st.recorded > 0 && st.completed >= st.recorded)
             .then_some(st.at)
             .flatten()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{copy_on, copy_threads};
-
-    #[test]
-    fn copy_threads_follow_the_cores_per_rank_and_obey_the_variable() {
-        // Ranks unknown: a quarter of the cores, at most 4.
-        assert_eq!(copy_threads(2, 1, None), 0);
-        assert_eq!(copy_threads(8, 1, None), 2);
-        assert_eq!(copy_threads(16, 1, None), 4);
-        assert_eq!(copy_threads(128, 1, None), 4);
-        // Ranks known: the cores per rank, at most 8; none below 8 cores.
-        assert_eq!(copy_threads(16, 2, None), 8);
-        assert_eq!(copy_threads(16, 4, None), 4);
-        assert_eq!(copy_threads(16, 8, None), 2);
-        assert_eq!(copy_threads(16, 16, None), 1);
-        assert_eq!(copy_threads(4, 2, None), 0);
-        assert_eq!(copy_threads(128, 8, None), 8);
-        // The variable wins, up to the core count.
-        assert_eq!(copy_threads(16, 2, Some("8")), 8);
-        assert_eq!(copy_threads(16, 2, Some(" 0 ")), 0);
-        assert_eq!(copy_threads(4, 2, Some("64")), 4);
-        assert_eq!(copy_threads(16, 1, Some("many")), 4);
-    }
-
-    /// A pool of its own, so the split path runs even where the machine gets no copy pool.
-    fn pool() -> rayon::ThreadPool {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .unwrap()
-    }
-
-    /// Copies through the split path (the pool) or the one-thread path.
-    unsafe fn copy_bytes(dst: u64, src: u64, n: usize) {
-        let p = pool();
-        // SAFETY: the caller's contract.
-        unsafe { copy_on(Some(&p), dst, src, n) }
-    }
-
-    fn pattern(n: usize) -> Vec<u8> {
-        (0..n).map(|i| (i * 7 + i / 251) as u8).collect()
-    }
-
-    #[test]
-    fn split_copies_move_every_byte() {
-        // Around the split threshold, uneven piece counts, and a size that is no multiple of 64.
-        for n in [0, 1, (256 << 10) - 1, 256 << 10, (3 << 20) + 17, 9 << 20] {
-            let src = pattern(n);
-            let mut dst = vec![0u8; n];
-            // SAFETY: both vectors hold `n` bytes and outlive the call.
-            unsafe { copy_bytes(dst.as_mut_ptr() as u64, src.as_ptr() as u64, n) };
-            assert!(dst == src, "{n} bytes");
-        }
-    }
-
-    #[test]
-    fn overlapping_copies_behave_like_memmove() {
-        let n = 4 << 20;
-        let orig = pattern(n + 4096);
-        for (from, to) in [(0usize, 4096usize), (4096, 0), (100, 101)] {
-            let mut buf = orig.clone();
-            let base = buf.as_mut_ptr() as u64;
-            // SAFETY: both ranges lie inside `buf` (`n + 4096` bytes).
-            unsafe { copy_bytes(base + to as u64, base + from as u64, n) };
-            assert!(buf[to..to + n] == orig[from..from + n], "{from} -> {to}");
-        }
     }
 }
