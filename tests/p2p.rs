@@ -1646,6 +1646,13 @@ fn direct_path_between_host_ranks() {
     let mut tiny = direct.to_vec();
     tiny.push(("FLAGCX_P2P_HOST_MAP_MAX", "4K"));
     job(2, "host", "reuse", &tiny);
+    // Registrations of 64 KiB: every large message is split into one copy per piece it spans.
+    let mut pieces = expect.clone();
+    pieces.push(("FLAGCX_P2P_HOST_PIN_PIECE", "64K"));
+    job(2, "host", "reuse", &pieces);
+    pieces.truncate(direct.len());
+    pieces.push(("FLAGCX_P2P_HOST_PIN_PIECE", "64K"));
+    job(4, "host", "random", &pieces);
 }
 
 /// Every collective, every root, 0 B to 8 MiB + 7 (64 MiB + 5 on two ranks), in place and not,

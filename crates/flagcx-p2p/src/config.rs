@@ -122,6 +122,11 @@ pub struct Config {
     /// not yet mapped go through the ring. Mappings last as long as the communicator (a freed
     /// buffer's pages stay alive until then).
     pub host_map_max: usize,
+    /// Bytes of a mapped host-vendor buffer registered with the runtime at a time
+    /// (`FLAGCX_P2P_HOST_PIN_PIECE`, default 32 MiB): between pieces the rank's other driver
+    /// calls get through, where one registration of a large buffer held them for its whole
+    /// length (~0.5 ms per MiB on an H200 machine). Direct copies split at piece boundaries.
+    pub host_pin_piece: usize,
     /// Largest message sent eagerly through shared host memory (`FLAGCX_P2P_EAGER_MAX`, default
     /// 32 KiB, at most 64 KiB; 0 turns it off): between two ranks whose device memory the CPU
     /// addresses (host vendor on both sides), and on every staged pair. Such a send, posted
@@ -153,6 +158,8 @@ pub const DEFAULT_BUFFSIZE: usize = 32 << 20;
 pub const DEFAULT_CHUNKSIZE: usize = 4 << 20;
 /// Default [`Config::host_map_max`].
 pub const DEFAULT_HOST_MAP_MAX: usize = 16 << 30;
+/// Default [`Config::host_pin_piece`].
+pub const DEFAULT_HOST_PIN_PIECE: usize = 32 << 20;
 /// Default [`Config::eager_max`].
 pub const DEFAULT_EAGER_MAX: usize = 32 << 10;
 /// Largest allowed [`Config::eager_max`].
@@ -172,6 +179,7 @@ impl Default for Config {
             spin: None,
             host_direct: HostDirect::Auto,
             host_map_max: DEFAULT_HOST_MAP_MAX,
+            host_pin_piece: DEFAULT_HOST_PIN_PIECE,
             eager_max: DEFAULT_EAGER_MAX,
             ipc_caller: true,
             profile: false,
@@ -293,6 +301,16 @@ impl Config {
         }
         if let Some(v) = var("FLAGCX_P2P_HOST_MAP_MAX") {
             c.host_map_max = parse_size("FLAGCX_P2P_HOST_MAP_MAX", &v)?;
+        }
+        if let Some(v) = var("FLAGCX_P2P_HOST_PIN_PIECE") {
+            c.host_pin_piece = parse_size("FLAGCX_P2P_HOST_PIN_PIECE", &v)?;
+            if c.host_pin_piece == 0 {
+                return Err(CommError::config(
+                    "FLAGCX_P2P_HOST_PIN_PIECE",
+                    &v,
+                    "expected a byte count above 0",
+                ));
+            }
         }
         c.profile = var("FLAGCX_PROFILE").is_some();
         if let Some(v) = var("FLAGCX_NET_STAGING") {
@@ -697,6 +715,8 @@ mod tests {
             ("FLAGCX_SPIN_US", "5us"),
             ("FLAGCX_P2P_HOST_DIRECT", "maybe"),
             ("FLAGCX_P2P_HOST_MAP_MAX", "lots"),
+            ("FLAGCX_P2P_HOST_PIN_PIECE", "0"),
+            ("FLAGCX_P2P_HOST_PIN_PIECE", "big"),
         ] {
             let e = Config::from_lookup(lookup(&[(k, v)])).unwrap_err();
             assert!(e.to_string().contains(k), "{k}={v}: {e}");
@@ -708,9 +728,12 @@ mod tests {
         let h = Config::from_lookup(lookup(&[
             ("FLAGCX_P2P_HOST_DIRECT", "OFF"),
             ("FLAGCX_P2P_HOST_MAP_MAX", "2G"),
+            ("FLAGCX_P2P_HOST_PIN_PIECE", "64K"),
         ]))
         .unwrap();
         assert_eq!((h.host_direct, h.host_map_max), (HostDirect::Off, 2 << 30));
+        assert_eq!(h.host_pin_piece, 64 << 10);
+        assert_eq!(Config::default().host_pin_piece, 32 << 20);
         assert_eq!(Config::default().host_direct, HostDirect::Auto);
         for d in [HostDirect::Auto, HostDirect::On, HostDirect::Off] {
             assert_eq!(HostDirect::from_code(d.code()), Some(d));

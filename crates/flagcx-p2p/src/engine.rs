@@ -257,11 +257,14 @@ impl<A: DeviceAdaptor> Engine<A> {
     ) -> Result<Self> {
         let send_stream = adaptor.stream_create()?;
         let recv_stream = adaptor.stream_create()?;
-        let host_maps = peers
-            .iter()
-            .flatten()
-            .any(|c| c.roles.maps_peer)
-            .then(|| HostMaps::new(adaptor.clone(), boot.rank(), config.host_map_max));
+        let host_maps = peers.iter().flatten().any(|c| c.roles.maps_peer).then(|| {
+            HostMaps::new(
+                adaptor.clone(),
+                boot.rank(),
+                config.host_map_max,
+                config.host_pin_piece,
+            )
+        });
         Ok(Engine {
             adaptor,
             shared,

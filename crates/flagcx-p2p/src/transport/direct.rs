@@ -1,9 +1,11 @@
 //! Direct: a staged pair with a host-vendor rank, whose device memory (a memfd) the other
 //! rank maps ([`super::hostmap`]) and copies straight into or out of, once the mapping is
-//! registered; until then its messages take the ring.
+//! registered; until then its messages take the ring. A copy is one runtime copy per piece of
+//! registration it spans.
 
-use flagcx_adaptor::{DeviceAdaptor, EventHandle, IpcMemHandle};
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, IpcMemHandle};
 
+use super::hostmap::pieces;
 use super::{Path, Step};
 use crate::channel::{RecvDesc, SendDesc};
 
@@ -35,17 +37,20 @@ impl<A: DeviceAdaptor> Engine<A> {
             (true, Some(h)) => self.map_peer(&h, desc.offset, bytes)?,
             _ => None,
         };
-        let Some(base) = mapped else {
+        let Some((base, piece)) = mapped else {
             return Ok(None);
         };
-        let dst = (base + desc.offset) as *mut u8;
         let (src, stream) = (step.op.ptr, self.send_stream);
         let ev = self.enqueue(stream, |a| {
-            // SAFETY: `dst..dst+bytes` lies in the receiver's buffer (it announced
-            // `desc.size >= bytes` at `offset` of the mapped allocation, checked by `map_peer`,
-            // and keeps it until we answer); `src` is the caller's buffer, valid until the
-            // operation completes.
-            unsafe { a.memcpy_d2h_async(dst, src, bytes, stream) }
+            for (off, n) in pieces(desc.offset, bytes, piece) {
+                let from = DevicePtr(src.0 + (off - desc.offset));
+                // SAFETY: `base+off..+n` lies in the receiver's buffer (it announced
+                // `desc.size >= bytes` at `offset` of the mapped allocation, checked by
+                // `map_peer`, and keeps it until we answer) and in one registration; `from..+n`
+                // lies in the caller's buffer of `bytes`, valid until the operation completes.
+                unsafe { a.memcpy_d2h_async((base + off) as *mut u8, from, n, stream) }?;
+            }
+            Ok(())
         })?;
         step.path = Path::Direct;
         Ok(Some(ev))
@@ -63,30 +68,35 @@ impl<A: DeviceAdaptor> Engine<A> {
             Some(h) => self.map_peer(&h, offer.offset, n)?,
             None => None,
         };
-        let Some(base) = mapped else {
+        let Some((base, piece)) = mapped else {
             return Ok(None);
         };
-        let src = (base + offer.offset) as *const u8;
         let (dst, stream) = (step.op.ptr, self.recv_stream);
         let ev = self.enqueue(stream, |a| {
-            // SAFETY: `src..src+n` lies in the sender's mapped buffer (it offered `n` bytes at
-            // `offset`, checked by `map_peer`, and keeps them until our verdict); `dst` is the
-            // caller's buffer with `n <= bytes` (checked by the caller), valid until completion.
-            unsafe { a.memcpy_h2d_async(dst, src, n, stream) }
+            for (off, len) in pieces(offer.offset, n, piece) {
+                let to = DevicePtr(dst.0 + (off - offer.offset));
+                // SAFETY: `base+off..+len` lies in the sender's mapped buffer (it offered `n`
+                // bytes at `offset`, checked by `map_peer`, and keeps them until our verdict) and
+                // in one registration; `to..+len` lies in the caller's buffer (`n <= bytes`,
+                // checked by the caller), valid until completion.
+                unsafe { a.memcpy_h2d_async(to, (base + off) as *const u8, len, stream) }?;
+            }
+            Ok(())
         })?;
         step.path = Path::Direct;
         Ok(Some(ev))
     }
 
     /// Direct path: the host address of the peer allocation behind `handle` if it is mapped
-    /// and ready (see [`super::hostmap::HostMaps::lookup`]). A buffer the peer places outside its allocation
-    /// (`offset + bytes` past its end) is a protocol error, never a copy.
+    /// and ready (see [`super::hostmap::HostMaps::lookup`]), with the size of its
+    /// registrations (a copy is split at their boundaries). A buffer the peer places outside
+    /// its allocation (`offset + bytes` past its end) is a protocol error, never a copy.
     pub(crate) fn map_peer(
         &mut self,
         handle: &IpcMemHandle,
         offset: u64,
         bytes: usize,
-    ) -> Result<Option<u64>> {
+    ) -> Result<Option<(u64, usize)>> {
         let Some(maps) = self.host_maps.as_mut() else {
             return Ok(None);
         };
@@ -94,7 +104,7 @@ impl<A: DeviceAdaptor> Engine<A> {
             return Ok(None);
         };
         placed_within(offset, bytes, len)?;
-        Ok(Some(base))
+        Ok(Some((base, maps.piece())))
     }
 }
 

@@ -12,6 +12,12 @@
 //! are reused (KV-cache pools, benchmark buffers) soon take the direct path. A runtime without
 //! registration copies to plain host memory; there a mapping is ready at once.
 //!
+//! The helper registers a mapping in pieces ([`Config::host_pin_piece`], 32 MiB by default):
+//! CUDA holds a lock of the context while it registers, so one registration of a 1 GiB buffer
+//! (~0.5 s) stalled every other driver call of the rank — its eager copies, its ring copies —
+//! for that long. Between pieces they get through. A direct copy is split at piece boundaries
+//! ([`pieces`]), as no runtime promises to take one copy across two registrations.
+//!
 //! Mappings are cached per allocation (its memfd's identity) up to [`Config::host_map_max`]
 //! bytes and released when the communicator is destroyed; past the budget, new buffers stay on
 //! the ring path. Nothing is unregistered while the communicator runs: on an H200, dropping a
@@ -20,9 +26,10 @@
 //! mapping of a buffer its owner freed keeps those pages until teardown (bounded by the budget).
 //!
 //! [`Config::host_map_max`]: crate::Config::host_map_max
+//! [`Config::host_pin_piece`]: crate::Config::host_pin_piece
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -42,6 +49,8 @@ struct Entry {
     len: usize,
     /// Set by whoever finishes preparing the mapping (the helper thread when registering).
     state: Arc<AtomicU8>,
+    /// How many leading pieces the helper registered (all of them once READY).
+    pinned: Arc<AtomicUsize>,
 }
 
 /// A registration for the helper thread (it takes ~0.5 ms/MiB, too long for the proxy): the
@@ -49,7 +58,9 @@ struct Entry {
 struct Job {
     base: u64,
     len: usize,
+    piece: usize,
     state: Arc<AtomicU8>,
+    pinned: Arc<AtomicUsize>,
 }
 
 /// The copier's cache of mapped peer allocations.
@@ -58,6 +69,8 @@ pub(crate) struct HostMaps<A: DeviceAdaptor> {
     rank: usize,
     register: bool,
     max: usize,
+    /// Bytes per registration (whole pages); `usize::MAX` where nothing is registered.
+    piece: usize,
     mapped: usize,
     entries: HashMap<(u64, u64), Entry>,
     jobs: Option<Sender<Job>>,
@@ -67,14 +80,21 @@ pub(crate) struct HostMaps<A: DeviceAdaptor> {
 }
 
 impl<A: DeviceAdaptor> HostMaps<A> {
-    /// An empty cache for `rank`'s proxy; registers mappings iff the runtime can.
-    pub fn new(adaptor: A, rank: usize, max: usize) -> Self {
+    /// An empty cache for `rank`'s proxy; registers mappings iff the runtime can, `piece`
+    /// bytes (rounded up to whole pages) at a time.
+    pub fn new(adaptor: A, rank: usize, max: usize, piece: usize) -> Self {
         let register = adaptor.capabilities().host_pin;
+        let piece = if register {
+            piece.max(1).next_multiple_of(page_size())
+        } else {
+            usize::MAX
+        };
         HostMaps {
             adaptor,
             rank,
             register,
             max,
+            piece,
             mapped: 0,
             entries: HashMap::new(),
             jobs: None,
@@ -120,11 +140,14 @@ impl<A: DeviceAdaptor> HostMaps<A> {
             }
         };
         let state = Arc::new(AtomicU8::new(if self.register { PENDING } else { READY }));
+        let pinned = Arc::new(AtomicUsize::new(0));
         if self.register {
             let job = Job {
                 base,
                 len,
+                piece: self.piece,
                 state: state.clone(),
+                pinned: pinned.clone(),
             };
             if self.helper().and_then(|tx| tx.send(job).ok()).is_none() {
                 state.store(FAILED, Ordering::Release);
@@ -138,6 +161,7 @@ impl<A: DeviceAdaptor> HostMaps<A> {
                 base,
                 len,
                 state: state.clone(),
+                pinned,
             },
         );
         // Registering: this message takes the ring even if the helper is already done, so a
@@ -182,14 +206,21 @@ impl<A: DeviceAdaptor> HostMaps<A> {
         }
         for (_, e) in self.entries.drain() {
             self.mapped -= e.len;
-            if self.register && e.state.load(Ordering::Acquire) == READY {
-                // SAFETY: registered by the helper (which has exited) on this mapping; no copy
-                // uses it any more (see above).
-                let _ = unsafe { self.adaptor.host_unpin(e.base as *mut u8) };
+            for i in 0..e.pinned.load(Ordering::Acquire) {
+                let at = e.base + (i * self.piece) as u64;
+                // SAFETY: a piece the helper (which has exited) registered on this mapping; no
+                // copy uses it any more (see above).
+                let _ = unsafe { self.adaptor.host_unpin(at as *mut u8) };
             }
             // SAFETY: a mapping made by `lookup`, unused, its registration (if any) undone.
             unsafe { hostmem::unmap(e.base, e.len) };
         }
+    }
+
+    /// Bytes per registration: direct copies are split at these boundaries of a mapping
+    /// ([`pieces`]).
+    pub fn piece(&self) -> usize {
+        self.piece
     }
 
     /// Bytes mapped now.
@@ -199,23 +230,45 @@ impl<A: DeviceAdaptor> HostMaps<A> {
     }
 }
 
-/// The helper's work: registers one mapping and reports the outcome.
+/// The helper's work: registers one mapping, piece by piece (other driver calls of the rank
+/// get through in between), and reports the outcome.
 fn register<A: DeviceAdaptor>(adaptor: &A, rank: usize, job: Job) {
-    // SAFETY: `base..base+len` is a live shared mapping owned by the cache, which unmaps it only
-    // in `close`, after this thread has exited.
-    let r = unsafe { adaptor.host_pin(job.base as *mut u8, job.len) };
-    let state = match r {
-        Ok(_) => READY,
-        Err(e) => {
+    for (off, len) in pieces(0, job.len, job.piece) {
+        // SAFETY: `base+off..base+off+len` lies in a live shared mapping owned by the cache,
+        // which unmaps it only in `close`, after this thread has exited; the pieces are
+        // disjoint, so none is registered twice.
+        if let Err(e) = unsafe { adaptor.host_pin((job.base + off) as *mut u8, len) } {
             tracing::info!(
                 rank,
                 "registering a peer buffer for direct copies failed ({e}); it stays on the \
                  staging ring"
             );
-            FAILED
+            job.state.store(FAILED, Ordering::Release);
+            return;
         }
-    };
-    job.state.store(state, Ordering::Release);
+        job.pinned.fetch_add(1, Ordering::AcqRel);
+    }
+    job.state.store(READY, Ordering::Release);
+}
+
+/// Splits `bytes` bytes at offset `off` of a mapping into the parts that each lie in one
+/// `piece`-byte registration: `(offset, length)` pairs in order, none for zero bytes.
+pub(crate) fn pieces(off: u64, bytes: usize, piece: usize) -> impl Iterator<Item = (u64, usize)> {
+    let end = off.saturating_add(bytes as u64);
+    let piece = piece.max(1) as u64;
+    let mut at = off;
+    std::iter::from_fn(move || {
+        if at >= end {
+            return None;
+        }
+        let next = (at / piece)
+            .saturating_add(1)
+            .saturating_mul(piece)
+            .min(end);
+        let part = (at, (next - at) as usize);
+        at = next;
+        Some(part)
+    })
 }
 
 fn page_size() -> usize {
@@ -233,6 +286,7 @@ impl<A: DeviceAdaptor> Drop for HostMaps<A> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor};
     use flagcx_host::HostAdaptor;
     use std::time::{Duration, Instant};
 
@@ -253,7 +307,7 @@ mod tests {
         let s = [a.stream_create().unwrap(), a.stream_create().unwrap()];
         let buf = a.mem_alloc(10_000).unwrap();
         let h = a.ipc_get_handle(buf).unwrap();
-        let mut m = HostMaps::new(a.clone(), 0, 1 << 30);
+        let mut m = HostMaps::new(a.clone(), 0, 1 << 30, 1 << 20);
         // The host vendor registers, so the first lookup only starts the work.
         assert_eq!(m.lookup(&h), None);
         let base = ready_within(&mut m, &h);
@@ -281,7 +335,7 @@ mod tests {
     #[test]
     fn the_budget_holds() {
         let a = HostAdaptor::open(0).unwrap();
-        let mut m = HostMaps::new(a.clone(), 0, 3 * 4096);
+        let mut m = HostMaps::new(a.clone(), 0, 3 * 4096, 1 << 20);
         let b1 = a.mem_alloc(8192).unwrap();
         let h1 = a.ipc_get_handle(b1).unwrap();
         ready_within(&mut m, &h1);
@@ -299,5 +353,67 @@ mod tests {
             a.mem_free(b1).unwrap();
             a.mem_free(b2).unwrap();
         }
+    }
+
+    #[test]
+    fn copies_split_at_registration_boundaries() {
+        let split = |off, bytes, piece| pieces(off, bytes, piece).collect::<Vec<_>>();
+        assert_eq!(split(0, 0, 4096), vec![]);
+        assert_eq!(split(100, 10, 4096), vec![(100, 10)]);
+        assert_eq!(split(4000, 200, 4096), vec![(4000, 96), (4096, 104)]);
+        assert_eq!(split(0, 8192, 4096), vec![(0, 4096), (4096, 4096)]);
+        assert_eq!(
+            split(4095, 8194, 4096),
+            vec![(4095, 1), (4096, 4096), (8192, 4096), (12288, 1)]
+        );
+        assert_eq!(split(7, 1 << 20, usize::MAX), vec![(7, 1 << 20)]);
+    }
+
+    #[test]
+    fn a_buffer_is_registered_in_pieces_and_all_are_undone() {
+        let a = HostAdaptor::open(0).unwrap();
+        let buf = a.mem_alloc(5 * 4096 + 10).unwrap();
+        let h = a.ipc_get_handle(buf).unwrap();
+        let mut m = HostMaps::new(a.clone(), 0, 1 << 30, 5000);
+        assert_eq!(m.piece(), 8192, "whole pages");
+        let base = ready_within(&mut m, &h);
+        let e = m.entries.values().next().unwrap();
+        assert_eq!(
+            e.pinned.load(Ordering::Acquire),
+            3,
+            "24 KiB + 4 KiB in 8 KiB pieces"
+        );
+        // Each piece is its own registration: pinning inside one again is refused.
+        // SAFETY: the mapping is live (the cache holds it).
+        assert!(unsafe { a.host_pin((base + 8192) as *mut u8, 4096) }.is_err());
+        m.close();
+        assert_eq!(m.mapped(), 0);
+
+        // The second piece fails: the buffer stays on the ring, the first piece is undone.
+        let faulty = FaultyAdaptor::new(a.clone(), FaultOp::Register, 1);
+        let mut m = HostMaps::new(faulty, 0, 1 << 30, 5000);
+        assert_eq!(m.lookup(&h), None);
+        let e = m.entries.values().next().unwrap().state.clone();
+        let t0 = Instant::now();
+        while e.load(Ordering::Acquire) == PENDING {
+            assert!(t0.elapsed() < Duration::from_secs(10), "never finished");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(e.load(Ordering::Acquire), FAILED);
+        assert_eq!(
+            m.entries
+                .values()
+                .next()
+                .unwrap()
+                .pinned
+                .load(Ordering::Acquire),
+            1
+        );
+        for _ in 0..3 {
+            assert_eq!(m.lookup(&h), None, "a failed buffer never goes direct");
+        }
+        m.close();
+        // SAFETY: no copy is in flight.
+        unsafe { a.mem_free(buf).unwrap() };
     }
 }
