@@ -12,11 +12,13 @@
 //! are reused (KV-cache pools, benchmark buffers) soon take the direct path. A runtime without
 //! registration copies to plain host memory; there a mapping is ready at once.
 //!
-//! The helper registers a mapping in pieces ([`Config::host_pin_piece`], 32 MiB by default):
-//! CUDA holds a lock of the context while it registers, so one registration of a 1 GiB buffer
-//! (~0.5 s) stalled every other driver call of the rank — its eager copies, its ring copies —
-//! for that long. Between pieces they get through. A direct copy is split at piece boundaries
-//! ([`pieces`]), as no runtime promises to take one copy across two registrations.
+//! The helper registers a mapping in pieces ([`Config::host_pin_piece`], 8 MiB by default),
+//! pausing 200 µs between them: CUDA holds a lock while it registers, so one registration of a
+//! 1 GiB buffer (~0.5 s) stalled every other driver call of the rank — its eager copies, its
+//! ring copies — for that long; in pieces registered back to back they still waited (the
+//! helper took the lock again at once), while the pause lets them through. A direct copy is
+//! split at piece boundaries ([`pieces`]), as no runtime promises to take one copy across two
+//! registrations.
 //!
 //! Mappings are cached per allocation (its memfd's identity) up to [`Config::host_map_max`]
 //! bytes and released when the communicator is destroyed; past the budget, new buffers stay on
@@ -40,6 +42,9 @@ use flagcx_adaptor::{DeviceAdaptor, IpcMemHandle};
 const PENDING: u8 = 0;
 const READY: u8 = 1;
 const FAILED: u8 = 2;
+
+/// The helper's pause between two pieces of one registration.
+const PIECE_PAUSE: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// One mapped allocation of a peer.
 struct Entry {
@@ -246,7 +251,12 @@ fn register<A: DeviceAdaptor>(adaptor: &A, rank: usize, job: Job) {
             job.state.store(FAILED, Ordering::Release);
             return;
         }
-        job.pinned.fetch_add(1, Ordering::AcqRel);
+        let done = job.pinned.fetch_add(1, Ordering::AcqRel) + 1;
+        if (done as u64) * (job.piece as u64) < job.len as u64 {
+            // Let the driver calls that queued behind this piece through before the next one
+            // (otherwise this thread takes the runtime's lock again at once).
+            std::thread::sleep(PIECE_PAUSE);
+        }
     }
     job.state.store(READY, Ordering::Release);
 }
