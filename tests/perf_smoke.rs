@@ -186,6 +186,7 @@ fn help_names_every_option_and_version_names_the_vendors() {
                 "--transport",
                 "--json",
                 "--json-file",
+                "--in-place",
                 "--plot",
                 "--version",
                 "[default: 64M]",
@@ -250,6 +251,11 @@ fn bad_arguments_exit_2_naming_the_option() {
             env!("CARGO_BIN_EXE_flagcx-perf"),
             &["--bogus"][..],
             "--bogus",
+        ),
+        (
+            env!("CARGO_BIN_EXE_flagcx-perf"),
+            &["-t", "alltoall", "--in-place"][..],
+            "--in-place",
         ),
         (
             env!("CARGO_BIN_EXE_flagcx-run"),
@@ -329,6 +335,37 @@ fn collective_tests_run_checked() {
         assert!(t.contains("# wrong bytes in all: 0"), "{test}:\n{t}");
         // 3K, 96K, 3M.
         assert_eq!(rows(&t), 3, "{test}:\n{t}");
+    }
+    // In place (each rank's input inside its receive buffer; a scatter's root keeps its block
+    // in its send buffer), checked the same way.
+    for test in ["broadcast", "gather", "scatter", "allgather"] {
+        let t = perf(&[
+            "-t",
+            test,
+            "-N",
+            "3",
+            "-b",
+            "3K",
+            "-e",
+            "3M",
+            "-f",
+            "32",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "-c",
+            "--in-place",
+        ]);
+        assert!(
+            t.contains(&format!("# flagcx-perf {test} (in place)")),
+            "{t}"
+        );
+        assert!(
+            t.contains("# wrong bytes in all: 0"),
+            "{test} in place:\n{t}"
+        );
+        assert_eq!(rows(&t), 3, "{test} in place:\n{t}");
     }
 }
 

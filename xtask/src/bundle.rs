@@ -555,6 +555,8 @@ else
 fi
 # Collectives of a GPU rank and a host rank against the pair's point-to-point (mixed-sendrecv).
 for t in allgather alltoall broadcast; do sweep mixed-$t "$perf" -t $t --vendors {vendor},host -b 8 -e 1G -f 8 -n 10 -w 3 -c; done
+# In place (no local copy on the host rank), as nccl-tests' second column.
+for t in allgather broadcast; do sweep mixed-$t-inplace "$perf" -t $t --vendors {vendor},host -b 8 -e 1G -f 8 -n 10 -w 3 -c --in-place; done
 "#
     );
     let path = out.join("perf.sh");

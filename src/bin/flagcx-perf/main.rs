@@ -29,10 +29,12 @@ use clap::{CommandFactory as _, FromArgMatches as _, Parser};
 use serde::Serialize;
 
 mod ceiling;
+mod collective;
 mod nccl;
 mod plot;
 mod progress;
 
+use collective::{collective_wrong, is_collective, run_collective};
 use progress::Progress;
 
 type Error = Box<dyn std::error::Error>;
@@ -83,6 +85,12 @@ struct Opts {
     /// nccl-tests times it (sendrecv, pairs, collectives); pingpong always waits per round trip.
     #[arg(long)]
     blocking: bool,
+    /// Run collectives in place, as nccl-tests' second column: a broadcast's, gather's or
+    /// scatter's root passes one buffer for both sides; all-gather ranks find their own block
+    /// already in the receive buffer (no local copy). Not for all-to-all, which has no
+    /// in-place form.
+    #[arg(long)]
+    in_place: bool,
     /// Also time NCCL (libnccl.so.2, loaded at run time) right after us on the same buffers,
     /// stream and sizes, in columns nccl_us, nccl_gbs and vs_nccl (our bus bandwidth ÷ NCCL's);
     /// `n/a` with the reason where it cannot run (not all CUDA ranks, two ranks on one GPU,
@@ -167,6 +175,18 @@ fn parse() -> Opts {
                 .exit();
         }
     }
+    if o.in_place && !collective::has_in_place(&o.test) {
+        Opts::command()
+            .error(
+                clap::error::ErrorKind::ArgumentConflict,
+                format!(
+                    "--in-place: {} has no in-place form (broadcast, gather, scatter and \
+                     allgather have)",
+                    o.test
+                ),
+            )
+            .exit();
+    }
     if o.max < o.min {
         Opts::command()
             .error(
@@ -215,88 +235,6 @@ fn self_launch(o: &Opts, args: &[String]) -> Result<(), Error> {
         }
         .into())
     }
-}
-
-/// Posts one collective of `size` bytes (root 0) from `send` into `recv`.
-///
-/// # Safety
-/// Both buffers hold at least `size` bytes and stay valid until the collective finished.
-unsafe fn run_collective(
-    comm: &Comm<Adaptor>,
-    test: &str,
-    send: flagcx::DevicePtr,
-    recv: flagcx::DevicePtr,
-    size: usize,
-    h: flagcx::StreamHandle,
-) -> Result<flagcx::Collective, flagcx::CommError> {
-    let n = comm.nranks();
-    let block = size / n;
-    // SAFETY: the caller's contract covers every block named below.
-    unsafe {
-        match test {
-            "broadcast" => comm.broadcast_raw(send, recv, size, 0, h),
-            "gather" => comm.gather_raw(send, recv, block, 0, h),
-            "scatter" => comm.scatter_raw(send, recv, block, 0, h),
-            "allgather" => comm.all_gather_raw(send, recv, block, h),
-            "alltoall" => comm.all_to_all_raw(send, recv, block, h),
-            _ => {
-                let me = comm.rank();
-                let displs: Vec<usize> = (0..n).map(|q| q * block).collect();
-                let sc: Vec<usize> = (0..n).map(|q| v_count(me, q, n, size)).collect();
-                let rc: Vec<usize> = (0..n).map(|q| v_count(q, me, n, size)).collect();
-                comm.all_to_allv_raw(send, &sc, &displs, recv, &rc, &displs, h)
-            }
-        }
-    }
-}
-
-/// Whether `test` is one of the collectives.
-fn is_collective(test: &str) -> bool {
-    !matches!(test, "sendrecv" | "pingpong" | "pairs")
-}
-
-/// Bytes rank `p` sends rank `q` in `alltoallv` at `size`: seeded, 1–100 % of a block.
-fn v_count(p: usize, q: usize, n: usize, size: usize) -> usize {
-    let mut x = (p * 1_000_003 + q * 7919 + size) as u64 ^ 0x9E37_79B9_7F4A_7C15;
-    x ^= x >> 31;
-    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x ^= x >> 29;
-    (size / n) * (x % 100 + 1) as usize / 100
-}
-
-/// Wrong bytes in rank `me`'s receive buffer after one collective of `size` bytes (root 0;
-/// every rank's send buffer holds `byte(rank, size, i)`).
-fn collective_wrong(test: &str, got: &[u8], me: usize, n: usize, size: usize) -> usize {
-    let block = size / n;
-    let mut wrong = 0;
-    let mut expect = |at: usize, want: u8| wrong += usize::from(got[at] != want);
-    match test {
-        "broadcast" => (0..size).for_each(|i| expect(i, byte(0, size, i))),
-        "gather" if me == 0 => {
-            for q in 0..n {
-                (0..block).for_each(|i| expect(q * block + i, byte(q, size, i)));
-            }
-        }
-        "gather" => {}
-        "scatter" => (0..block).for_each(|i| expect(i, byte(0, size, me * block + i))),
-        "allgather" => {
-            for q in 0..n {
-                (0..block).for_each(|i| expect(q * block + i, byte(q, size, i)));
-            }
-        }
-        "alltoall" => {
-            for q in 0..n {
-                (0..block).for_each(|i| expect(q * block + i, byte(q, size, me * block + i)));
-            }
-        }
-        _ => {
-            for q in 0..n {
-                (0..v_count(q, me, n, size))
-                    .for_each(|i| expect(q * block + i, byte(q, size, me * block + i)));
-            }
-        }
-    }
-    wrong
 }
 
 fn byte(src: usize, size: usize, i: usize) -> u8 {
@@ -378,8 +316,9 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         let pci = |p: Option<&str>| p.map_or(String::new(), |p| format!(" ({p})"));
         let mine = adaptor.properties(adaptor.device())?;
         println!(
-            "# flagcx-perf {} | {} ranks | rank 0: {} device {}{} | rank 1: {} device {}{} | transport {kind}{copier} | setup + first transfer {setup_ms:.1} ms",
+            "# flagcx-perf {}{} | {} ranks | rank 0: {} device {}{} | rank 1: {} device {}{} | transport {kind}{copier} | setup + first transfer {setup_ms:.1} ms",
             o.test,
+            if o.in_place { " (in place)" } else { "" },
             n,
             adaptor.vendor(),
             adaptor.device(),
@@ -442,10 +381,25 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         if let Some(p) = progress.as_mut() {
             p.start(size);
         }
+        let (sp, rp, result_in_send) = collective::placement(
+            &o.test,
+            o.in_place,
+            me,
+            n,
+            size,
+            sends[0].ptr(),
+            recvs[0].ptr(),
+        );
         if o.check {
             let data: Vec<u8> = (0..size).map(|i| byte(me, size, i)).collect();
-            for b in &sends {
-                b.write(0, &data, &stream)?;
+            if sp == sends[0].ptr() {
+                for b in &sends {
+                    b.write(0, &data, &stream)?;
+                }
+            } else {
+                // In place: this rank's input sits inside its receive buffer.
+                let len = collective::input_bytes(&o.test, me, n, size);
+                recvs[0].write((sp.0 - rp.0) as usize, &data[..len], &stream)?;
             }
         }
         // The ceiling in the same traffic pattern: for sendrecv and pairs every rank copies at
@@ -496,7 +450,6 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
                 start = Instant::now();
                 before = comm.stats();
             }
-            let (sp, rp) = (sends[0].ptr(), recvs[0].ptr());
             match o.test.as_str() {
                 t if is_collective(t) => {
                     // SAFETY: both buffers hold `max >= size` bytes, every block a collective
@@ -548,7 +501,8 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         let mut wrong = 0;
         if o.check && is_collective(&o.test) {
             let mut got = vec![0u8; size];
-            recvs[0].read(0, &mut got, &stream)?;
+            let result = if result_in_send { &sends[0] } else { &recvs[0] };
+            result.read(0, &mut got, &stream)?;
             wrong += collective_wrong(&o.test, &got, me, n, size);
         } else if o.check {
             for (b, &src) in recvs.iter().zip(&froms) {
@@ -583,8 +537,8 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
                     &o.test,
                     me,
                     n,
-                    sends[0].ptr(),
-                    recvs[0].ptr(),
+                    sp,
+                    rp,
                     size,
                     &stream,
                     o.warmup as usize,
@@ -694,6 +648,8 @@ struct JsonRow<'a> {
     ceiling_gbs: f64,
     ratio: f64,
     path: &'a str,
+    /// `--in-place`.
+    in_place: bool,
     /// With `--vs-nccl`: NCCL's time and bus bandwidth, and ours ÷ NCCL's (null where NCCL
     /// could not run).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -723,6 +679,7 @@ impl<'a> JsonRow<'a> {
                 0.0
             },
             path: &r.path,
+            in_place: o.in_place,
             nccl_us: o.vs_nccl.then(|| r.nccl.map(|(us, _)| us)),
             nccl_gbs: o.vs_nccl.then(|| r.nccl.map(|(_, gbs)| gbs)),
             vs_nccl: o

@@ -1,0 +1,163 @@
+//! The collectives `flagcx-perf` times: how one is posted, where it reads and writes (out of
+//! place, or in place as nccl-tests' second column), and how its result is checked.
+
+use flagcx::{Adaptor, Comm, DevicePtr, StreamHandle};
+
+use super::byte;
+
+/// Posts one collective of `size` bytes (root 0) from `send` into `recv`.
+///
+/// # Safety
+/// Both buffers hold at least `size` bytes and stay valid until the collective finished.
+pub(crate) unsafe fn run_collective(
+    comm: &Comm<Adaptor>,
+    test: &str,
+    send: DevicePtr,
+    recv: DevicePtr,
+    size: usize,
+    h: StreamHandle,
+) -> Result<flagcx::Collective, flagcx::CommError> {
+    let n = comm.nranks();
+    let block = size / n;
+    // SAFETY: the caller's contract covers every block named below.
+    unsafe {
+        match test {
+            "broadcast" => comm.broadcast_raw(send, recv, size, 0, h),
+            "gather" => comm.gather_raw(send, recv, block, 0, h),
+            "scatter" => comm.scatter_raw(send, recv, block, 0, h),
+            "allgather" => comm.all_gather_raw(send, recv, block, h),
+            "alltoall" => comm.all_to_all_raw(send, recv, block, h),
+            _ => {
+                let me = comm.rank();
+                let displs: Vec<usize> = (0..n).map(|q| q * block).collect();
+                let sc: Vec<usize> = (0..n).map(|q| v_count(me, q, n, size)).collect();
+                let rc: Vec<usize> = (0..n).map(|q| v_count(q, me, n, size)).collect();
+                comm.all_to_allv_raw(send, &sc, &displs, recv, &rc, &displs, h)
+            }
+        }
+    }
+}
+
+/// Whether `test` is one of the collectives.
+pub(crate) fn is_collective(test: &str) -> bool {
+    !matches!(test, "sendrecv" | "pingpong" | "pairs")
+}
+
+/// Bytes rank `p` sends rank `q` in `alltoallv` at `size`: seeded, 1–100 % of a block.
+fn v_count(p: usize, q: usize, n: usize, size: usize) -> usize {
+    let mut x = (p * 1_000_003 + q * 7919 + size) as u64 ^ 0x9E37_79B9_7F4A_7C15;
+    x ^= x >> 31;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 29;
+    (size / n) * (x % 100 + 1) as usize / 100
+}
+
+/// Wrong bytes in rank `me`'s receive buffer after one collective of `size` bytes (root 0;
+/// every rank's send buffer holds `byte(rank, size, i)`).
+pub(crate) fn collective_wrong(test: &str, got: &[u8], me: usize, n: usize, size: usize) -> usize {
+    let block = size / n;
+    let mut wrong = 0;
+    let mut expect = |at: usize, want: u8| wrong += usize::from(got[at] != want);
+    match test {
+        "broadcast" => (0..size).for_each(|i| expect(i, byte(0, size, i))),
+        "gather" if me == 0 => {
+            for q in 0..n {
+                (0..block).for_each(|i| expect(q * block + i, byte(q, size, i)));
+            }
+        }
+        "gather" => {}
+        "scatter" => (0..block).for_each(|i| expect(i, byte(0, size, me * block + i))),
+        "allgather" => {
+            for q in 0..n {
+                (0..block).for_each(|i| expect(q * block + i, byte(q, size, i)));
+            }
+        }
+        "alltoall" => {
+            for q in 0..n {
+                (0..block).for_each(|i| expect(q * block + i, byte(q, size, me * block + i)));
+            }
+        }
+        _ => {
+            for q in 0..n {
+                (0..v_count(q, me, n, size))
+                    .for_each(|i| expect(q * block + i, byte(q, size, me * block + i)));
+            }
+        }
+    }
+    wrong
+}
+
+/// Whether `test` has an in-place form (`--in-place`): the rooted collectives and all-gather.
+/// All-to-all has none, in flagcx as in NCCL.
+pub(crate) fn has_in_place(test: &str) -> bool {
+    matches!(test, "broadcast" | "gather" | "scatter" | "allgather")
+}
+
+/// Where rank `me` runs one collective of `size` bytes (root 0) over its buffers `send` and
+/// `recv`: `(send, recv)` as passed to it, the in-place forms where `in_place` (the root's
+/// buffers coincide for broadcast, gather and scatter; every rank's block sits in its `recv`
+/// for all-gather), and whether the result lands in `send` (an in-place scatter's root).
+pub(crate) fn placement(
+    test: &str,
+    in_place: bool,
+    me: usize,
+    n: usize,
+    size: usize,
+    send: DevicePtr,
+    recv: DevicePtr,
+) -> (DevicePtr, DevicePtr, bool) {
+    let block = (size / n) as u64;
+    match (in_place, test, me) {
+        (true, "broadcast" | "gather", 0) => (recv, recv, false),
+        (true, "scatter", 0) => (send, send, true),
+        (true, "allgather", _) => (DevicePtr(recv.0 + me as u64 * block), recv, false),
+        _ => (send, recv, false),
+    }
+}
+
+/// How many bytes of input rank `me` provides at its send pointer for one collective of
+/// `size` (root 0): the whole buffer at a broadcast's or scatter's root, one block for
+/// gather and all-gather, nothing at the other ranks of a rooted collective.
+pub(crate) fn input_bytes(test: &str, me: usize, n: usize, size: usize) -> usize {
+    match (test, me) {
+        ("broadcast" | "scatter", 0) => size,
+        ("broadcast" | "scatter", _) => 0,
+        ("gather" | "allgather", _) => size / n,
+        _ => size,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn in_place_pointers_follow_each_collective_s_rule() {
+        let (s, r) = (DevicePtr(1 << 20), DevicePtr(2 << 20));
+        let at = |t: &str, me| placement(t, true, me, 4, 4000, s, r);
+        assert_eq!(at("broadcast", 0), (r, r, false));
+        assert_eq!(
+            at("broadcast", 1),
+            (s, r, false),
+            "only the root's buffers coincide"
+        );
+        assert_eq!(
+            at("gather", 0),
+            (r, r, false),
+            "the root's block at recv + 0"
+        );
+        assert_eq!(
+            at("scatter", 0),
+            (s, s, true),
+            "the root's block stays in send"
+        );
+        assert_eq!(at("allgather", 3), (DevicePtr(r.0 + 3000), r, false));
+        assert_eq!(
+            placement("allgather", false, 3, 4, 4000, s, r),
+            (s, r, false)
+        );
+        assert_eq!(input_bytes("allgather", 2, 4, 4000), 1000);
+        assert_eq!(input_bytes("broadcast", 1, 4, 4000), 0);
+        assert!(has_in_place("scatter") && !has_in_place("alltoall"));
+    }
+}
