@@ -90,7 +90,8 @@ impl<A: DeviceAdaptor> HostMaps<A> {
     pub fn new(adaptor: A, rank: usize, max: usize, piece: usize) -> Self {
         let register = adaptor.capabilities().host_pin;
         let piece = if register {
-            piece.max(1).next_multiple_of(page_size())
+            // At most 1 TiB a piece: rounding up cannot overflow whatever the setting says.
+            piece.clamp(1, 1 << 40).next_multiple_of(page_size())
         } else {
             usize::MAX
         };
@@ -124,8 +125,12 @@ impl<A: DeviceAdaptor> HostMaps<A> {
             return (e.state.load(Ordering::Acquire) == READY && e.handle.size >= h.size)
                 .then_some((e.base, e.handle.size));
         }
-        let len = h.size.next_multiple_of(page_size());
-        if self.mapped + len > self.max {
+        // A size no mapping can have (rounding up would overflow) is over any budget.
+        let len = h
+            .size
+            .checked_next_multiple_of(page_size())
+            .unwrap_or(usize::MAX);
+        if self.mapped.saturating_add(len) > self.max {
             if !self.over_budget_logged {
                 self.over_budget_logged = true;
                 tracing::info!(
@@ -384,6 +389,11 @@ mod tests {
         let a = HostAdaptor::open(0).unwrap();
         let buf = a.mem_alloc(5 * 4096 + 10).unwrap();
         let h = a.ipc_get_handle(buf).unwrap();
+        assert_eq!(
+            HostMaps::new(a.clone(), 0, 1 << 30, usize::MAX).piece(),
+            1 << 40,
+            "no overflow"
+        );
         let mut m = HostMaps::new(a.clone(), 0, 1 << 30, 5000);
         assert_eq!(m.piece(), 8192, "whole pages");
         let base = ready_within(&mut m, &h);
