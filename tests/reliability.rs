@@ -314,6 +314,60 @@ fn reliability_worker() {
                 t2.elapsed().as_millis()
             );
         }
+        "eager_left_behind" => {
+            let comm = Comm::from_env(adaptor.clone()).expect("comm");
+            let stream = Stream::new(&adaptor).expect("stream");
+            rendezvous(&comm, peer, &stream);
+            if comm.eager_limit(peer) == 0 {
+                println!("no eager path on this pair: nothing left behind to take");
+                return;
+            }
+            let msg = Arc::new(DeviceBuffer::new(&adaptor, 8).expect("alloc"));
+            if me == 1 {
+                // Two eager sends, complete when posted, then this rank closes and exits.
+                for k in 0..2u8 {
+                    msg.write(0, &[k + 10; 8], &stream).expect("fill");
+                    stream.synchronize().expect("idle stream");
+                    let n = comm.send(&msg, peer, &stream).and_then(|r| r.wait());
+                    assert_eq!(n.expect("eager send"), 8);
+                }
+                drop(comm);
+                println!("sender closed");
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            // A send the closed peer never takes: the engine sees the hang-up, the pair is
+            // lost.
+            let big = Arc::new(DeviceBuffer::new(&adaptor, 8 << 20).expect("alloc"));
+            match comm
+                .send(&big, peer, &stream)
+                .and_then(|r| r.wait_timeout(Duration::from_secs(10)))
+            {
+                Err(CommError::PeerLost { .. }) => {}
+                other => panic!("send to a closed peer: expected PeerLost, got {other:?}"),
+            }
+            // The two messages it sent before it went are still taken, in order; then nothing.
+            for k in 0..2u8 {
+                stream.synchronize().expect("idle stream");
+                let n = comm
+                    .recv(&msg, peer, &stream)
+                    .and_then(|r| r.wait_timeout(Duration::from_secs(10)));
+                assert_eq!(n.expect("a message left in an eager slot"), 8);
+                let mut got = [0u8; 8];
+                msg.read(0, &mut got, &stream).expect("read");
+                assert_eq!(got, [k + 10; 8], "message {k}");
+            }
+            match comm
+                .recv(&msg, peer, &stream)
+                .and_then(|r| r.wait_timeout(Duration::from_secs(10)))
+            {
+                Err(CommError::PeerLost { .. }) => {}
+                other => panic!("a third receive: expected PeerLost, got {other:?}"),
+            }
+            drop((comm, stream, msg, big));
+            assert_no_leaks(&before, &scenario);
+            println!("survivor ok: took the closed peer's two eager messages");
+        }
         "peer_killed_eager" => {
             let comm = Comm::from_env(adaptor.clone()).expect("comm");
             let stream = Stream::new(&adaptor).expect("stream");
@@ -1026,6 +1080,18 @@ fn killed_peer_is_found_once_the_eager_slots_are_full() {
         text(&r1)
     );
     assert_survived(&r0, "eager sender to a SIGKILLed peer");
+}
+
+/// A peer sends two eager messages (complete when posted), closes and exits; after the pair
+/// is lost, the survivor's receives still take those two, then fail with `PeerLost`.
+#[test]
+fn eager_messages_of_a_closed_peer_are_still_received() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let (r0, r1) = pair("eager_left_behind", &[]);
+    assert!(r1.status.success(), "{}", text(&r1));
+    assert_survived(&r0, "receiver of a closed peer's eager messages");
 }
 
 #[test]

@@ -380,10 +380,12 @@ impl<A: DeviceAdaptor> Engine<A> {
             let e = CommError::InvalidArgument(format!("no connection to rank {peer}"));
             return self.finish(op, Err(e));
         };
-        // A receive from a lost rank on another host still looks for its message: the rank
-        // may have sent it before it went (see `transport::net`).
-        let net_recv = conn.transport == TransportKind::Net && op.dir == Dir::Recv;
-        if let Some(reason) = conn.lost.clone().filter(|_| !net_recv) {
+        // A receive from a lost rank still takes a message the rank sent before it went: on
+        // another host it looks for it (see `transport::net`); here, one that waits in an
+        // eager slot (its send completed when posted) is taken.
+        let left_behind = op.dir == Dir::Recv
+            && (conn.transport == TransportKind::Net || conn.eager_waiting(op.index));
+        if let Some(reason) = conn.lost.clone().filter(|_| !left_behind) {
             return self.finish(op, Err(CommError::PeerLost { peer, reason }));
         }
         if let Some(Resume::Failed(_)) = &op.resume {

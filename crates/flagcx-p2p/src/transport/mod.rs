@@ -117,6 +117,19 @@ impl PeerConn {
         self.sends.is_empty() && self.recvs.is_empty()
     }
 
+    /// Whether the peer's message `index` waits in this rank's eager slot: published as an
+    /// eager message, with nothing failed on this side's receive direction. Its sender was done
+    /// with it when it posted it, so it is this rank's to take even after the peer closed or
+    /// exited.
+    pub(crate) fn eager_waiting(&self, index: u64) -> bool {
+        self.inc.load(Counter::RecvFault) == 0
+            && self.inc.load(Counter::SendPosted) > index
+            && self
+                .inc
+                .read_send_desc(index)
+                .is_ok_and(|sd| sd.status == SendStatus::Eager)
+    }
+
     /// Retires the pair: its later operations fail, and the eager path stays off it.
     pub(crate) fn retire(&mut self, shared: &Shared, reason: String) {
         self.lost = Some(reason);
