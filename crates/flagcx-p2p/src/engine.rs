@@ -380,9 +380,8 @@ impl<A: DeviceAdaptor> Engine<A> {
             let e = CommError::InvalidArgument(format!("no connection to rank {peer}"));
             return self.finish(op, Err(e));
         };
-        // A receive from a lost rank still takes a message the rank sent before it went: on
-        // another host it looks for it (see `transport::net`); here, one that waits in an
-        // eager slot (its send completed when posted) is taken.
+        // A receive from a lost rank still takes what it sent before it went: on another host
+        // it looks for it (`transport::net`); here, a message waiting in an eager slot.
         let left_behind = op.dir == Dir::Recv
             && (conn.transport == TransportKind::Net || conn.eager_waiting(op.index));
         if let Some(reason) = conn.lost.clone().filter(|_| !left_behind) {
