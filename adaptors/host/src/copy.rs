@@ -168,7 +168,7 @@ fn streaming_min_from(env: Option<&str>, llc: Option<usize>) -> usize {
 }
 
 /// A byte count with an optional K/M/G suffix (powers of two).
-fn parse_size(v: &str) -> Option<usize> {
+pub(crate) fn parse_size(v: &str) -> Option<usize> {
     let (num, shift) = match v.as_bytes().last()? {
         b'k' | b'K' => (&v[..v.len() - 1], 10),
         b'm' | b'M' => (&v[..v.len() - 1], 20),
