@@ -14,8 +14,8 @@
 //! | `send_fault`, `recv_fault` | each side | `i + 1` when that side of message `i` failed (a vendor error): the other side fails the message too instead of waiting |
 //!
 //! Between two ranks whose device memory the CPU addresses, the channel also has one eager slot
-//! per send descriptor: a small message is copied into slot `i` (up to 48 bytes: into the
-//! descriptor's first cache line itself) and published as send descriptor `i` with status
+//! per send descriptor: a small message is copied into slot `i` (up to 240 bytes: into the
+//! descriptor itself, behind its status word) and published as send descriptor `i` with status
 //! `EAGER`, without waiting for the receive descriptor. The status word of an eager descriptor
 //! also carries `i + 1` and is stored last, so a receiver can wait on that one cache line
 //! instead of on `send_posted` (which follows). The receiver copies the message out and
@@ -35,12 +35,14 @@ use crate::shm::ShmSegment;
 /// queues more locally).
 pub const DESC_RING: u64 = 64;
 const CTRL_BYTES: usize = 4096;
-const DESC_BYTES: usize = 128;
+/// Four cache lines: room for a handle and offsets, and for small eager messages inline.
+const DESC_BYTES: usize = 256;
 const RECV_DESC_BYTES: usize = DESC_BYTES;
 const SEND_DESC_BYTES: usize = DESC_BYTES;
-/// Eager messages up to this size travel inside their descriptor's first cache line, after
-/// the 16-byte head (size, status): one line for the receiver to fetch instead of two.
-pub const EAGER_INLINE: usize = 48;
+/// Eager messages up to this size travel inside their descriptor, after the 16-byte head
+/// (size, status): the lines the receiver fetches follow the status word it polled, instead of
+/// lying in a slot elsewhere.
+pub const EAGER_INLINE: usize = DESC_BYTES - 16;
 const PAGE: usize = 4096;
 
 /// What a send descriptor says about its message (the word at bytes 8..16).
@@ -357,7 +359,7 @@ impl Channel {
         debug_assert!(n <= self.geo.eager);
         let desc = self.desc_ptr(self.geo.send_descs(), i);
         let dst = if n <= EAGER_INLINE {
-            // SAFETY: descriptors are 128 bytes; 16 + 48 stay in the first line.
+            // SAFETY: a descriptor holds 16 + `EAGER_INLINE` bytes.
             unsafe { desc.add(16) }
         } else {
             self.eager_slot(i)
@@ -421,7 +423,7 @@ impl Channel {
 
     /// The status word of send descriptor `i` (bytes 8..16), as an atomic.
     fn eager_word(&self, i: u64) -> &AtomicU64 {
-        // SAFETY: descriptors are 128-byte aligned inside the page-aligned mapping, so bytes
+        // SAFETY: descriptors are 256-byte aligned inside the page-aligned mapping, so bytes
         // 8..16 of one are an aligned u64 that outlives `self`; every access to it that can
         // race (the eager status word) is atomic.
         unsafe { &*(self.desc_ptr(self.geo.send_descs(), i).add(8) as *const AtomicU64) }
