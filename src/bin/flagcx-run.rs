@@ -46,6 +46,11 @@ struct Args {
     /// Pass the ranks' output through unchanged (for machine-readable output).
     #[arg(long)]
     no_prefix: bool,
+    /// Bind each rank to its own share of this launcher's CPUs: auto (where there are fewer
+    /// than two per rank but at least one), cpus (wherever there is one per rank), off.
+    /// FLAGCX_BIND says the same for launchers without this flag.
+    #[arg(long, value_name = "MODE", default_value = "auto", value_parser = bind_arg)]
+    bind: flagcx::p2p::launch::Bind,
     /// The program each rank runs, and its arguments.
     #[arg(
         required_unless_present_any = ["completions", "print_id"],
@@ -74,6 +79,10 @@ fn seconds(v: &str) -> Result<Duration, String> {
         .parse()
         .map_err(|_| format!("expected seconds, got {v:?}"))?;
     Duration::try_from_secs_f64(secs).map_err(|_| format!("expected seconds >= 0, got {v:?}"))
+}
+
+fn bind_arg(v: &str) -> Result<flagcx::p2p::launch::Bind, String> {
+    v.parse()
 }
 
 fn vendor_arg(v: &str) -> Result<String, String> {
@@ -112,6 +121,7 @@ fn main() -> ExitCode {
         timeout: a.timeout,
         grace: a.grace,
         prefix: !a.no_prefix,
+        bind: a.bind,
         ..LaunchSpec::new(a.nranks as usize, a.program)
     };
     let grace = spec.grace.as_secs_f64();
