@@ -9,7 +9,7 @@
 //! is bound to its own share of them ([`Bind`], as `mpirun` binds to cores): left to the
 //! scheduler, two ranks' spinning threads often start on one core and share it until the
 //! load balancer parts them — on 2 cores an 8 B host-vendor round trip then took 2.4–2.7 µs
-//! instead of 0.47–0.70, in half of the runs measured.
+//! instead of 0.44–0.62, in one to three of five runs at the start of a sweep.
 //!
 //! No rank outlives the job:
 //! - the first rank to fail ends the others: `SIGTERM`, then `SIGKILL` after
@@ -90,7 +90,7 @@ impl std::str::FromStr for Bind {
 
 /// The CPUs each of `nranks` ranks is bound to, out of the launcher's `allowed` ones (in
 /// order); `None`: no binding (by `bind`, or too few CPUs for one each — oversubscribed ranks
-/// are left to the scheduler, which can move a waiting rank's core to a busy one). Rank `i`
+/// are left to the scheduler, which can run any of them wherever a core is free). Rank `i`
 /// gets `allowed[i·c/n .. (i+1)·c/n]`: contiguous, so a rank's CPUs share caches.
 pub fn bind_plan(bind: Bind, allowed: &[usize], nranks: usize) -> Option<Vec<Vec<usize>>> {
     let c = allowed.len();
