@@ -46,8 +46,9 @@ struct Args {
     /// Pass the ranks' output through unchanged (for machine-readable output).
     #[arg(long)]
     no_prefix: bool,
-    /// Bind each rank to its own share of this launcher's CPUs: auto (where there are fewer
-    /// than two per rank but at least one), cpus (wherever there is one per rank), off.
+    /// Bind each rank to its own share of this launcher's CPUs (one CPU in turn where there
+    /// are fewer CPUs than ranks): auto (where there are fewer than two per rank), cpus
+    /// (always), off.
     /// FLAGCX_BIND says the same for launchers without this flag.
     #[arg(long, value_name = "MODE", default_value = "auto", value_parser = bind_arg)]
     bind: flagcx::p2p::launch::Bind,
