@@ -55,7 +55,7 @@ fn copy_threads(cores: usize, ranks: usize, env: Option<&str>) -> usize {
 fn copy_pool() -> Option<&'static rayon::ThreadPool> {
     static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
     POOL.get_or_init(|| {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cores = flagcx_adaptor::spin::cores_from_env();
         let threads = copy_threads(
             cores,
             flagcx_adaptor::spin::ranks_from_env(),

@@ -230,7 +230,7 @@ fn inline_max() -> usize {
     *MAX.get_or_init(|| {
         inline_max_from(
             std::env::var(INLINE_MAX_ENV).ok().as_deref(),
-            std::thread::available_parallelism().map_or(1, |n| n.get()),
+            flagcx_adaptor::spin::cores_from_env(),
             flagcx_adaptor::spin::ranks_from_env(),
         )
     })

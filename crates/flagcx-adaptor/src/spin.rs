@@ -18,8 +18,7 @@ pub const SPIN_ENV: &str = "FLAGCX_SPIN_US";
 /// The spin used when `FLAGCX_SPIN_US` is not set, for `ranks` processes on this machine:
 /// 50 µs, whatever the core count (below 8 cores spinners yield between polls: [`relax`]).
 pub fn default_spin(ranks: usize) -> Duration {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    spin_rule(cores, ranks)
+    spin_rule(cores_from_env(), ranks)
 }
 
 fn spin_rule(_cores: usize, _ranks: usize) -> Duration {
@@ -32,7 +31,7 @@ fn spin_rule(_cores: usize, _ranks: usize) -> Duration {
 /// waiting for this very core.
 pub fn relax() {
     static FEW: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let few = *FEW.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()) < 8);
+    let few = *FEW.get_or_init(|| cores_from_env() < 8);
     if few {
         std::thread::yield_now();
     } else {
@@ -50,10 +49,7 @@ pub fn relax() {
 /// call of ~0.1–0.3 µs) delays seeing the store.
 pub fn relax_on_peer(polls: u32) {
     static EVERY: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    let every = *EVERY.get_or_init(|| {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        peer_yield_every(cores, ranks_from_env())
-    });
+    let every = *EVERY.get_or_init(|| peer_yield_every(cores_from_env(), ranks_from_env()));
     if every != 0 && polls % every == every - 1 {
         std::thread::yield_now();
     } else {
@@ -93,6 +89,21 @@ pub fn spin_from_env() -> Option<std::result::Result<Duration, String>> {
         .ok()
         .filter(|v| !v.trim().is_empty())?;
     Some(parse_spin(&v))
+}
+
+/// Set by a launcher that binds its ranks to CPUs (`flagcx_p2p::launch`): how many CPUs the
+/// whole job runs on. A bound rank's own CPU count (its affinity) says nothing of how many
+/// ranks share a core, which is what the rules here and the host vendor's weigh.
+pub const JOB_CPUS_ENV: &str = "FLAGCX_JOB_CPUS";
+
+/// The CPUs the job's ranks share: `FLAGCX_JOB_CPUS` where a launcher bound the ranks, else
+/// what this process may run on.
+pub fn cores_from_env() -> usize {
+    std::env::var(JOB_CPUS_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// The ranks on this machine as far as a vendor library can tell without a communicator:

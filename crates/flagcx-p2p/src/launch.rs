@@ -304,7 +304,8 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchOutcome> {
             .map_err(|e| CommError::InvalidArgument(format!("{BIND_ENV}: {e}")))?,
         (b, _) => b,
     };
-    let plan = bind_plan(bind, &allowed_cpus(), spec.nranks);
+    let allowed = allowed_cpus();
+    let plan = bind_plan(bind, &allowed, spec.nranks);
     for rank in 0..spec.nranks {
         let cpus = plan.as_ref().map(|p| cpu_set(&p[rank]));
         let mut cmd = Command::new(exe);
@@ -318,6 +319,13 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchOutcome> {
         }
         if !spec.vendors.is_empty() {
             cmd.env("FLAGCX_VENDOR", &spec.vendors[rank % spec.vendors.len()]);
+        }
+        if plan.is_some() {
+            // A bound rank sees its own share; the few-core rules want the job's.
+            cmd.env(
+                flagcx_adaptor::spin::JOB_CPUS_ENV,
+                allowed.len().to_string(),
+            );
         }
         for (k, v) in &spec.env {
             cmd.env(k, v);
@@ -469,7 +477,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("flagcx-bind-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let script = format!(
-            "grep Cpus_allowed_list /proc/self/status > {}/$FLAGCX_RANK",
+            "(grep Cpus_allowed_list /proc/self/status; echo \"$FLAGCX_JOB_CPUS\") > {}/$FLAGCX_RANK",
             dir.display()
         );
         let spec = LaunchSpec {
@@ -478,7 +486,10 @@ mod tests {
         };
         assert!(launch(&spec).expect("the job runs").success());
         for (rank, cpus) in plan.iter().enumerate() {
-            let line = std::fs::read_to_string(dir.join(rank.to_string())).unwrap();
+            let text = std::fs::read_to_string(dir.join(rank.to_string())).unwrap();
+            let (line, job_cpus) = text.split_once('\n').unwrap();
+            // The few-core rules read the job's CPUs, not the rank's share.
+            assert_eq!(job_cpus.trim(), allowed.len().to_string(), "rank {rank}");
             let list = line.split(':').nth(1).unwrap().trim().to_string();
             let got: Vec<usize> = list
                 .split(',')
