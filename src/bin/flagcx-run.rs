@@ -47,7 +47,7 @@ struct Args {
     #[arg(long)]
     no_prefix: bool,
     /// Bind each rank to its own share of this launcher's CPUs (one CPU in turn where there
-    /// are fewer CPUs than ranks): auto (where there are fewer than two per rank), cpus
+    /// are fewer CPUs than ranks): auto (where there are no more CPUs than ranks), cpus
     /// (always), off.
     /// FLAGCX_BIND says the same for launchers without this flag.
     #[arg(long, value_name = "MODE", default_value = "auto", value_parser = bind_arg)]
