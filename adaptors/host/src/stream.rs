@@ -129,9 +129,9 @@ impl HostStream {
     /// Fast path: when the stream is idle and the op is cheap and cannot block (a small copy or
     /// memset, an event record, a value write, a wait that is already satisfied), it runs right
     /// here — so does a copy or memset of any size where the job has fewer than two cores per
-    /// rank ([`inline_max`]). Order is kept — nothing is queued ahead of it, and the queue lock is held so no
-    /// other op can slip in — and a worker-thread hand-off (a futex wake and a poll) is saved,
-    /// which is most of a small message's latency on a busy host.
+    /// rank ([`inline_max`]). Order is kept — nothing is queued ahead of it, and the queue
+    /// lock is held so no other op can slip in — and a worker-thread hand-off (a futex wake
+    /// and a poll) is saved, which is most of a small message's latency on a busy host.
     pub fn push(&self, op: Op) -> bool {
         let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         let Some(tx) = tx.as_ref() else { return false };

@@ -7,9 +7,8 @@
 //!
 //! Where the launcher's CPUs are no more than the ranks, every rank is bound to a CPU of its
 //! own, or to one in turn where they are fewer ([`Bind`], as `mpirun` binds to cores): left
-//! to the
-//! scheduler, two ranks' spinning threads often start on one core and share it until the
-//! load balancer parts them — on 2 cores an 8 B host-vendor round trip then took 2.4–2.7 µs
+//! to the scheduler, two ranks' spinning threads often start on one core and share it until
+//! the load balancer parts them — on 2 cores an 8 B host-vendor round trip then took 2.4–2.7 µs
 //! instead of 0.44–0.62, in one to three of five runs at the start of a sweep.
 //!
 //! No rank outlives the job:
@@ -118,32 +117,6 @@ pub fn bind_plan(bind: Bind, allowed: &[usize], nranks: usize) -> Option<Vec<Vec
             })
             .collect(),
     )
-}
-
-/// The CPUs this process may run on, in order (empty if the kernel does not say).
-fn allowed_cpus() -> Vec<usize> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; the call fills it for this process.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `set` is a live cpu_set_t of the size passed.
-    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } != 0
-    {
-        return Vec::new();
-    }
-    (0..libc::CPU_SETSIZE as usize)
-        // SAFETY: `i` is below CPU_SETSIZE; `set` is initialized.
-        .filter(|&i| unsafe { libc::CPU_ISSET(i, &set) })
-        .collect()
-}
-
-/// A CPU set holding `cpus`.
-fn cpu_set(cpus: &[usize]) -> libc::cpu_set_t {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    for &c in cpus.iter().filter(|&&c| c < libc::CPU_SETSIZE as usize) {
-        // SAFETY: `c` is below CPU_SETSIZE.
-        unsafe { libc::CPU_SET(c, &mut set) };
-    }
-    set
 }
 
 impl LaunchSpec {
@@ -305,10 +278,11 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchOutcome> {
             .map_err(|e| CommError::InvalidArgument(format!("{BIND_ENV}: {e}")))?,
         (b, _) => b,
     };
-    let allowed = allowed_cpus();
+    // Read before any rank starts: the launcher's own CPUs, which it shares out.
+    let allowed = crate::numa::allowed_cpus().unwrap_or_default();
     let plan = bind_plan(bind, &allowed, spec.nranks);
     for rank in 0..spec.nranks {
-        let cpus = plan.as_ref().map(|p| cpu_set(&p[rank]));
+        let cpus = plan.as_ref().map(|p| crate::numa::cpu_set(&p[rank]));
         let mut cmd = Command::new(exe);
         cmd.args(args)
             .env("FLAGCX_RANK", rank.to_string())
@@ -427,7 +401,8 @@ pub fn launch(spec: &LaunchSpec) -> Result<LaunchOutcome> {
 
 #[cfg(test)]
 mod tests {
-    use super::{allowed_cpus, bind_plan, launch, Bind, LaunchSpec};
+    use super::{bind_plan, launch, Bind, LaunchSpec};
+    use crate::numa::{allowed_cpus, parse_cpulist};
 
     #[test]
     fn ranks_are_bound_only_where_cpus_are_no_more_than_ranks() {
@@ -477,7 +452,7 @@ mod tests {
     /// Each launched rank runs on the share the plan gave it (read back from the kernel).
     #[test]
     fn launched_ranks_run_on_their_share() {
-        let allowed = allowed_cpus();
+        let allowed = allowed_cpus().expect("this process's CPUs");
         // More ranks than CPUs where the machine is small, to see both kinds of share.
         let n = (allowed.len() + 1).min(4);
         let plan = bind_plan(Bind::Cpus, &allowed, n).expect("a CPU to share out");
@@ -498,13 +473,7 @@ mod tests {
             // The few-core rules read the job's CPUs, not the rank's share.
             assert_eq!(job_cpus.trim(), allowed.len().to_string(), "rank {rank}");
             let list = line.split(':').nth(1).unwrap().trim().to_string();
-            let got: Vec<usize> = list
-                .split(',')
-                .flat_map(|r| {
-                    let (a, b) = r.split_once('-').unwrap_or((r, r));
-                    a.parse::<usize>().unwrap()..=b.parse::<usize>().unwrap()
-                })
-                .collect();
+            let got = parse_cpulist(&list).expect("the kernel's CPU list");
             assert_eq!(&got, cpus, "rank {rank} runs on {list}");
         }
         let _ = std::fs::remove_dir_all(&dir);

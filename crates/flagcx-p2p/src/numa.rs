@@ -67,7 +67,7 @@ pub(crate) fn adaptor_cpus<A: flagcx_adaptor::DeviceAdaptor>(a: &A) -> Option<Ve
 }
 
 /// The CPUs the calling thread may run on.
-fn allowed_cpus() -> Option<Vec<usize>> {
+pub(crate) fn allowed_cpus() -> Option<Vec<usize>> {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; the call fills it for this thread.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     // SAFETY: `set` is a valid, writable cpu_set_t of the size passed.
@@ -83,14 +83,20 @@ fn allowed_cpus() -> Option<Vec<usize>> {
     )
 }
 
-/// Restricts the calling thread to `cpus`; whether it worked.
-pub(crate) fn bind_current_thread(cpus: &[usize]) -> bool {
+/// A CPU set holding `cpus` (those beyond the set's capacity left out).
+pub(crate) fn cpu_set(cpus: &[usize]) -> libc::cpu_set_t {
     // SAFETY: a zeroed cpu_set_t is a valid empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     for &c in cpus.iter().filter(|&&c| c < libc::CPU_SETSIZE as usize) {
         // SAFETY: `c` is below the set's capacity.
         unsafe { libc::CPU_SET(c, &mut set) };
     }
+    set
+}
+
+/// Restricts the calling thread to `cpus`; whether it worked.
+pub(crate) fn bind_current_thread(cpus: &[usize]) -> bool {
+    let set = cpu_set(cpus);
     // SAFETY: a valid set of the size passed; 0 is the calling thread.
     let ok =
         unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) } == 0;
