@@ -35,10 +35,13 @@ use crate::shm::ShmSegment;
 /// queues more locally).
 pub const DESC_RING: u64 = 64;
 const CTRL_BYTES: usize = 4096;
-/// Four cache lines: room for a handle and offsets, and for small eager messages inline.
+/// A descriptor's stride: four cache lines, room for small eager messages inline.
 const DESC_BYTES: usize = 256;
-const RECV_DESC_BYTES: usize = DESC_BYTES;
-const SEND_DESC_BYTES: usize = DESC_BYTES;
+/// The fields of a rendezvous descriptor (size, status or offset, handle, offset or mode):
+/// its first two lines, all that is read or written of one; the rest of a send descriptor
+/// carries only eager data.
+const RECV_DESC_BYTES: usize = 128;
+const SEND_DESC_BYTES: usize = 128;
 /// Eager messages up to this size travel inside their descriptor, after the 16-byte head
 /// (size, status): the lines the receiver fetches follow the status word it polled, instead of
 /// lying in a slot elsewhere.
@@ -180,10 +183,10 @@ impl Geometry {
         CTRL_BYTES
     }
     fn send_descs(&self) -> usize {
-        self.recv_descs() + DESC_RING as usize * RECV_DESC_BYTES
+        self.recv_descs() + DESC_RING as usize * DESC_BYTES
     }
     fn lane(&self) -> usize {
-        (self.send_descs() + DESC_RING as usize * SEND_DESC_BYTES).next_multiple_of(PAGE)
+        (self.send_descs() + DESC_RING as usize * DESC_BYTES).next_multiple_of(PAGE)
     }
     fn ring(&self) -> usize {
         (self.lane() + DESC_RING as usize * self.eager).next_multiple_of(PAGE)
@@ -551,7 +554,7 @@ mod tests {
         let tx = Channel::open(seg, geo).unwrap();
         // The lane does not overlap the descriptors or the ring.
         assert!(geo.ring() >= geo.lane() + 64 * 100);
-        assert!(geo.lane() >= geo.send_descs() + 64 * SEND_DESC_BYTES);
+        assert!(geo.lane() >= geo.send_descs() + 64 * DESC_BYTES);
         // Slot `i` is free once the receiver finished message `i - 64`.
         assert!(tx.window_open(63) && !tx.window_open(64));
         for i in [0u64, 1, 63, 64, 130] {
