@@ -4,7 +4,8 @@
 //! Both sides are ping-pongs of one message at a time: flagcx-perf's `pingpong` (its time is a
 //! round trip; one way is half) against `ucx_perftest -t tag_lat` (one way), and for
 //! bandwidth our one-way rate against `-t tag_bw`, which streams a window of messages — a
-//! harder peer than the same pattern.
+//! harder peer than the same pattern. Both tools run each size the same number of iterations
+//! and each host's process bound to a CPU of its own ([`pinned`]).
 
 use std::process::{Command, Stdio};
 
@@ -16,11 +17,26 @@ mod netns;
 /// Sizes of the sweep: 8 B to 16 MiB, ×8.
 const SIZES: [u64; 8] = [8, 64, 512, 4096, 32768, 262144, 2097152, 16777216];
 
+/// The machine's CPUs.
+fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// `program` run inside host `i`, bound to CPU `i` (modulo the CPUs) — ours and UCX's alike,
+/// as `mpirun` and our launcher bind ranks where CPUs are few. Unbound, two spinning processes
+/// of a 2-CPU machine often shared one CPU for part of a run, which moved small-message times
+/// by 30% between runs of either tool.
+fn pinned(h: &netns::Hosts, i: usize, program: &std::path::Path) -> Command {
+    let mut c = h.command(i, std::path::Path::new("taskset"));
+    c.args(["-c", &(i % cpus()).to_string()]).arg(program);
+    c
+}
+
 /// One `ucx_perftest` measurement between host 1 (server) and host 0 (client): the `Final:`
 /// line's average one-way latency (µs) and overall bandwidth (GB/s).
 fn perftest(h: &netns::Hosts, test: &str, size: u64, port: u16) -> Result<(f64, f64)> {
     let exe = std::path::Path::new("ucx_perftest");
-    let mut server = h.command(1, exe);
+    let mut server = pinned(h, 1, exe);
     server
         .args(["-p", &port.to_string()])
         .env("UCX_TLS", "tcp")
@@ -28,12 +44,11 @@ fn perftest(h: &netns::Hosts, test: &str, size: u64, port: u16) -> Result<(f64, 
         .stderr(Stdio::null());
     let mut server = server.spawn().map_err(|e| format!("ucx_perftest: {e}"))?;
     std::thread::sleep(std::time::Duration::from_millis(300));
-    let iters = if size >= 1 << 20 { "100" } else { "5000" };
-    let out = h
-        .command(0, exe)
+    let iters = iterations(size).to_string();
+    let out = pinned(h, 0, exe)
         .args([&h.addr(1), "-p", &port.to_string(), "-t", test, "-s"])
         .arg(size.to_string())
-        .args(["-n", iters])
+        .args(["-n", &iters])
         .env("UCX_TLS", "tcp")
         .output()
         .map_err(|e| format!("ucx_perftest: {e}"))?;
@@ -65,22 +80,52 @@ fn median(v: Option<&Vec<f64>>) -> Option<f64> {
     v.get(v.len() / 2).copied()
 }
 
-/// One flagcx-perf pingpong sweep between the two hosts: one-way µs per size.
+/// Iterations per size, as `perftest` runs them: many below 1 MiB, where one round trip is
+/// microseconds and a short run is mostly noise, few above.
+fn iterations(size: u64) -> u64 {
+    if size >= 1 << 20 {
+        100
+    } else {
+        5000
+    }
+}
+
+/// One flagcx-perf pingpong sweep between the two hosts: one-way µs per size. Two jobs, so
+/// each size runs as many iterations as `perftest` gives it ([`iterations`]).
 fn flagcx_round(h: &netns::Hosts, perf: &std::path::Path, port: u16) -> Result<Vec<(u64, f64)>> {
+    let small: Vec<u64> = SIZES.iter().copied().filter(|&s| s < 1 << 20).collect();
+    let large: Vec<u64> = SIZES.iter().copied().filter(|&s| s >= 1 << 20).collect();
+    let mut out = flagcx_sweep(h, perf, port, &small)?;
+    out.extend(flagcx_sweep(h, perf, port + 20, &large)?);
+    Ok(out)
+}
+
+/// A pingpong job over `sizes` (consecutive entries of [`SIZES`], all with one iteration
+/// count).
+fn flagcx_sweep(
+    h: &netns::Hosts,
+    perf: &std::path::Path,
+    port: u16,
+    sizes: &[u64],
+) -> Result<Vec<(u64, f64)>> {
+    let (Some(&b), Some(&e)) = (sizes.first(), sizes.last()) else {
+        return Ok(Vec::new());
+    };
+    let n = iterations(b);
     let id = job_id(h, port)?;
     let mut ranks = Vec::new();
     for rank in 0..2 {
-        let mut c = h.command(rank, perf);
-        c.args([
-            "-t", "pingpong", "-b", "8", "-e", "16M", "-f", "8", "-n", "200",
-        ])
-        .args(["-w", "20", "-c", "--json"])
-        .env("FLAGCX_RANK", rank.to_string())
-        .env("FLAGCX_NRANKS", "2")
-        .env("FLAGCX_UNIQUE_ID", &id)
-        .env("FLAGCX_VENDOR", "host")
-        .env("UCX_TLS", "tcp")
-        .stdout(Stdio::piped());
+        let mut c = pinned(h, rank, perf);
+        c.args(["-t", "pingpong", "-f", "8", "-c", "--json"])
+            .args(["-b", &b.to_string(), "-e", &e.to_string()])
+            .args(["-n", &n.to_string(), "-w", &(n / 10).to_string()])
+            .env("FLAGCX_RANK", rank.to_string())
+            .env("FLAGCX_NRANKS", "2")
+            .env("FLAGCX_UNIQUE_ID", &id)
+            .env("FLAGCX_VENDOR", "host")
+            .env("FLAGCX_JOB_CPUS", cpus().to_string())
+            .env("UCX_TLS", "tcp")
+            .stdout(Stdio::piped());
         ranks.push(c.spawn().map_err(|e| format!("flagcx-perf: {e}"))?);
     }
     let mut outs = Vec::new();
@@ -117,6 +162,9 @@ pub(crate) fn bench_net() -> Result {
     if Command::new("ucx_perftest").arg("-h").output().is_err() {
         return Err("--net needs ucx_perftest: sudo apt-get install ucx-utils".into());
     }
+    if Command::new("taskset").arg("-V").output().is_err() {
+        return Err("--net needs taskset: sudo apt-get install util-linux".into());
+    }
     run(
         "building flagcx-perf",
         cargo().args(["build", "--release", "-p", "flagcx", "--bin", "flagcx-perf"]),
@@ -150,8 +198,8 @@ pub(crate) fn bench_net() -> Result {
         }
     }
     println!(
-        "# same run, two network namespaces, UCX_TLS=tcp, median of {ROUNDS} alternating rounds; \
-         one-way times (flagcx: half a round trip)"
+        "# same run, two network namespaces, UCX_TLS=tcp, each host's process on a CPU of its \
+         own, median of {ROUNDS} alternating rounds; one-way times (flagcx: half a round trip)"
     );
     println!(
         "{:>10} {:>11} {:>11} {:>9} {:>11} {:>11} {:>9}",
