@@ -150,8 +150,9 @@ pub struct Config {
     /// destroyed (`FLAGCX_PROFILE` set to anything, default off).
     pub profile: bool,
     /// The network transport stages every message through pinned host buffers, even where
-    /// device memory is host addressable (`FLAGCX_NET_STAGING=auto|always`, default auto:
-    /// only where it is not). For testing the staging path.
+    /// device memory is host addressable or UCX takes it as it is
+    /// (`FLAGCX_NET_STAGING=auto|always`, default auto: only where neither holds). For
+    /// testing the staging path.
     pub net_staging: bool,
 }
 

@@ -42,7 +42,12 @@ const OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 const OP_ATTR_FLAG_NO_IMM_CMPL: u32 = 1 << 16;
 const OP_ATTR_FIELD_MEMORY_TYPE: u32 = 1 << 6;
 /// `UCS_MEMORY_TYPE_HOST`.
-const MEMORY_TYPE_HOST: u64 = 0;
+pub(crate) const MEMORY_TYPE_HOST: u64 = 0;
+/// `UCS_MEMORY_TYPE_CUDA`.
+pub(crate) const MEMORY_TYPE_CUDA: u64 = 1;
+/// `UCS_MEMORY_TYPE_ROCM`.
+pub(crate) const MEMORY_TYPE_ROCM: u64 = 3;
+const ATTR_FIELD_MEMORY_TYPES: u64 = 1 << 2;
 const EP_CLOSE_FLAG_FORCE: u32 = 1 << 0;
 /// UCP API version this code was written against (`ucp_init_version`).
 const API: (c_uint, c_uint) = (1, 13);
@@ -84,6 +89,17 @@ struct RequestParam {
     rest: [u64; 8],
 }
 
+/// `ucp_context_attr_t` (64 bytes in 1.13: the mask, `request_size`, `thread_mode`,
+/// `memory_types`, a 32-byte name).
+#[repr(C)]
+struct ContextAttr {
+    field_mask: u64,
+    request_size: usize,
+    thread_mode: c_int,
+    memory_types: u64,
+    name: [c_char; 32],
+}
+
 /// `ucp_tag_recv_info_t`.
 #[repr(C)]
 #[derive(Default)]
@@ -98,6 +114,8 @@ const _: () = assert!(std::mem::size_of::<EpParams>() == 104);
 const _: () = assert!(std::mem::offset_of!(EpParams, err_mode) == 16);
 const _: () = assert!(std::mem::offset_of!(EpParams, err_handler_cb) == 24);
 const _: () = assert!(std::mem::size_of::<RequestParam>() == 72);
+const _: () = assert!(std::mem::size_of::<ContextAttr>() == 64);
+const _: () = assert!(std::mem::offset_of!(ContextAttr, memory_types) == 24);
 
 /// The library's entry points.
 struct Fns {
@@ -112,6 +130,7 @@ struct Fns {
         *mut *mut c_void,
     ) -> Status,
     cleanup: unsafe extern "C" fn(*mut c_void),
+    context_query: unsafe extern "C" fn(*mut c_void, *mut ContextAttr) -> Status,
     worker_create:
         unsafe extern "C" fn(*mut c_void, *const WorkerParams, *mut *mut c_void) -> Status,
     worker_destroy: unsafe extern "C" fn(*mut c_void),
@@ -191,6 +210,7 @@ impl Ucx {
             config_modify: sym!(ucp, "ucp_config_modify"),
             init_version: sym!(ucp, "ucp_init_version"),
             cleanup: sym!(ucp, "ucp_cleanup"),
+            context_query: sym!(ucp, "ucp_context_query"),
             worker_create: sym!(ucp, "ucp_worker_create"),
             worker_destroy: sym!(ucp, "ucp_worker_destroy"),
             worker_get_address: sym!(ucp, "ucp_worker_get_address"),
@@ -309,6 +329,24 @@ impl Worker {
         Ok(Worker { ucx, ctx, worker })
     }
 
+    /// The memory types this UCX moves itself (`ucp_context_query`): bit `t` for
+    /// `UCS_MEMORY_TYPE` `t`. Debian's build has host memory only; one built `--with-cuda`
+    /// adds CUDA's.
+    pub(crate) fn memory_types(&self) -> Result<u64> {
+        let mut attr = ContextAttr {
+            field_mask: ATTR_FIELD_MEMORY_TYPES,
+            request_size: 0,
+            thread_mode: 0,
+            memory_types: 0,
+            name: [0; 32],
+        };
+        // SAFETY: a live context; `attr` is a `ucp_context_attr_t` whose mask asks for the
+        // memory types only.
+        let s = unsafe { (self.ucx.f.context_query)(self.ctx, &mut attr) };
+        self.ucx.check("ucp_context_query", s)?;
+        Ok(attr.memory_types)
+    }
+
     /// The worker's address, for peers to connect to.
     pub(crate) fn address(&self) -> Result<Vec<u8>> {
         let mut p = std::ptr::null_mut();
@@ -355,7 +393,7 @@ impl Worker {
         unsafe { (self.ucx.f.worker_progress)(self.worker) > 0 }
     }
 
-    /// Starts sending `len` bytes at `buf` with `tag`.
+    /// Starts sending `len` bytes at `buf` (memory of UCX type `mem`) with `tag`.
     ///
     /// # Safety
     /// `buf..buf+len` stays readable until the returned request completes or is cancelled.
@@ -365,8 +403,9 @@ impl Worker {
         buf: *const u8,
         len: usize,
         tag: u64,
+        mem: u64,
     ) -> Result<NetReq> {
-        let p = no_imm_param();
+        let p = no_imm_param(mem);
         // SAFETY: by the caller's contract; `ep` belongs to this worker.
         let r = unsafe { (self.ucx.f.tag_send_nbx)(ep.ep, buf as *const c_void, len, tag, &p) };
         self.request("ucp_tag_send_nbx", r, len, false)
@@ -392,8 +431,14 @@ impl Worker {
     /// # Safety
     /// `buf..buf+cap` stays writable and otherwise untouched until the request completes or
     /// is cancelled.
-    pub(crate) unsafe fn recv_tag(&self, buf: *mut u8, cap: usize, tag: u64) -> Result<NetReq> {
-        let p = no_imm_param();
+    pub(crate) unsafe fn recv_tag(
+        &self,
+        buf: *mut u8,
+        cap: usize,
+        tag: u64,
+        mem: u64,
+    ) -> Result<NetReq> {
+        let p = no_imm_param(mem);
         // SAFETY: by the caller's contract.
         let r = unsafe {
             (self.ucx.f.tag_recv_nbx)(self.worker, buf as *mut c_void, cap, tag, u64::MAX, &p)
@@ -406,8 +451,14 @@ impl Worker {
     /// # Safety
     /// `buf..buf+len` stays writable and otherwise untouched until the request completes or
     /// is cancelled.
-    pub(crate) unsafe fn recv(&self, buf: *mut u8, len: usize, msg: Message) -> Result<NetReq> {
-        let p = no_imm_param();
+    pub(crate) unsafe fn recv(
+        &self,
+        buf: *mut u8,
+        len: usize,
+        msg: Message,
+        mem: u64,
+    ) -> Result<NetReq> {
+        let p = no_imm_param(mem);
         // SAFETY: by the caller's contract; `msg` came from `probe` and is received once.
         let r = unsafe {
             (self.ucx.f.tag_msg_recv_nbx)(self.worker, buf as *mut c_void, len, msg.0, &p)
@@ -543,12 +594,13 @@ impl Drop for Worker {
     }
 }
 
-/// Parameters of a send or receive: host memory (said, so UCX does not look the buffer up in
-/// its memory-type cache — our buffers are memfd mappings it has not seen allocated).
-fn no_imm_param() -> RequestParam {
+/// Parameters of a send or receive of memory of UCX type `mem` (said, so UCX does not look the
+/// buffer up in its memory-type cache — our host buffers are memfd mappings it has not seen
+/// allocated).
+fn no_imm_param(mem: u64) -> RequestParam {
     let mut rest = [0u64; 8];
-    // `memory_type` (offset 48 = rest[5]): UCS_MEMORY_TYPE_HOST is 0.
-    rest[5] = MEMORY_TYPE_HOST;
+    // `memory_type` (offset 48 = rest[5]).
+    rest[5] = mem;
     RequestParam {
         op_attr_mask: OP_ATTR_FIELD_FLAGS | OP_ATTR_FIELD_MEMORY_TYPE,
         flags: OP_ATTR_FLAG_NO_IMM_CMPL,
@@ -605,5 +657,24 @@ mod tests {
             "the user's UCX_RNDV_THRESH stands"
         );
         assert_eq!(rndv_thresh(false, true), None, "RDMA keeps UCX's default");
+    }
+
+    #[test]
+    fn the_context_says_it_moves_host_memory() {
+        let ucx = match Ucx::load() {
+            Ok(u) => u,
+            Err(e) => {
+                flagcx_adaptor::conformance::report_skip_reason(
+                    "ucx::tests::the_context_says_it_moves_host_memory",
+                    "net",
+                    &format!("UCX is not installed ({e})"),
+                );
+                return;
+            }
+        };
+        let w = Worker::new(ucx).expect("a UCP context and worker");
+        let t = w.memory_types().expect("ucp_context_query");
+        assert_ne!(t & 1 << MEMORY_TYPE_HOST, 0, "memory types {t:#x}");
+        eprintln!("UCX moves memory types {t:#x}");
     }
 }

@@ -5,9 +5,11 @@
 //! number in its pair and direction ([`tag`]), and every receive matches exactly one tag: so
 //! messages of a pair arrive in posting order whatever UCX does underneath, and zero-byte
 //! messages are messages like any other. Device memory the CPU can address (the host vendor)
-//! goes to UCX as it is; other device memory is staged through pinned host buffers (a
-//! device→host copy before the send, a host→device copy after the receive) —
-//! `FLAGCX_NET_STAGING=always` forces that path, to test it where nothing needs it.
+//! goes to UCX as it is, and so does CUDA or ROCm memory where UCX says it moves that memory
+//! type itself (a UCX built `--with-cuda`/`--with-rocm`: [`direct_memory`]); other device
+//! memory is staged through pinned host buffers (a device→host copy before the send, a
+//! host→device copy after the receive) — `FLAGCX_NET_STAGING=always` forces that path, to
+//! test it where nothing needs it.
 //!
 //! Semantics as on one node, with one difference: a message larger than the receive buffer
 //! fails the receive with [`CommError::SizeMismatch`] while the send, whose bytes UCX
@@ -26,7 +28,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use flagcx_adaptor::{DeviceAdaptor, EventHandle};
+use flagcx_adaptor::{DeviceAdaptor, EventHandle, Vendor};
 
 use super::{started, Phase, Progress, Step};
 use crate::bootstrap::Bootstrap;
@@ -37,7 +39,10 @@ use crate::op::Resume;
 use crate::peer::TransportKind;
 use crate::transport::ipc::Msg;
 use crate::transport::Path;
-use crate::ucx::{Endpoint, NetReq, Status, Ucx, Worker, ERR_TRUNCATED};
+use crate::ucx::{
+    Endpoint, NetReq, Status, Ucx, Worker, ERR_TRUNCATED, MEMORY_TYPE_CUDA, MEMORY_TYPE_HOST,
+    MEMORY_TYPE_ROCM,
+};
 use crate::wire::Tag;
 
 /// Bits of a tag that number messages; the sender's rank sits above them.
@@ -107,8 +112,10 @@ pub(crate) struct NetState {
     worker: Worker,
     eps: Vec<Option<Endpoint>>,
     failed: Vec<Arc<AtomicI32>>,
-    /// Stage device memory through host buffers (it is not host addressable, or forced).
+    /// Stage device memory through host buffers (UCX cannot take it as it is, or forced).
     stage: bool,
+    /// The UCX memory type of the caller's buffers where they go to UCX as they are.
+    mem: u64,
     /// Staging buffers not in use.
     pool: Vec<Bounce>,
 }
@@ -149,15 +156,24 @@ impl NetState {
                 }
             }
         }
+        let direct = direct_memory(
+            adaptor.vendor(),
+            adaptor.capabilities().host_addressable,
+            // Where UCX cannot say, it is taken to move host memory only.
+            worker.memory_types().unwrap_or(1 << MEMORY_TYPE_HOST),
+            force_staging,
+        );
         tracing::info!(
             rank = boot.rank(),
+            staged = direct.is_none(),
             "network transport (UCX) to ranks {peers:?}"
         );
         Ok(Some(Arc::new(Mutex::new(NetState {
             worker,
             eps,
             failed,
-            stage: force_staging || !adaptor.capabilities().host_addressable,
+            stage: direct.is_none(),
+            mem: direct.unwrap_or(MEMORY_TYPE_HOST),
             pool: Vec::new(),
         }))))
     }
@@ -313,12 +329,12 @@ impl<A: DeviceAdaptor> Engine<A> {
                     CommError::Protocol(format!("no network endpoint to rank {p}"))
                 })?;
                 if !net.stage || bytes == 0 {
-                    let at = host_addr(ptr, bytes);
-                    // SAFETY: host-addressable device memory (`stage` is false) is this
-                    // process's memory at its device address; the caller keeps the buffer
-                    // valid and unmodified until the operation finishes, and the request is
-                    // completed or cancelled before the step goes (`abandon`).
-                    let req = unsafe { net.worker.send(ep, at, bytes, tag) }?;
+                    let at = ucx_addr(ptr, bytes);
+                    // SAFETY: unstaged device memory is memory UCX reaches at its device
+                    // address (host addressable, or of type `mem`); the caller keeps the
+                    // buffer valid and unmodified until the operation finishes, and the
+                    // request is completed or cancelled before the step goes (`abandon`).
+                    let req = unsafe { net.worker.send(ep, at, bytes, tag, net.mem) }?;
                     *phase = NetPhase::Wire { req, buf: None };
                     return Ok(Progress::Moved);
                 }
@@ -352,9 +368,9 @@ impl<A: DeviceAdaptor> Engine<A> {
                         return Ok(Progress::Idle { on_peer: true });
                     }
                     // Not here yet: post the receive, so UCX lands it in the buffer directly.
-                    let at = host_addr(ptr, bytes);
-                    // SAFETY: as below: the caller's host-addressable buffer of `bytes`.
-                    let req = unsafe { net.worker.recv_tag(at, bytes, tag) }?;
+                    let at = ucx_addr(ptr, bytes);
+                    // SAFETY: as below: the caller's unstaged buffer of `bytes`.
+                    let req = unsafe { net.worker.recv_tag(at, bytes, tag, net.mem) }?;
                     *phase = NetPhase::Wire { req, buf: None };
                     return Ok(Progress::Moved);
                 };
@@ -363,7 +379,10 @@ impl<A: DeviceAdaptor> Engine<A> {
                     let mut scratch = vec![0u8; len];
                     // SAFETY: `scratch` holds `len` bytes and moves with the request (a Vec's
                     // heap buffer does not move with it).
-                    let req = unsafe { net.worker.recv(scratch.as_mut_ptr(), len, msg) }?;
+                    let req = unsafe {
+                        net.worker
+                            .recv(scratch.as_mut_ptr(), len, msg, MEMORY_TYPE_HOST)
+                    }?;
                     *phase = NetPhase::Discard {
                         req,
                         _scratch: scratch,
@@ -372,17 +391,17 @@ impl<A: DeviceAdaptor> Engine<A> {
                     return Ok(Progress::Moved);
                 }
                 if !net.stage || len == 0 {
-                    let at = host_addr(ptr, len);
-                    // SAFETY: as for a send: the caller's host-addressable buffer of
-                    // `bytes >= len`, untouched by anyone else until the operation finishes.
-                    let req = unsafe { net.worker.recv(at, len, msg) }?;
+                    let at = ucx_addr(ptr, len);
+                    // SAFETY: as for a send: the caller's unstaged buffer of `bytes >= len`,
+                    // untouched by anyone else until the operation finishes.
+                    let req = unsafe { net.worker.recv(at, len, msg, net.mem) }?;
                     *phase = NetPhase::Wire { req, buf: None };
                     return Ok(Progress::Moved);
                 }
                 let buf = net.bounce(&self.adaptor, len)?;
                 // SAFETY: `buf` holds `len` bytes and is ours until the request is over.
                 *phase = net.on_bounce(&self.adaptor, buf, |n, at| unsafe {
-                    n.worker.recv(at, len, msg)
+                    n.worker.recv(at, len, msg, MEMORY_TYPE_HOST)
                 })?;
                 Ok(Progress::Moved)
             }
@@ -413,7 +432,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                     })?;
                     // SAFETY: `buf` holds the message and stays ours until the request is
                     // over.
-                    unsafe { n.worker.send(ep, at, bytes, tag) }
+                    unsafe { n.worker.send(ep, at, bytes, tag, MEMORY_TYPE_HOST) }
                 })?;
                 Ok(Progress::Moved)
             }
@@ -605,12 +624,12 @@ impl<A: DeviceAdaptor> Comm<A> {
                 let Some(ep) = net.eps[peer].as_ref() else {
                     return Ok(Caller::HandOff(None));
                 };
-                let at = host_addr(ptr, bytes);
-                // SAFETY: the pair is not staged, so the buffer is host-addressable memory of
-                // this process at its device address, which the caller keeps valid and
-                // unmodified until the operation finishes; the request is finished here or
-                // handed to the engine, which completes or cancels it.
-                unsafe { net.worker.send(ep, at, bytes, tag(self.rank, k)) }?
+                let at = ucx_addr(ptr, bytes);
+                // SAFETY: the pair is not staged, so the buffer is memory UCX reaches at its
+                // device address (host addressable, or of type `mem`), which the caller keeps
+                // valid and unmodified until the operation finishes; the request is finished
+                // here or handed to the engine, which completes or cancels it.
+                unsafe { net.worker.send(ep, at, bytes, tag(self.rank, k), net.mem) }?
             }
             Dir::Recv => {
                 let net = lock(shared);
@@ -621,7 +640,10 @@ impl<A: DeviceAdaptor> Comm<A> {
                         let mut scratch = vec![0u8; len];
                         // SAFETY: `scratch` holds `len` bytes and outlives the request (waited
                         // for right here).
-                        let mut req = unsafe { net.worker.recv(scratch.as_mut_ptr(), len, msg) }?;
+                        let mut req = unsafe {
+                            net.worker
+                                .recv(scratch.as_mut_ptr(), len, msg, MEMORY_TYPE_HOST)
+                        }?;
                         while net.worker.test(&mut req).is_none() {
                             net.worker.progress();
                         }
@@ -632,17 +654,17 @@ impl<A: DeviceAdaptor> Comm<A> {
                         })));
                     }
                     Some((msg, len)) => {
-                        let at = host_addr(ptr, len);
-                        // SAFETY: the caller's host-addressable buffer of `bytes >= len`,
-                        // untouched by anyone else until the operation finishes.
-                        unsafe { net.worker.recv(at, len, msg) }?
+                        let at = ucx_addr(ptr, len);
+                        // SAFETY: the caller's unstaged buffer of `bytes >= len`, untouched
+                        // by anyone else until the operation finishes.
+                        unsafe { net.worker.recv(at, len, msg, net.mem) }?
                     }
                     None => {
                         // Not here yet: post the receive, so UCX lands it in the buffer
                         // directly.
-                        let at = host_addr(ptr, bytes);
+                        let at = ucx_addr(ptr, bytes);
                         // SAFETY: as above, for `bytes`.
-                        unsafe { net.worker.recv_tag(at, bytes, tag(peer, k)) }?
+                        unsafe { net.worker.recv_tag(at, bytes, tag(peer, k), net.mem) }?
                     }
                 }
             }
@@ -678,16 +700,41 @@ impl<A: DeviceAdaptor> Comm<A> {
     }
 }
 
-/// Where UCX reads or writes `n` bytes of a host-addressable buffer at `ptr`: the buffer's own
+/// Where UCX reads or writes `n` bytes of an unstaged buffer at `ptr`: the buffer's own
 /// address, or for a zero-byte message a static byte (UCX may hold the address; it touches no
 /// byte of it).
-fn host_addr(ptr: flagcx_adaptor::DevicePtr, n: usize) -> *mut u8 {
+fn ucx_addr(ptr: flagcx_adaptor::DevicePtr, n: usize) -> *mut u8 {
     static EMPTY: u8 = 0;
     if n == 0 {
         &EMPTY as *const u8 as *mut u8
     } else {
         ptr.0 as *mut u8
     }
+}
+
+/// How a rank's device memory goes to UCX: `Some(t)` as it is, as UCX memory type `t`; `None`
+/// staged through pinned host buffers. Host-addressable memory is host memory; CUDA and HIP
+/// memory go as they are where UCX moves their memory type itself (`ucx_types`, bit `t` for
+/// type `t`: [`Worker::memory_types`]); OpenCL buffers, which have no address UCX could use,
+/// are always staged, as is everything with `force_staging`.
+pub(crate) fn direct_memory(
+    vendor: Vendor,
+    host_addressable: bool,
+    ucx_types: u64,
+    force_staging: bool,
+) -> Option<u64> {
+    if force_staging {
+        return None;
+    }
+    if host_addressable {
+        return Some(MEMORY_TYPE_HOST);
+    }
+    let t = match vendor {
+        Vendor::Cuda => MEMORY_TYPE_CUDA,
+        Vendor::Hip => MEMORY_TYPE_ROCM,
+        _ => return None,
+    };
+    (ucx_types & (1 << t) != 0).then_some(t)
 }
 
 /// Polls of UCX between two reads of the clock on a posting thread.
@@ -707,4 +754,39 @@ fn pause(polls: u32) -> u32 {
         std::hint::spin_loop();
     }
     polls.wrapping_add(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HOST_ONLY: u64 = 1 << MEMORY_TYPE_HOST;
+    const WITH_CUDA: u64 = HOST_ONLY | 1 << MEMORY_TYPE_CUDA;
+    const WITH_ROCM: u64 = HOST_ONLY | 1 << MEMORY_TYPE_ROCM;
+
+    #[test]
+    fn device_memory_goes_to_ucx_only_where_it_moves_that_type() {
+        // Host-addressable memory is host memory for any UCX.
+        assert_eq!(
+            direct_memory(Vendor::Host, true, HOST_ONLY, false),
+            Some(MEMORY_TYPE_HOST)
+        );
+        // Debian's UCX: GPU memory is staged.
+        assert_eq!(direct_memory(Vendor::Cuda, false, HOST_ONLY, false), None);
+        assert_eq!(direct_memory(Vendor::Hip, false, HOST_ONLY, false), None);
+        // A CUDA-enabled UCX takes CUDA memory, not ROCm memory, and the other way round.
+        assert_eq!(
+            direct_memory(Vendor::Cuda, false, WITH_CUDA, false),
+            Some(MEMORY_TYPE_CUDA)
+        );
+        assert_eq!(direct_memory(Vendor::Hip, false, WITH_CUDA, false), None);
+        assert_eq!(
+            direct_memory(Vendor::Hip, false, WITH_ROCM, false),
+            Some(MEMORY_TYPE_ROCM)
+        );
+        // OpenCL buffers have no address for UCX; forcing stages everything.
+        assert_eq!(direct_memory(Vendor::OpenCl, false, u64::MAX, false), None);
+        assert_eq!(direct_memory(Vendor::Cuda, false, WITH_CUDA, true), None);
+        assert_eq!(direct_memory(Vendor::Host, true, HOST_ONLY, true), None);
+    }
 }
