@@ -72,7 +72,7 @@ fn perftest(h: &netns::Hosts, test: &str, size: u64, port: u16) -> Result<(f64, 
 }
 
 /// Rounds of the comparison.
-const ROUNDS: usize = 3;
+const ROUNDS: usize = 5;
 
 fn median(v: Option<&Vec<f64>>) -> Option<f64> {
     let mut v = v?.clone();
