@@ -229,7 +229,10 @@ impl<A: DeviceAdaptor> Comm<A> {
         let lanes: Vec<bool> = (0..nranks)
             .map(|q| q != rank && eager_lane(&infos[rank], &infos[q], transports[q]))
             .collect();
-        let peers = connect_channels(&adaptor, &boot, &transports, &roles, &lanes, &config)?;
+        let mut peers = connect_channels(&adaptor, &boot, &transports, &roles, &lanes, &config)?;
+        for c in peers.iter_mut().flatten() {
+            c.shares_device = infos[rank].shares_device(&infos[c.peer]);
+        }
         let eager = peers
             .iter()
             .map(|c| {
@@ -251,6 +254,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                     recv_max,
                     freed: AtomicU64::new(0),
                     addressable: caps.host_addressable,
+                    shares_device: c.shares_device,
                 })
             })
             .collect();

@@ -147,6 +147,17 @@ impl PeerInfo {
         })
     }
 
+    /// Whether the two ranks use one physical device, whatever their vendors (a CUDA rank and
+    /// an OpenCL rank on one GPU): the same PCI bus id on one host, or, where either has none,
+    /// the same vendor's same device index.
+    pub fn shares_device(&self, other: &PeerInfo) -> bool {
+        self.host_id == other.host_id
+            && match (&self.pci_bus_id, &other.pci_bus_id) {
+                (Some(a), Some(b)) => a == b,
+                _ => self.vendor == other.vendor && self.device == other.device,
+            }
+    }
+
     fn same_device(&self, other: &PeerInfo) -> bool {
         self.vendor == other.vendor
             && self.host_id == other.host_id
@@ -303,6 +314,28 @@ mod tests {
         assert!(receiver_copies(&d, &c));
         d.device = 3;
         assert!(!receiver_copies(&d, &c));
+    }
+
+    #[test]
+    fn ranks_of_two_vendors_on_one_gpu_share_it() {
+        let (c, o) = (info(0, Vendor::Cuda), info(1, Vendor::OpenCl));
+        assert!(c.shares_device(&o) && o.shares_device(&c), "one bus id");
+        let mut other = o.clone();
+        other.pci_bus_id = Some("0000:3c:00.0".into());
+        assert!(!c.shares_device(&other), "two GPUs");
+        let mut far = o.clone();
+        far.host_id = "h/2".into();
+        assert!(!c.shares_device(&far), "another host");
+        // Without bus ids only the same vendor's device index can tell.
+        let (mut h0, mut h1) = (info(2, Vendor::Host), info(3, Vendor::Host));
+        h0.pci_bus_id = None;
+        h1.pci_bus_id = None;
+        assert!(h0.shares_device(&h1));
+        h1.device = 1;
+        assert!(!h0.shares_device(&h1));
+        let mut nobus = o.clone();
+        nobus.pci_bus_id = None;
+        assert!(!c.shares_device(&nobus), "PoCL's CPU device has no bus id");
     }
 
     #[test]

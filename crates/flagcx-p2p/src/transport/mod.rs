@@ -82,6 +82,8 @@ pub(crate) struct PeerConn {
     pub(crate) send_ring: Cursor,
     pub(crate) recv_ring: Cursor,
     pub(crate) lost: Option<String>,
+    /// Both ranks use one physical device ([`crate::peer::PeerInfo::shares_device`]).
+    pub shares_device: bool,
 }
 
 impl PeerConn {
@@ -93,6 +95,7 @@ impl PeerConn {
         registered: bool,
     ) -> Self {
         PeerConn {
+            shares_device: false,
             peer,
             transport,
             out,
