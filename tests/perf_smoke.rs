@@ -4,10 +4,16 @@
 use std::process::Command;
 
 fn perf(args: &[&str]) -> String {
+    perf_env(args, &[])
+}
+
+/// flagcx-perf with `args` and the extra environment `env`; its output, having succeeded.
+fn perf_env(args: &[&str], env: &[(&str, &str)]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_flagcx-perf"))
         .args(args)
         .env("FLAGCX_VENDOR", "host")
         .env_remove("FLAGCX_RANK")
+        .envs(env.iter().copied())
         .output()
         .expect("run flagcx-perf");
     let text = format!(
@@ -464,4 +470,24 @@ fn vs_nccl_says_why_not_where_nccl_cannot_run() {
         "-t", "sendrecv", "-N", "2", "-b", "8", "-e", "8", "-n", "2", "--json",
     ]);
     assert!(!plain.contains("nccl"), "{plain}");
+}
+
+/// An IPC pair's header says where its ranks are; on two devices (host ranks on two host
+/// devices, as on two GPUs) the ceiling is a copy into the peer's buffer, mapped through IPC
+/// by every rank of a ring at once, and the checked sweep still finds every byte.
+#[test]
+fn ipc_pairs_name_their_placement_and_measure_against_the_peer() {
+    let args = [
+        "-t", "sendrecv", "-N", "3", "-b", "8", "-e", "1M", "-f", "256", "-n", "3", "-w", "1", "-c",
+    ];
+    let two = perf_env(&args, &[]);
+    assert!(two.contains("(two devices; each sender copies)"), "{two}");
+    assert!(two.contains("# wrong bytes in all: 0"), "{two}");
+    assert_eq!(rows(&two), 3, "{two}");
+    let one = perf_env(&args, &[("FLAGCX_HOST_DEVICES", "1")]);
+    assert!(
+        one.contains("(one device; rank 0 copies both ways)"),
+        "{one}"
+    );
+    assert!(one.contains("# wrong bytes in all: 0"), "{one}");
 }

@@ -3,7 +3,10 @@
 
 use std::time::Instant;
 
-use flagcx::{Adaptor, Comm, DeviceAdaptor, DeviceBuffer, PinnedBuffer, Stream, TransportKind};
+use flagcx::{
+    Adaptor, Comm, DeviceAdaptor, DeviceBuffer, DevicePtr, IpcMapping, IpcMemHandle, PinnedBuffer,
+    Stream, TransportKind,
+};
 
 use crate::{Error, Opts};
 
@@ -20,7 +23,76 @@ pub(crate) fn slowest(
         .fold(0.0, f64::max))
 }
 
-/// The vendor's bare copy for `size` bytes, in seconds: device to device for IPC pairs; for
+/// Where an IPC pair's two ranks are, for the header and the ceiling.
+pub(crate) fn placement(comm: &Comm<Adaptor>, me: usize, next: usize) -> &'static str {
+    match (comm.peer_info(me), comm.peer_info(next)) {
+        (Some(a), Some(b)) if !a.shares_device(b) => "two devices",
+        _ => "one device",
+    }
+}
+
+/// The next rank's buffer of `len` bytes, mapped here through IPC, where this rank and the
+/// next are an IPC pair on two devices: the ceiling of such a pair is a copy from this
+/// device into that one (a peer copy), not a copy within one device.
+pub(crate) struct PeerTarget {
+    /// The next rank's buffer, mapped (closed first: see [`PeerTarget::unmap`]).
+    map: Option<IpcMapping<Adaptor>>,
+    /// This rank's, which the previous rank may have mapped.
+    mine: Option<DeviceBuffer<Adaptor>>,
+}
+
+impl PeerTarget {
+    /// Every rank calls it, whatever its pairs (the handles are all-gathered): each exports a
+    /// buffer where its vendor has IPC handles, and maps the next rank's where the two are an
+    /// IPC pair on two devices.
+    pub(crate) fn new(
+        comm: &Comm<Adaptor>,
+        stream: &Stream<Adaptor>,
+        a: &Adaptor,
+        len: usize,
+        next: usize,
+    ) -> Result<PeerTarget, Error> {
+        let me = comm.rank();
+        let mine = match a.capabilities().ipc_bytes {
+            true => Some(DeviceBuffer::new(a, len.max(1))?),
+            false => None,
+        };
+        let wire = match &mine {
+            Some(b) => a.ipc_get_handle(b.ptr())?.to_wire(),
+            None => [0u8; IpcMemHandle::WIRE_LEN],
+        };
+        let all = crate::all_gather_bytes(comm, stream, &wire)?;
+        let mut t = PeerTarget { map: None, mine };
+        if t.mine.is_some()
+            && comm.transport(next) == Some(TransportKind::Ipc)
+            && placement(comm, me, next) == "two devices"
+        {
+            let at = next * IpcMemHandle::WIRE_LEN;
+            let h = IpcMemHandle::from_wire(&all[at..at + IpcMemHandle::WIRE_LEN])?;
+            t.map = Some(IpcMapping::open(a, &h)?);
+        }
+        Ok(t)
+    }
+
+    /// The next rank's buffer, where this pair is measured against a peer copy.
+    pub(crate) fn target(&self) -> Option<&Self> {
+        self.map.as_ref().map(|_| self)
+    }
+
+    fn ptr(&self) -> DevicePtr {
+        self.map.as_ref().map_or(DevicePtr(0), IpcMapping::ptr)
+    }
+
+    /// Closes the mapping of the next rank's buffer and returns this rank's: free it only after
+    /// every rank has closed its mapping (a barrier), since the previous rank maps it.
+    pub(crate) fn unmap(self) -> Option<DeviceBuffer<Adaptor>> {
+        drop(self.map);
+        self.mine
+    }
+}
+
+/// The vendor's bare copy for `size` bytes, in seconds: device to device for IPC pairs (into
+/// the next rank's buffer on its device where `peer` is given: a peer copy); for
 /// staged ones device→host and host→device with pinned host memory (pinned with
 /// [`DeviceAdaptor::host_pin`] where the vendor pins ranges rather than allocating pinned
 /// memory, as the staging ring is) — both directions at once for sendrecv and pairs (the
@@ -32,6 +104,7 @@ pub(crate) fn ceiling(
     kind: TransportKind,
     size: usize,
     o: &Opts,
+    peer: Option<&PeerTarget>,
 ) -> Result<f64, Error> {
     let iters = o.iters.max(5);
     let other = Stream::new(a)?;
@@ -54,8 +127,10 @@ pub(crate) fn ceiling(
     let dst = DeviceBuffer::new(a, size)?;
     let secs = match kind {
         TransportKind::Ipc => {
-            // SAFETY: both buffers hold `size` bytes and outlive the synchronize in `time`.
-            let d2d = || unsafe { a.memcpy_d2d_async(dst.ptr(), src.ptr(), size, s1) };
+            let to = peer.map_or(dst.ptr(), |t| t.ptr());
+            // SAFETY: both buffers hold `size` bytes (the peer's holds the sweep's largest) and
+            // outlive the synchronize in `time`.
+            let d2d = || unsafe { a.memcpy_d2d_async(to, src.ptr(), size, s1) };
             time(&d2d)?
         }
         // A pair on two hosts: the network bounds it, measured next to `ucx_perftest` in the

@@ -12,9 +12,11 @@
 //! Without `FLAGCX_RANK` it starts `-N` ranks of itself (like `flagcx-run`). Rank 0 prints, per
 //! size: bytes, time (µs), algorithm and bus bandwidth (GB/s), wrong bytes (with `-c`), and the
 //! ceiling — the vendor's bare copy for that size measured just before in the same traffic
-//! pattern (device-to-device for IPC, the slower of pinned device→host and host→device for
-//! staging, a memcpy for the host vendor; every rank copying at once for `sendrecv` and `pairs`,
-//! one copy at a time for `pingpong`) — with our bandwidth as a fraction of it.
+//! pattern (device-to-device for IPC: within the device, or for a pair on two devices a peer
+//! copy into the other rank's buffer, the placement the header names; the slower of pinned
+//! device→host and host→device for staging; a memcpy for the host vendor; every rank copying
+//! at once for `sendrecv` and `pairs`, one copy at a time for `pingpong`) — with our
+//! bandwidth as a fraction of it.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -299,6 +301,7 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
     // First transfer (a zero-byte ring), to report setup time.
     barrier(&comm, &stream, next, prev)?;
     let setup_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let place = ceiling::placement(&comm, me, next);
     let nccl = if o.vs_nccl {
         Some(nccl::Nccl::open(&comm, &stream, &o.test)?)
     } else {
@@ -307,8 +310,8 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
     if me == 0 && !o.json {
         let info = comm.peer_info(next).expect("peer");
         let copier = match (comm.ipc_copier(next), comm.direct_copier(next)) {
-            (Some(r), _) => format!(" (rank {r} copies both ways)"),
-            (None, _) if kind == TransportKind::Ipc => " (each sender copies)".to_string(),
+            (Some(r), _) => format!(" ({place}; rank {r} copies both ways)"),
+            (None, _) if kind == TransportKind::Ipc => format!(" ({place}; each sender copies)"),
             (None, Some(r)) => format!(" (direct: rank {r} copies into/out of host buffers)"),
             (None, None) => String::new(),
         };
@@ -376,6 +379,8 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         peers.iter().map(alloc).collect::<Result<_, _>>()?;
     let recvs: Vec<Arc<DeviceBuffer<Adaptor>>> =
         froms.iter().map(alloc).collect::<Result<_, _>>()?;
+    // An IPC pair on two devices is measured against a copy into the peer's device.
+    let peer_target = ceiling::PeerTarget::new(&comm, &stream, &adaptor, max, next)?;
     let mut progress = (me == 0).then(|| Progress::new(sizes.len()));
     for &size in &sizes {
         if let Some(p) = progress.as_mut() {
@@ -413,12 +418,13 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         if o.test == "pingpong" {
             for r in 0..n {
                 if r == me && counts {
-                    mine = ceiling::ceiling(&adaptor, &stream, kind, size, o)?;
+                    mine =
+                        ceiling::ceiling(&adaptor, &stream, kind, size, o, peer_target.target())?;
                 }
                 barrier(&comm, &stream, next, prev)?;
             }
         } else if counts {
-            mine = ceiling::ceiling(&adaptor, &stream, kind, size, o)?;
+            mine = ceiling::ceiling(&adaptor, &stream, kind, size, o, peer_target.target())?;
         }
         let secs = ceiling::slowest(&comm, &stream, mine)?;
         let (ceil_us, ceil_bw) = (secs * 1e6, size as f64 / secs / 1e9);
@@ -565,7 +571,7 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             path,
         };
         if me == 0 {
-            let json = JsonRow::new(&row, o, kind, n);
+            let json = JsonRow::new(&row, o, kind, n, place);
             if let Some(p) = progress.as_mut() {
                 p.suspend(|| print_row(&row, &json, o));
             }
@@ -576,6 +582,11 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         }
         rows.push(row);
     }
+    // The previous rank maps this rank's ceiling buffer: freed once every rank closed its
+    // mapping.
+    let mine = peer_target.unmap();
+    barrier(&comm, &stream, next, prev)?;
+    drop(mine);
     if let Some(p) = progress.take() {
         p.finish();
     }
@@ -639,6 +650,8 @@ struct JsonRow<'a> {
     test: &'a str,
     ranks: usize,
     transport: String,
+    /// An IPC pair's placement: "one device" or "two devices" (null for other transports).
+    placement: Option<&'a str>,
     bytes: usize,
     time_us: f64,
     algbw_gbs: f64,
@@ -661,11 +674,12 @@ struct JsonRow<'a> {
 }
 
 impl<'a> JsonRow<'a> {
-    fn new(r: &'a Row, o: &'a Opts, kind: TransportKind, n: usize) -> Self {
+    fn new(r: &'a Row, o: &'a Opts, kind: TransportKind, n: usize, placement: &'a str) -> Self {
         JsonRow {
             test: &o.test,
             ranks: n,
             transport: kind.to_string(),
+            placement: (kind == TransportKind::Ipc).then_some(placement),
             bytes: r.bytes,
             time_us: r.time_us,
             algbw_gbs: r.algbw,
