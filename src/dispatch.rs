@@ -344,6 +344,14 @@ impl DeviceAdaptor for Adaptor {
         // SAFETY: forwarded contract.
         each!(self, a => unsafe { a.stream_write_value64(stream, addr, value) })
     }
+    unsafe fn stream_write_values64(
+        &self,
+        stream: StreamHandle,
+        writes: &[(DevicePtr, u64)],
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.stream_write_values64(stream, writes) })
+    }
 }
 
 /// The device of local rank `local` among devices with these PCI bus ids: the `local`-th (modulo

@@ -709,6 +709,34 @@ unsafe impl Driver for CudaDriver {
         }
     }
 
+    unsafe fn write_values(&self, stream: u64, writes: &[(u64, u64)]) -> Result<()> {
+        use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st as Write;
+        use sys::CUstreamBatchMemOpParams_union_CUstreamMemOpWriteValueParams_st__bindgen_ty_1 as Value;
+        let s = stream as sys::CUstream;
+        // `cuStreamBatchMemOp` takes at most 256 operations a call.
+        for chunk in writes.chunks(256) {
+            let mut ops: Vec<sys::CUstreamBatchMemOpParams> = chunk
+                .iter()
+                .map(|&(address, value64)| sys::CUstreamBatchMemOpParams {
+                    writeValue: Write {
+                        operation: sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64,
+                        address,
+                        __bindgen_anon_1: Value { value64 },
+                        // Each write fences earlier ones (the v2 API has no other mode).
+                        flags: 0,
+                        alias: 0,
+                    },
+                })
+                .collect();
+            // SAFETY: `ops` holds `chunk.len()` (≤ 256) initialized write operations; the
+            // addresses are the caller's (as for `write_value`).
+            check("cuStreamBatchMemOp", unsafe {
+                sys::cuStreamBatchMemOp_v2(s, ops.len() as u32, ops.as_mut_ptr(), 0)
+            })?;
+        }
+        Ok(())
+    }
+
     unsafe fn close(&self) {
         // SAFETY: retained in `open`, released once at teardown.
         unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.cu_device) };

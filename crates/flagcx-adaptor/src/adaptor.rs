@@ -306,4 +306,23 @@ pub trait DeviceAdaptor: Clone + Send + Sync + 'static {
         addr: DevicePtr,
         value: u64,
     ) -> Result<()>;
+
+    /// Makes `stream` write each `(addr, value)` of `writes` as [`Self::stream_write_value64`]
+    /// does, in order, once earlier work completes — as one operation where the vendor batches
+    /// them (CUDA's `cuStreamBatchMemOp`: one driver call instead of one per word). The values
+    /// are taken now, at enqueue. The default issues them one by one.
+    ///
+    /// # Safety
+    /// As [`Self::stream_wait_value64`], for every address.
+    unsafe fn stream_write_values64(
+        &self,
+        stream: StreamHandle,
+        writes: &[(DevicePtr, u64)],
+    ) -> Result<()> {
+        for &(addr, value) in writes {
+            // SAFETY: forwarded contract.
+            unsafe { self.stream_write_value64(stream, addr, value)? };
+        }
+        Ok(())
+    }
 }

@@ -815,6 +815,56 @@ pub fn stream_memory_ops<A: DeviceAdaptor>(a: &A) {
     }
 }
 
+/// Batched 64-bit value writes into device memory (`stream_write_values64`): every word lands
+/// in stream order, more of them than one CUDA batch takes (256), nothing around them changes,
+/// a misaligned address is refused, and vendors without 64-bit value writes say `Unsupported`.
+pub fn stream_value_writes_in_device_memory<A: DeviceAdaptor>(a: &A) {
+    let s = Stream::new(a).expect("stream");
+    let words = 300usize;
+    let n = 8 * (words + 2);
+    let d = DeviceBuffer::new(a, n).expect("alloc");
+    let at = |i: usize| DevicePtr(d.ptr().0 + 8 * (i as u64 + 1));
+    let writes: Vec<(DevicePtr, u64)> = (0..words)
+        .map(|i| {
+            (
+                at(i),
+                0x0101_0101_0101_0101u64.wrapping_mul(i as u64 + 1) ^ (i as u64) << 40,
+            )
+        })
+        .collect();
+    // SAFETY: every address lies in `d`, which outlives the synchronize below.
+    unsafe { a.memset_async(d.ptr(), 0xEE, n, s.handle()) }.expect("memset");
+    if !a.capabilities().stream_mem_ops_64 {
+        // SAFETY: refused before touching memory.
+        let e = assert_err("write_values64", unsafe {
+            a.stream_write_values64(s.handle(), &writes)
+        });
+        assert!(e.is_unsupported(), "{e}");
+        return;
+    }
+    // SAFETY: as above; a later copy on the same stream reads the words back in order.
+    unsafe {
+        a.stream_write_values64(s.handle(), &[]).expect("no writes");
+        a.stream_write_values64(s.handle(), &writes)
+            .expect("write_values64");
+    }
+    let mut got = vec![0u8; n];
+    // SAFETY: `got` holds `n` bytes and outlives the synchronize.
+    unsafe { a.memcpy_d2h_async(got.as_mut_ptr(), d.ptr(), n, s.handle()) }.expect("d2h");
+    s.synchronize().expect("sync");
+    let mut want = vec![0xEEu8; n];
+    for (i, &(_, v)) in writes.iter().enumerate() {
+        want[8 * (i + 1)..8 * (i + 2)].copy_from_slice(&v.to_ne_bytes());
+    }
+    assert_same("batched value writes", &got, &want);
+    // SAFETY: misaligned addresses are refused before use.
+    let e = assert_err("misaligned write_values64", unsafe {
+        a.stream_write_values64(s.handle(), &[(DevicePtr(d.ptr().0 + 4), 1)])
+    });
+    assert!(matches!(e, AdaptorError::InvalidArgument { .. }), "{e}");
+    s.synchronize().expect("sync");
+}
+
 /// Peer access queries and enabling; already-enabled is success; bad peers are typed.
 pub fn peer_access<A: DeviceAdaptor>(a: &A) {
     let count = a.device_count().expect("count");
@@ -1128,7 +1178,7 @@ macro_rules! conformance_tests {
                 zero_and_huge_sizes, null_and_foreign_pointers, allocation_range,
                 invalid_handles, stream_ordering_many_ops, events, host_functions,
                 host_addressable_memory, host_register_shared_mapping, host_pin_shared_mapping,
-                stream_memory_ops, peer_access,
+                stream_memory_ops, stream_value_writes_in_device_memory, peer_access,
                 capture_mode_guard, ipc_fd_same_process);
 
             #[test]

@@ -294,4 +294,12 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.stream_write_value64(stream, addr, value) }
     }
+    unsafe fn stream_write_values64(
+        &self,
+        stream: StreamHandle,
+        writes: &[(DevicePtr, u64)],
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.stream_write_values64(stream, writes) }
+    }
 }

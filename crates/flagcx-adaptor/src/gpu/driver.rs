@@ -235,6 +235,18 @@ pub unsafe trait Driver: Send + Sync + Sized + 'static {
     /// # Safety
     /// As for [`Driver::wait_value`].
     unsafe fn write_value(&self, stream: u64, addr: u64, value: u64, wide: bool) -> Result<()>;
+    /// Enqueues the 64-bit writes `(addr, value)` of `writes` in order; one call each unless
+    /// the runtime batches them.
+    ///
+    /// # Safety
+    /// As for [`Driver::wait_value`], for every address.
+    unsafe fn write_values(&self, stream: u64, writes: &[(u64, u64)]) -> Result<()> {
+        for &(addr, value) in writes {
+            // SAFETY: forwarded contract.
+            unsafe { self.write_value(stream, addr, value, true)? };
+        }
+        Ok(())
+    }
 
     /// Releases the device (its context) after everything else was released, at teardown.
     ///

@@ -784,4 +784,23 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
         // SAFETY: as above.
         unsafe { d.write_value(s, addr.0, value, true) }
     }
+
+    unsafe fn stream_write_values64(
+        &self,
+        stream: StreamHandle,
+        writes: &[(DevicePtr, u64)],
+    ) -> Result<()> {
+        let Some(&(first, _)) = writes.first() else {
+            return Ok(());
+        };
+        let (d, s) = self.value_args("stream_write_values64", stream, first, true)?;
+        let mut raw = Vec::with_capacity(writes.len());
+        for &(addr, value) in writes {
+            // Every address, not only the first, gets the alignment check.
+            self.value_args("stream_write_values64", stream, addr, true)?;
+            raw.push((addr.0, value));
+        }
+        // SAFETY: as above, for every address.
+        unsafe { d.write_values(s, &raw) }
+    }
 }
