@@ -42,9 +42,9 @@ pub(crate) struct PeerTarget {
 }
 
 impl PeerTarget {
-    /// Every rank calls it, whatever its pairs (the handles are all-gathered): each exports a
-    /// buffer where its vendor has IPC handles, and maps the next rank's where the two are an
-    /// IPC pair on two devices.
+    /// Every rank calls it, whatever its pairs (the handles are all-gathered): a rank exports
+    /// a buffer where the previous rank will map it, and maps the next rank's, where the two
+    /// are an IPC pair on two devices (both sides see the same facts, so they agree).
     pub(crate) fn new(
         comm: &Comm<Adaptor>,
         stream: &Stream<Adaptor>,
@@ -53,7 +53,12 @@ impl PeerTarget {
         next: usize,
     ) -> Result<PeerTarget, Error> {
         let me = comm.rank();
-        let mine = match a.capabilities().ipc_bytes {
+        let n = comm.nranks();
+        let prev = (me + n - 1) % n;
+        let peer_pair = |q: usize| {
+            comm.transport(q) == Some(TransportKind::Ipc) && placement(comm, me, q) == "two devices"
+        };
+        let mine = match peer_pair(prev) {
             true => Some(DeviceBuffer::new(a, len.max(1))?),
             false => None,
         };
@@ -63,10 +68,7 @@ impl PeerTarget {
         };
         let all = crate::all_gather_bytes(comm, stream, &wire)?;
         let mut t = PeerTarget { map: None, mine };
-        if t.mine.is_some()
-            && comm.transport(next) == Some(TransportKind::Ipc)
-            && placement(comm, me, next) == "two devices"
-        {
+        if peer_pair(next) {
             let at = next * IpcMemHandle::WIRE_LEN;
             let h = IpcMemHandle::from_wire(&all[at..at + IpcMemHandle::WIRE_LEN])?;
             t.map = Some(IpcMapping::open(a, &h)?);

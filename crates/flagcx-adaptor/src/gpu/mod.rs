@@ -9,6 +9,8 @@
 //! cache, and teardown. A vendor crate implements [`Driver`] — one raw call per method, with
 //! its own error names — and exposes `GpuAdaptor<ItsDriver>` as its adaptor.
 
+// tidy: long file: the whole DeviceAdaptor contract once for every CUDA-shaped runtime, each method's checks beside its call.
+
 use std::collections::HashSet;
 use std::ffi::c_void;
 use std::os::fd::AsFd;
@@ -790,16 +792,13 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
         stream: StreamHandle,
         writes: &[(DevicePtr, u64)],
     ) -> Result<()> {
-        let Some(&(first, _)) = writes.first() else {
-            return Ok(());
-        };
-        let (d, s) = self.value_args("stream_write_values64", stream, first, true)?;
-        let mut raw = Vec::with_capacity(writes.len());
+        let (mut raw, mut bound) = (Vec::with_capacity(writes.len()), None);
         for &(addr, value) in writes {
-            // Every address, not only the first, gets the alignment check.
-            self.value_args("stream_write_values64", stream, addr, true)?;
+            // Every address is checked before any write is issued.
+            bound = Some(self.value_args("stream_write_values64", stream, addr, true)?);
             raw.push((addr.0, value));
         }
+        let Some((d, s)) = bound else { return Ok(()) };
         // SAFETY: as above, for every address.
         unsafe { d.write_values(s, &raw) }
     }
