@@ -216,14 +216,16 @@ unsafe fn write_words<A: DeviceAdaptor>(
 
 /// The word size (8 or 4 bytes) in which [`copy_in`] writes `len` bytes at `dst` as stream
 /// value writes, or `None` to copy them: only on a shared device, for 1 to
-/// [`VALUE_WRITES_MAX`] bytes in whole words aligned at `dst`, with the vendor's value writes.
+/// [`VALUE_WRITES_MAX`] bytes in whole 8-byte words aligned at `dst` (or up to 64 bytes in
+/// 4-byte words), with the vendor's value writes.
 fn value_words(caps: Capabilities, dst: DevicePtr, len: usize, shared: bool) -> Option<usize> {
     if !shared || len == 0 || len > VALUE_WRITES_MAX || caps.host_addressable {
         return None;
     }
     if caps.stream_mem_ops_64 && dst.0 % 8 == 0 && len % 8 == 0 {
         Some(8)
-    } else if caps.stream_mem_ops && dst.0 % 4 == 0 && len % 4 == 0 {
+    } else if caps.stream_mem_ops && dst.0 % 4 == 0 && len % 4 == 0 && len <= 64 {
+        // One call per 4-byte word (no batch for them): ~2 µs each, so only a few.
         Some(4)
     } else {
         None
@@ -626,6 +628,11 @@ mod value_write_tests {
         assert_eq!(value_words(gpu, at(256), 64, true), Some(8));
         assert_eq!(value_words(gpu, at(260), 8, true), Some(4), "4-aligned");
         assert_eq!(value_words(gpu, at(256), 12, true), Some(4), "odd words");
+        assert_eq!(
+            value_words(gpu, at(260), 128, true),
+            None,
+            "many 4-byte words"
+        );
         assert_eq!(
             value_words(gpu, at(256), 8, false),
             None,
