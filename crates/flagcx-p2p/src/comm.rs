@@ -528,7 +528,10 @@ impl<A: DeviceAdaptor> Comm<A> {
         let net = ungrouped
             && self.net.is_some()
             && self.transports.get(peer) == Some(&Some(TransportKind::Net));
-        let idle = self.idle_or_soon(stream, eager || caller || net)?;
+        // A grouped post may go eagerly at `group_end` too (`group_eager`), which needs the
+        // stream idle at posting: it waits out a satisfied join as an ungrouped one does.
+        let grouped_eager = !ungrouped && self.eager.get(peer).is_some_and(|l| l.is_some());
+        let idle = self.idle_or_soon(stream, eager || grouped_eager || caller || net)?;
         if idle && eager {
             if let Some(r) = self.try_eager(dir, ptr, bytes, peer, stream)? {
                 return Ok(r);
