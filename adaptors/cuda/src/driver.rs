@@ -729,7 +729,7 @@ unsafe impl Driver for CudaDriver {
                     },
                 })
                 .collect();
-            // SAFETY: `ops` holds `chunk.len()` (≤ 256) initialized write operations; the
+            // SAFETY: `ops` holds `chunk.len()` (≤ 64) initialized write operations; the
             // addresses are the caller's (as for `write_value`).
             check("cuStreamBatchMemOp", unsafe {
                 sys::cuStreamBatchMemOp_v2(s, ops.len() as u32, ops.as_mut_ptr(), 0)

@@ -83,6 +83,17 @@ impl<D: Driver> std::fmt::Debug for GpuAdaptor<D> {
     }
 }
 
+/// A stream value operation's address: not null, `width`-byte aligned.
+fn aligned(op: &'static str, addr: DevicePtr, width: u64) -> Result<()> {
+    if addr.is_null() || addr.0 % width != 0 {
+        return Err(AdaptorError::invalid(
+            op,
+            format!("{addr} is null or not {width}-byte aligned"),
+        ));
+    }
+    Ok(())
+}
+
 impl<D: Driver> GpuAdaptor<D> {
     /// Opens device `device` of the runtime.
     ///
@@ -186,13 +197,7 @@ impl<D: Driver> GpuAdaptor<D> {
                 op,
             });
         }
-        let width = if wide { 8 } else { 4 };
-        if addr.is_null() || addr.0 % width != 0 {
-            return Err(AdaptorError::invalid(
-                op,
-                format!("{addr} is null or not {width}-byte aligned"),
-            ));
-        }
+        aligned(op, addr, if wide { 8 } else { 4 })?;
         let s = self.stream(stream)?;
         Ok((self.bound()?, s))
     }
@@ -792,13 +797,17 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
         stream: StreamHandle,
         writes: &[(DevicePtr, u64)],
     ) -> Result<()> {
-        let (mut raw, mut bound) = (Vec::with_capacity(writes.len()), None);
+        const OP: &str = "stream_write_values64";
+        let Some(&(first, _)) = writes.first() else {
+            return Ok(());
+        };
+        // The capability and the stream once; every address before any write is issued.
+        let (d, s) = self.value_args(OP, stream, first, true)?;
+        let mut raw = Vec::with_capacity(writes.len());
         for &(addr, value) in writes {
-            // Every address is checked before any write is issued.
-            bound = Some(self.value_args("stream_write_values64", stream, addr, true)?);
+            aligned(OP, addr, 8)?;
             raw.push((addr.0, value));
         }
-        let Some((d, s)) = bound else { return Ok(()) };
         // SAFETY: as above, for every address.
         unsafe { d.write_values(s, &raw) }
     }
