@@ -112,10 +112,9 @@ pub(crate) struct NetState {
     worker: Worker,
     eps: Vec<Option<Endpoint>>,
     failed: Vec<Arc<AtomicI32>>,
-    /// Stage device memory through host buffers (UCX cannot take it as it is, or forced).
-    stage: bool,
-    /// The UCX memory type of the caller's buffers where they go to UCX as they are.
-    mem: u64,
+    /// The UCX memory type in which the caller's buffers go to UCX as they are; `None`: they
+    /// are staged through host buffers (UCX cannot take them, or staging is forced).
+    direct: Option<u64>,
     /// Staging buffers not in use.
     pool: Vec<Bounce>,
 }
@@ -172,10 +171,26 @@ impl NetState {
             worker,
             eps,
             failed,
-            stage: direct.is_none(),
-            mem: direct.unwrap_or(MEMORY_TYPE_HOST),
+            direct,
             pool: Vec::new(),
         }))))
+    }
+
+    /// Whether messages are staged through host buffers.
+    fn stage(&self) -> bool {
+        self.direct.is_none()
+    }
+
+    /// Where and as what memory type UCX reads or writes `n` bytes of the caller's unstaged
+    /// buffer at `ptr`: the buffer itself, or for a zero-byte message a static host byte (UCX
+    /// may hold the address; it touches no byte of it).
+    fn ucx_buf(&self, ptr: flagcx_adaptor::DevicePtr, n: usize) -> (*mut u8, u64) {
+        static EMPTY: u8 = 0;
+        if n == 0 {
+            (&EMPTY as *const u8 as *mut u8, MEMORY_TYPE_HOST)
+        } else {
+            (ptr.0 as *mut u8, self.direct.unwrap_or(MEMORY_TYPE_HOST))
+        }
     }
 
     /// Cancels a request a posting thread handed over, which will not run.
@@ -328,13 +343,13 @@ impl<A: DeviceAdaptor> Engine<A> {
                 let ep = net.eps[p].as_ref().ok_or_else(|| {
                     CommError::Protocol(format!("no network endpoint to rank {p}"))
                 })?;
-                if !net.stage || bytes == 0 {
-                    let at = ucx_addr(ptr, bytes);
+                if !net.stage() || bytes == 0 {
+                    let (at, mem) = net.ucx_buf(ptr, bytes);
                     // SAFETY: unstaged device memory is memory UCX reaches at its device
                     // address (host addressable, or of type `mem`); the caller keeps the
                     // buffer valid and unmodified until the operation finishes, and the
                     // request is completed or cancelled before the step goes (`abandon`).
-                    let req = unsafe { net.worker.send(ep, at, bytes, tag, net.mem) }?;
+                    let req = unsafe { net.worker.send(ep, at, bytes, tag, mem) }?;
                     *phase = NetPhase::Wire { req, buf: None };
                     return Ok(Progress::Moved);
                 }
@@ -364,13 +379,13 @@ impl<A: DeviceAdaptor> Engine<A> {
                     m => m,
                 };
                 let Some((msg, len)) = found else {
-                    if lost || net.stage {
+                    if lost || net.stage() {
                         return Ok(Progress::Idle { on_peer: true });
                     }
                     // Not here yet: post the receive, so UCX lands it in the buffer directly.
-                    let at = ucx_addr(ptr, bytes);
+                    let (at, mem) = net.ucx_buf(ptr, bytes);
                     // SAFETY: as below: the caller's unstaged buffer of `bytes`.
-                    let req = unsafe { net.worker.recv_tag(at, bytes, tag, net.mem) }?;
+                    let req = unsafe { net.worker.recv_tag(at, bytes, tag, mem) }?;
                     *phase = NetPhase::Wire { req, buf: None };
                     return Ok(Progress::Moved);
                 };
@@ -390,11 +405,11 @@ impl<A: DeviceAdaptor> Engine<A> {
                     };
                     return Ok(Progress::Moved);
                 }
-                if !net.stage || len == 0 {
-                    let at = ucx_addr(ptr, len);
+                if !net.stage() || len == 0 {
+                    let (at, mem) = net.ucx_buf(ptr, len);
                     // SAFETY: as for a send: the caller's unstaged buffer of `bytes >= len`,
                     // untouched by anyone else until the operation finishes.
-                    let req = unsafe { net.worker.recv(at, len, msg, net.mem) }?;
+                    let req = unsafe { net.worker.recv(at, len, msg, mem) }?;
                     *phase = NetPhase::Wire { req, buf: None };
                     return Ok(Progress::Moved);
                 }
@@ -563,7 +578,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         let Some(shared) = self.net.as_ref() else {
             return Ok(None);
         };
-        if self.transports.get(peer) != Some(&Some(TransportKind::Net)) || lock(shared).stage {
+        if self.transports.get(peer) != Some(&Some(TransportKind::Net)) || lock(shared).stage() {
             return Ok(None);
         }
         let Some(k) = self.caller_reserve(peer, dir) else {
@@ -624,12 +639,12 @@ impl<A: DeviceAdaptor> Comm<A> {
                 let Some(ep) = net.eps[peer].as_ref() else {
                     return Ok(Caller::HandOff(None));
                 };
-                let at = ucx_addr(ptr, bytes);
+                let (at, mem) = net.ucx_buf(ptr, bytes);
                 // SAFETY: the pair is not staged, so the buffer is memory UCX reaches at its
                 // device address (host addressable, or of type `mem`), which the caller keeps
                 // valid and unmodified until the operation finishes; the request is finished
                 // here or handed to the engine, which completes or cancels it.
-                unsafe { net.worker.send(ep, at, bytes, tag(self.rank, k), net.mem) }?
+                unsafe { net.worker.send(ep, at, bytes, tag(self.rank, k), mem) }?
             }
             Dir::Recv => {
                 let net = lock(shared);
@@ -654,17 +669,17 @@ impl<A: DeviceAdaptor> Comm<A> {
                         })));
                     }
                     Some((msg, len)) => {
-                        let at = ucx_addr(ptr, len);
+                        let (at, mem) = net.ucx_buf(ptr, len);
                         // SAFETY: the caller's unstaged buffer of `bytes >= len`, untouched
                         // by anyone else until the operation finishes.
-                        unsafe { net.worker.recv(at, len, msg, net.mem) }?
+                        unsafe { net.worker.recv(at, len, msg, mem) }?
                     }
                     None => {
                         // Not here yet: post the receive, so UCX lands it in the buffer
                         // directly.
-                        let at = ucx_addr(ptr, bytes);
+                        let (at, mem) = net.ucx_buf(ptr, bytes);
                         // SAFETY: as above, for `bytes`.
-                        unsafe { net.worker.recv_tag(at, bytes, tag(peer, k), net.mem) }?
+                        unsafe { net.worker.recv_tag(at, bytes, tag(peer, k), mem) }?
                     }
                 }
             }
@@ -697,18 +712,6 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
             polls = pause(polls);
         }
-    }
-}
-
-/// Where UCX reads or writes `n` bytes of an unstaged buffer at `ptr`: the buffer's own
-/// address, or for a zero-byte message a static byte (UCX may hold the address; it touches no
-/// byte of it).
-fn ucx_addr(ptr: flagcx_adaptor::DevicePtr, n: usize) -> *mut u8 {
-    static EMPTY: u8 = 0;
-    if n == 0 {
-        &EMPTY as *const u8 as *mut u8
-    } else {
-        ptr.0 as *mut u8
     }
 }
 
