@@ -23,11 +23,17 @@ pub(crate) fn slowest(
         .fold(0.0, f64::max))
 }
 
-/// Where an IPC pair's two ranks are, for the header and the ceiling.
+/// Whether ranks `a` and `b` use two physical devices.
+fn two_devices(comm: &Comm<Adaptor>, a: usize, b: usize) -> bool {
+    matches!((comm.peer_info(a), comm.peer_info(b)), (Some(x), Some(y)) if !x.shares_device(y))
+}
+
+/// Where an IPC pair's two ranks are, as the header and the JSON rows name it.
 pub(crate) fn placement(comm: &Comm<Adaptor>, me: usize, next: usize) -> &'static str {
-    match (comm.peer_info(me), comm.peer_info(next)) {
-        (Some(a), Some(b)) if !a.shares_device(b) => "two devices",
-        _ => "one device",
+    if two_devices(comm, me, next) {
+        "two devices"
+    } else {
+        "one device"
     }
 }
 
@@ -55,9 +61,8 @@ impl PeerTarget {
         let me = comm.rank();
         let n = comm.nranks();
         let prev = (me + n - 1) % n;
-        let peer_pair = |q: usize| {
-            comm.transport(q) == Some(TransportKind::Ipc) && placement(comm, me, q) == "two devices"
-        };
+        let peer_pair =
+            |q: usize| comm.transport(q) == Some(TransportKind::Ipc) && two_devices(comm, me, q);
         let mine = match peer_pair(prev) {
             true => Some(DeviceBuffer::new(a, len.max(1))?),
             false => None,
