@@ -817,8 +817,8 @@ pub fn stream_memory_ops<A: DeviceAdaptor>(a: &A) {
 
 /// Batched 64-bit value writes into device memory (`stream_write_values64`): every word lands
 /// in stream order, more of them than CUDA's driver takes in one batch, nothing around them
-/// changes,
-/// a misaligned address is refused, and vendors without 64-bit value writes say `Unsupported`.
+/// changes, a misaligned address is refused, and vendors without 64-bit value writes say
+/// `Unsupported`.
 pub fn stream_value_writes_in_device_memory<A: DeviceAdaptor>(a: &A) {
     let s = Stream::new(a).expect("stream");
     let words = 300usize;
