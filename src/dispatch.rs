@@ -224,6 +224,17 @@ impl DeviceAdaptor for Adaptor {
         // SAFETY: forwarded contract.
         each!(self, a => unsafe { a.memcpy_d2d_async(dst, src, n, stream) })
     }
+    unsafe fn memcpy_sized_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        len_at: DevicePtr,
+        cap: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.memcpy_sized_async(dst, src, len_at, cap, stream) })
+    }
     unsafe fn memset_async(
         &self,
         dst: DevicePtr,

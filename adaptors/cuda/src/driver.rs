@@ -30,6 +30,8 @@ pub struct CudaDriver {
     ctx: Ctx,
     /// Primary contexts of peers we enabled access to, retained until teardown.
     peers: Mutex<HashMap<usize, sys::CUdevice>>,
+    /// The sized-copy kernel, where its module loaded at open.
+    sized: Option<crate::sized::SizedKernel>,
 }
 
 /// Whether the loaded driver exports `name` (cudarc panics when calling a missing symbol).
@@ -224,6 +226,9 @@ unsafe impl Driver for CudaDriver {
         }
         let granularity = vmm_granularity(cu_device).unwrap_or(0);
         let (ops32, ops64) = probe_stream_mem_ops();
+        // Without it (a driver too old for the PTX) the capability is off and callers keep
+        // their other paths.
+        let sized = crate::sized::SizedKernel::load().ok();
         let caps = Capabilities {
             ipc_bytes: true,
             ipc_fd: granularity > 0,
@@ -235,11 +240,13 @@ unsafe impl Driver for CudaDriver {
             stream_mem_ops_64: ops64,
             capture_mode: true,
             host_addressable: false,
+            sized_copy: sized.is_some(),
         };
         let driver = CudaDriver {
             cu_device,
             ctx: Ctx(ctx),
             peers: Mutex::default(),
+            sized,
         };
         Ok((
             driver,
@@ -738,7 +745,29 @@ unsafe impl Driver for CudaDriver {
         Ok(())
     }
 
+    unsafe fn sized_copy(
+        &self,
+        stream: u64,
+        dst: u64,
+        src: u64,
+        len_at: u64,
+        cap: usize,
+    ) -> Result<()> {
+        match &self.sized {
+            // SAFETY: forwarded contract; the core bound the context.
+            Some(k) => unsafe { k.launch(dst, src, len_at, cap, stream) },
+            None => Err(AdaptorError::Unsupported {
+                vendor: Vendor::Cuda,
+                op: "memcpy_sized_async",
+            }),
+        }
+    }
+
     unsafe fn close(&self) {
+        if let Some(k) = &self.sized {
+            // SAFETY: at teardown, once, with every stream synchronized by the core.
+            unsafe { k.unload() };
+        }
         // SAFETY: retained in `open`, released once at teardown.
         unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.cu_device) };
     }

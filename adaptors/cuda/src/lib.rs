@@ -25,6 +25,7 @@
 mod driver;
 mod error;
 pub mod kernel;
+mod sized;
 
 pub use driver::CudaDriver;
 

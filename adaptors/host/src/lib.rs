@@ -273,6 +273,7 @@ impl DeviceAdaptor for HostAdaptor {
             stream_mem_ops_64: true,
             capture_mode: true,
             host_addressable: true,
+            sized_copy: true,
             // Bookkeeping only (see `host_pin`).
             host_pin: true,
         }
@@ -423,6 +424,34 @@ impl DeviceAdaptor for HostAdaptor {
                 dst: dst.0,
                 src: src.0,
                 n,
+            },
+        )
+    }
+
+    unsafe fn memcpy_sized_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        len_at: DevicePtr,
+        cap: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const OP: &str = "memcpy_sized_async";
+        let s = self.stream(stream)?;
+        self.check_value_addr(OP, len_at, true)?;
+        if cap > 0 {
+            let reg = registry();
+            reg.check(OP, dst.0, cap)?;
+            reg.check(OP, src.0, cap)?;
+        }
+        self.push(
+            OP,
+            &s,
+            Op::SizedCopy {
+                dst: dst.0,
+                src: src.0,
+                len_at: len_at.0,
+                cap,
             },
         )
     }

@@ -27,6 +27,13 @@ pub(crate) enum Op {
         value: u8,
         n: usize,
     },
+    /// A copy of the length the word at `len_at` holds when the op runs, if at most `cap`.
+    SizedCopy {
+        dst: u64,
+        src: u64,
+        len_at: u64,
+        cap: usize,
+    },
     HostFn(HostFn),
     Record {
         event: Arc<EventState>,
@@ -263,6 +270,7 @@ fn inline_max_from(env: Option<&str>, cores: usize, ranks: usize) -> usize {
 fn inline_ok(op: &Op, max: usize) -> bool {
     match op {
         Op::Copy { n, .. } | Op::Memset { n, .. } => *n <= max,
+        Op::SizedCopy { cap, .. } => *cap <= max,
         Op::Record { .. } | Op::WriteValue { .. } => true,
         Op::WaitEvent { event, gen } => event.reached(*gen),
         Op::WaitValue {
@@ -312,6 +320,20 @@ fn run(op: Op, stop: &AtomicBool) -> Option<String> {
         Op::Memset { dst, value, n } => {
             // SAFETY: as for Copy.
             unsafe { std::ptr::write_bytes(dst as *mut u8, value, n) }
+        }
+        Op::SizedCopy {
+            dst,
+            src,
+            len_at,
+            cap,
+        } => {
+            // SAFETY: the adaptor checked that `len_at` is an aligned live word and both
+            // `cap`-byte ranges are valid; the caller's contract keeps them so until now.
+            let n = unsafe { &*(len_at as *const AtomicU64) }.load(Ordering::Acquire);
+            if n <= cap as u64 {
+                // SAFETY: `n <= cap`, inside the checked ranges.
+                unsafe { copy_bytes(dst, src, n as usize) }
+            }
         }
         Op::HostFn(f) => {
             if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {

@@ -135,6 +135,33 @@ pub trait DeviceAdaptor: Clone + Send + Sync + 'static {
         stream: StreamHandle,
     ) -> Result<()>;
 
+    /// Enqueues a copy from `src` to `dst` whose length is read when `stream` reaches it: the
+    /// 64-bit word at `len_at`, `n`, is loaded then, and `n` bytes are copied if `n <= cap`;
+    /// nothing is copied otherwise. The receiving side of a message whose sender writes the
+    /// length after the data (both in memory this device reaches) enqueues this behind a
+    /// stream wait on the sender's flag, and needs no host round trip to learn the size.
+    /// Requires [`crate::Capabilities::sized_copy`]; `Unsupported` otherwise (the default).
+    ///
+    /// # Safety
+    /// `src..src+cap` and `dst..dst+cap` are device-visible memory (device memory, a peer's or
+    /// an IPC mapping, or registered host memory's device alias) that stays valid until the
+    /// copy completes on `stream`, and does not overlap; `len_at` is an 8-byte-aligned
+    /// device-visible word valid as long.
+    unsafe fn memcpy_sized_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        len_at: DevicePtr,
+        cap: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        let _ = (dst, src, len_at, cap, stream);
+        Err(crate::AdaptorError::Unsupported {
+            vendor: self.vendor(),
+            op: "memcpy_sized_async",
+        })
+    }
+
     /// Enqueues filling `n` bytes at `dst` with `value` on `stream`.
     ///
     /// # Safety

@@ -866,6 +866,119 @@ pub fn stream_value_writes_in_device_memory<A: DeviceAdaptor>(a: &A) {
     s.synchronize().expect("sync");
 }
 
+/// Copies whose length is read when the stream reaches them (`memcpy_sized_async`), from
+/// registered host memory (the stream-ordered protocol's slots) where the vendor registers it,
+/// else from device memory: a length written after the copy was enqueued — released by a
+/// stream wait another stream satisfies — is the one used, at odd offsets and sizes on both
+/// sides of 16-byte words; a length past the capacity copies nothing; zero copies nothing; a
+/// misaligned length word is refused; vendors without the capability say `Unsupported`.
+pub fn sized_copies_read_their_length_late<A: DeviceAdaptor>(a: &A) {
+    let caps = a.capabilities();
+    let cap = 8192usize;
+    let dst = DeviceBuffer::new(a, cap + 64).expect("alloc");
+    let s = Stream::new(a).expect("stream");
+    let s2 = Stream::new(a).expect("stream");
+    let map = SharedMapping::new(4 * 4096);
+    let registered = caps.host_register;
+    let dev = (!registered).then(|| DeviceBuffer::new(a, cap + 4096).expect("alloc"));
+    let words = match &dev {
+        // SAFETY: `map` outlives the unregister at the end.
+        None => unsafe { a.host_register(map.ptr, map.len) }.expect("host_register"),
+        Some(d) => d.ptr(),
+    };
+    let src = words.checked_add(4096).unwrap();
+    let (len_at, flag) = (words, words.checked_add(64).unwrap());
+    if !caps.sized_copy {
+        // SAFETY: refused before touching memory.
+        let e = assert_err("memcpy_sized_async", unsafe {
+            a.memcpy_sized_async(dst.ptr(), src, len_at, cap, s.handle())
+        });
+        assert!(e.is_unsupported(), "{e}");
+    } else {
+        assert!(
+            caps.stream_mem_ops_64,
+            "sized copies are checked behind stream waits"
+        );
+        let data = filled(cap + 16, 91);
+        if registered {
+            // SAFETY: the registered mapping holds 3 pages past the first; nothing runs on it.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), map.ptr.add(4096), cap + 16) };
+        } else {
+            // SAFETY: `src` holds `cap + 4096 - 4096` ≥ `cap + 16` bytes; synchronized below.
+            unsafe { a.memcpy_h2d_async(src, data.as_ptr(), cap + 16, s.handle()) }.expect("h2d");
+        }
+        // (destination offset, source offset, length): words, a ragged tail, bytes only.
+        for (round, &(doff, soff, n)) in [(0, 0, 4096), (0, 16, 4109), (3, 5, 777), (16, 0, 1)]
+            .iter()
+            .enumerate()
+        {
+            dst.fill(0xEE, &s).expect("fill");
+            let value = |v: u64| (round as u64 + 1) << 32 | v;
+            // SAFETY: every address lies in live allocations or the registered mapping, all
+            // synchronized below; `doff + cap` and `soff + cap` fit both.
+            unsafe { a.stream_write_value64(s.handle(), len_at, 0) }.expect("len");
+            s.synchronize().expect("sync");
+            // SAFETY: as above.
+            unsafe {
+                a.stream_wait_value64(s.handle(), flag, value(1), WaitCondition::Geq)
+                    .expect("wait");
+                a.memcpy_sized_async(
+                    DevicePtr(dst.ptr().0 + doff),
+                    DevicePtr(src.0 + soff),
+                    len_at,
+                    cap - 16,
+                    s.handle(),
+                )
+                .expect("sized copy");
+            }
+            // The length lands after the copy was enqueued, behind its stream's wait.
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            // SAFETY: as above.
+            unsafe {
+                a.stream_write_value64(s2.handle(), len_at, n as u64)
+                    .expect("len");
+                a.stream_write_value64(s2.handle(), flag, value(1))
+                    .expect("flag");
+            }
+            s2.synchronize().expect("sync");
+            s.synchronize().expect("sync");
+            let mut got = vec![0u8; cap + 64];
+            dst.read(0, &mut got, &s).expect("read");
+            let mut want = vec![0xEEu8; cap + 64];
+            want[doff as usize..doff as usize + n]
+                .copy_from_slice(&data[soff as usize..soff as usize + n]);
+            assert_same(&format!("sized copy of {n} bytes"), &got, &want);
+        }
+        // Past the capacity, and zero: nothing moves.
+        for n in [cap as u64 + 1, u64::MAX, 0] {
+            dst.fill(0x11, &s).expect("fill");
+            // SAFETY: as above.
+            unsafe {
+                a.stream_write_value64(s.handle(), len_at, n).expect("len");
+                a.memcpy_sized_async(dst.ptr(), src, len_at, cap, s.handle())
+                    .expect("sized copy");
+            }
+            let mut got = vec![0u8; cap + 64];
+            dst.read(0, &mut got, &s).expect("read");
+            assert_same(
+                &format!("a length of {n} in a {cap}-byte capacity"),
+                &got,
+                &vec![0x11; cap + 64],
+            );
+        }
+        // SAFETY: refused before use.
+        let e = assert_err("misaligned length word", unsafe {
+            a.memcpy_sized_async(dst.ptr(), src, DevicePtr(len_at.0 + 4), cap, s.handle())
+        });
+        assert!(matches!(e, AdaptorError::InvalidArgument { .. }), "{e}");
+        s.synchronize().expect("sync");
+    }
+    if registered {
+        // SAFETY: registered above; every stream that used it is synchronized.
+        unsafe { a.host_unregister(map.ptr) }.expect("unregister");
+    }
+}
+
 /// Peer access queries and enabling; already-enabled is success; bad peers are typed.
 pub fn peer_access<A: DeviceAdaptor>(a: &A) {
     let count = a.device_count().expect("count");
@@ -1179,7 +1292,8 @@ macro_rules! conformance_tests {
                 zero_and_huge_sizes, null_and_foreign_pointers, allocation_range,
                 invalid_handles, stream_ordering_many_ops, events, host_functions,
                 host_addressable_memory, host_register_shared_mapping, host_pin_shared_mapping,
-                stream_memory_ops, stream_value_writes_in_device_memory, peer_access,
+                stream_memory_ops, stream_value_writes_in_device_memory,
+                sized_copies_read_their_length_late, peer_access,
                 capture_mode_guard, ipc_fd_same_process);
 
             #[test]

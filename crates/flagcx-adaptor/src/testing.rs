@@ -174,6 +174,18 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.memcpy_d2d_async(dst, src, n, stream) }
     }
+    unsafe fn memcpy_sized_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        len_at: DevicePtr,
+        cap: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        self.check(FaultOp::CopyH2D, "memcpy_sized_async")?;
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.memcpy_sized_async(dst, src, len_at, cap, stream) }
+    }
     unsafe fn memset_async(
         &self,
         dst: DevicePtr,

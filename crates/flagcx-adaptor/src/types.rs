@@ -221,6 +221,10 @@ pub struct Capabilities {
     /// stream work touching a buffer has completed, the CPU may read and write it directly
     /// (the host vendor). Lets small messages skip copy launches entirely.
     pub host_addressable: bool,
+    /// [`crate::DeviceAdaptor::memcpy_sized_async`] works: a copy whose length the stream reads
+    /// from memory when it reaches it (a kernel on GPUs), so a receiver can enqueue the copy
+    /// of a message whose size it learns only when the message arrives.
+    pub sized_copy: bool,
 }
 
 /// The thread's stream-capture mode (CUDA graph capture semantics).

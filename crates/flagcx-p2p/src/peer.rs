@@ -43,6 +43,7 @@ fn caps_bits(c: &Capabilities) -> u32 {
         c.capture_mode,
         c.host_addressable,
         c.host_pin,
+        c.sized_copy,
     ]
     .iter()
     .enumerate()
@@ -62,6 +63,7 @@ fn bits_caps(b: u32) -> Capabilities {
         capture_mode: f(7),
         host_addressable: f(8),
         host_pin: f(9),
+        sized_copy: f(10),
     }
 }
 

@@ -248,6 +248,27 @@ pub unsafe trait Driver: Send + Sync + Sized + 'static {
         Ok(())
     }
 
+    /// Enqueues the copy of [`crate::DeviceAdaptor::memcpy_sized_async`]: `n` = the word at
+    /// `len_at` when the stream reaches it, copied if `n <= cap`. Unsupported unless the
+    /// vendor can run it (a kernel).
+    ///
+    /// # Safety
+    /// As for [`crate::DeviceAdaptor::memcpy_sized_async`]; the context is current.
+    unsafe fn sized_copy(
+        &self,
+        stream: u64,
+        dst: u64,
+        src: u64,
+        len_at: u64,
+        cap: usize,
+    ) -> Result<()> {
+        let _ = (stream, dst, src, len_at, cap);
+        Err(crate::AdaptorError::Unsupported {
+            vendor: Self::VENDOR,
+            op: "memcpy_sized_async",
+        })
+    }
+
     /// Releases the device (its context) after everything else was released, at teardown.
     ///
     /// # Safety

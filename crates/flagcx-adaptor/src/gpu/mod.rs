@@ -490,6 +490,30 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
         unsafe { d.memcpy(CopyKind::DeviceToHost, dst as u64, src.0, n, s) }
     }
 
+    unsafe fn memcpy_sized_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        len_at: DevicePtr,
+        cap: usize,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const OP: &str = "memcpy_sized_async";
+        if !self.inner.info.caps.sized_copy {
+            return Err(AdaptorError::Unsupported {
+                vendor: D::VENDOR,
+                op: OP,
+            });
+        }
+        aligned(OP, len_at, 8)?;
+        let Some((d, s)) = self.copy_args(OP, stream, cap, &[dst.0, src.0])? else {
+            // Nothing can be copied into a zero-byte capacity.
+            return Ok(());
+        };
+        // SAFETY: the caller guarantees both ranges and the word until the copy completes.
+        unsafe { d.sized_copy(s, dst.0, src.0, len_at.0, cap) }
+    }
+
     unsafe fn memcpy_d2d_async(
         &self,
         dst: DevicePtr,
