@@ -10,7 +10,7 @@ use crate::{cargo, root, Result};
 
 /// Capabilities the CUDA conformance suite must find on a GPU node (all of them on the H200).
 const EXPECTED_CAPS: &str = "ipc_bytes,ipc_fd,host_register,host_pin,peer_access,host_functions,\
-stream_mem_ops,stream_mem_ops_64,capture_mode";
+stream_mem_ops,stream_mem_ops_64,capture_mode,sized_copy";
 
 /// One thing `run.sh` runs: a label, a log name, extra env, and the command. For test
 /// binaries `args` is empty and the command is `bin/<file>`; otherwise `args` is the command.

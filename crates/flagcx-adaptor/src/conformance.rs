@@ -139,6 +139,7 @@ pub fn device_properties<A: DeviceAdaptor>(a: &A) {
                 "capture_mode" => c.capture_mode,
                 "host_addressable" => c.host_addressable,
                 "host_pin" => c.host_pin,
+                "sized_copy" => c.sized_copy,
                 other => panic!("{EXPECT_CAPS_ENV}: unknown capability {other}"),
             };
             assert!(
