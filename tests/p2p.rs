@@ -217,6 +217,7 @@ fn rank_worker() {
         "net_killed" => net_killed(&r),
         "net_stalled" => net_stalled(&r),
         "eager" => eager(&r, next, prev),
+        "streamed" => streamed(&r, next, prev),
         "pingpong" => pingpong(&r, next),
         "reuse" => {
             // The same two buffers for every message (as a KV-cache pool or a benchmark uses
@@ -298,6 +299,18 @@ fn rank_worker() {
         }
     }
     let stats = r.comm.stats();
+    if std::env::var("FLAGCX_TEST_EXPECT_STREAMED").as_deref() == Ok("1") {
+        for q in (0..n).filter(|&q| q != me) {
+            assert!(
+                r.comm.stream_limit(q) > 0,
+                "no stream-ordered link with rank {q}"
+            );
+        }
+        assert!(
+            stats.eager_bytes > 0,
+            "nothing went stream-ordered: {stats:?}"
+        );
+    }
     if std::env::var("FLAGCX_TEST_EXPECT_EAGER").as_deref() == Ok("1") {
         assert!(r.comm.eager_limit(next) > 0, "rank {me}: no eager path");
         assert!(
@@ -474,6 +487,60 @@ fn zero_byte_ring(r: &Rank, next: usize, prev: usize) {
         .expect("post zero-byte");
     assert_eq!(s.wait().expect("zero-byte send"), 0);
     assert_eq!(q.wait().expect("zero-byte recv"), 0);
+}
+
+/// Stream-ordered messages under pressure (two ranks): 300 small sends of random sizes
+/// (0 to the limit, seeded) enqueued back to back on one stream while the receiver sleeps —
+/// more than the 64 slots, so the sending stream waits for credits and every slot is reused
+/// several times — whose posting loop must not wait for the receiver; then 2000 random
+/// exchanges both ways in groups. Every byte is checked.
+fn streamed(r: &Rank, next: usize, prev: usize) {
+    let me = r.comm.rank();
+    let limit = r.comm.stream_limit(next);
+    assert!(limit > 0, "no stream-ordered link");
+    let size =
+        |src: usize, i: u64| (splitmix((src as u64) << 40 ^ i) % (limit as u64 + 1)) as usize;
+    const N: u64 = 300;
+    if me == 0 {
+        let bufs: Vec<_> = (0..N)
+            .map(|i| r.filled(next, 40_000 + i, size(me, i)))
+            .collect();
+        r.stream.synchronize().expect("fill");
+        let t = std::time::Instant::now();
+        let reqs: Vec<_> = bufs
+            .iter()
+            .map(|b| r.comm.send(b, next, &r.stream).expect("send"))
+            .collect();
+        let posting = t.elapsed();
+        println!("streamed: {N} sends posted in {posting:?} before the peer posted a receive");
+        // The receiver sleeps 500 ms before its first receive: posts that waited for it
+        // would take that long.
+        assert!(
+            posting < std::time::Duration::from_millis(400),
+            "{posting:?}"
+        );
+        for (i, q) in reqs.into_iter().enumerate() {
+            assert_eq!(q.wait().expect("send"), size(me, i as u64));
+        }
+    } else {
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        let bufs: Vec<_> = (0..N).map(|i| r.buffer(size(prev, i).max(1))).collect();
+        let reqs: Vec<_> = bufs
+            .iter()
+            .map(|b| r.comm.recv(b, prev, &r.stream).expect("recv"))
+            .collect();
+        for (i, q) in reqs.into_iter().enumerate() {
+            assert_eq!(q.wait().expect("recv"), size(prev, i as u64));
+        }
+        r.stream.synchronize().expect("sync");
+        for (i, b) in bufs.iter().enumerate() {
+            r.check(b, prev, 40_000 + i as u64, size(prev, i as u64));
+        }
+    }
+    for it in 0..2000u64 {
+        let (out, inc) = (size(me, 1000 + it), size(prev, 1000 + it));
+        r.exchange(&[(next, out)], &[(prev, inc)], 50_000 + it);
+    }
 }
 
 /// Messages posted one by one (no group), as a latency-bound caller does: small ones take the
@@ -1427,6 +1494,30 @@ fn posts_never_wait_for_the_peer() {
     job(2, &v, "early_sends", &[("FLAGCX_P2P_EAGER_MAX", "0")]);
     job(2, &v, "early_sends", &[("FLAGCX_P2P_DISABLE", "1")]);
     job(2, &v, "early_sends", &[("FLAGCX_SPIN_US", "100")]);
+}
+
+/// Stream-ordered small messages (forced on: the host vendor's ranks share memory, which
+/// `auto` leaves to the posting threads), over both transports: every scenario that mixes
+/// small and large messages, enqueued iterations, posts before the peer's, mismatches.
+#[test]
+fn stream_ordered_pairs() {
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    let on = [
+        ("FLAGCX_P2P_STREAM", "on"),
+        ("FLAGCX_TEST_EXPECT_STREAMED", "1"),
+    ];
+    let staged = [on[0], on[1], ("FLAGCX_P2P_DISABLE", "1")];
+    for env in [&on[..], &staged[..]] {
+        job(2, &v, "ring", env);
+        job(3, &v, "enqueued", env);
+        job(2, &v, "early_sends", env);
+        job(2, &v, "pingpong", env);
+        job(4, &v, "random", env);
+    }
+    job(2, &v, "mismatch", &on[..1]);
+    job(2, &v, "streamed", &on);
+    job(2, &v, "streamed", &staged);
+    job(8, &v, "stress", &on);
 }
 
 /// Iterations enqueued back to back on 3 ranks, over each transport.

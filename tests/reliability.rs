@@ -271,8 +271,14 @@ fn reliability_worker() {
                 println!("early closer done");
                 return;
             }
-            let buf = Arc::new(DeviceBuffer::new(&adaptor, 8 << 20).expect("alloc"));
-            let out = Arc::new(DeviceBuffer::new(&adaptor, 8 << 20).expect("alloc"));
+            // Small messages go stream-ordered where the pair is (`FLAGCX_P2P_STREAM=on`):
+            // the receive's stream then waits on the dead peer's status word.
+            let len = match comm.stream_limit(peer) {
+                0 => 8 << 20,
+                _ => 64,
+            };
+            let buf = Arc::new(DeviceBuffer::new(&adaptor, len).expect("alloc"));
+            let out = Arc::new(DeviceBuffer::new(&adaptor, len).expect("alloc"));
             let t = Instant::now();
             let (s, r) = comm
                 .group(|| {
@@ -285,6 +291,8 @@ fn reliability_worker() {
             for (what, req) in [("send", s), ("recv", r)] {
                 match req.wait_timeout(Duration::from_secs(10)) {
                     Err(CommError::PeerLost { .. }) => {}
+                    // A stream-ordered send is done once in the peer's slot, as an eager one.
+                    Ok(n) if what == "send" && n == len && len == 64 => {}
                     other => panic!("pending {what}: expected PeerLost, got {other:?}"),
                 }
             }
@@ -310,8 +318,9 @@ fn reliability_worker() {
             assert_no_leaks(&before, &scenario);
             println!(
                 "survivor ok: pending ops failed {ms} ms after posting (peer died ~300 ms in), \
-                 a later op in {} ms",
-                t2.elapsed().as_millis()
+                 a later op in {} ms{}",
+                t2.elapsed().as_millis(),
+                if len == 64 { " (stream-ordered)" } else { "" }
             );
         }
         "eager_left_behind" => {
@@ -1067,6 +1076,27 @@ fn killed_peer_fails_pending_and_future_ops_with_peer_lost() {
 
 /// Eager sends (host ranks) cannot see a peer die: they complete while its 64 slots last; the
 /// next send goes through the proxy and fails with `PeerLost` (docs/architecture.md, "Eager").
+/// The same with stream-ordered small messages: the survivor's receive stream waits on the
+/// dead peer's status word until the engine writes it (no stream hangs), and the receive fails
+/// with `PeerLost`.
+#[test]
+fn killed_peer_releases_a_stream_waiting_for_its_message() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let (r0, r1) = pair("peer_killed", &[("FLAGCX_P2P_STREAM", "on")]);
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&r1.status),
+        Some(libc::SIGKILL),
+        "rank 1 was supposed to die by SIGKILL:\n{}",
+        text(&r1)
+    );
+    assert_survived(&r0, "stream-ordered survivor of a SIGKILLed peer");
+    if vendor() == "host" {
+        assert!(text(&r0).contains("(stream-ordered)"), "{}", text(&r0));
+    }
+}
+
 #[test]
 fn killed_peer_is_found_once_the_eager_slots_are_full() {
     if skip_unless_vendor() {

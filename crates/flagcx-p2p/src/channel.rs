@@ -206,6 +206,10 @@ impl Geometry {
 pub struct Channel {
     seg: ShmSegment,
     geo: Geometry,
+    /// Eager messages up to [`EAGER_INLINE`] travel inside their descriptor; off for a
+    /// stream-ordered pair (`transport::streamed`), whose receiving stream copies out of the
+    /// slot without knowing the size in advance. Both ends set it the same way.
+    inline: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: all cross-thread access to the mapping goes through atomics or through descriptor and
@@ -218,7 +222,7 @@ impl Channel {
     /// Creates a channel segment (receiver side).
     pub fn create(geo: Geometry) -> Result<Self> {
         let seg = ShmSegment::create("flagcx-channel", geo.len())?;
-        Ok(Channel { seg, geo })
+        Ok(Channel::of(seg, geo))
     }
 
     /// Maps a channel segment received from the receiver (sender side).
@@ -226,7 +230,62 @@ impl Channel {
         if seg.len() < geo.len() {
             return Err(CommError::Protocol("channel segment is too small".into()));
         }
-        Ok(Channel { seg, geo })
+        Ok(Channel::of(seg, geo))
+    }
+
+    fn of(seg: ShmSegment, geo: Geometry) -> Self {
+        Channel {
+            seg,
+            geo,
+            inline: std::sync::atomic::AtomicBool::new(true),
+        }
+    }
+
+    /// Keeps every eager message in its slot, none inside its descriptor (both ends of a
+    /// stream-ordered pair call it before any traffic).
+    pub fn keep_out_of_descriptors(&self) {
+        self.inline.store(false, Ordering::Relaxed);
+    }
+
+    /// Eager messages up to this size go inside their descriptor.
+    fn inline_max(&self) -> usize {
+        match self.inline.load(Ordering::Relaxed) {
+            true => EAGER_INLINE,
+            false => 0,
+        }
+    }
+
+    /// Bytes from the segment's start to the staging ring: counters, descriptors and eager
+    /// slots — what a stream-ordered pair registers with its runtime.
+    pub fn head_len(&self) -> usize {
+        self.geo.ring()
+    }
+
+    /// Offset of counter `c` in the segment.
+    pub fn counter_offset(c: Counter) -> usize {
+        c as usize
+    }
+
+    /// Offset of send descriptor `i`'s size word.
+    pub fn send_size_offset(&self, i: u64) -> usize {
+        self.geo.send_descs() + (i % DESC_RING) as usize * DESC_BYTES
+    }
+
+    /// Offset of send descriptor `i`'s status word, which names the status and `i + 1`.
+    pub fn send_status_offset(&self, i: u64) -> usize {
+        self.send_size_offset(i) + 8
+    }
+
+    /// Offset of eager slot `i`.
+    pub fn eager_slot_offset(&self, i: u64) -> usize {
+        self.geo.lane() + (i % DESC_RING) as usize * self.geo.eager
+    }
+
+    /// The status word that publishes send descriptor `i` with `status`: the status in the low
+    /// byte, `i + 1` above it, so every use of a descriptor slot stores a larger word than the
+    /// one before (a stream may wait for it with `Geq`).
+    pub fn status_word(status: SendStatus, i: u64) -> u64 {
+        status.word() | ((i + 1) << 8)
     }
 
     /// The segment (for its descriptor).
@@ -318,7 +377,8 @@ impl Channel {
             std::ptr::copy_nonoverlapping(b.as_ptr(), p, 8);
             std::ptr::copy_nonoverlapping(b[16..].as_ptr(), p.add(16), SEND_DESC_BYTES - 16);
         }
-        self.eager_word(i).store(d.status.word(), Ordering::Release);
+        self.eager_word(i)
+            .store(Channel::status_word(d.status, i), Ordering::Release);
     }
 
     /// Reads send descriptor `i` (receiver, after seeing `SendPosted > i`).
@@ -335,7 +395,13 @@ impl Channel {
         }
         let b = self.read_desc::<SEND_DESC_BYTES>(self.geo.send_descs(), i);
         let (size, status, handle) = decode_desc(&b, "send")?;
-        let status = SendStatus::from_word(status)?;
+        if status >> 8 != i + 1 {
+            return Err(CommError::Protocol(format!(
+                "send descriptor {i} carries message number {}",
+                (status >> 8).wrapping_sub(1)
+            )));
+        }
+        let status = SendStatus::from_word(status & 0xFF)?;
         let offset = u64::from_le_bytes(b[SEND_DESC_BYTES - 8..].try_into().expect("8"));
         Ok(SendDesc {
             size,
@@ -361,7 +427,7 @@ impl Channel {
     pub unsafe fn post_eager(&self, i: u64, src: *const u8, n: usize) {
         debug_assert!(n <= self.geo.eager);
         let desc = self.desc_ptr(self.geo.send_descs(), i);
-        let dst = if n <= EAGER_INLINE {
+        let dst = if n <= self.inline_max() {
             // SAFETY: a descriptor holds 16 + `EAGER_INLINE` bytes.
             unsafe { desc.add(16) }
         } else {
@@ -375,8 +441,10 @@ impl Channel {
             unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
         }
         self.write_desc(self.geo.send_descs(), i, (n as u64).to_le_bytes());
-        self.eager_word(i)
-            .store(SendStatus::Eager.word() | ((i + 1) << 8), Ordering::Release);
+        self.eager_word(i).store(
+            Channel::status_word(SendStatus::Eager, i),
+            Ordering::Release,
+        );
         self.store(Counter::SendPosted, i + 1);
     }
 
@@ -394,7 +462,7 @@ impl Channel {
                 self.geo.eager
             )));
         }
-        let src = if n <= EAGER_INLINE {
+        let src = if n <= self.inline_max() {
             // SAFETY: as in `post_eager`.
             unsafe { self.desc_ptr(self.geo.send_descs(), i).add(16) }
         } else {
@@ -412,7 +480,8 @@ impl Channel {
     /// Receiver: eager message `i`'s descriptor if it has been published (its status word
     /// names message `i`), without touching `SendPosted`.
     pub fn eager_arrived(&self, i: u64) -> Option<SendDesc> {
-        if self.eager_word(i).load(Ordering::Acquire) != SendStatus::Eager.word() | ((i + 1) << 8) {
+        if self.eager_word(i).load(Ordering::Acquire) != Channel::status_word(SendStatus::Eager, i)
+        {
             return None;
         }
         let head = self.read_desc::<8>(self.geo.send_descs(), i);
@@ -422,6 +491,25 @@ impl Channel {
             handle: None,
             offset: 0,
         })
+    }
+
+    /// Whether send descriptor `i` has been published, in any form (its status word names
+    /// message `i`).
+    pub fn published(&self, i: u64) -> bool {
+        self.eager_word(i).load(Ordering::Acquire) >> 8 == i + 1
+    }
+
+    /// Receiver, for a pair that is lost or retired: publishes send descriptor `i` as failed
+    /// with a size no receive takes, which releases a stream waiting for it (see
+    /// `transport::streamed`) and makes its sized copy copy nothing.
+    pub fn poison_send_desc(&self, i: u64) {
+        let size = self.desc_ptr(self.geo.send_descs(), i) as *const AtomicU64;
+        // SAFETY: the size word is the descriptor's first 8 bytes, 8-byte aligned in the mapping.
+        unsafe { &*size }.store(u64::MAX, Ordering::Relaxed);
+        self.eager_word(i).store(
+            Channel::status_word(SendStatus::SenderFailed, i),
+            Ordering::Release,
+        );
     }
 
     /// The status word of send descriptor `i` (bytes 8..16), as an atomic.
@@ -434,11 +522,7 @@ impl Channel {
 
     fn eager_slot(&self, i: u64) -> *mut u8 {
         // SAFETY: `i % DESC_RING` slots of `eager` bytes each lie inside the lane.
-        unsafe {
-            self.seg
-                .as_ptr()
-                .add(self.geo.lane() + (i % DESC_RING) as usize * self.geo.eager)
-        }
+        unsafe { self.seg.as_ptr().add(self.eager_slot_offset(i)) }
     }
 
     /// The data slots (staged channels): base pointer and total length.
@@ -533,10 +617,17 @@ mod tests {
             ch.write_send_desc(k as u64, &d);
             assert_eq!(ch.read_send_desc(k as u64).unwrap(), d);
         }
-        // A hostile or corrupt peer's word (bytes 8..16 of the descriptor).
-        ch.eager_word(7).store(0x1234_0005, Ordering::Release);
+        // A hostile or corrupt peer's word (bytes 8..16 of the descriptor): an unknown status,
+        // and a known one naming another message.
+        ch.eager_word(7).store((8 << 8) | 5, Ordering::Release);
         match ch.read_send_desc(7) {
             Err(CommError::Protocol(m)) => assert!(m.contains("send status"), "{m}"),
+            other => panic!("expected a protocol error, got {other:?}"),
+        }
+        ch.eager_word(7)
+            .store(Channel::status_word(SendStatus::Ok, 71), Ordering::Release);
+        match ch.read_send_desc(7) {
+            Err(CommError::Protocol(m)) => assert!(m.contains("message number 71"), "{m}"),
             other => panic!("expected a protocol error, got {other:?}"),
         }
     }

@@ -18,6 +18,7 @@ use crate::setup::{connect_channels, Pairing};
 use crate::transport::eager::{EagerLink, STAGED_EAGER_MAX};
 use crate::transport::ipc::{CallerLink, IpcCache, Msg};
 use crate::transport::net::{NetState, SharedNet};
+use crate::transport::streamed::{self, StreamLink};
 use crate::transport::Path;
 use crate::wire::Tag;
 use crate::PathStats;
@@ -107,6 +108,8 @@ pub struct Comm<A: DeviceAdaptor> {
     pub(crate) eager: Vec<Option<EagerLink>>,
     /// Per IPC peer (unless `FLAGCX_P2P_IPC_CALLER=off`): its channels, for the posting thread.
     pub(crate) caller: Vec<Option<CallerLink>>,
+    /// Per peer whose small messages go stream-ordered (`transport::streamed`).
+    pub(crate) streamed: Vec<Option<StreamLink>>,
     pub(crate) shared: Arc<Shared>,
     pub(crate) proxy: Option<JoinHandle<()>>,
     pub(crate) next_seq: AtomicU64,
@@ -226,17 +229,32 @@ impl<A: DeviceAdaptor> Comm<A> {
         // rank's device memory is host addressable and by its runtime (a blocking copy on the
         // caller's idle stream) where not. Every staged pair has them; IPC pairs only between
         // host-addressable ranks (others do better with one device copy).
+        // Stream-ordered pairs carry their small messages in the eager slots too.
+        let ordered: Vec<bool> = (0..nranks)
+            .map(|q| {
+                q != rank && streamed::allowed(&infos[rank], &infos[q], transports[q], &roles[q])
+            })
+            .collect();
         let lanes: Vec<bool> = (0..nranks)
-            .map(|q| q != rank && eager_lane(&infos[rank], &infos[q], transports[q]))
+            .map(|q| {
+                q != rank && (ordered[q] || eager_lane(&infos[rank], &infos[q], transports[q]))
+            })
             .collect();
         let mut peers = connect_channels(&adaptor, &boot, &transports, &roles, &lanes, &config)?;
         for c in peers.iter_mut().flatten() {
             c.shares_device = infos[rank].shares_device(&infos[c.peer]);
         }
+        let mut streamed = Vec::with_capacity(nranks);
+        for (q, c) in peers.iter().enumerate() {
+            streamed.push(match (c, ordered[q]) {
+                (Some(c), true) => Some(StreamLink::register(&adaptor, &c.out, &c.inc)?),
+                _ => None,
+            });
+        }
         let eager = peers
             .iter()
             .map(|c| {
-                let c = c.as_ref()?;
+                let c = c.as_ref().filter(|c| !ordered[c.peer])?;
                 // Where both sides copy with their runtimes, two blocking copies lose to the
                 // ring's pipeline above a few KiB (both ranks derive the same cap).
                 let cap = match caps.host_addressable || infos[c.peer].caps.host_addressable {
@@ -262,7 +280,8 @@ impl<A: DeviceAdaptor> Comm<A> {
             .iter()
             .map(|c| {
                 let c = c.as_ref()?;
-                (config.ipc_caller && c.transport == TransportKind::Ipc).then(|| CallerLink {
+                let ipc = c.transport == TransportKind::Ipc && !ordered[c.peer];
+                (config.ipc_caller && ipc).then(|| CallerLink {
                     out: c.out.clone(),
                     inc: c.inc.clone(),
                     push: !c.roles.peer_pulls,
@@ -300,6 +319,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             direct,
             eager,
             caller,
+            streamed,
             shared,
             proxy: Some(handle),
             next_seq: AtomicU64::new(1),
@@ -361,6 +381,16 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// ranks' `FLAGCX_P2P_EAGER_MAX`. See [`Config::eager_max`] for when it is taken.
     pub fn eager_limit(&self, peer: usize) -> usize {
         self.eager
+            .get(peer)
+            .and_then(|l| l.as_ref())
+            .map_or(0, |l| l.send_max)
+    }
+
+    /// The largest message to or from `peer` that goes stream-ordered (0: none): the pair's
+    /// streams then carry it with no host thread on its path (`FLAGCX_P2P_STREAM`; see
+    /// `docs/architecture.md`). Both directions have the same limit.
+    pub fn stream_limit(&self, peer: usize) -> usize {
+        self.streamed
             .get(peer)
             .and_then(|l| l.as_ref())
             .map_or(0, |l| l.send_max)
@@ -522,6 +552,9 @@ impl<A: DeviceAdaptor> Comm<A> {
         // process on the same GPU would have to wait out).
         // The posting thread's own paths are open to this post where its pair has them and it
         // is not in a group: eager slots, or (IPC) moving the operation itself.
+        // A stream-ordered message is enqueued on the stream at submission: no start event,
+        // no posting-thread path.
+        let ordered = self.streamed_link(peer, dir, bytes).is_some();
         let ungrouped = lock(&self.group).is_none();
         let eager = ungrouped && self.eager.get(peer).is_some_and(|l| l.is_some());
         let caller = ungrouped && self.caller.get(peer).is_some_and(|l| l.is_some());
@@ -531,7 +564,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         // A grouped post may go eagerly at `group_end` too (`group_eager`), which needs the
         // stream idle at posting: it waits out a satisfied join as an ungrouped one does.
         let grouped_eager = !ungrouped && self.eager.get(peer).is_some_and(|l| l.is_some());
-        let idle = self.idle_or_soon(stream, eager || grouped_eager || caller || net)?;
+        let idle = ordered || self.idle_or_soon(stream, eager || grouped_eager || caller || net)?;
         if idle && eager {
             if let Some(r) = self.try_eager(dir, ptr, bytes, peer, stream)? {
                 return Ok(r);
@@ -548,7 +581,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                 return Ok(r);
             }
         }
-        if caller {
+        if caller && !ordered {
             if let Some(r) = self.try_caller_ipc(dir, ptr, bytes, peer, stream, start, &mut keep)? {
                 return Ok(r);
             }
@@ -711,6 +744,9 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
         }
         self.page.release(&self.adaptor);
         lock(&self.bounce).release(&self.adaptor);
+        for l in self.streamed.iter().flatten() {
+            l.release(&self.adaptor);
+        }
     }
 }
 

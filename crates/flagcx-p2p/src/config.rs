@@ -117,6 +117,9 @@ pub struct Config {
     /// Direct copies for pairs with a host-vendor rank (`FLAGCX_P2P_HOST_DIRECT=auto|on|off`,
     /// default auto). Both ranks must allow it.
     pub host_direct: HostDirect,
+    /// Stream-ordered small messages (`FLAGCX_P2P_STREAM=auto|on|off`, default auto): see
+    /// [`crate::transport::streamed`]. Both ranks must allow it.
+    pub streamed: HostDirect,
     /// Most bytes of host-vendor peers' memory a rank keeps mapped (and registered with its
     /// runtime) for direct copies (`FLAGCX_P2P_HOST_MAP_MAX`, default 16 GiB). Past it, buffers
     /// not yet mapped go through the ring. Mappings last as long as the communicator (a freed
@@ -182,6 +185,7 @@ impl Default for Config {
             ipc_copier: IpcCopier::Auto,
             spin: None,
             host_direct: HostDirect::Auto,
+            streamed: HostDirect::Auto,
             host_map_max: DEFAULT_HOST_MAP_MAX,
             host_pin_piece: DEFAULT_HOST_PIN_PIECE,
             eager_max: DEFAULT_EAGER_MAX,
@@ -302,6 +306,15 @@ impl Config {
                 ],
                 "expected auto, on or off",
             )?;
+        }
+        if let Some(v) = var("FLAGCX_P2P_STREAM") {
+            let choices = [
+                ("auto", HostDirect::Auto),
+                ("on", HostDirect::On),
+                ("off", HostDirect::Off),
+            ];
+            let what = "expected auto, on or off";
+            c.streamed = parse_choice("FLAGCX_P2P_STREAM", &v, &choices, what)?;
         }
         if let Some(v) = var("FLAGCX_P2P_HOST_MAP_MAX") {
             c.host_map_max = parse_size("FLAGCX_P2P_HOST_MAP_MAX", &v)?;

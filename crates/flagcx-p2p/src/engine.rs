@@ -23,9 +23,11 @@ pub(crate) use flagcx_adaptor::tracking::lock;
 
 pub(crate) use crate::op::{Dir, Handoff, Inbox, Op, Resume, Slot};
 
+pub(crate) use crate::bootstrap::hung_up;
 use crate::bootstrap::Bootstrap;
 use crate::channel::{Counter, RETIRED};
 use crate::error::{CommError, Result};
+pub(crate) use crate::join::recycle_event;
 use crate::peer::TransportKind;
 use crate::transport::hostmap::HostMaps;
 use crate::transport::ipc::IpcCache;
@@ -385,6 +387,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         let left_behind = op.dir == Dir::Recv
             && (conn.transport == TransportKind::Net || conn.eager_waiting(op.index));
         if let Some(reason) = conn.lost.clone().filter(|_| !left_behind) {
+            self.release_streamed(&mut op);
             return self.finish(op, Err(CommError::PeerLost { peer, reason }));
         }
         if let Some(Resume::Failed(_)) = &op.resume {
@@ -417,6 +420,10 @@ impl<A: DeviceAdaptor> Engine<A> {
                 (Some(Resume::Published), Dir::Send, ..) => Phase::AwaitVerdict,
                 (Some(Resume::Published), Dir::Recv, ..) => Phase::AwaitSendDesc,
                 (Some(Resume::Failed(_)), ..) => unreachable!("finished above"),
+                (Some(Resume::Streamed(ev)), dir, ..) => Phase::Streamed {
+                    ev: *ev,
+                    announced: dir == Dir::Send,
+                },
                 (Some(Resume::Net(_)), ..) => {
                     unreachable!("only pairs on two hosts get a UCX request (try_caller_net)")
                 }
@@ -456,8 +463,10 @@ impl<A: DeviceAdaptor> Engine<A> {
             recycle_event(&self.adaptor, &self.shared, start);
         }
         // A posting thread's copy the operation still held (it failed or timed out first).
-        if let Some(Resume::Pushed(ev) | Resume::Pulled { ev, .. }) = op.resume {
-            self.caller_copy_over(ev);
+        match op.resume {
+            Some(Resume::Pushed(ev) | Resume::Pulled { ev, .. }) => self.caller_copy_over(ev),
+            Some(Resume::Streamed(ev)) => recycle_event(&self.adaptor, &self.shared, ev),
+            _ => {}
         }
         // Before the request completes: a caller that waited for it may post the next message
         // eagerly, which needs this one to be off the books.
@@ -532,6 +541,9 @@ impl<A: DeviceAdaptor> Engine<A> {
                 let Some(mut step) = q.pop_front() else { break };
                 let lost = conn.lost.clone();
                 let r = match (step.path, dir) {
+                    _ if matches!(step.phase, Phase::Streamed { .. }) => {
+                        self.progress_streamed(p, &mut step)
+                    }
                     (Path::Net, _) => self.progress_net(p, &mut step),
                     (_, Dir::Send) => self.progress_send(p, &mut step),
                     (_, Dir::Recv) => self.progress_recv(p, &mut step),
@@ -542,6 +554,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                         // A local failure mid-message: tell the peer (so its side fails instead
                         // of waiting), settle our own in-flight copies, and retire the pair —
                         // its counters no longer agree with the peer's.
+                        self.release_streamed(&mut step.op);
                         self.abandon_chunks(p, dir);
                         self.abandon_net(&mut step);
                         if let Some(c) = self.peers[p].as_mut() {
@@ -573,6 +586,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                         match (lost.filter(|_| on_peer), stalled) {
                             (Some(reason), _) => {
                                 moved = true;
+                                self.release_streamed(&mut step.op);
                                 self.abandon_chunks(p, dir);
                                 self.abandon_net(&mut step);
                                 let e = CommError::PeerLost { peer: p, reason };
@@ -580,6 +594,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                             }
                             (None, Some(t)) => {
                                 moved = true;
+                                self.release_streamed(&mut step.op);
                                 self.abandon_chunks(p, dir);
                                 self.abandon_net(&mut step);
                                 // The pair's shared state is now out of step: retire it.
@@ -698,6 +713,8 @@ impl<A: DeviceAdaptor> Engine<A> {
             left.push(s.op);
         }
         left.extend(std::mem::take(&mut lock(&self.shared.inbox).ops));
+        // No caller's stream may wait for good on a message that will never come.
+        left.iter_mut().for_each(|op| self.release_streamed(op));
         let _ = self.adaptor.stream_synchronize(self.send_stream);
         let _ = self.adaptor.stream_synchronize(self.recv_stream);
         for mut op in left {
@@ -772,29 +789,4 @@ fn fail_locally(conn: &mut PeerConn, shared: &Shared, dir: Dir, index: u64, e: &
     };
     ch.store(counter, index + 1);
     conn.retire(shared, format!("a local {dir:?} failed: {e}"));
-}
-
-/// Returns an event of the API side to its pool (`Shared::spare_events`) if it completed, else
-/// destroys it (allowed while a stream still has to pass it: runtimes release it once it
-/// completes).
-pub(crate) fn recycle_event<A: DeviceAdaptor>(adaptor: &A, shared: &Shared, ev: EventHandle) {
-    let mut spares = lock(&shared.spare_events);
-    if spares.len() < 1024 && adaptor.event_query(ev).unwrap_or(false) {
-        spares.push(ev);
-    } else {
-        let _ = adaptor.event_destroy(ev);
-    }
-}
-
-/// Whether the other end of a bootstrap socket hung up (its process exited or closed its
-/// communicator).
-pub(crate) fn hung_up(fd: std::os::fd::RawFd) -> bool {
-    let mut pfd = libc::pollfd {
-        fd,
-        events: libc::POLLRDHUP,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd, zero timeout.
-    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
-    n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }

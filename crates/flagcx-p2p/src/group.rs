@@ -72,8 +72,11 @@ impl<A: DeviceAdaptor> Comm<A> {
             if op.seq == 0 {
                 op.seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
             }
-            let e = last.entry(s.0).or_default();
-            *e = (*e).max(op.seq);
+            // A stream-ordered message is on its stream already: nothing to join.
+            if op.resume.is_some() || self.streamed_link(op.peer, op.dir, op.bytes).is_none() {
+                let e = last.entry(s.0).or_default();
+                *e = (*e).max(op.seq);
+            }
         }
         {
             // Behind a message a posting thread is moving itself, the pair's next ones wait
@@ -83,10 +86,24 @@ impl<A: DeviceAdaptor> Comm<A> {
                     self.shared.reserved[op.peer][op.dir as usize].load(Ordering::Acquire)
                 })
             });
-            for (mut op, _) in ops {
+            for (mut op, stream) in ops {
                 let d = op.dir as usize;
                 op.index = inbox.next[op.peer][d];
                 inbox.next[op.peer][d] += 1;
+                if let (None, Some(link)) =
+                    (&op.resume, self.streamed_link(op.peer, op.dir, op.bytes))
+                {
+                    // Numbered and enqueued under one lock, so each stream carries its pair's
+                    // messages in number order. SAFETY: `post` checked the buffer; the
+                    // operation (holding it, for safe callers) lives until its event completes.
+                    let r = unsafe {
+                        self.enqueue_streamed(link, op.dir, op.index, op.ptr, op.bytes, stream)
+                    };
+                    op.resume = Some(match r {
+                        Ok(ev) => crate::op::Resume::Streamed(ev),
+                        Err(e) => crate::op::Resume::Failed(e),
+                    });
+                }
                 self.shared.pending[op.peer][d].fetch_add(1, Ordering::AcqRel);
                 inbox.ops.push(op);
             }

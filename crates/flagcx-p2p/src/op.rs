@@ -146,6 +146,9 @@ pub(crate) enum Resume {
     Failed(CommError),
     /// A pair on two hosts: its UCX request (a send, or a probed receive) is under way.
     Net(crate::ucx::NetReq),
+    /// Stream-ordered (`transport::streamed`): enqueued on the caller's stream at submission;
+    /// the event completes behind it.
+    Streamed(EventHandle),
 }
 
 /// Where a posting thread handed an IPC operation to the proxy: the index of its counter in
@@ -168,7 +171,7 @@ impl Resume {
     /// The counter of a hand-over that resumes at `r`.
     pub fn handoff(r: &Option<Resume>) -> Handoff {
         match r {
-            None => Handoff::Fresh,
+            None | Some(Resume::Streamed(_)) => Handoff::Fresh,
             Some(Resume::Pushed(_)) => Handoff::Pushed,
             Some(Resume::Pulled { .. }) => Handoff::Pulled,
             Some(Resume::Published | Resume::Net(_)) => Handoff::Published,

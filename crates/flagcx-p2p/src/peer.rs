@@ -29,6 +29,8 @@ pub struct PeerInfo {
     pub ipc_copier: IpcCopier,
     /// Its `FLAGCX_P2P_HOST_DIRECT` setting.
     pub host_direct: HostDirect,
+    /// Its `FLAGCX_P2P_STREAM` setting.
+    pub streamed: HostDirect,
 }
 
 fn caps_bits(c: &Capabilities) -> u32 {
@@ -84,6 +86,7 @@ impl PeerInfo {
             p2p_disable: config.p2p_disable,
             ipc_copier: config.ipc_copier,
             host_direct: config.host_direct,
+            streamed: config.streamed,
         })
     }
 
@@ -100,6 +103,7 @@ impl PeerInfo {
             .u8(self.p2p_disable as u8)
             .u8(self.ipc_copier.code())
             .u8(self.host_direct.code())
+            .u8(self.streamed.code())
             .finish()
     }
 
@@ -115,7 +119,7 @@ impl PeerInfo {
         let host_id = r.str()?;
         let pid = r.u32()?;
         let bits = r.u32()?;
-        if bits >> 10 != 0 {
+        if bits >> 11 != 0 {
             return Err(CommError::Protocol(format!(
                 "peer info: unknown capability bits {bits:#x}"
             )));
@@ -134,6 +138,10 @@ impl PeerInfo {
         let host_direct = HostDirect::from_code(code).ok_or_else(|| {
             CommError::Protocol(format!("peer info: unknown host-direct code {code}"))
         })?;
+        let code = r.u8()?;
+        let streamed = HostDirect::from_code(code).ok_or_else(|| {
+            CommError::Protocol(format!("peer info: unknown stream-order code {code}"))
+        })?;
         r.end()?;
         Ok(PeerInfo {
             rank,
@@ -146,6 +154,7 @@ impl PeerInfo {
             p2p_disable,
             ipc_copier,
             host_direct,
+            streamed,
         })
     }
 
@@ -264,6 +273,7 @@ mod tests {
             p2p_disable: false,
             ipc_copier: IpcCopier::Auto,
             host_direct: HostDirect::Auto,
+            streamed: HostDirect::Auto,
         }
     }
 

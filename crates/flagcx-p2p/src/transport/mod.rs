@@ -10,6 +10,7 @@
 //! | [`staged`] | different vendors: device→host into ring slots, host→device out of them, pipelined | — | `Engine::pump`: both directions, one loop |
 //! | [`direct`] | a staged pair with a host-vendor rank: one copy straight into or out of its mapped buffer ([`hostmap`]) | — | `Engine::direct_push`/`direct_pull` |
 //! | [`eager`] | host-addressable and staged pairs: small messages through the channel's eager slots, copied by the CPU or by a blocking runtime copy via a bounce buffer | `Comm::try_eager` | `Engine::take_eager` |
+//! | [`streamed`] | pairs of CUDA or host-vendor ranks (on two devices by default): small messages as stream operations on the callers' streams — wait for a free slot, copy in, write the status word; wait for it, sized copy out | `Comm::enqueue_streamed` (at submission) | `Engine::progress_streamed`: announces receives, publishes `send_posted` / `recv_done` behind the streams |
 //! | [`net`] | pairs on different hosts: one UCX tagged message per message, staged through pinned host memory where device memory is not host addressable | — | `Engine::progress_net` |
 //!
 //! Which transport a pair uses is chosen once at setup ([`crate::peer::choose_transport`]);
@@ -22,6 +23,7 @@ pub(crate) mod ipc;
 pub(crate) mod net;
 pub(crate) mod rendezvous;
 pub(crate) mod staged;
+pub(crate) mod streamed;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -181,6 +183,9 @@ pub(crate) enum Phase {
     },
     /// Net (a pair on two hosts), either side.
     Net(net::NetPhase),
+    /// Stream-ordered ([`streamed`]), either side: the caller's stream carries the message;
+    /// `ev` completes behind it. A receive announces itself first.
+    Streamed { ev: EventHandle, announced: bool },
 }
 
 impl Phase {
@@ -201,6 +206,11 @@ impl Phase {
                 format!("waiting for the peer's side of the staged chunks ({issued} of {total} bytes issued)")
             }
             Phase::Net(n) => n.waiting_for(),
+            Phase::Streamed { .. } => {
+                "waiting for the caller's stream to pass the stream-ordered message (the peer's \
+                 side of it, or a free slot)"
+                    .into()
+            }
         }
     }
 }

@@ -150,6 +150,7 @@ impl<A: DeviceAdaptor> Engine<A> {
             Phase::Announce | Phase::AwaitSendDesc | Phase::AwaitOffer | Phase::Pulling { .. } => {
                 unreachable!("receive phases")
             }
+            Phase::Streamed { .. } => unreachable!("the engine hands these to `streamed`"),
         }
     }
 
@@ -285,6 +286,7 @@ impl<A: DeviceAdaptor> Engine<A> {
             Phase::AwaitRecvDesc | Phase::Copying(_) | Phase::Offer | Phase::AwaitVerdict => {
                 unreachable!("send phases")
             }
+            Phase::Streamed { .. } => unreachable!("the engine hands these to `streamed`"),
         }
     }
 }

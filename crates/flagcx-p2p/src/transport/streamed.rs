@@ -1,0 +1,351 @@
+//! Stream-ordered small messages: the caller's streams do the handshake, no host thread is on
+//! a message's path, and a post only enqueues.
+//!
+//! A pair whose two ranks both have 64-bit stream memory operations, host registration and
+//! sized copies ([`flagcx_adaptor::Capabilities::sized_copy`]) — CUDA and the host vendor —
+//! registers the head of both its channels (counters, descriptors, eager slots) with its
+//! runtime, so its streams reach them. Message `k` of a direction (a send of at most the
+//! channel's eager slot, or a receive of at most that) then is, on the caller's stream:
+//!
+//! | side | stream operations |
+//! |---|---|
+//! | send | wait until `recv_done ≥ k − 63` (slot `k mod 64` free; skipped for the first 64) → copy the bytes into eager slot `k` → write the size word, then the status word `EAGER \| (k + 1) << 8` of send descriptor `k` |
+//! | receive | wait until that status word `≥ (k + 1) << 8` → sized copy of at most the buffer's size out of slot `k`, its length read from the size word when the stream gets there |
+//!
+//! The engine only follows: it announces the receive (so a larger send through the handshake
+//! sees the receive's size and answers with a mismatch, whose status word — every status word
+//! carries `k + 1` — releases the receiving stream, and whose size makes the sized copy copy
+//! nothing), and once the event recorded behind a message completes it publishes `send_posted`
+//! (sender) or reads the descriptor for the result and frees the slot with `recv_done`
+//! (receiver). Credits therefore return through the receiver's engine, off the path of any
+//! one message: a sender's stream waits only once 64 messages are unread.
+//!
+//! Both ranks derive the same per-direction limit (the channel's eager slot), so a message
+//! and its receive agree on the path whenever sizes allow a match; a receive of more than
+//! the limit goes through the engine, which takes an eager message out of its slot as for any
+//! eager sender. As on the eager path, a message larger than its receive fails the receive
+//! alone (the sender was done). A peer that is lost, or times out, while a stream waits on
+//! one of its words has the word written by this rank's engine (a failure status and an
+//! impossible size; or `recv_done` far ahead), so no stream hangs, and the operation fails.
+//!
+//! `FLAGCX_P2P_STREAM=auto` (the default) takes this path for pairs of GPU ranks on two
+//! devices: one rank per GPU is what it is for, and two processes on one GPU take turns at
+//! kernels and device copies (~140 µs per turn on an H200), which the posting threads' paths
+//! avoid. `on` takes it wherever both ranks can; `off` never.
+
+use std::sync::Arc;
+
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, StreamHandle, WaitCondition};
+
+use super::{remote_failure, send_failure, Path, Phase, Progress, Roles, Step};
+use crate::channel::{Channel, Counter, SendStatus, DESC_RING};
+use crate::comm::Comm;
+use crate::config::HostDirect;
+use crate::engine::{Dir, Engine, Op};
+use crate::error::{CommError, Result};
+use crate::op::Resume;
+use crate::peer::{PeerInfo, TransportKind};
+
+/// The largest stream-ordered message: small messages are what needs no host; above this the
+/// handshake's single copy wins anyway.
+pub(crate) const STREAMED_MAX: usize = 32 << 10;
+
+/// How long a release waits for the stream to pass the released operation.
+const RELEASE_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// What `recv_done` is set to when a lost peer's sender-side waits must end.
+const RELEASED: u64 = u64::MAX >> 2;
+
+/// Whether the pair of `me` and `peer` sends its small messages stream-ordered (both ranks
+/// compute the same answer from the all-gathered peer information).
+pub(crate) fn allowed(
+    me: &PeerInfo,
+    peer: &PeerInfo,
+    transport: Option<TransportKind>,
+    roles: &Roles,
+) -> bool {
+    let able = |x: &PeerInfo| x.caps.stream_mem_ops_64 && x.caps.host_register && x.caps.sized_copy;
+    let pair_ok = matches!(
+        transport,
+        Some(TransportKind::Ipc) | Some(TransportKind::Staged)
+    ) && *roles == Roles::default();
+    let wanted = match (me.streamed, peer.streamed) {
+        (HostDirect::Off, _) | (_, HostDirect::Off) => false,
+        (HostDirect::On, _) | (_, HostDirect::On) => true,
+        _ => !me.shares_device(peer) && !me.caps.host_addressable && !peer.caps.host_addressable,
+    };
+    pair_ok && wanted && able(me) && able(peer)
+}
+
+/// One pair's stream-ordered link: both channels, as the host and this rank's runtime see them.
+pub(crate) struct StreamLink {
+    pub out: Arc<Channel>,
+    pub inc: Arc<Channel>,
+    /// The device-visible alias of each channel's registered head.
+    out_dev: DevicePtr,
+    inc_dev: DevicePtr,
+    /// The largest message each way (the channel's eager slot, at most [`STREAMED_MAX`]).
+    pub send_max: usize,
+    pub recv_max: usize,
+}
+
+impl StreamLink {
+    /// Registers both channels' heads with `a` (eager data stays out of the descriptors from
+    /// now on, on both ends).
+    pub(crate) fn register<A: DeviceAdaptor>(
+        a: &A,
+        out: &Arc<Channel>,
+        inc: &Arc<Channel>,
+    ) -> Result<Self> {
+        out.keep_out_of_descriptors();
+        inc.keep_out_of_descriptors();
+        // SAFETY: the channel's mapping outlives the registration, which `release` undoes
+        // before the communicator drops its channels.
+        let out_dev = unsafe { a.host_register(out.segment().as_ptr(), out.head_len()) }?;
+        // SAFETY: as above.
+        let inc_dev = match unsafe { a.host_register(inc.segment().as_ptr(), inc.head_len()) } {
+            Ok(d) => d,
+            Err(e) => {
+                // SAFETY: registered just above, unused.
+                let _ = unsafe { a.host_unregister(out.segment().as_ptr()) };
+                return Err(e.into());
+            }
+        };
+        Ok(StreamLink {
+            out: out.clone(),
+            inc: inc.clone(),
+            out_dev,
+            inc_dev,
+            send_max: out.geometry().eager.min(STREAMED_MAX),
+            recv_max: inc.geometry().eager.min(STREAMED_MAX),
+        })
+    }
+
+    /// Undoes [`StreamLink::register`].
+    pub(crate) fn release<A: DeviceAdaptor>(&self, a: &A) {
+        for ch in [&self.out, &self.inc] {
+            // SAFETY: the engine is gone and released every stream that waited on the words.
+            let _ = unsafe { a.host_unregister(ch.segment().as_ptr()) };
+        }
+    }
+
+    /// Whether a message of `bytes` in direction `dir` takes this path.
+    pub(crate) fn takes(&self, dir: Dir, bytes: usize) -> bool {
+        bytes
+            <= match dir {
+                Dir::Send => self.send_max,
+                Dir::Recv => self.recv_max,
+            }
+    }
+
+    fn at(base: DevicePtr, offset: usize) -> DevicePtr {
+        DevicePtr(base.0 + offset as u64)
+    }
+
+    /// Enqueues message `k`'s side on `stream`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+bytes` is device memory of `a` that stays valid until the event completes.
+    unsafe fn enqueue<A: DeviceAdaptor>(
+        &self,
+        a: &A,
+        dir: Dir,
+        k: u64,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> flagcx_adaptor::Result<()> {
+        match dir {
+            Dir::Send => {
+                let (ch, base) = (&self.out, self.out_dev);
+                if k >= DESC_RING {
+                    let done = Self::at(base, Channel::counter_offset(Counter::RecvDone));
+                    // SAFETY: a registered, aligned word of the channel head.
+                    unsafe {
+                        a.stream_wait_value64(stream, done, k + 1 - DESC_RING, WaitCondition::Geq)
+                    }?;
+                }
+                if bytes > 0 {
+                    // SAFETY: eager slot `k` holds `send_max >= bytes` bytes of the mapping;
+                    // the caller's contract covers `ptr`.
+                    let slot = unsafe { ch.segment().as_ptr().add(ch.eager_slot_offset(k)) };
+                    // SAFETY: as above.
+                    unsafe { a.memcpy_d2h_async(slot, ptr, bytes, stream) }?;
+                }
+                let writes = [
+                    (Self::at(base, ch.send_size_offset(k)), bytes as u64),
+                    (
+                        Self::at(base, ch.send_status_offset(k)),
+                        Channel::status_word(SendStatus::Eager, k),
+                    ),
+                ];
+                // SAFETY: registered, aligned words of the channel head.
+                unsafe { a.stream_write_values64(stream, &writes) }?;
+            }
+            Dir::Recv => {
+                let (ch, base) = (&self.inc, self.inc_dev);
+                let status = Self::at(base, ch.send_status_offset(k));
+                // SAFETY: a registered, aligned word of the channel head.
+                unsafe { a.stream_wait_value64(stream, status, (k + 1) << 8, WaitCondition::Geq) }?;
+                // SAFETY: slot `k` holds `recv_max >= bytes` registered bytes; the size word is
+                // aligned; the caller's contract covers `ptr`.
+                unsafe {
+                    a.memcpy_sized_async(
+                        ptr,
+                        Self::at(base, ch.eager_slot_offset(k)),
+                        Self::at(base, ch.send_size_offset(k)),
+                        bytes,
+                        stream,
+                    )
+                }?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends every wait of message `k`'s side that the peer would have satisfied: a receive's
+    /// status word gets a failure status and a size no receive takes; a send's `recv_done`
+    /// jumps far ahead. Only for a pair that is lost or retired (the words are the peer's).
+    pub(crate) fn release_side(out: &Channel, inc: &Channel, dir: Dir, k: u64) {
+        match dir {
+            Dir::Send => out.store(Counter::RecvDone, RELEASED),
+            Dir::Recv => inc.poison_send_desc(k),
+        }
+    }
+}
+
+impl<A: DeviceAdaptor> Comm<A> {
+    /// The stream-ordered link with `peer`, if a message of `bytes` in direction `dir` takes it.
+    pub(crate) fn streamed_link(&self, peer: usize, dir: Dir, bytes: usize) -> Option<&StreamLink> {
+        self.streamed
+            .get(peer)
+            .and_then(|l| l.as_ref())
+            .filter(|l| l.takes(dir, bytes))
+    }
+
+    /// Enqueues message `k` of (`peer`, `dir`) on `stream`; the event that completes with it,
+    /// or the failure (after which no wait of it is left on the stream).
+    ///
+    /// # Safety
+    /// `ptr..ptr+bytes` is device memory of this adaptor, valid until the operation finishes.
+    pub(crate) unsafe fn enqueue_streamed(
+        &self,
+        link: &StreamLink,
+        dir: Dir,
+        k: u64,
+        ptr: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<EventHandle> {
+        let ev = self.spare_event()?;
+        // SAFETY: forwarded contract.
+        let r = unsafe { link.enqueue(&self.adaptor, dir, k, ptr, bytes, stream) };
+        match r.and_then(|()| self.adaptor.event_record(ev, stream)) {
+            Ok(()) => Ok(ev),
+            Err(e) => {
+                // Whatever part went in must not wait for good: the pair is retired by the
+                // engine for this failure, so its words are ours to settle.
+                StreamLink::release_side(&link.out, &link.inc, dir, k);
+                let _ = self.adaptor.event_destroy(ev);
+                Err(e.into())
+            }
+        }
+    }
+}
+
+impl<A: DeviceAdaptor> Engine<A> {
+    /// One pass over a stream-ordered step (see the module docs).
+    pub(crate) fn progress_streamed(&mut self, p: usize, step: &mut Step) -> Result<Progress> {
+        let conn = self.peers[p].as_mut().expect("checked by caller");
+        let Phase::Streamed { ev, announced } = &mut step.phase else {
+            unreachable!("only stream-ordered steps")
+        };
+        let (k, bytes) = (step.index, step.op.bytes);
+        step.path = Path::Eager;
+        match step.op.dir {
+            Dir::Send => {
+                let fault = conn.out.load(Counter::RecvFault);
+                if fault > k {
+                    return Err(remote_failure(p, fault));
+                }
+                if !self.adaptor.event_query(*ev)? {
+                    let on_peer = !conn.out.window_open(k);
+                    return Ok(Progress::Idle { on_peer });
+                }
+                conn.out.store(Counter::SendPosted, k + 1);
+                Ok(Progress::Done(Ok(bytes)))
+            }
+            Dir::Recv => {
+                if !*announced {
+                    if !conn.inc.window_open(k) {
+                        return Ok(Progress::Idle { on_peer: false });
+                    }
+                    let desc = crate::channel::RecvDesc {
+                        size: bytes as u64,
+                        handle: None,
+                        offset: 0,
+                        chunks: false,
+                    };
+                    conn.inc.write_recv_desc(k, &desc);
+                    conn.inc.store(Counter::RecvPosted, k + 1);
+                    *announced = true;
+                    return Ok(Progress::Moved);
+                }
+                let fault = conn.inc.load(Counter::SendFault);
+                if fault > k {
+                    return Err(remote_failure(p, fault));
+                }
+                if !self.adaptor.event_query(*ev)? {
+                    // Once the message is in its slot only our own stream is left: a peer
+                    // that was done with it and went away does not fail it.
+                    let on_peer = !conn.inc.published(k);
+                    return Ok(Progress::Idle { on_peer });
+                }
+                let sd = conn.inc.read_send_desc(k)?;
+                let size = sd.size as usize;
+                let r = match sd.status {
+                    SendStatus::Eager if size <= bytes => Ok(size),
+                    SendStatus::Eager => Err(CommError::SizeMismatch {
+                        peer: p,
+                        send_bytes: size,
+                        recv_bytes: bytes,
+                    }),
+                    _ => Err(send_failure(p, &sd, bytes, false).unwrap_or_else(|| {
+                        CommError::Protocol(format!(
+                            "rank {p} answered a stream-ordered receive of {bytes} bytes \
+                             with a {size}-byte send"
+                        ))
+                    })),
+                };
+                conn.inc.store(Counter::RecvDone, k + 1);
+                Ok(Progress::Done(r))
+            }
+        }
+    }
+
+    /// Before a stream-ordered operation is failed without its peer (lost, timed out, torn
+    /// down): releases the waits its stream may still be in, and lets the stream pass the
+    /// operation — its copy touches the caller's buffer, which the operation may be keeping
+    /// alive — for up to [`RELEASE_WAIT`]. A stream still held by earlier work of the caller's
+    /// after that keeps the buffer: the operation forgets it rather than free it under a copy.
+    pub(crate) fn release_streamed(&self, op: &mut Op) {
+        let conn = self.peers.get(op.peer).and_then(|c| c.as_ref());
+        let (Some(Resume::Streamed(ev)), Some(conn)) = (&op.resume, conn) else {
+            return;
+        };
+        StreamLink::release_side(&conn.out, &conn.inc, op.dir, op.index);
+        let t0 = std::time::Instant::now();
+        while !self.adaptor.event_query(*ev).unwrap_or(true) {
+            if t0.elapsed() > RELEASE_WAIT {
+                tracing::warn!(
+                    peer = op.peer,
+                    "a released stream-ordered operation's stream has not passed it; its \
+                     buffer is kept alive for good"
+                );
+                std::mem::forget(op.keep.take());
+                return;
+            }
+            std::thread::yield_now();
+        }
+    }
+}
