@@ -27,11 +27,20 @@ fn peer_info() -> impl Strategy<Value = PeerInfo> {
         proptest::option::of("[0-9a-f:.]{0,16}".prop_filter("non-empty", |s| !s.is_empty())),
         ".{0,40}",
         any::<u32>(),
-        any::<[bool; 10]>(),
-        (any::<bool>(), 0u8..3, 0u8..3),
+        any::<[bool; 11]>(),
+        (any::<bool>(), 0u8..3, 0u8..3, 0u8..3),
     )
         .prop_map(
-            |(rank, vendor, device, pci_bus_id, host_id, pid, c, (p2p_disable, copier, direct))| {
+            |(
+                rank,
+                vendor,
+                device,
+                pci_bus_id,
+                host_id,
+                pid,
+                c,
+                (p2p_disable, copier, direct, streamed),
+            )| {
                 PeerInfo {
                     rank,
                     vendor,
@@ -50,10 +59,12 @@ fn peer_info() -> impl Strategy<Value = PeerInfo> {
                         capture_mode: c[7],
                         host_addressable: c[8],
                         host_pin: c[9],
+                        sized_copy: c[10],
                     },
                     p2p_disable,
                     ipc_copier: IpcCopier::from_code(copier).expect("0..3 are codes"),
                     host_direct: HostDirect::from_code(direct).expect("0..3 are codes"),
+                    streamed: HostDirect::from_code(streamed).expect("0..3 are codes"),
                 }
             },
         )

@@ -760,6 +760,19 @@ fn recv_frame<S: FrameIo>(s: &S) -> Result<(Tag, Vec<u8>, Vec<OwnedFd>)> {
     Ok((tag, payload, fds))
 }
 
+/// Whether the other end of a bootstrap socket hung up (its process exited or closed its
+/// communicator).
+pub(crate) fn hung_up(fd: std::os::fd::RawFd) -> bool {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -783,17 +796,4 @@ mod tests {
         assert_eq!(UniqueId::derived("job-7"), UniqueId::derived("job-7"));
         assert_ne!(UniqueId::derived("job-7"), UniqueId::derived("job-8"));
     }
-}
-
-/// Whether the other end of a bootstrap socket hung up (its process exited or closed its
-/// communicator).
-pub(crate) fn hung_up(fd: std::os::fd::RawFd) -> bool {
-    let mut pfd = libc::pollfd {
-        fd,
-        events: libc::POLLRDHUP,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd, zero timeout.
-    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
-    n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }
