@@ -1502,11 +1502,14 @@ fn posts_never_wait_for_the_peer() {
 #[test]
 fn stream_ordered_pairs() {
     let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    // Each sender copies: a pair whose one rank copies both ways (two ranks on one GPU, by
+    // default) keeps its pulls.
     let on = [
         ("FLAGCX_P2P_STREAM", "on"),
         ("FLAGCX_TEST_EXPECT_STREAMED", "1"),
+        ("FLAGCX_P2P_IPC_COPIER", "sender"),
     ];
-    let staged = [on[0], on[1], ("FLAGCX_P2P_DISABLE", "1")];
+    let staged = [on[0], on[1], on[2], ("FLAGCX_P2P_DISABLE", "1")];
     for env in [&on[..], &staged[..]] {
         job(2, &v, "ring", env);
         job(3, &v, "enqueued", env);
@@ -1514,7 +1517,7 @@ fn stream_ordered_pairs() {
         job(2, &v, "pingpong", env);
         job(4, &v, "random", env);
     }
-    job(2, &v, "mismatch", &on[..1]);
+    job(2, &v, "mismatch", &[on[0], on[2]]);
     job(2, &v, "streamed", &on);
     job(2, &v, "streamed", &staged);
     job(8, &v, "stress", &on);

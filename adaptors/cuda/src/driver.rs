@@ -30,8 +30,8 @@ pub struct CudaDriver {
     ctx: Ctx,
     /// Primary contexts of peers we enabled access to, retained until teardown.
     peers: Mutex<HashMap<usize, sys::CUdevice>>,
-    /// The sized-copy kernel, where its module loaded at open.
-    sized: Option<crate::sized::SizedKernel>,
+    /// The sized-copy kernel, loaded by the process's first open of the device.
+    sized: Option<&'static crate::sized::SizedKernel>,
 }
 
 /// Whether the loaded driver exports `name` (cudarc panics when calling a missing symbol).
@@ -228,7 +228,7 @@ unsafe impl Driver for CudaDriver {
         let (ops32, ops64) = probe_stream_mem_ops();
         // Without it (a driver too old for the PTX) the capability is off and callers keep
         // their other paths.
-        let sized = crate::sized::SizedKernel::load().ok();
+        let sized = crate::sized::SizedKernel::for_device(cu_device).ok();
         let caps = Capabilities {
             ipc_bytes: true,
             ipc_fd: granularity > 0,
@@ -753,7 +753,7 @@ unsafe impl Driver for CudaDriver {
         len_at: u64,
         cap: usize,
     ) -> Result<()> {
-        match &self.sized {
+        match self.sized {
             // SAFETY: forwarded contract; the core bound the context.
             Some(k) => unsafe { k.launch(dst, src, len_at, cap, stream) },
             None => Err(AdaptorError::Unsupported {
@@ -764,10 +764,6 @@ unsafe impl Driver for CudaDriver {
     }
 
     unsafe fn close(&self) {
-        if let Some(k) = &self.sized {
-            // SAFETY: at teardown, once, with every stream synchronized by the core.
-            unsafe { k.unload() };
-        }
         // SAFETY: retained in `open`, released once at teardown.
         unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.cu_device) };
     }

@@ -1,11 +1,22 @@
 //! The kernel behind `memcpy_sized_async`: a copy whose length the GPU reads when the stream
-//! reaches it. Shipped as PTX (`kernels/sized_copy.ptx`, from `kernels/sized_copy.cu`) and
-//! loaded once per context at open, so neither building nor running needs nvcc.
+//! reaches it. Shipped as PTX (`kernels/sized_copy.ptx`, from `kernels/sized_copy.cu`), so
+//! neither building nor running needs nvcc.
+//!
+//! Loaded once per device and process, by the first open of that device, and never unloaded:
+//! on the H200 a module load or unload while another stream of the context waited on a value
+//! hung the whole context (the conformance suite, whose cases run side by side, stalled both
+//! when every adaptor loaded its own copy at open and when the first sized copy loaded it
+//! behind its own stream's wait). The first open runs before any of this process's adaptors
+//! on the device has a stream, and an extra retain keeps the primary context — and so the
+//! module — alive until the process exits, as the CUDA runtime keeps its contexts.
 
 use std::ffi::c_void;
 
+use std::collections::HashMap;
+use std::sync::Mutex;
+
 use cudarc::driver::sys;
-use flagcx_adaptor::Result;
+use flagcx_adaptor::{AdaptorError, Result};
 
 use crate::error::check;
 
@@ -18,10 +29,9 @@ const BLOCK: u32 = 256;
 /// add launch work.
 const MAX_GRID: u32 = 32;
 
-/// The loaded module and its one function.
+/// The loaded module's one function (the module stays loaded for the process).
 #[derive(Debug)]
 pub(crate) struct SizedKernel {
-    module: sys::CUmodule,
     func: sys::CUfunction,
 }
 
@@ -31,9 +41,31 @@ unsafe impl Send for SizedKernel {}
 // SAFETY: as above; launches are thread-safe in the driver.
 unsafe impl Sync for SizedKernel {}
 
+/// The kernel of each device this process opened (or why it could not be loaded).
+static KERNELS: Mutex<
+    Option<HashMap<i32, std::result::Result<&'static SizedKernel, AdaptorError>>>,
+> = Mutex::new(None);
+
 impl SizedKernel {
+    /// The kernel of `device`, loaded into its primary context (current on this thread) by the
+    /// first call of the process.
+    pub(crate) fn for_device(device: sys::CUdevice) -> Result<&'static SizedKernel> {
+        let mut g = KERNELS.lock().unwrap_or_else(|e| e.into_inner());
+        let map = g.get_or_insert_with(HashMap::new);
+        map.entry(device)
+            .or_insert_with(|| {
+                let mut ctx = std::ptr::null_mut();
+                // SAFETY: a valid out-pointer and device; never released (see the module docs).
+                crate::error::check("cuDevicePrimaryCtxRetain", unsafe {
+                    sys::cuDevicePrimaryCtxRetain(&mut ctx, device)
+                })?;
+                Self::load().map(|k| &*Box::leak(Box::new(k)))
+            })
+            .clone()
+    }
+
     /// Loads the module into the current context.
-    pub(crate) fn load() -> Result<Self> {
+    fn load() -> Result<Self> {
         let mut module = std::ptr::null_mut();
         // SAFETY: a valid out-pointer and a NUL-terminated PTX image; the caller made the
         // context current.
@@ -50,7 +82,7 @@ impl SizedKernel {
             unsafe { sys::cuModuleUnload(module) };
             return Err(e);
         }
-        Ok(SizedKernel { module, func })
+        Ok(SizedKernel { func })
     }
 
     /// Launches the copy on `stream`.
@@ -93,14 +125,5 @@ impl SizedKernel {
                 std::ptr::null_mut(),
             )
         })
-    }
-
-    /// Unloads the module.
-    ///
-    /// # Safety
-    /// Once, with the context current and no launch outstanding.
-    pub(crate) unsafe fn unload(&self) {
-        // SAFETY: the caller's contract.
-        unsafe { sys::cuModuleUnload(self.module) };
     }
 }

@@ -63,6 +63,16 @@ impl PeerTarget {
         let prev = (me + n - 1) % n;
         let peer_pair =
             |q: usize| comm.transport(q) == Some(TransportKind::Ipc) && two_devices(comm, me, q);
+        // Only where some rank of the ring has such a pair do the ranks exchange handles (all
+        // of them see the same placements): the exchange's small buffers are otherwise
+        // allocated, exported and freed for nothing — and on an H200 a later IPC open of a
+        // benchmark buffer then failed with CUDA_ERROR_ALREADY_MAPPED.
+        if !(0..n).any(|r| two_devices(comm, r, (r + 1) % n)) {
+            return Ok(PeerTarget {
+                map: None,
+                mine: None,
+            });
+        }
         let mine = match peer_pair(prev) {
             true => Some(DeviceBuffer::new(a, len.max(1))?),
             false => None,
