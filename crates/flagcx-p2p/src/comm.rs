@@ -92,7 +92,8 @@ impl Request {
 /// ([`Config::eager_max`]), and on IPC pairs ([`Config::ipc_caller`]). Such a post may then take
 /// up to the spin time (plus up to 2 ms while the message's copy runs) and return a request
 /// that is already complete. A group's small messages go eagerly at [`Comm::group_end`], which
-/// may likewise wait up to the spin time for the group's eager receives.
+/// may likewise wait up to the spin time for the group's eager receives. On a stream-ordered
+/// pair ([`Comm::stream_limit`]) small messages only enqueue stream operations, grouped or not.
 pub struct Comm<A: DeviceAdaptor> {
     pub(crate) adaptor: A,
     pub(crate) rank: usize,
