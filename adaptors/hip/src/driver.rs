@@ -149,6 +149,8 @@ unsafe impl Driver for HipDriver {
             stream_mem_ops_64: ops64,
             capture_mode: true,
             host_addressable: false,
+            // No kernel for HIP yet (hiprtc or a code object would carry it).
+            sized_copy: false,
         };
         Ok((
             driver,
