@@ -77,12 +77,47 @@ impl SizedKernel {
         let got = check("cuModuleGetFunction", unsafe {
             sys::cuModuleGetFunction(&mut func, module, c"flagcx_sized_copy".as_ptr())
         });
-        if let Err(e) = got {
+        let k = SizedKernel { func };
+        if let Err(e) = got.and_then(|()| k.warm_up()) {
             // SAFETY: loaded above, used by nothing.
             unsafe { sys::cuModuleUnload(module) };
             return Err(e);
         }
-        Ok(SizedKernel { func })
+        Ok(k)
+    }
+
+    /// One launch of nothing, synchronized: with lazy module loading (the default since CUDA
+    /// 11.7) the function is loaded at its first launch, and that load waits for the context
+    /// — on the H200 it hung a first sized copy enqueued behind a stream wait that the same
+    /// thread would have satisfied next. Here nothing of this process waits yet.
+    fn warm_up(&self) -> Result<()> {
+        let mut word = 0u64;
+        // SAFETY: a valid out-pointer; freed below.
+        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut word, 8) })?;
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; 1 = CU_STREAM_NON_BLOCKING.
+        let r = check("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(&mut stream, 1)
+        })
+        .and_then(|()| {
+            // SAFETY: the kernel reads the 8-byte word (whatever it holds, a capacity of 0
+            // copies nothing: n = 0 copies zero bytes, more copies none) and touches no
+            // other memory; the stream is synchronized before the word is freed.
+            unsafe { self.launch(0, 0, word, 0, stream as u64) }?;
+            // SAFETY: the stream created above.
+            check("cuStreamSynchronize", unsafe {
+                sys::cuStreamSynchronize(stream)
+            })
+        });
+        // SAFETY: created and allocated above; nothing runs on them any more (or the failure
+        // is returned, and the module is unloaded).
+        unsafe {
+            if !stream.is_null() {
+                sys::cuStreamDestroy_v2(stream);
+            }
+            sys::cuMemFree_v2(word);
+        }
+        r
     }
 
     /// Launches the copy on `stream`.

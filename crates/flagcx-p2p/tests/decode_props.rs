@@ -81,11 +81,13 @@ fn protocol_message<T: std::fmt::Debug>(r: Result<T, CommError>) -> Result<Strin
 }
 
 /// Byte offsets of `PeerInfo::encode`'s fixed fields from the end: the capability bits, the
-/// staged flag, the copier code and the host-direct code close the frame.
-const CAPS_FROM_END: usize = 7;
-const P2P_FROM_END: usize = 3;
-const COPIER_FROM_END: usize = 2;
-const DIRECT_FROM_END: usize = 1;
+/// staged flag, the copier code, the host-direct code and the stream-order code close the
+/// frame.
+const CAPS_FROM_END: usize = 8;
+const P2P_FROM_END: usize = 4;
+const COPIER_FROM_END: usize = 3;
+const DIRECT_FROM_END: usize = 2;
+const STREAMED_FROM_END: usize = 1;
 /// The vendor code follows the rank.
 const VENDOR_AT: usize = 4;
 
@@ -120,7 +122,7 @@ proptest! {
 
     /// A valid frame with one field made invalid is refused, with that field named.
     #[test]
-    fn peer_info_names_the_one_bad_field(info in peer_info(), field in 0usize..6, junk in any::<u8>()) {
+    fn peer_info_names_the_one_bad_field(info in peer_info(), field in 0usize..7, junk in any::<u8>()) {
         let mut b = info.encode();
         let n = b.len();
         let expected = match field {
@@ -131,7 +133,7 @@ proptest! {
             }
             1 => {
                 let bits = u32::from_le_bytes(b[n - CAPS_FROM_END..n - CAPS_FROM_END + 4].try_into().unwrap())
-                    | (1 << (10 + junk as u32 % 22));
+                    | (1 << (11 + junk as u32 % 21));
                 b[n - CAPS_FROM_END..n - CAPS_FROM_END + 4].copy_from_slice(&bits.to_le_bytes());
                 format!("peer info: unknown capability bits {bits:#x}")
             }
@@ -149,6 +151,11 @@ proptest! {
                 let x = junk.max(3);
                 b[n - DIRECT_FROM_END] = x;
                 format!("peer info: unknown host-direct code {x}")
+            }
+            5 => {
+                let x = junk.max(3);
+                b[n - STREAMED_FROM_END] = x;
+                format!("peer info: unknown stream-order code {x}")
             }
             _ => {
                 b.push(junk);
