@@ -117,11 +117,11 @@ pub struct Config {
     /// Direct copies for pairs with a host-vendor rank (`FLAGCX_P2P_HOST_DIRECT=auto|on|off`,
     /// default auto). Both ranks must allow it.
     pub host_direct: HostDirect,
-    /// Stream-ordered small messages (`FLAGCX_P2P_STREAM=auto|on|off`, default auto): `auto`
-    /// for pairs of GPU ranks on two devices whose runtimes can (64-bit stream memory
-    /// operations, host registration, sized copies), `on` wherever both ranks can, `off`
-    /// never (the same three choices as [`HostDirect`]; see `docs/architecture.md`). Both
-    /// ranks must allow it.
+    /// Stream-ordered small messages (`FLAGCX_P2P_STREAM=auto|on|off`, default auto): `on`
+    /// wherever both ranks' runtimes can (64-bit stream memory operations, host registration,
+    /// sized copies); `auto` and `off` never, until the path is measured with one rank per GPU
+    /// (the same three choices as [`HostDirect`]; see `docs/architecture.md`). Either rank's
+    /// `off` wins.
     pub streamed: HostDirect,
     /// Most bytes of host-vendor peers' memory a rank keeps mapped (and registered with its
     /// runtime) for direct copies (`FLAGCX_P2P_HOST_MAP_MAX`, default 16 GiB). Past it, buffers

@@ -10,7 +10,7 @@
 //! | [`staged`] | different vendors: device→host into ring slots, host→device out of them, pipelined | — | `Engine::pump`: both directions, one loop |
 //! | [`direct`] | a staged pair with a host-vendor rank: one copy straight into or out of its mapped buffer ([`hostmap`]) | — | `Engine::direct_push`/`direct_pull` |
 //! | [`eager`] | host-addressable and staged pairs: small messages through the channel's eager slots, copied by the CPU or by a blocking runtime copy via a bounce buffer | `Comm::try_eager` | `Engine::take_eager` |
-//! | [`streamed`] | pairs of CUDA or host-vendor ranks (on two devices by default): small messages as stream operations on the callers' streams — wait for a free slot, copy in, write the status word; wait for it, sized copy out | `Comm::enqueue_streamed` (at submission) | `Engine::progress_streamed`: announces receives, publishes `send_posted` / `recv_done` behind the streams |
+//! | [`streamed`] | pairs of CUDA or host-vendor ranks (`FLAGCX_P2P_STREAM=on`): small messages as stream operations on the callers' streams — wait for a free slot, copy in, write the status word; wait for it, sized copy out | `Comm::enqueue_streamed` (at submission) | `Engine::progress_streamed`: announces receives, publishes `send_posted` / `recv_done` behind the streams |
 //! | [`net`] | pairs on different hosts: one UCX tagged message per message, staged through pinned host memory where device memory is not host addressable | — | `Engine::progress_net` |
 //!
 //! Which transport a pair uses is chosen once at setup ([`crate::peer::choose_transport`]);

@@ -28,10 +28,12 @@
 //! one of its words has the word written by this rank's engine (a failure status and an
 //! impossible size; or `recv_done` far ahead), so no stream hangs, and the operation fails.
 //!
-//! `FLAGCX_P2P_STREAM=auto` (the default) takes this path for pairs of GPU ranks on two
-//! devices: one rank per GPU is what it is for, and two processes on one GPU take turns at
-//! kernels and device copies (~140 µs per turn on an H200), which the posting threads' paths
-//! avoid. `on` takes it wherever both ranks can; `off` never.
+//! `FLAGCX_P2P_STREAM=on` takes this path wherever both ranks can; `auto` (the default) and
+//! `off` do not yet. It is meant for one rank per GPU, where the kernel and copy-engine
+//! floors in the probes promise a few microseconds per hop; no two-GPU host was lent
+//! while it was built, and on one H200 (two processes time-sliced on one GPU, which take
+//! turns at kernels and device copies, ~140 µs per turn) it measured 185 µs per 8 B sendrecv
+//! and 332 µs per 8 B round trip against 40–46 and 31 µs for the posting threads' paths.
 
 use std::sync::Arc;
 
@@ -72,7 +74,9 @@ pub(crate) fn allowed(
     let wanted = match (me.streamed, peer.streamed) {
         (HostDirect::Off, _) | (_, HostDirect::Off) => false,
         (HostDirect::On, _) | (_, HostDirect::On) => true,
-        _ => !me.shares_device(peer) && !me.caps.host_addressable && !peer.caps.host_addressable,
+        // Not chosen by default until it is measured where it is meant to win (one rank per
+        // GPU): on one H200, two ranks sharing the GPU, it loses to the posting threads' paths.
+        _ => false,
     };
     pair_ok && wanted && able(me) && able(peer)
 }
