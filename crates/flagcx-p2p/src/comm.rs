@@ -400,9 +400,10 @@ impl<A: DeviceAdaptor> Comm<A> {
             .map_or(0, |l| l.send_max)
     }
 
-    /// The largest message to or from `peer` that goes stream-ordered (0: none): the pair's
+    /// The largest message this rank sends to `peer` stream-ordered (0: none): the pair's
     /// streams then carry it with no host thread on its path (`FLAGCX_P2P_STREAM`; see
-    /// `docs/architecture.md`). Both directions have the same limit.
+    /// `docs/architecture.md`). It is the eager slot of the channel `peer` created, sized by
+    /// `peer`'s `FLAGCX_P2P_EAGER_MAX` (at most 32 KiB); receives from `peer` use this rank's.
     pub fn stream_limit(&self, peer: usize) -> usize {
         self.streamed
             .get(peer)
