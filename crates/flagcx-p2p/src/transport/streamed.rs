@@ -209,10 +209,17 @@ impl StreamLink {
 
     /// Ends every wait of message `k`'s side that the peer would have satisfied: a receive's
     /// status word gets a failure status and a size no receive takes; a send's `recv_done`
-    /// jumps far ahead. Only for a pair that is lost or retired (the words are the peer's).
+    /// jumps far ahead, after the pair is marked retired. Only for a pair that is lost or being
+    /// given up (the words are the peer's).
     pub(crate) fn release_side(out: &Channel, inc: &Channel, dir: Dir, k: u64) {
         match dir {
-            Dir::Send => out.store(Counter::RecvDone, RELEASED),
+            Dir::Send => {
+                // The released stream copies into slots the peer may not have read: the pair
+                // is retired first, so a peer still running fails those messages instead of
+                // taking overwritten ones.
+                out.store(Counter::SendFault, crate::channel::RETIRED);
+                out.store(Counter::RecvDone, RELEASED);
+            }
             Dir::Recv => inc.poison_send_desc(k),
         }
     }
