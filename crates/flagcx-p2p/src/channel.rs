@@ -632,6 +632,44 @@ mod tests {
         }
     }
 
+    /// What the stream-ordered path relies on: every use of a descriptor slot publishes a
+    /// larger status word (so a stream can wait with `Geq`), `published` tells this message
+    /// from the slot's last one, and a poisoned descriptor reads as a failed send of a size
+    /// no receive takes.
+    #[test]
+    fn status_words_grow_per_slot_and_poison_reads_as_a_failed_send() {
+        let geo = Geometry {
+            slots: 0,
+            chunk: 0,
+            eager: 64,
+        };
+        let ch = Channel::create(geo).unwrap();
+        ch.keep_out_of_descriptors();
+        let mut last = 0;
+        for i in [3u64, 67, 131] {
+            assert!(!ch.published(i));
+            let status =
+                [SendStatus::Ok, SendStatus::Eager, SendStatus::SizeMismatch][(i / 64) as usize];
+            let w = Channel::status_word(status, i);
+            assert!(w > last && (w >> 8) == i + 1, "{w:#x} after {last:#x}");
+            last = w;
+            // SAFETY: 8 readable bytes; the test owns index `i`.
+            unsafe { ch.post_eager(i, [7u8; 8].as_ptr(), 8) };
+            assert!(ch.published(i) && !ch.published(i + 64));
+        }
+        // Out of the descriptor: the slot holds the bytes.
+        // SAFETY: eager slot 131 % 64 lies in the mapping.
+        assert_eq!(
+            unsafe { *ch.segment().as_ptr().add(ch.eager_slot_offset(131)) },
+            7
+        );
+        ch.poison_send_desc(195);
+        assert!(ch.published(195));
+        let sd = ch.read_send_desc(195).unwrap();
+        assert_eq!((sd.status, sd.size), (SendStatus::SenderFailed, u64::MAX));
+        assert_eq!(ch.send_status_offset(195), ch.send_size_offset(195) + 8);
+    }
+
     #[test]
     fn eager_slots_carry_messages_beside_the_ring() {
         let geo = Geometry {
