@@ -659,10 +659,8 @@ mod tests {
         }
         // Out of the descriptor: the slot holds the bytes.
         // SAFETY: eager slot 131 % 64 lies in the mapping.
-        assert_eq!(
-            unsafe { *ch.segment().as_ptr().add(ch.eager_slot_offset(131)) },
-            7
-        );
+        let first = unsafe { *ch.segment().as_ptr().add(ch.eager_slot_offset(131)) };
+        assert_eq!(first, 7);
         ch.poison_send_desc(195);
         assert!(ch.published(195));
         let sd = ch.read_send_desc(195).unwrap();
