@@ -142,6 +142,11 @@ pub struct SendDesc {
     pub offset: u64,
 }
 
+/// Offset of descriptor `i` of the ring at `base` (both rings have `DESC_BYTES` descriptors).
+fn desc_offset(base: usize, i: u64) -> usize {
+    base + (i % DESC_RING) as usize * DESC_BYTES
+}
+
 /// Descriptor layout shared by both rings: `a`, `b`, then a flag byte and an optional handle.
 fn encode_desc<const N: usize>(a: u64, b: u64, handle: Option<IpcMemHandle>) -> [u8; N] {
     let mut out = [0u8; N];
@@ -268,7 +273,7 @@ impl Channel {
 
     /// Offset of send descriptor `i`'s size word.
     pub fn send_size_offset(&self, i: u64) -> usize {
-        self.geo.send_descs() + (i % DESC_RING) as usize * DESC_BYTES
+        desc_offset(self.geo.send_descs(), i)
     }
 
     /// Offset of send descriptor `i`'s status word, which names the status and `i + 1`.
@@ -317,11 +322,7 @@ impl Channel {
     /// Descriptor `i` of the ring at `base` (both rings have `DESC_BYTES` descriptors).
     fn desc_ptr(&self, base: usize, i: u64) -> *mut u8 {
         // SAFETY: `i % DESC_RING` keeps the offset inside the descriptor area of the mapping.
-        unsafe {
-            self.seg
-                .as_ptr()
-                .add(base + (i % DESC_RING) as usize * DESC_BYTES)
-        }
+        unsafe { self.seg.as_ptr().add(desc_offset(base, i)) }
     }
 
     fn write_desc<const N: usize>(&self, base: usize, i: u64, b: [u8; N]) {
