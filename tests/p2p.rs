@@ -10,6 +10,7 @@
 
 use std::process::Command;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 mod common;
 use common::flagcx_run;
@@ -218,6 +219,7 @@ fn rank_worker() {
         "net_stalled" => net_stalled(&r),
         "eager" => eager(&r, next, prev),
         "streamed" => streamed(&r, next, prev),
+        "port_mixed" => port_mixed(&r, next),
         "pingpong" => pingpong(&r, next),
         "reuse" => {
             // The same two buffers for every message (as a KV-cache pool or a benchmark uses
@@ -1254,10 +1256,17 @@ fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) {
         );
     }
     // Echo a summary line per rank so `--nocapture` runs show the transports used.
-    for line in stdout
-        .lines()
-        .filter(|l| l.contains("worker ok") || l.contains("stress:") || l.contains("early sends:"))
-    {
+    for line in stdout.lines().filter(|l| {
+        [
+            "worker ok",
+            "stress:",
+            "early sends:",
+            "port channel",
+            "the lane",
+        ]
+        .iter()
+        .any(|k| l.contains(k))
+    }) {
         println!("{line}");
     }
 }
@@ -1630,6 +1639,7 @@ fn mixed_vendor_job() {
             ("FLAGCX_TEST_MAX", "8388608"),
         ];
         job(2, &v, "reuse", &expect);
+        job(2, &v, "port_mixed", &[]);
         job(2, &v, "bidir", &[]);
         job(2, &v, "mismatch", &[]);
         // The ring path stays covered for such pairs.
@@ -1648,6 +1658,62 @@ fn mixed_vendor_job() {
             ),
         );
     }
+}
+
+/// A port channel across vendors (a staged pair): where both ranks' vendors have host
+/// registration and 64-bit stream memory operations (CUDA + host), the host rank's "kernel"
+/// (a thread driving the FIFO) puts 3 MiB + 12 345 bytes with a signal through the lane and the
+/// other rank sees its flag count the signal, then every byte; otherwise (OpenCL has no stream
+/// memory operations) both ranks are refused at once, neither waiting for the other.
+fn port_mixed(r: &Rank, peer: usize) {
+    use flagcx::p2p::port::host::HostPort;
+    let me = r.comm.rank();
+    let len = (3 << 20) + 12_345;
+    let (src, dst) = (r.filled(peer, 77, len), r.buffer(len));
+    let rs = r.comm.register(src.ptr(), len).expect("register");
+    let rd = r.comm.register(dst.ptr(), len).expect("register");
+    let able = |q: usize| {
+        let c = &r.comm.peer_info(q).expect("info").caps;
+        c.host_register && c.stream_mem_ops_64
+    };
+    let made = r.comm.port_channel(peer, &[&rs, &rd], 4);
+    if !(able(me) && able(peer)) {
+        let e = made.expect_err("a vendor without stream memory operations");
+        assert!(e.to_string().contains("does not support"), "{e}");
+        println!("rank {me}: port channel refused as expected: {e}");
+        return;
+    }
+    let ch = made.expect("port channel");
+    assert!(ch.is_staged(), "a pair of two vendors is staged");
+    let host = |q: usize| r.comm.peer_info(q).expect("info").vendor == flagcx::Vendor::Host;
+    if host(me) && (!host(peer) || me < peer) {
+        // SAFETY: a host-vendor rank's channel, open while the port is used.
+        let p = unsafe { HostPort::new(ch.raw(), Duration::from_secs(20)) };
+        p.put_with_signal((1, 0), (0, 0), len as u64).expect("put"); // (dst, src)
+        p.flush().expect("flush");
+    } else if host(peer) {
+        let flag = DevicePtr(ch.raw().flag);
+        let t0 = Instant::now();
+        let mut word = [0u8; 8];
+        while u64::from_le_bytes(word) == 0 {
+            assert!(t0.elapsed() < Duration::from_secs(20), "no signal in 20 s");
+            // SAFETY: the channel's flag word, live until close; `word` outlives the
+            // synchronized copy.
+            unsafe {
+                r.adaptor
+                    .memcpy_d2h_async(word.as_mut_ptr(), flag, 8, r.stream.handle())
+                    .expect("read flag")
+            };
+            r.stream.synchronize().expect("sync");
+        }
+        assert_eq!(u64::from_le_bytes(word), 1, "one signal counted");
+        r.check(&dst, peer, 77, len);
+        println!(
+            "rank {me}: a put through the lane arrived after {:?}",
+            t0.elapsed()
+        );
+    }
+    ch.close().expect("close");
 }
 
 /// Small messages posted one by one take the eager path between host ranks, interleaved with

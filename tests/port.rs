@@ -1,7 +1,8 @@
 //! Port channels (device-initiated transfers) on the host vendor, whose "kernels" are threads
 //! driving the FIFO through `HostPort` exactly as `include/flagcx/device.cuh` does on a GPU:
 //! ping-pong with wrap-around, a ring kept full, many connections with random puts checked
-//! byte for byte, bad triggers, a peer killed while the other waits on its flag.
+//! byte for byte, bad triggers, a peer killed while the other waits on its flag — on IPC pairs
+//! and on staged pairs (`FLAGCX_P2P_DISABLE=1`, puts through shared-memory lanes).
 //!
 //! Each test starts ranks of this binary's ignored `port_worker` directly (a rank may die on
 //! purpose), with the scenario in `FLAGCX_TEST_SCENARIO`; workers print `port ok …` lines.
@@ -261,14 +262,58 @@ fn port_worker() {
                 &format!("a killed peer released the wait after {waited:?}"),
             );
         }
-        "unsupported" => {
-            // FLAGCX_P2P_DISABLE=1 makes the pair staged: no port channels.
+        "refused" => {
             let b = Buf::new(&comm, 64);
-            let e = comm.port_channel(1 - me, &[&b.reg], 4).unwrap_err();
-            assert!(e.to_string().contains("does not support"), "{e}");
             let e = comm.port_channel(me, &[&b.reg], 4).unwrap_err();
             assert!(matches!(e, CommError::InvalidArgument(_)), "{e}");
-            ok(me, "staged pairs refuse port channels");
+            let e = comm.port_channel(1 - me, &[&b.reg], 0).unwrap_err();
+            assert!(matches!(e, CommError::InvalidArgument(_)), "{e}");
+            // The pair still works after refusals: nothing was half exchanged.
+            let ch = comm.port_channel(1 - me, &[&b.reg], 4).expect("channel");
+            ch.close().expect("close");
+            ok(
+                me,
+                "bad arguments refused on both sides, then a channel made",
+            );
+        }
+        "big" => {
+            // Puts larger than a staged lane (8 slots of 1 MiB): chunks wait for credits.
+            let peer = 1 - me;
+            let len = (9 << 20) + 4097;
+            let (src, dst) = (Buf::new(&comm, len), Buf::new(&comm, len));
+            let ch = comm
+                .port_channel(peer, &[&src.reg, &dst.reg], 4)
+                .expect("channel");
+            let staged = std::env::var("FLAGCX_P2P_DISABLE").is_ok_and(|v| v == "1");
+            assert_eq!(
+                ch.is_staged(),
+                staged,
+                "the pair's kind decides the channel's"
+            );
+            let mut p = port(&ch);
+            for round in 0..3u64 {
+                let size = len as u64 - round * 1_000_003;
+                if (round % 2 == 0) == (me == 0) {
+                    fill(&mut src.bytes()[..size as usize], me, peer, round);
+                    p.put_with_signal((1, 0), (0, 0), size).expect("put");
+                    p.wait().expect("acknowledgement");
+                } else {
+                    p.wait().expect("signal");
+                    let mut want = vec![0; size as usize];
+                    fill(&mut want, peer, me, round);
+                    let got = &dst.bytes()[..size as usize];
+                    if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
+                        panic!("round {round}: byte {i} of {size} differs");
+                    }
+                    p.signal().expect("ack");
+                }
+            }
+            let (_, bytes) = ch.stats();
+            ch.close().expect("close");
+            ok(
+                me,
+                &format!("large puts, {bytes} bytes put (staged: {staged})"),
+            );
         }
         other => panic!("unknown scenario {other}"),
     }
@@ -370,9 +415,40 @@ fn a_killed_peer_releases_the_waiting_side() {
 }
 
 #[test]
-fn staged_pairs_refuse_port_channels() {
-    assert_ok(
-        &job(2, "unsupported", &[("FLAGCX_P2P_DISABLE", "1")]),
-        &[0, 1],
+fn bad_arguments_are_refused_on_both_sides() {
+    assert_ok(&job(2, "refused", &[]), &[0, 1]);
+}
+
+/// The same scenarios where the pair is staged (`FLAGCX_P2P_DISABLE=1`): puts go through the
+/// lanes of shared host memory instead of one copy into the peer.
+const STAGED: &[(&str, &str)] = &[("FLAGCX_P2P_DISABLE", "1")];
+
+#[test]
+fn staged_pairs_pingpong_through_their_lanes() {
+    assert_ok(&job(2, "pingpong", STAGED), &[0, 1]);
+    assert_ok(&job(2, "full_ring", STAGED), &[0, 1]);
+}
+
+#[test]
+fn staged_puts_larger_than_the_lane_wait_for_credits() {
+    assert_ok(&job(2, "big", STAGED), &[0, 1]);
+    assert_ok(&job(2, "big", &[]), &[0, 1]);
+}
+
+#[test]
+fn staged_pairs_drive_every_pair_at_once() {
+    assert_ok(&job(4, "many", STAGED), &[0, 1, 2, 3]);
+}
+
+#[test]
+fn staged_pairs_fail_like_ipc_pairs() {
+    assert_ok(&job(2, "bad_trigger", STAGED), &[0, 1]);
+    let outs = job(2, "killed", STAGED);
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&outs[1].status),
+        Some(libc::SIGKILL),
+        "rank 1 was to die:\n{}",
+        text(&outs[1])
     );
+    assert_ok(&outs, &[0]);
 }

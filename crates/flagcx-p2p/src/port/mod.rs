@@ -6,10 +6,11 @@
 //! this rank polls; the proxy executes each trigger on the pair's transport and tells the
 //! device what landed through flag words.
 //!
-//! One channel is one pair and direction of trigger flow, created by both ranks together
-//! ([`Comm::port_channel`]), each naming buffers it registered ([`Comm::register`]). A trigger
-//! names a source buffer of this rank and a destination buffer of the peer by their index in
-//! the lists the two ranks passed. Operations:
+//! One channel is one pair of ranks, created by both together
+//! ([`Comm::port_channel`](crate::comm::Comm::port_channel)), each naming buffers it registered
+//! ([`Comm::register`](crate::comm::Comm::register)); each rank's FIFO carries its triggers to
+//! the peer. A trigger names a source buffer of this rank and a destination buffer of the peer
+//! by their index in the lists the two ranks passed. Operations:
 //!
 //! | op | value | what the proxy does |
 //! |---|---|---|
@@ -18,10 +19,22 @@
 //! | `put_with_signal` | 3 | both, in that order |
 //! | `flush` | 4 | after everything earlier in this FIFO completed, writes the trigger's sequence number into `flushed` |
 //!
+//! How a put travels depends on the pair ([`PortChannel::is_staged`]):
+//!
+//! - **IPC pairs** (same vendor, IPC handles): the peer's buffers and flag are mapped here; a
+//!   put is one device-to-device copy on the proxy's stream, a signal a stream write into the
+//!   peer's flag.
+//! - **Staged pairs** on one node (different vendors, or `FLAGCX_P2P_DISABLE`): through a
+//!   [`lane`] of shared host memory per direction: this rank's stream copies each chunk out
+//!   and marks it valid; the peer's proxy has its stream copy it in, count the signal in its
+//!   own flag and free the slot. A flush then means "the sources may be reused"; a signal
+//!   still follows the data into the peer's buffer.
+//! - Pairs on different hosts: `Unsupported`.
+//!
 //! # Memory layout
 //!
 //! The *control block* is host memory registered with the vendor (device-visible); the
-//! *device words* are device memory (the flag is mapped by the peer through IPC):
+//! *device words* are device memory (on an IPC pair the flag is mapped by the peer):
 //!
 //! | where | offset | word | written by | read by |
 //! |---|---|---|---|---|
@@ -29,7 +42,7 @@
 //! | control | 64 | `flushed`: sequence number of the last completed flush | proxy's stream | device |
 //! | control | 128 | `status`: 0 while healthy, else a [`PortStatus`] code | proxy | device |
 //! | control | 4096 + 32·i | trigger slot `i` of `depth` (below) | device | proxy |
-//! | device | 0 | `flag`: signals received from the peer, [`POISON`] on failure | peer's proxy stream | device |
+//! | device | 0 | `flag`: signals received from the peer, [`POISON`] on failure | peer's proxy stream (IPC), this proxy's inbound stream (staged) | device |
 //! | device | 128 | `head`: slots reserved (device atomics) | device | device |
 //!
 //! A trigger is four little-endian 64-bit words: `src_offset`, `dst_offset`,
@@ -44,8 +57,9 @@
 //! Nothing a kernel waits on may stay unwritten forever. When the proxy meets a bad trigger
 //! (unknown buffer, range past its end), a vendor error, the peer's death or the
 //! communicator's abort, it *poisons* the channel: writes the code into `status` and
-//! [`POISON`] into this rank's flag (and, unless the peer is gone, into the peer's flag too, so
-//! its kernels stop waiting for signals that will not come). Device-side waits check both and
+//! [`POISON`] into this rank's flag (and, unless the peer is gone, into the peer's flag too —
+//! on a staged pair through its lane's `poison` word, which the peer's proxy turns into
+//! [`POISON`] in its flag — so its kernels stop waiting for signals that will not come). Device-side waits check both and
 //! return the code. A poisoned channel stays failed; [`PortChannel::check`] reports why.
 //! A peer that hangs without dying is not detected by the proxy (there is no operation to
 //! time out): the application releases its kernels with [`PortChannel::poison`].
@@ -54,19 +68,19 @@
 //! [`host::HostPort`] for host-addressable vendors (the host vendor's "kernels" are threads).
 
 pub mod host;
+pub mod lane;
+mod open;
 mod proxy;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use flagcx_adaptor::{AdaptorError, DeviceAdaptor, DevicePtr, IpcMemHandle, StreamHandle};
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, IpcMemHandle, StreamHandle};
 
 use crate::bootstrap::Bootstrap;
-use crate::comm::Comm;
 use crate::engine::Shared;
 use crate::error::{CommError, Result};
-use crate::peer::TransportKind;
 use crate::wire::{Reader, Tag, Writer};
 
 pub(crate) use proxy::PortProxy;
@@ -183,7 +197,9 @@ pub struct Registered {
 struct RegInner {
     ptr: DevicePtr,
     len: usize,
-    handle: IpcMemHandle,
+    /// Its IPC handle, where the vendor has IPC handles (IPC pairs need it; staged pairs
+    /// name the buffer by index only).
+    handle: Option<IpcMemHandle>,
     /// `ptr`'s offset in the allocation `handle` names.
     offset: u64,
 }
@@ -268,10 +284,13 @@ pub(crate) struct Channel<A: DeviceAdaptor> {
     pub ctl: StreamHandle,
     /// This rank's buffers: (address, length).
     pub local: Vec<(DevicePtr, usize)>,
-    /// The peer's buffers as mapped here: (address, length).
+    /// The peer's buffers as mapped here: (address, length); on a staged pair the addresses
+    /// are null (only the lengths are known, to check triggers).
     pub remote: Vec<(DevicePtr, usize)>,
-    /// The peer's flag as mapped here.
+    /// The peer's flag as mapped here (null on a staged pair).
     pub peer_flag: DevicePtr,
+    /// The lanes of a staged pair ([`lane`]); `None` on an IPC pair.
+    pub staged: Option<lane::StagedLink>,
     /// The first failure (kept for [`PortChannel::check`]).
     pub error: Mutex<Option<CommError>>,
     /// Triggers executed and bytes put.
@@ -312,18 +331,32 @@ impl<A: DeviceAdaptor> Channel<A> {
         self.control
             .word(STATUS_OFF)
             .store(code as u64, Ordering::Release);
-        // SAFETY: both flags are live device words of this channel (ours allocated here, the
-        // peer's mapped until close), 8-byte aligned.
-        unsafe {
-            let _ = self.adaptor.stream_write_value64(
-                self.ctl,
-                DevicePtr(self.words.0 + FLAG_OFF),
-                POISON,
-            );
-            if code != PortStatus::PeerLost {
+        self.release_flag();
+        if code == PortStatus::PeerLost {
+            return;
+        }
+        match &self.staged {
+            // The peer's proxy reads it and releases its own flag.
+            Some(link) => link.out.poison(code as u64),
+            // SAFETY: the peer's flag is a live device word mapped until close, 8-byte aligned.
+            None => unsafe {
                 let _ = self
                     .adaptor
                     .stream_write_value64(self.ctl, self.peer_flag, POISON);
+            },
+        }
+    }
+
+    /// Writes [`POISON`] into this rank's flag: at once (the control stream) and, on a staged
+    /// pair, also behind the inbound stream's queued signal counts, which would otherwise
+    /// overwrite it.
+    pub fn release_flag(&self) {
+        let flag = DevicePtr(self.words.0 + FLAG_OFF);
+        // SAFETY: our flag is a live, aligned device word of this channel.
+        unsafe {
+            let _ = self.adaptor.stream_write_value64(self.ctl, flag, POISON);
+            if let Some(link) = &self.staged {
+                let _ = self.adaptor.stream_write_value64(link.stream, flag, POISON);
             }
         }
     }
@@ -360,6 +393,12 @@ impl<A: DeviceAdaptor> PortChannel<A> {
     /// The peer rank.
     pub fn peer(&self) -> usize {
         self.ch.peer
+    }
+
+    /// Whether puts go through shared-memory lanes (a staged pair, [`lane`]) rather than one
+    /// copy into the peer's mapped buffer (an IPC pair).
+    pub fn is_staged(&self) -> bool {
+        self.ch.staged.is_some()
     }
 
     /// Triggers the proxy executed, and bytes it put.
@@ -407,26 +446,52 @@ impl<A: DeviceAdaptor> PortChannel<A> {
             first.get_or_insert(e.into());
         }
         let status = PortStatus::from_word(ch.control.word(STATUS_OFF).load(Ordering::Acquire));
-        // The peer must stop writing into our flag before it is freed: say goodbye and wait
-        // for its goodbye. A peer known dead writes nothing more.
+        // The peer must stop writing into our flag (and lanes) before they are freed: say
+        // goodbye with the count of chunks we published, and wait for its goodbye. A peer
+        // known dead writes nothing more.
+        let published = ch
+            .staged
+            .as_ref()
+            .map_or(0, |l| l.published.load(Ordering::Acquire));
+        let mut peer_published = None;
         let peer_done = status == PortStatus::PeerLost
             || (handshake
                 && ch
                     .boot
-                    .send(ch.peer, Tag::Port, &[FRAME_CLOSE], &[])
+                    .send(
+                        ch.peer,
+                        Tag::Port,
+                        Writer::new()
+                            .u8(FRAME_CLOSE)
+                            .u64(published)
+                            .finish()
+                            .as_slice(),
+                        &[],
+                    )
                     .and_then(|()| ch.boot.recv(ch.peer, Tag::Port))
-                    .and_then(|(b, _)| match b.as_slice() {
-                        [FRAME_CLOSE] => Ok(()),
-                        _ => Err(CommError::Protocol(
-                            "port channel close: the peer sent something else (channels must \
-                             be created and closed in the same order on both ranks)"
-                                .into(),
-                        )),
+                    .and_then(|(b, _)| {
+                        let mut r = Reader::new(&b, "port channel close");
+                        if r.u8()? != FRAME_CLOSE {
+                            return Err(CommError::Protocol(
+                                "port channel close: the peer sent something else (channels \
+                                 must be created and closed in the same order on both ranks)"
+                                    .into(),
+                            ));
+                        }
+                        peer_published = Some(r.u64()?);
+                        r.end()
                     })
                     .map_err(|e| {
                         first.get_or_insert(e);
                     })
                     .is_ok());
+        if ch.staged.is_some() {
+            // Whatever the peer published before its goodbye lands before the lanes go.
+            if let Err(e) = self.proxy.retire(ch.id, peer_published) {
+                tracing::warn!(peer = ch.peer, "port channel left allocated: {e}");
+                return Err(e);
+            }
+        }
         for &base in &self.opened {
             // SAFETY: the proxy no longer issues work on this channel and its streams are
             // synchronized, so nothing uses the mapping.
@@ -434,6 +499,9 @@ impl<A: DeviceAdaptor> PortChannel<A> {
         }
         let _ = ch.adaptor.stream_destroy(ch.stream);
         let _ = ch.adaptor.stream_destroy(ch.ctl);
+        if let Some(l) = &ch.staged {
+            let _ = ch.adaptor.stream_destroy(l.stream);
+        }
         if peer_done {
             // SAFETY: the peer no longer writes the flag, and our device code no longer uses
             // the words (close's contract).
@@ -447,6 +515,13 @@ impl<A: DeviceAdaptor> PortChannel<A> {
         // SAFETY: the `Arc` is only shared with the proxy, which dropped its clone in `remove`.
         if let Some(c) = Arc::get_mut(&mut self.ch) {
             c.control.release(&c.adaptor);
+            if let Some(l) = &c.staged {
+                // SAFETY: the proxy synchronized the streams that used the lanes (`retire`).
+                unsafe {
+                    l.out.release(&c.adaptor);
+                    l.inb.release(&c.adaptor);
+                }
+            }
         }
         let channel_error = crate::engine::lock(&self.ch.error).clone();
         match (first, channel_error) {
@@ -466,225 +541,10 @@ impl<A: DeviceAdaptor> Drop for PortChannel<A> {
 const FRAME_HELLO: u8 = 1;
 const FRAME_CLOSE: u8 = 2;
 
-/// Local resources made before the peer's hello arrives; freed if creation fails.
-struct Partial<'a, A: DeviceAdaptor> {
-    adaptor: &'a A,
-    control: Option<ControlBlock>,
-    words: Option<DevicePtr>,
-    streams: Vec<StreamHandle>,
-    opened: Vec<DevicePtr>,
-}
-
-impl<A: DeviceAdaptor> Drop for Partial<'_, A> {
-    fn drop(&mut self) {
-        for &b in &self.opened {
-            // SAFETY: nothing was issued on these mappings yet.
-            let _ = unsafe { self.adaptor.ipc_close(b) };
-        }
-        for &s in &self.streams {
-            let _ = self.adaptor.stream_synchronize(s);
-            let _ = self.adaptor.stream_destroy(s);
-        }
-        if let Some(w) = self.words.take() {
-            // SAFETY: the streams that touched it are synchronized; the peer never mapped it
-            // (creation failed before or while exchanging) or failed along with us.
-            let _ = unsafe { self.adaptor.mem_free(w) };
-        }
-        if let Some(mut c) = self.control.take() {
-            c.release(self.adaptor);
-        }
-    }
-}
-
-impl<A: DeviceAdaptor> Comm<A> {
-    /// Makes `len` bytes at `ptr` (device memory of this rank's adaptor) nameable in port
-    /// channels. Local: nothing is exchanged until a channel names the buffer.
-    pub fn register(&self, ptr: DevicePtr, len: usize) -> Result<Registered> {
-        if len == 0 {
-            return Err(CommError::InvalidArgument(
-                "cannot register a zero-byte buffer".into(),
-            ));
-        }
-        let (base, size) = self.adaptor.mem_get_range(ptr)?;
-        let end = ptr.0.checked_add(len as u64);
-        if end.map_or(true, |e| e > base.0 + size as u64) {
-            return Err(CommError::InvalidArgument(format!(
-                "{len} bytes at {ptr} run past the end of their allocation ({size} bytes at \
-                 {base})"
-            )));
-        }
-        let handle = self.adaptor.ipc_get_handle(base)?;
-        Ok(Registered {
-            inner: Arc::new(RegInner {
-                ptr,
-                len,
-                handle,
-                offset: ptr.0 - base.0,
-            }),
-        })
-    }
-
-    /// Ends a registration. Fails while a channel still names the buffer (close it first).
-    pub fn deregister(&self, buffer: Registered) -> Result<()> {
-        match Arc::try_unwrap(buffer.inner) {
-            Ok(_) => Ok(()),
-            Err(inner) => Err(CommError::InvalidArgument(format!(
-                "{} bytes at {} are still named by {} port channel(s)",
-                inner.len,
-                inner.ptr,
-                Arc::strong_count(&inner) - 1
-            ))),
-        }
-    }
-
-    /// Creates a port channel with `peer`: both ranks call it (in the same order as their
-    /// other channels with that peer), each with the buffers it registered; triggers name
-    /// them by index. `depth` is the FIFO's number of trigger slots (1 to [`MAX_DEPTH`]).
-    ///
-    /// Needs a pair whose buffers map into each other (an IPC pair: same vendor, IPC
-    /// handles) and a vendor with host registration and 64-bit stream memory operations;
-    /// otherwise `Unsupported`.
-    pub fn port_channel(
-        &self,
-        peer: usize,
-        buffers: &[&Registered],
-        depth: usize,
-    ) -> Result<PortChannel<A>> {
-        if peer >= self.nranks || peer == self.rank {
-            return Err(CommError::InvalidArgument(format!(
-                "port channel peer {peer}: not another rank of this {}-rank job",
-                self.nranks
-            )));
-        }
-        if depth == 0 || depth > MAX_DEPTH {
-            return Err(CommError::InvalidArgument(format!(
-                "port channel depth {depth}: must be 1 to {MAX_DEPTH}"
-            )));
-        }
-        if buffers.len() > MAX_BUFFERS {
-            return Err(CommError::InvalidArgument(format!(
-                "{} buffers: a port channel names at most {MAX_BUFFERS}",
-                buffers.len()
-            )));
-        }
-        let vendor = self.adaptor.vendor();
-        let caps = self.adaptor.capabilities();
-        if !(caps.ipc_bytes && caps.host_register && caps.stream_mem_ops_64) {
-            return Err(AdaptorError::Unsupported {
-                vendor,
-                op: "device-initiated transfers (port channels need IPC handles, host \
-                     registration and 64-bit stream memory operations)",
-            }
-            .into());
-        }
-        if self.transports[peer] != Some(TransportKind::Ipc) {
-            return Err(AdaptorError::Unsupported {
-                vendor,
-                op: "port channels with a peer outside an IPC pair (staged, direct and \
-                     network pairs are not supported yet)",
-            }
-            .into());
-        }
-        let a = &self.adaptor;
-        let mut part = Partial {
-            adaptor: a,
-            control: Some(ControlBlock::new(a, depth)?),
-            words: None,
-            streams: Vec::new(),
-            opened: Vec::new(),
-        };
-        part.streams.push(a.stream_create()?);
-        part.streams.push(a.stream_create()?);
-        let words = a.mem_alloc(DEVICE_WORDS)?;
-        part.words = Some(words);
-        // SAFETY: our fresh allocation of DEVICE_WORDS bytes; synchronized below.
-        unsafe { a.memset_async(words, 0, DEVICE_WORDS, part.streams[0])? };
-        a.stream_synchronize(part.streams[0])?;
-
-        let flag = crate::transport::export(a, words, TransportKind::Ipc)?
-            .ok_or_else(|| CommError::Protocol("flag word has no IPC handle".into()))?;
-        let mut w = Writer::new();
-        w.u8(FRAME_HELLO).u32(depth as u32);
-        w.bytes(&flag.0.to_wire()).u64(flag.1);
-        w.u32(buffers.len() as u32);
-        for b in buffers {
-            w.bytes(&b.inner.handle.to_wire())
-                .u64(b.inner.offset)
-                .u64(b.inner.len as u64);
-        }
-        self._boot.send(peer, Tag::Port, &w.finish(), &[])?;
-        let (hello, _) = self._boot.recv(peer, Tag::Port)?;
-        let mut r = Reader::new(&hello, "port channel hello");
-        if r.u8()? != FRAME_HELLO {
-            return Err(CommError::Protocol(
-                "port channel: expected the peer's hello (channels must be created and \
-                 closed in the same order on both ranks)"
-                    .into(),
-            ));
-        }
-        let _peer_depth = r.u32()?;
-        let mut open = |wire: &[u8], off: u64| -> Result<DevicePtr> {
-            let h = IpcMemHandle::from_wire(wire)?;
-            let base = a.ipc_open_handle(&h)?;
-            part.opened.push(base);
-            Ok(DevicePtr(base.0 + off))
-        };
-        let fw = r.bytes()?;
-        let foff = r.u64()?;
-        let peer_flag = open(fw, foff)?;
-        let n = r.u32()? as usize;
-        if n > MAX_BUFFERS {
-            return Err(CommError::Protocol(format!("peer named {n} buffers")));
-        }
-        let mut remote = Vec::with_capacity(n);
-        for _ in 0..n {
-            let wire = r.bytes()?;
-            let off = r.u64()?;
-            let len = r.u64()? as usize;
-            remote.push((open(wire, off)?, len));
-        }
-        r.end()?;
-
-        let proxy = self
-            .ports
-            .get_or_init(|| Arc::new(PortProxy::new(self.rank)))
-            .clone();
-        let ch = Arc::new(Channel {
-            adaptor: a.clone(),
-            id: proxy.next_id(),
-            peer,
-            depth,
-            control: part.control.take().expect("made above"),
-            words,
-            stream: part.streams[0],
-            ctl: part.streams[1],
-            local: buffers.iter().map(|b| (b.ptr(), b.len())).collect(),
-            remote,
-            peer_flag,
-            error: Mutex::new(None),
-            triggers_done: AtomicU64::new(0),
-            bytes_put: AtomicU64::new(0),
-            boot: self._boot.clone(),
-            shared: self.shared.clone(),
-        });
-        part.words = None;
-        part.streams.clear();
-        let opened = std::mem::take(&mut part.opened);
-        proxy.add(ch.clone(), crate::numa::adaptor_cpus(a))?;
-        Ok(PortChannel {
-            ch,
-            proxy,
-            _buffers: buffers.iter().map(|&b| b.clone()).collect(),
-            opened,
-            done: false,
-        })
-    }
-}
-
 /// How long the proxy keeps polling after the last trigger before it naps.
 pub(crate) const ACTIVE_WINDOW: Duration = Duration::from_millis(100);
 
-/// Lazily started per communicator (see [`Comm::port_channel`]).
+/// Lazily started per communicator (see [`Comm::port_channel`](crate::comm::Comm::port_channel)).
 pub(crate) type PortSlot<A> = OnceLock<Arc<PortProxy<A>>>;
 
 #[cfg(test)]

@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 
 use flagcx_adaptor::{DeviceAdaptor, DevicePtr};
 
+use super::lane::{Pending, SLOTS};
 use super::{
-    unpack_trigger, Channel, PortStatus, ACTIVE_WINDOW, FLUSHED_OFF, OP_FLUSH, OP_PUT,
+    unpack_trigger, Channel, PortStatus, ACTIVE_WINDOW, FLAG_OFF, FLUSHED_OFF, OP_FLUSH, OP_PUT,
     OP_PUT_WITH_SIGNAL, OP_SIGNAL, TAIL_OFF, TRIGGERS_OFF, TRIGGER_BYTES,
 };
 use crate::engine::{hung_up, lock};
@@ -31,7 +32,11 @@ const BATCH: usize = 64;
 enum Cmd<A: DeviceAdaptor> {
     Add(Arc<Channel<A>>, Option<Vec<usize>>),
     Remove(u64, Sender<Result<()>>),
+    Retire(u64, Option<u64>, Sender<Result<()>>),
 }
+
+/// How long a closing channel may wait for its last triggers (or the peer's last chunks).
+const CLOSE_LIMIT: Duration = Duration::from_secs(20);
 
 /// The handle to a communicator's port proxy thread.
 pub(crate) struct PortProxy<A: DeviceAdaptor> {
@@ -83,13 +88,26 @@ impl<A: DeviceAdaptor> PortProxy<A> {
         self.send(Cmd::Add(ch, cpus))
     }
 
-    /// Takes a channel back: the thread stops polling it and waits for its stream.
+    /// Stops a channel's outbound side: the triggers already in its FIFO run (on a staged
+    /// pair, until their last chunk is published), then its stream is synchronized. An IPC
+    /// channel is then dropped; a staged one keeps receiving until [`Self::retire`].
     pub fn remove(&self, id: u64) -> Result<()> {
+        self.ask(|t| Cmd::Remove(id, t))
+    }
+
+    /// Drops a staged channel once `until` chunks of the peer arrived (`None`: at once; the
+    /// peer said no goodbye) and its streams are synchronized.
+    pub fn retire(&self, id: u64, until: Option<u64>) -> Result<()> {
+        self.ask(|t| Cmd::Retire(id, until, t))
+    }
+
+    fn ask(&self, cmd: impl FnOnce(Sender<Result<()>>) -> Cmd<A>) -> Result<()> {
         let (t, rx) = mpsc::channel();
-        self.send(Cmd::Remove(id, t))?;
-        rx.recv_timeout(Duration::from_secs(30)).map_err(|_| {
-            CommError::Protocol("the port proxy did not release the channel in 30 s".into())
-        })?
+        self.send(cmd(t))?;
+        rx.recv_timeout(CLOSE_LIMIT + Duration::from_secs(10))
+            .map_err(|_| {
+                CommError::Protocol("the port proxy did not release the channel in 30 s".into())
+            })?
     }
 }
 
@@ -104,6 +122,8 @@ impl<A: DeviceAdaptor> Drop for PortProxy<A> {
     }
 }
 
+type Failure = (PortStatus, CommError);
+
 /// A channel as the thread sees it.
 struct Active<A: DeviceAdaptor> {
     ch: Arc<Channel<A>>,
@@ -111,6 +131,19 @@ struct Active<A: DeviceAdaptor> {
     signals: u64,
     failed: bool,
     checked: Instant,
+    /// Staged pairs: the put whose chunks are not all published, chunks published, chunks of
+    /// the peer consumed, signals received, and whether the peer's side failed.
+    pending: Option<Pending>,
+    produced: u64,
+    consumed: u64,
+    received: u64,
+    peer_failed: bool,
+    /// `remove` asked: reply once the FIFO is drained.
+    closing: Option<(Sender<Result<()>>, Instant)>,
+    /// The FIFO is no longer read (after `remove`).
+    outbound_closed: bool,
+    /// `retire` asked: reply once the peer's chunks up to the count arrived.
+    retiring: Option<(Option<u64>, Sender<Result<()>>, Instant)>,
 }
 
 fn run<A: DeviceAdaptor>(rx: Receiver<Cmd<A>>) {
@@ -127,11 +160,19 @@ fn run<A: DeviceAdaptor>(rx: Receiver<Cmd<A>>) {
         }
         let mut work = false;
         let now = Instant::now();
-        for a in chans.iter_mut() {
+        let mut i = 0;
+        while i < chans.len() {
+            let a = &mut chans[i];
             work |= a.step();
             if now.duration_since(a.checked) >= HEALTH_EVERY {
                 a.checked = now;
                 a.check_health();
+            }
+            work |= a.closing.is_some() || a.retiring.is_some();
+            if a.settle() {
+                chans.swap_remove(i);
+            } else {
+                i += 1;
             }
         }
         if work {
@@ -164,60 +205,104 @@ fn handle<A: DeviceAdaptor>(cmd: Cmd<A>, chans: &mut Vec<Active<A>>, bound: &mut
                 signals: 0,
                 failed: false,
                 checked: Instant::now(),
+                pending: None,
+                produced: 0,
+                consumed: 0,
+                received: 0,
+                peer_failed: false,
+                closing: None,
+                outbound_closed: false,
+                retiring: None,
             });
         }
-        Cmd::Remove(id, reply) => {
-            let r = match chans.iter().position(|a| a.ch.id == id) {
-                Some(i) => {
-                    let mut a = chans.swap_remove(i);
-                    // Triggers already in the FIFO were asked for before the close (a
-                    // kernel's last signal): they still run (at most a ring's worth: device
-                    // code still writing triggers now breaks close's contract).
-                    for _ in 0..=a.ch.depth / BATCH + 1 {
-                        if !a.step() {
-                            break;
-                        }
-                    }
-                    a.ch.adaptor
-                        .stream_synchronize(a.ch.stream)
-                        .map_err(CommError::from)
-                }
-                None => Ok(()),
-            };
-            let _ = reply.send(r);
-        }
+        Cmd::Remove(id, reply) => match chans.iter_mut().find(|a| a.ch.id == id) {
+            Some(a) => a.closing = Some((reply, Instant::now())),
+            None => {
+                let _ = reply.send(Ok(()));
+            }
+        },
+        Cmd::Retire(id, until, reply) => match chans.iter_mut().find(|a| a.ch.id == id) {
+            Some(a) => a.retiring = Some((until, reply, Instant::now())),
+            None => {
+                let _ = reply.send(Ok(()));
+            }
+        },
     }
 }
 
 impl<A: DeviceAdaptor> Active<A> {
-    /// Takes and executes the triggers that are ready; whether there were any.
+    /// Receives the peer's chunks (staged pairs), then takes and executes the triggers that
+    /// are ready; whether anything happened.
     fn step(&mut self) -> bool {
-        if self.failed {
+        if self.failed || self.peer_failed {
             return false;
         }
+        let mut work = false;
+        if self.ch.staged.is_some() {
+            match self.receive() {
+                Ok(w) => work |= w,
+                Err((code, e)) => return self.fail(code, e),
+            }
+            if self.peer_failed {
+                return true;
+            }
+        }
+        if self.outbound_closed {
+            return work;
+        }
         let mut n = 0;
-        while n < BATCH {
+        loop {
+            if self.pending.is_some() {
+                match self.push() {
+                    Ok(moved) => work |= moved,
+                    Err((code, e)) => return self.fail(code, e),
+                }
+                if self.pending.is_some() {
+                    break; // waiting for the peer to free a slot
+                }
+            }
+            if n == BATCH {
+                break;
+            }
             let Some(w) = self.take() else { break };
             if let Err((code, e)) = self.execute(w, self.tail) {
-                self.failed = true;
-                self.ch.poison(code, e);
-                return true;
+                return self.fail(code, e);
             }
             n += 1;
         }
         if n > 0 {
             self.ch.triggers_done.fetch_add(n as u64, Ordering::Relaxed);
         }
-        n > 0
+        work || n > 0
+    }
+
+    fn fail(&mut self, code: PortStatus, e: CommError) -> bool {
+        self.failed = true;
+        self.pending = None;
+        self.ch.poison(code, e);
+        true
+    }
+
+    fn slot(&self) -> u64 {
+        TRIGGERS_OFF + (self.tail % self.ch.depth as u64) * TRIGGER_BYTES as u64
+    }
+
+    /// Whether the next trigger's slot is marked valid.
+    fn trigger_ready(&self) -> bool {
+        self.ch
+            .control
+            .word(self.slot() + 24)
+            .load(Ordering::Acquire)
+            == self.tail + 1
     }
 
     /// The next trigger's first three words, if its slot is marked valid; frees the slot.
     fn take(&mut self) -> Option<[u64; 3]> {
-        let c = &self.ch.control;
-        let slot = TRIGGERS_OFF + (self.tail % self.ch.depth as u64) * TRIGGER_BYTES as u64;
-        if c.word(slot + 24).load(Ordering::Acquire) != self.tail + 1 {
+        if !self.trigger_ready() {
             return None;
         }
+        let c = &self.ch.control;
+        let slot = self.slot();
         let w = [0, 8, 16].map(|o| c.word(slot + o).load(Ordering::Relaxed));
         self.tail += 1;
         // The slot's contents are copied: the device may reuse it.
@@ -225,11 +310,7 @@ impl<A: DeviceAdaptor> Active<A> {
         Some(w)
     }
 
-    fn execute(
-        &mut self,
-        w: [u64; 3],
-        seq: u64,
-    ) -> std::result::Result<(), (PortStatus, CommError)> {
+    fn execute(&mut self, w: [u64; 3], seq: u64) -> std::result::Result<(), Failure> {
         let ch = &*self.ch;
         let (op, sb, db, size) = unpack_trigger(w[2]);
         let vendor = |e: flagcx_adaptor::AdaptorError| (PortStatus::DeviceError, e.into());
@@ -237,6 +318,19 @@ impl<A: DeviceAdaptor> Active<A> {
             OP_PUT | OP_PUT_WITH_SIGNAL => {
                 let src = range(&ch.local, sb, w[0], size, "source")?;
                 let dst = range(&ch.remote, db, w[1], size, "destination")?;
+                let signal = op == OP_PUT_WITH_SIGNAL;
+                if ch.staged.is_some() {
+                    if size > 0 || signal {
+                        self.pending = Some(Pending {
+                            src,
+                            dst_buffer: db,
+                            dst_offset: w[1],
+                            left: size,
+                            signal,
+                        });
+                    }
+                    return Ok(());
+                }
                 if size > 0 {
                     // SAFETY: both ranges were checked against the registered buffers (ours
                     // live while the channel names them; the peer's stay mapped until close).
@@ -247,12 +341,23 @@ impl<A: DeviceAdaptor> Active<A> {
                     };
                     ch.bytes_put.fetch_add(size, Ordering::Relaxed);
                 }
-                if op == OP_PUT_WITH_SIGNAL {
+                if signal {
                     self.signal()?;
                 }
             }
+            OP_SIGNAL if ch.staged.is_some() => {
+                self.pending = Some(Pending {
+                    src: DevicePtr(0),
+                    dst_buffer: 0,
+                    dst_offset: 0,
+                    left: 0,
+                    signal: true,
+                });
+            }
             OP_SIGNAL => self.signal()?,
             OP_FLUSH => {
+                // Everything earlier is on the stream (a staged put is taken whole before the
+                // next trigger), so the write lands after it.
                 // SAFETY: `flushed` is an aligned word of our registered control block.
                 unsafe {
                     ch.adaptor
@@ -274,7 +379,141 @@ impl<A: DeviceAdaptor> Active<A> {
         Ok(())
     }
 
-    fn signal(&mut self) -> std::result::Result<(), (PortStatus, CommError)> {
+    /// Staged pairs: publishes the pending put's chunks while the peer has free slots;
+    /// whether any was published.
+    fn push(&mut self) -> std::result::Result<bool, Failure> {
+        let ch = &*self.ch;
+        let link = ch.staged.as_ref().expect("staged channels only");
+        let mut moved = false;
+        while let Some(p) = self.pending.as_mut() {
+            if self.produced - link.out.credit() >= SLOTS as u64 {
+                break;
+            }
+            let (src, d, last) = p.next();
+            // SAFETY: the slot is free (checked above); the source range was checked against
+            // our registered buffer, which lives while the channel names it.
+            unsafe {
+                link.out
+                    .publish(&ch.adaptor, ch.stream, self.produced, src, d)
+            }
+            .map_err(|e| (PortStatus::DeviceError, e))?;
+            self.produced += 1;
+            link.published.store(self.produced, Ordering::Release);
+            ch.bytes_put.fetch_add(d.len as u64, Ordering::Relaxed);
+            p.advance(d.len);
+            moved = true;
+            if last {
+                self.pending = None;
+            }
+        }
+        Ok(moved)
+    }
+
+    /// Staged pairs: enqueues the copies of the peer's chunks that arrived, each followed by
+    /// its signal (if any) and its credit; notices the peer's failure.
+    fn receive(&mut self) -> std::result::Result<bool, Failure> {
+        let ch = &*self.ch;
+        let link = ch.staged.as_ref().expect("staged channels only");
+        if link.inb.poisoned() != 0 {
+            // The peer failed: release our waiters as its proxy would on an IPC pair.
+            self.peer_failed = true;
+            self.pending = None;
+            ch.release_flag();
+            return Ok(true);
+        }
+        let mut n = 0;
+        while n < BATCH {
+            let Some(d) = link.inb.ready(self.consumed) else {
+                break;
+            };
+            let d = d.map_err(|e| (PortStatus::BadTrigger, e))?;
+            let dst = range(
+                &ch.local,
+                d.dst_buffer,
+                d.dst_offset,
+                d.len as u64,
+                "destination",
+            )?;
+            let flag = if d.signal {
+                self.received += 1;
+                Some((DevicePtr(ch.words.0 + FLAG_OFF), self.received))
+            } else {
+                None
+            };
+            // SAFETY: `dst` was checked against our registered buffer (live while the channel
+            // names it); the flag is our channel's device word.
+            unsafe {
+                link.inb
+                    .consume(&ch.adaptor, link.stream, self.consumed, dst, d.len, flag)
+            }
+            .map_err(|e| (PortStatus::DeviceError, e))?;
+            self.consumed += 1;
+            n += 1;
+        }
+        Ok(n > 0)
+    }
+
+    /// Answers `remove` and `retire` once their conditions hold; whether the thread drops
+    /// the channel now.
+    fn settle(&mut self) -> bool {
+        let stopped = self.failed || self.peer_failed;
+        if let Some((_, since)) = &self.closing {
+            let drained = stopped
+                || self.outbound_closed
+                || (self.pending.is_none() && !self.trigger_ready());
+            let late = since.elapsed() > CLOSE_LIMIT;
+            if drained || late {
+                if !drained {
+                    self.fail(
+                        PortStatus::Closed,
+                        CommError::Timeout {
+                            ms: CLOSE_LIMIT.as_millis() as u64,
+                            peer: Some(self.ch.peer),
+                            what: "port channel close: its last triggers (waiting for the \
+                                   peer's free slots)"
+                                .into(),
+                        },
+                    );
+                }
+                let (reply, _) = self.closing.take().expect("checked");
+                self.outbound_closed = true;
+                let r = self
+                    .ch
+                    .adaptor
+                    .stream_synchronize(self.ch.stream)
+                    .map_err(CommError::from);
+                let _ = reply.send(r);
+                if self.ch.staged.is_none() {
+                    return true;
+                }
+            }
+        }
+        if let Some((until, _, since)) = &self.retiring {
+            let arrived = stopped || until.map_or(true, |p| self.consumed >= p);
+            if arrived || since.elapsed() > CLOSE_LIMIT {
+                let (_, reply, _) = self.retiring.take().expect("checked");
+                let link = self.ch.staged.as_ref().expect("staged channels only");
+                let mut r = self
+                    .ch
+                    .adaptor
+                    .stream_synchronize(link.stream)
+                    .and_then(|()| self.ch.adaptor.stream_synchronize(self.ch.stream))
+                    .map_err(CommError::from);
+                if !arrived && r.is_ok() {
+                    r = Err(CommError::Timeout {
+                        ms: CLOSE_LIMIT.as_millis() as u64,
+                        peer: Some(self.ch.peer),
+                        what: "port channel close: the peer's last puts".into(),
+                    });
+                }
+                let _ = reply.send(r);
+                return true;
+            }
+        }
+        false
+    }
+
+    fn signal(&mut self) -> std::result::Result<(), Failure> {
         self.signals += 1;
         // SAFETY: the peer's flag is an aligned device word mapped until close.
         unsafe {
@@ -293,15 +532,13 @@ impl<A: DeviceAdaptor> Active<A> {
         let ch = &*self.ch;
         let peer = ch.peer;
         if ch.shared.aborted.load(Ordering::Acquire) {
-            self.failed = true;
-            ch.poison(PortStatus::Closed, CommError::Aborted);
+            self.fail(PortStatus::Closed, CommError::Aborted);
             return;
         }
         let lost = ch.shared.lost[peer].load(Ordering::Acquire)
             || ch.boot.peer_fd(peer).is_some_and(hung_up);
         if lost {
-            self.failed = true;
-            ch.poison(
+            self.fail(
                 PortStatus::PeerLost,
                 CommError::PeerLost {
                     peer,
@@ -322,7 +559,7 @@ fn range(
 ) -> std::result::Result<DevicePtr, (PortStatus, CommError)> {
     match bufs.get(i) {
         Some(&(p, len)) if off.checked_add(size).is_some_and(|e| e <= len as u64) => {
-            Ok(DevicePtr(p.0 + off))
+            Ok(DevicePtr(p.0.wrapping_add(off)))
         }
         Some(&(_, len)) => Err((
             PortStatus::BadTrigger,
