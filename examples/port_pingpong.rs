@@ -286,10 +286,15 @@ fn run() -> Result<(), Error> {
     let (gbs, ceiling) = (median(&mut ours), median(&mut host));
     barrier(&comm)?;
     let (triggers, moved) = ch.stats();
+    let path = if ch.is_staged() {
+        "staged pair: puts through shared-memory lanes"
+    } else {
+        "IPC pair: puts are one copy into the peer"
+    };
     ch.close()?;
     if me == 0 {
         println!(
-            "port: rank 0 on cuda device {device}, rank 1 on device {} (channel setup {:.1} ms)",
+            "port: rank 0 on cuda device {device}, rank 1 on device {}, {path} (channel setup {:.1} ms)",
             comm.peer_info(peer).map_or(0, |p| p.device),
             setup.as_secs_f64() * 1e3
         );

@@ -245,6 +245,8 @@ else
   echo "nvcc not found: the shipped PTX runs"
 fi
 "$here/bin/flagcx-run" -n 2 -- "$here/bin/port_pingpong" $ptx || exit 1
+# The same over a staged pair: puts through the shared-memory lanes (crates/flagcx-p2p/src/port/lane.rs).
+FLAGCX_P2P_DISABLE=1 "$here/bin/flagcx-run" -n 2 -- "$here/bin/port_pingpong" $ptx || exit 1
 # The same from CUDA C++ through the C ABI (tests/capi/port_pingpong.cu), built here.
 if [ -x "$nvcc" ]; then
   "$nvcc" -O2 -arch=native -I "$here/capi" -I "$here/port" -o "$logs/capi-port-pingpong" \
