@@ -95,8 +95,8 @@ pub struct Config {
     pub p2p_disable: bool,
     /// Bytes of shared host memory per staged channel (`FLAGCX_P2P_BUFFSIZE`, default 32 MiB).
     pub buffsize: usize,
-    /// Bytes per staged ring slot, the largest chunk (`FLAGCX_P2P_CHUNKSIZE`, default 4 MiB).
-    /// A message moves in chunks of about an eighth of its size, 64 KiB to one slot.
+    /// Bytes per staged ring slot, the largest chunk (`FLAGCX_P2P_CHUNKSIZE`; default a quarter
+    /// of the ring, at most 8 MiB). A message moves in chunks of ~⅛ of its size, 64 KiB to a slot.
     pub chunksize: usize,
     /// Fail an operation that makes no progress for this long (`FLAGCX_TIMEOUT_MS`; unset or 0:
     /// never). The pair is then unusable: its later operations fail at once.
@@ -164,8 +164,8 @@ pub struct Config {
 
 /// Defaults, documented in the README's environment table.
 pub const DEFAULT_BUFFSIZE: usize = 32 << 20;
-/// Default staged slot (largest chunk) size.
-pub const DEFAULT_CHUNKSIZE: usize = 4 << 20;
+/// Default staged slot (largest chunk) size: a quarter of the ring, at most this.
+pub const DEFAULT_CHUNKSIZE: usize = 8 << 20;
 /// Default [`Config::host_map_max`].
 pub const DEFAULT_HOST_MAP_MAX: usize = 16 << 30;
 /// Default [`Config::host_pin_piece`].
@@ -264,9 +264,10 @@ impl Config {
         if let Some(v) = var("FLAGCX_P2P_BUFFSIZE") {
             c.buffsize = parse_size("FLAGCX_P2P_BUFFSIZE", &v)?;
         }
-        if let Some(v) = var("FLAGCX_P2P_CHUNKSIZE") {
-            c.chunksize = parse_size("FLAGCX_P2P_CHUNKSIZE", &v)?;
-        }
+        c.chunksize = match var("FLAGCX_P2P_CHUNKSIZE") {
+            Some(v) => parse_size("FLAGCX_P2P_CHUNKSIZE", &v)?,
+            None => (c.buffsize / 4 / 64 * 64).clamp(64, DEFAULT_CHUNKSIZE),
+        };
         if let Some(v) = var("FLAGCX_TIMEOUT_MS") {
             let ms = parse_usize("FLAGCX_TIMEOUT_MS", &v)? as u64;
             c.timeout = (ms > 0).then(|| Duration::from_millis(ms));
