@@ -754,8 +754,15 @@ fn stall_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
                         comm.recv(&rbuf, peer, &stream)?,
                     ))
                 })?;
-                s.wait()?;
-                r.wait()?;
+                // The operation that stalled fails with `Timeout`; its partner in the group
+                // may fail first with the retired pair (`PeerLost`, naming the timeout) —
+                // which one stalls depends on how much of the send the ring could take.
+                match (s.wait(), r.wait()) {
+                    (Ok(_), Ok(_)) => {}
+                    (Err(e @ CommError::Timeout { .. }), _)
+                    | (_, Err(e @ CommError::Timeout { .. })) => return Err(e),
+                    (Err(e), _) | (_, Err(e)) => return Err(e),
+                }
             } else if me == 0 {
                 comm.send(&sbuf, peer, &stream)?.wait()?;
                 comm.recv(&rbuf, peer, &stream)?.wait()?;

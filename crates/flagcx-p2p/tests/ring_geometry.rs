@@ -24,7 +24,11 @@ fn slots_are_a_quarter_of_the_ring_up_to_8_mib() {
     let c = with(&[("FLAGCX_P2P_BUFFSIZE", "512K")]);
     assert_eq!(c.chunksize, 128 << 10);
     let c = with(&[("FLAGCX_P2P_BUFFSIZE", "128M")]);
-    assert_eq!(c.chunksize, 8 << 20, "a large ring gets more slots, not larger ones");
+    assert_eq!(
+        c.chunksize,
+        8 << 20,
+        "a large ring gets more slots, not larger ones"
+    );
     let c = with(&[("FLAGCX_P2P_BUFFSIZE", "1000000")]);
     assert_eq!(c.chunksize % 64, 0, "rounded to the slot alignment");
     assert!(c.buffsize >= 4 * c.chunksize);
