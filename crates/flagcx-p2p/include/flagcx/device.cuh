@@ -14,7 +14,9 @@
  *   signal()                               add one to the peer's flag once everything earlier
  *                                          in the FIFO has landed
  *   put_with_signal(...)                   both, as one trigger
- *   flush()                                return once everything earlier completed
+ *   flush()                                return once everything earlier completed (on a
+ *                                          staged pair: left this rank's buffers, which may
+ *                                          be reused; a signal still follows the data)
  *   wait()                                 wait for the peer's next signal
  *
  * Every call returns 0, or a FLAGCX_PORT_* failure code: the channel was poisoned (the peer
