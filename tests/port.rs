@@ -223,6 +223,13 @@ fn port_worker() {
             } else {
                 // The failing side poisons our flag too: the wait ends.
                 assert_eq!(p.wait(), Err(PortFailure::Poisoned));
+                // Our FIFO still drains (depth 4, ten puts): a kernel that goes on triggering
+                // is not stuck on a full ring, and its flush completes.
+                for _ in 0..10 {
+                    p.put((0, 0), (0, 0), 16)
+                        .expect("a put after the peer failed");
+                }
+                p.flush().expect("a flush after the peer failed");
                 // Too large to encode: refused before it reaches the FIFO.
                 assert_eq!(p.put((0, 0), (0, 0), 1 << 41), Err(PortFailure::OutOfRange));
                 ch.close().expect("close (this side did nothing wrong)");

@@ -145,7 +145,7 @@ impl Lane {
         src: DevicePtr,
         d: Desc,
     ) -> Result<()> {
-        debug_assert!(d.len <= SLOT_BYTES && k - self.credit() < SLOTS as u64);
+        debug_assert!(d.len <= SLOT_BYTES && k.saturating_sub(self.credit()) < SLOTS as u64);
         let off = Self::desc_off(k);
         let mut w1 = d.len as u64 | (d.dst_buffer as u64) << 40;
         if d.signal {

@@ -234,8 +234,11 @@ impl<A: DeviceAdaptor> Active<A> {
     /// Receives the peer's chunks (staged pairs), then takes and executes the triggers that
     /// are ready; whether anything happened.
     fn step(&mut self) -> bool {
-        if self.failed || self.peer_failed {
+        if self.failed {
             return false;
+        }
+        if self.peer_failed {
+            return self.discard();
         }
         let mut work = false;
         if self.ch.staged.is_some() {
@@ -274,6 +277,31 @@ impl<A: DeviceAdaptor> Active<A> {
             self.ch.triggers_done.fetch_add(n as u64, Ordering::Relaxed);
         }
         work || n > 0
+    }
+
+    /// After the peer's side of a staged pair failed (its lane is poisoned, and it no longer
+    /// frees slots): takes this FIFO's triggers without executing them, so a kernel that goes
+    /// on triggering never waits for a slot forever; flushes still complete (nothing of ours
+    /// is in flight any more), while waits for signals see the poisoned flag.
+    fn discard(&mut self) -> bool {
+        if self.outbound_closed {
+            return false;
+        }
+        let mut n = 0;
+        while n < BATCH {
+            let Some(w) = self.take() else { break };
+            if unpack_trigger(w[2]).0 == OP_FLUSH {
+                let flushed = DevicePtr(self.ch.control.device.0 + FLUSHED_OFF);
+                // SAFETY: `flushed` is an aligned word of our registered control block.
+                let _ = unsafe {
+                    self.ch
+                        .adaptor
+                        .stream_write_value64(self.ch.stream, flushed, self.tail)
+                };
+            }
+            n += 1;
+        }
+        n > 0
     }
 
     fn fail(&mut self, code: PortStatus, e: CommError) -> bool {
@@ -386,7 +414,8 @@ impl<A: DeviceAdaptor> Active<A> {
         let link = ch.staged.as_ref().expect("staged channels only");
         let mut moved = false;
         while let Some(p) = self.pending.as_mut() {
-            if self.produced - link.out.credit() >= SLOTS as u64 {
+            // (Saturating: a peer's credit is never trusted to be below our count.)
+            if self.produced.saturating_sub(link.out.credit()) >= SLOTS as u64 {
                 break;
             }
             let (src, d, last) = p.next();
