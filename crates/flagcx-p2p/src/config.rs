@@ -766,7 +766,7 @@ mod tests {
     fn ring_geometry_is_validated() {
         let mut c = Config::default();
         c.validate().unwrap();
-        assert_eq!(c.slots(), 8);
+        assert_eq!(c.slots(), 4);
         let names = |r: Result<()>, var: &str, value: &str| match r {
             Err(CommError::Config {
                 name,
