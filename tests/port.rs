@@ -112,6 +112,17 @@ fn pingpong(me: usize, peer: usize, ch: &PortChannel<Adaptor>, src: &Buf, dst: &
     }
 }
 
+/// No lane segment of a port channel is still mapped in this process: a closed channel's
+/// memory is released when `close` returns (its proxy no longer holds it).
+fn assert_no_lanes(what: &str) {
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("maps");
+    let left: Vec<&str> = maps
+        .lines()
+        .filter(|l| l.contains("flagcx-port-lane"))
+        .collect();
+    assert!(left.is_empty(), "{what}: lanes still mapped: {left:?}");
+}
+
 fn ok(me: usize, what: &str) {
     println!("port ok: rank {me}: {what}");
 }
@@ -206,6 +217,7 @@ fn port_worker() {
                     .close()
                     .expect("close");
             }
+            assert_no_lanes("after closing every channel");
             ok(me, &format!("400 turns with each of {} peers", n - 1));
         }
         "bad_trigger" => {
@@ -317,6 +329,7 @@ fn port_worker() {
             }
             let (_, bytes) = ch.stats();
             ch.close().expect("close");
+            assert_no_lanes("after close");
             ok(
                 me,
                 &format!("large puts, {bytes} bytes put (staged: {staged})"),

@@ -123,6 +123,8 @@ impl<A: DeviceAdaptor> Drop for PortProxy<A> {
 }
 
 type Failure = (PortStatus, CommError);
+/// A reply to `remove` or `retire`, and what it says.
+type Answer = (Sender<Result<()>>, Result<()>);
 
 /// A channel as the thread sees it.
 struct Active<A: DeviceAdaptor> {
@@ -169,10 +171,14 @@ fn run<A: DeviceAdaptor>(rx: Receiver<Cmd<A>>) {
                 a.check_health();
             }
             work |= a.closing.is_some() || a.retiring.is_some();
-            if a.settle() {
+            let (done, answer) = a.settle();
+            if done {
                 chans.swap_remove(i);
             } else {
                 i += 1;
+            }
+            if let Some((reply, r)) = answer {
+                let _ = reply.send(r);
             }
         }
         if work {
@@ -482,9 +488,10 @@ impl<A: DeviceAdaptor> Active<A> {
         Ok(n > 0)
     }
 
-    /// Answers `remove` and `retire` once their conditions hold; whether the thread drops
-    /// the channel now.
-    fn settle(&mut self) -> bool {
+    /// Answers `remove` and `retire` once their conditions hold: whether the thread drops
+    /// the channel now, and the answer to send — after the drop, so that the closing side
+    /// finds itself the channel's only owner (and frees its memory).
+    fn settle(&mut self) -> (bool, Option<Answer>) {
         let stopped = self.failed || self.peer_failed;
         if let Some((_, since)) = &self.closing {
             let drained = stopped
@@ -511,10 +518,10 @@ impl<A: DeviceAdaptor> Active<A> {
                     .adaptor
                     .stream_synchronize(self.ch.stream)
                     .map_err(CommError::from);
-                let _ = reply.send(r);
                 if self.ch.staged.is_none() {
-                    return true;
+                    return (true, Some((reply, r)));
                 }
+                let _ = reply.send(r);
             }
         }
         if let Some((until, _, since)) = &self.retiring {
@@ -535,11 +542,10 @@ impl<A: DeviceAdaptor> Active<A> {
                         what: "port channel close: the peer's last puts".into(),
                     });
                 }
-                let _ = reply.send(r);
-                return true;
+                return (true, Some((reply, r)));
             }
         }
-        false
+        (false, None)
     }
 
     fn signal(&mut self) -> std::result::Result<(), Failure> {
