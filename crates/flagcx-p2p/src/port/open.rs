@@ -102,8 +102,9 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// On an IPC pair a put is one copy into the peer's buffer, mapped here. On a staged pair
     /// of one node (different vendors, or `FLAGCX_P2P_DISABLE`) puts go through a lane of
     /// shared host memory ([`lane`]): a copy out on this rank's stream, a copy in on the
-    /// peer's. Both need a vendor with host registration and 64-bit stream memory operations
-    /// on both ranks; pairs on different hosts are `Unsupported`.
+    /// peer's; each rank then maps and registers two lanes of 8 MiB + 8 KiB (its own and the
+    /// peer's) per channel. Both need a vendor with host registration and 64-bit stream
+    /// memory operations on both ranks; pairs on different hosts are `Unsupported`.
     pub fn port_channel(
         &self,
         peer: usize,
