@@ -335,6 +335,46 @@ fn port_worker() {
                 &format!("large puts, {bytes} bytes put (staged: {staged})"),
             );
         }
+        "one_refuses" => {
+            // Rank 1 cannot make its side (a depth of 0, or its bad FLAGCX_PORT_LANE_SLOT):
+            // rank 0 hears why instead of waiting, and the next channel works on both.
+            let b = Buf::new(&comm, 4096);
+            let depth = if me == 1 && std::env::var("FLAGCX_PORT_LANE_SLOT").is_err() {
+                0
+            } else {
+                4
+            };
+            let e = comm.port_channel(1 - me, &[&b.reg], depth).unwrap_err();
+            if me == 1 {
+                assert!(
+                    matches!(e, CommError::InvalidArgument(_) | CommError::Config { .. }),
+                    "{e}"
+                );
+                std::env::remove_var("FLAGCX_PORT_LANE_SLOT");
+            } else {
+                assert!(matches!(e, CommError::RemoteFailure { peer: 1, .. }), "{e}");
+            }
+            let ch = comm
+                .port_channel(1 - me, &[&b.reg], 4)
+                .expect("the next channel");
+            let mut p = port(&ch);
+            if me == 0 {
+                p.signal().expect("signal");
+            } else {
+                p.wait().expect("the signal");
+            }
+            ch.close().expect("close");
+            ok(
+                me,
+                &format!("one side refused ({e}), then a channel worked"),
+            );
+        }
+        "bad_slot" => {
+            let b = Buf::new(&comm, 64);
+            let e = comm.port_channel(1 - me, &[&b.reg], 4).unwrap_err();
+            assert!(e.to_string().contains("FLAGCX_PORT_LANE_SLOT"), "{e}");
+            ok(me, &format!("a bad slot size refused: {e}"));
+        }
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -351,8 +391,17 @@ fn spawn(rank: usize, n: usize, id: &str, scenario: &str, env: &[(&str, &str)]) 
         .env_remove("FLAGCX_SKIP_LOG")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    // `NAME@r` sets NAME for rank r only.
     for (k, v) in env {
-        cmd.env(k, v);
+        match k.split_once('@') {
+            Some((name, r)) if r == rank.to_string() => {
+                cmd.env(name, v);
+            }
+            Some(_) => {}
+            None => {
+                cmd.env(k, v);
+            }
+        }
     }
     cmd.spawn().expect("spawn rank")
 }
@@ -442,6 +491,10 @@ fn a_killed_peer_releases_the_waiting_side() {
 #[test]
 fn bad_arguments_are_refused_on_both_sides() {
     assert_ok(&job(2, "refused", &[]), &[0, 1]);
+    // One rank alone refuses: the other is told, not left waiting.
+    assert_ok(&job(2, "one_refuses", &[]), &[0, 1]);
+    let env = [STAGED[0], ("FLAGCX_PORT_LANE_SLOT@1", "100")];
+    assert_ok(&job(2, "one_refuses", &env), &[0, 1]);
 }
 
 /// The same scenarios where the pair is staged (`FLAGCX_P2P_DISABLE=1`): puts go through the
@@ -458,6 +511,19 @@ fn staged_pairs_pingpong_through_their_lanes() {
 fn staged_puts_larger_than_the_lane_wait_for_credits() {
     assert_ok(&job(2, "big", STAGED), &[0, 1]);
     assert_ok(&job(2, "big", &[]), &[0, 1]);
+}
+
+/// Each rank chooses its own lane's slot size (`FLAGCX_PORT_LANE_SLOT`) and announces it: 4 KiB
+/// slots (2 300 chunks per large put) against the default, and 64 KiB slots for the random
+/// ping-pong; a slot size out of range is refused before anything is exchanged.
+#[test]
+fn staged_lanes_take_each_senders_slot_size() {
+    let env = [STAGED[0], ("FLAGCX_PORT_LANE_SLOT@0", "4K")];
+    assert_ok(&job(2, "big", &env), &[0, 1]);
+    let env = [STAGED[0], ("FLAGCX_PORT_LANE_SLOT", "64K")];
+    assert_ok(&job(2, "pingpong", &env), &[0, 1]);
+    let env = [STAGED[0], ("FLAGCX_PORT_LANE_SLOT", "100")];
+    assert_ok(&job(2, "bad_slot", &env), &[0, 1]);
 }
 
 #[test]

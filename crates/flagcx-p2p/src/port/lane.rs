@@ -2,7 +2,8 @@
 //!
 //! Where the two ranks cannot map each other's buffers (different vendors, or
 //! `FLAGCX_P2P_DISABLE`), a put cannot be one copy into the peer. Each rank then creates one
-//! lane for the triggers of its FIFO: a ring of [`SLOTS`] data slots of [`SLOT_BYTES`] each, a
+//! lane for the triggers of its FIFO: a ring of [`SLOTS`] data slots (of [`SLOT_ENV`] bytes
+//! each, [`DEFAULT_SLOT_BYTES`] by default; the sender's choice, announced in its hello), a
 //! descriptor per slot and two control words, in a memfd segment both ranks map and register
 //! with their runtimes. Both proxies only *enqueue*; their streams do the hand-over:
 //!
@@ -21,7 +22,7 @@
 //! | 0 | `credit`: descriptors the receiver finished (their slots are free) | receiver's stream | sender's proxy |
 //! | 64 | `poison`: 0, or the sender's [`super::PortStatus`] once its channel failed | sender's proxy | receiver's proxy |
 //! | 4096 + 32·i | descriptor `i`: `dst_offset`, `len \| dst_buffer << 40 \| signal << 63`, 0, `seq` (chunk number + 1, written last) | sender | receiver |
-//! | 8192 + i·[`SLOT_BYTES`] | slot `i`'s data | sender's stream | receiver's stream |
+//! | 8192 + i·slot | slot `i`'s data | sender's stream | receiver's stream |
 //!
 //! A flush on a staged pair completes when everything earlier left this rank's buffers (their
 //! device→host copies are done): the source may be reused. A signal still means "the data of
@@ -38,26 +39,57 @@ use crate::shm::ShmSegment;
 
 /// Data slots per lane.
 pub const SLOTS: usize = 8;
-/// Bytes per data slot: the largest chunk of a staged put.
-pub const SLOT_BYTES: usize = 1 << 20;
+/// Bytes per data slot (the largest chunk of a staged put) unless [`SLOT_ENV`] says otherwise.
+pub const DEFAULT_SLOT_BYTES: usize = 1 << 20;
+/// The variable that sets this rank's slot size: a size (`2M`, `512K`, bytes), a multiple of
+/// 64 from 4 KiB to 64 MiB.
+pub const SLOT_ENV: &str = "FLAGCX_PORT_LANE_SLOT";
+const MIN_SLOT: usize = 4 << 10;
+const MAX_SLOT: usize = 64 << 20;
 const CREDIT_OFF: usize = 0;
 const POISON_OFF: usize = 64;
 const DESC_OFF: usize = 4096;
 const DESC_BYTES: usize = 32;
 const DATA_OFF: usize = 8192;
-/// Bytes of one lane's segment.
-pub const LANE_BYTES: usize = DATA_OFF + SLOTS * SLOT_BYTES;
 const SIGNAL_BIT: u64 = 1 << 63;
 const LEN_MASK: u64 = (1 << 40) - 1;
 
 const _: () = assert!(DESC_OFF + SLOTS * DESC_BYTES <= DATA_OFF);
-const _: () = assert!(SLOT_BYTES as u64 <= LEN_MASK);
+const _: () = assert!(MAX_SLOT as u64 <= LEN_MASK);
+
+/// Bytes of a lane's segment with slots of `slot` bytes.
+pub fn lane_bytes(slot: usize) -> usize {
+    DATA_OFF + SLOTS * slot
+}
+
+/// Checks a slot size (this rank's setting, or the size a peer announced).
+pub(crate) fn check_slot(slot: usize) -> Result<usize> {
+    if (MIN_SLOT..=MAX_SLOT).contains(&slot) && slot % 64 == 0 {
+        Ok(slot)
+    } else {
+        Err(CommError::config(
+            SLOT_ENV,
+            &slot.to_string(),
+            "must be a multiple of 64 from 4 KiB to 64 MiB",
+        ))
+    }
+}
+
+/// This rank's slot size: [`SLOT_ENV`], else [`DEFAULT_SLOT_BYTES`].
+pub(crate) fn slot_from_env() -> Result<usize> {
+    match std::env::var(SLOT_ENV) {
+        Ok(v) if !v.trim().is_empty() => check_slot(crate::config::parse_size(SLOT_ENV, &v)?),
+        _ => Ok(DEFAULT_SLOT_BYTES),
+    }
+}
 
 /// One lane, mapped and registered here.
 pub(crate) struct Lane {
     seg: ShmSegment,
     /// The device-visible address of the segment's first byte.
     device: DevicePtr,
+    /// Bytes per slot.
+    slot: usize,
 }
 
 /// A chunk as a descriptor describes it.
@@ -70,22 +102,29 @@ pub(crate) struct Desc {
 }
 
 impl Lane {
-    /// Creates this rank's lane and registers it.
-    pub fn create<A: DeviceAdaptor>(a: &A, peer: usize) -> Result<Lane> {
-        let seg = ShmSegment::create(&format!("flagcx-port-lane-{peer}"), LANE_BYTES)?;
-        Self::register(a, seg)
+    /// Creates this rank's lane with slots of `slot` bytes and registers it.
+    pub fn create<A: DeviceAdaptor>(a: &A, peer: usize, slot: usize) -> Result<Lane> {
+        let seg = ShmSegment::create(&format!("flagcx-port-lane-{peer}"), lane_bytes(slot))?;
+        Self::register(a, seg, slot)
     }
 
-    /// Maps and registers the peer's lane, received as a descriptor.
-    pub fn open<A: DeviceAdaptor>(a: &A, fd: OwnedFd) -> Result<Lane> {
-        Self::register(a, ShmSegment::open(fd, LANE_BYTES)?)
+    /// Maps and registers the peer's lane, received as a descriptor, with the slot size the
+    /// peer announced (checked).
+    pub fn open<A: DeviceAdaptor>(a: &A, fd: OwnedFd, slot: usize) -> Result<Lane> {
+        let slot = check_slot(slot)?;
+        Self::register(a, ShmSegment::open(fd, lane_bytes(slot))?, slot)
     }
 
-    fn register<A: DeviceAdaptor>(a: &A, seg: ShmSegment) -> Result<Lane> {
+    fn register<A: DeviceAdaptor>(a: &A, seg: ShmSegment, slot: usize) -> Result<Lane> {
         // SAFETY: the mapping lives in the returned lane, which unregisters it in `release`
         // before the segment is dropped.
         let device = unsafe { a.host_register(seg.as_ptr(), seg.len())? };
-        Ok(Lane { seg, device })
+        Ok(Lane { seg, device, slot })
+    }
+
+    /// Bytes per slot: the largest chunk.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot
     }
 
     /// The segment, to send its descriptor to the peer.
@@ -107,11 +146,11 @@ impl Lane {
 
     /// The host address of the slot of chunk `k`.
     pub fn slot(&self, k: u64) -> *mut u8 {
-        // SAFETY: in bounds: DATA_OFF + (k % SLOTS) * SLOT_BYTES + SLOT_BYTES <= LANE_BYTES.
+        // SAFETY: in bounds: DATA_OFF + (k % SLOTS) * slot + slot <= lane_bytes(slot).
         unsafe {
             self.seg
                 .as_ptr()
-                .add(DATA_OFF + (k % SLOTS as u64) as usize * SLOT_BYTES)
+                .add(DATA_OFF + (k % SLOTS as u64) as usize * self.slot)
         }
     }
 
@@ -136,7 +175,7 @@ impl Lane {
     ///
     /// # Safety
     /// `src..src+len` is device memory of `a` that stays valid until the copy completes on
-    /// `stream`; `len ≤ SLOT_BYTES`.
+    /// `stream`; `len ≤` [`Self::slot_bytes`].
     pub unsafe fn publish<A: DeviceAdaptor>(
         &self,
         a: &A,
@@ -145,7 +184,7 @@ impl Lane {
         src: DevicePtr,
         d: Desc,
     ) -> Result<()> {
-        debug_assert!(d.len <= SLOT_BYTES && k.saturating_sub(self.credit()) < SLOTS as u64);
+        debug_assert!(d.len <= self.slot && k.saturating_sub(self.credit()) < SLOTS as u64);
         let off = Self::desc_off(k);
         let mut w1 = d.len as u64 | (d.dst_buffer as u64) << 40;
         if d.signal {
@@ -154,7 +193,7 @@ impl Lane {
         self.word(off).store(d.dst_offset, Ordering::Relaxed);
         self.word(off + 8).store(w1, Ordering::Release);
         if d.len > 0 {
-            // SAFETY: the slot is free (caller) and SLOT_BYTES long; the source is the
+            // SAFETY: the slot is free (caller) and `len` fits it; the source is the
             // caller's.
             unsafe { a.memcpy_d2h_async(self.slot(k), src, d.len, stream)? };
         }
@@ -175,9 +214,10 @@ impl Lane {
         let dst_offset = self.word(off).load(Ordering::Relaxed);
         let w1 = self.word(off + 8).load(Ordering::Relaxed);
         let len = (w1 & LEN_MASK) as usize;
-        if len > SLOT_BYTES {
+        if len > self.slot {
             return Some(Err(CommError::Protocol(format!(
-                "port lane chunk {k}: {len} bytes in a {SLOT_BYTES}-byte slot"
+                "port lane chunk {k}: {len} bytes in a {}-byte slot",
+                self.slot
             ))));
         }
         Some(Ok(Desc {
@@ -251,9 +291,10 @@ pub(crate) struct Pending {
 }
 
 impl Pending {
-    /// The next chunk: its source, its descriptor, and whether it is the last.
-    pub fn next(&self) -> (DevicePtr, Desc, bool) {
-        let len = self.left.min(SLOT_BYTES as u64);
+    /// The next chunk in slots of `slot` bytes: its source, its descriptor, and whether it is
+    /// the last.
+    pub fn next(&self, slot: usize) -> (DevicePtr, Desc, bool) {
+        let len = self.left.min(slot as u64);
         let last = len == self.left;
         (
             self.src,
@@ -285,23 +326,23 @@ mod tests {
             src: DevicePtr(1000),
             dst_buffer: 3,
             dst_offset: 10,
-            left: 2 * SLOT_BYTES as u64 + 5,
+            left: 2 * DEFAULT_SLOT_BYTES as u64 + 5,
             signal: true,
         };
         let mut seen = Vec::new();
         loop {
-            let (src, d, last) = p.next();
+            let (src, d, last) = p.next(DEFAULT_SLOT_BYTES);
             seen.push((src.0, d));
             p.advance(d.len);
             if last {
                 break;
             }
         }
-        let s = SLOT_BYTES as u64;
+        let s = DEFAULT_SLOT_BYTES as u64;
         assert_eq!(seen.len(), 3);
         assert_eq!(
             (seen[0].0, seen[0].1.len, seen[0].1.signal),
-            (1000, SLOT_BYTES, false)
+            (1000, DEFAULT_SLOT_BYTES, false)
         );
         assert_eq!((seen[1].0, seen[1].1.dst_offset), (1000 + s, 10 + s));
         assert_eq!(
@@ -311,7 +352,17 @@ mod tests {
         assert_eq!(p.left, 0);
         // A signal alone is one empty chunk carrying the signal.
         let p = Pending { left: 0, ..p };
-        let (_, d, last) = p.next();
+        let (_, d, last) = p.next(DEFAULT_SLOT_BYTES);
         assert!(last && d.signal && d.len == 0);
+    }
+
+    #[test]
+    fn slot_sizes_are_checked() {
+        assert_eq!(check_slot(1 << 20).unwrap(), 1 << 20);
+        assert_eq!(check_slot(4 << 10).unwrap(), 4 << 10);
+        for bad in [0, 100, 2048, (64 << 20) + 64, 1 << 30] {
+            assert!(check_slot(bad).is_err(), "{bad}");
+        }
+        assert_eq!(lane_bytes(1 << 20), 8192 + 8 * (1 << 20));
     }
 }

@@ -540,6 +540,8 @@ impl<A: DeviceAdaptor> Drop for PortChannel<A> {
 
 const FRAME_HELLO: u8 = 1;
 const FRAME_CLOSE: u8 = 2;
+/// Instead of a hello: this rank could not make its side (the reason follows).
+const FRAME_REFUSED: u8 = 3;
 
 /// How long the proxy keeps polling after the last trigger before it naps.
 pub(crate) const ACTIVE_WINDOW: Duration = Duration::from_millis(100);

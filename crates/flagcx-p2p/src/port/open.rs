@@ -8,7 +8,7 @@ use flagcx_adaptor::{AdaptorError, DeviceAdaptor, DevicePtr, IpcMemHandle, Strea
 
 use super::{
     lane, Channel, ControlBlock, PortChannel, PortProxy, RegInner, Registered, DEVICE_WORDS,
-    FRAME_HELLO, MAX_BUFFERS, MAX_DEPTH,
+    FRAME_HELLO, FRAME_REFUSED, MAX_BUFFERS, MAX_DEPTH,
 };
 use crate::comm::Comm;
 use crate::error::{CommError, Result};
@@ -102,9 +102,14 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// On an IPC pair a put is one copy into the peer's buffer, mapped here. On a staged pair
     /// of one node (different vendors, or `FLAGCX_P2P_DISABLE`) puts go through a lane of
     /// shared host memory ([`lane`]): a copy out on this rank's stream, a copy in on the
-    /// peer's; each rank then maps and registers two lanes of 8 MiB + 8 KiB (its own and the
-    /// peer's) per channel. Both need a vendor with host registration and 64-bit stream
-    /// memory operations on both ranks; pairs on different hosts are `Unsupported`.
+    /// peer's; each rank then maps and registers two lanes (its own and the peer's) of 8
+    /// slots ([`lane::SLOT_ENV`] bytes each, 1 MiB by default) per channel. Both need a vendor
+    /// with host registration and 64-bit stream memory operations on both ranks; pairs on
+    /// different hosts are `Unsupported`.
+    ///
+    /// Where one rank cannot make its side (a bad argument or setting, a runtime failure), it
+    /// returns that error and the peer gets [`CommError::RemoteFailure`] with the reason; the
+    /// pair can make its next channel as usual.
     pub fn port_channel(
         &self,
         peer: usize,
@@ -115,17 +120,6 @@ impl<A: DeviceAdaptor> Comm<A> {
             return Err(CommError::InvalidArgument(format!(
                 "port channel peer {peer}: not another rank of this {}-rank job",
                 self.nranks
-            )));
-        }
-        if depth == 0 || depth > MAX_DEPTH {
-            return Err(CommError::InvalidArgument(format!(
-                "port channel depth {depth}: must be 1 to {MAX_DEPTH}"
-            )));
-        }
-        if buffers.len() > MAX_BUFFERS {
-            return Err(CommError::InvalidArgument(format!(
-                "{} buffers: a port channel names at most {MAX_BUFFERS}",
-                buffers.len()
             )));
         }
         // Both ranks decide from what both announced at init, so neither waits for a hello
@@ -159,60 +153,97 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
         };
         let a = &self.adaptor;
-        let mut part = Partial {
-            adaptor: a,
-            control: Some(ControlBlock::new(a, depth)?),
-            words: None,
-            streams: Vec::new(),
-            opened: Vec::new(),
-            lanes: Vec::new(),
-        };
-        part.streams.push(a.stream_create()?);
-        part.streams.push(a.stream_create()?);
-        let words = a.mem_alloc(DEVICE_WORDS)?;
-        part.words = Some(words);
-        // SAFETY: our fresh allocation of DEVICE_WORDS bytes; synchronized below.
-        unsafe { a.memset_async(words, 0, DEVICE_WORDS, part.streams[0])? };
-        a.stream_synchronize(part.streams[0])?;
-
-        let mut w = Writer::new();
-        w.u8(FRAME_HELLO).u32(depth as u32).u8(staged as u8);
-        if staged {
+        let prepare = || -> Result<(Partial<'_, A>, Vec<u8>, DevicePtr)> {
+            if depth == 0 || depth > MAX_DEPTH {
+                return Err(CommError::InvalidArgument(format!(
+                    "port channel depth {depth}: must be 1 to {MAX_DEPTH}"
+                )));
+            }
+            if buffers.len() > MAX_BUFFERS {
+                return Err(CommError::InvalidArgument(format!(
+                    "{} buffers: a port channel names at most {MAX_BUFFERS}",
+                    buffers.len()
+                )));
+            }
+            let mut part = Partial {
+                adaptor: a,
+                control: Some(ControlBlock::new(a, depth)?),
+                words: None,
+                streams: Vec::new(),
+                opened: Vec::new(),
+                lanes: Vec::new(),
+            };
             part.streams.push(a.stream_create()?);
-            part.lanes.push(lane::Lane::create(a, peer)?);
-            w.u32(buffers.len() as u32);
-            for b in buffers {
-                w.u64(b.inner.len as u64);
+            part.streams.push(a.stream_create()?);
+            let words = a.mem_alloc(DEVICE_WORDS)?;
+            part.words = Some(words);
+            // SAFETY: our fresh allocation of DEVICE_WORDS bytes; synchronized below.
+            unsafe { a.memset_async(words, 0, DEVICE_WORDS, part.streams[0])? };
+            a.stream_synchronize(part.streams[0])?;
+
+            let mut w = Writer::new();
+            w.u8(FRAME_HELLO).u32(depth as u32).u8(staged as u8);
+            if staged {
+                part.streams.push(a.stream_create()?);
+                let slot = lane::slot_from_env()?;
+                part.lanes.push(lane::Lane::create(a, peer, slot)?);
+                w.u32(buffers.len() as u32);
+                for b in buffers {
+                    w.u64(b.inner.len as u64);
+                }
+                w.u64(slot as u64);
+            } else {
+                let flag = crate::transport::export(a, words, TransportKind::Ipc)?
+                    .ok_or_else(|| CommError::Protocol("flag word has no IPC handle".into()))?;
+                w.bytes(&flag.0.to_wire()).u64(flag.1);
+                w.u32(buffers.len() as u32);
+                for b in buffers {
+                    let h = b.inner.handle.as_ref().ok_or_else(|| {
+                        CommError::Protocol("a registered buffer has no IPC handle".into())
+                    })?;
+                    w.bytes(&h.to_wire())
+                        .u64(b.inner.offset)
+                        .u64(b.inner.len as u64);
+                }
             }
-            self._boot.send(
-                peer,
-                Tag::Port,
-                &w.finish(),
-                &[part.lanes[0].segment().fd()],
-            )?;
-        } else {
-            let flag = crate::transport::export(a, words, TransportKind::Ipc)?
-                .ok_or_else(|| CommError::Protocol("flag word has no IPC handle".into()))?;
-            w.bytes(&flag.0.to_wire()).u64(flag.1);
-            w.u32(buffers.len() as u32);
-            for b in buffers {
-                let h = b.inner.handle.as_ref().ok_or_else(|| {
-                    CommError::Protocol("a registered buffer has no IPC handle".into())
-                })?;
-                w.bytes(&h.to_wire())
-                    .u64(b.inner.offset)
-                    .u64(b.inner.len as u64);
+            Ok((part, w.finish(), words))
+        };
+        // From here the peer waits for a frame from us: on a local failure it gets a refusal
+        // saying why (and we take its hello or refusal), so neither rank waits forever and the
+        // next channel's frames stay in step.
+        let (mut part, ours, words) = match prepare() {
+            Ok(p) => p,
+            Err(e) => {
+                let refusal = Writer::new().u8(FRAME_REFUSED).str(&e.to_string()).finish();
+                if self._boot.send(peer, Tag::Port, &refusal, &[]).is_ok() {
+                    let _ = self._boot.recv(peer, Tag::Port);
+                }
+                return Err(e);
             }
-            self._boot.send(peer, Tag::Port, &w.finish(), &[])?;
-        }
+        };
+        let lane_fd: Vec<_> = part.lanes.iter().map(|l| l.segment().fd()).collect();
+        self._boot.send(peer, Tag::Port, &ours, &lane_fd)?;
+        drop(lane_fd);
         let (hello, mut fds) = self._boot.recv(peer, Tag::Port)?;
         let mut r = Reader::new(&hello, "port channel hello");
-        if r.u8()? != FRAME_HELLO {
-            return Err(CommError::Protocol(
-                "port channel: expected the peer's hello (channels must be created and \
-                 closed in the same order on both ranks)"
-                    .into(),
-            ));
+        match r.u8()? {
+            FRAME_HELLO => {}
+            FRAME_REFUSED => {
+                return Err(CommError::RemoteFailure {
+                    peer,
+                    reason: format!(
+                        "it could not make its side of the port channel: {}",
+                        r.str()?
+                    ),
+                })
+            }
+            _ => {
+                return Err(CommError::Protocol(
+                    "port channel: expected the peer's hello (channels must be created and \
+                     closed in the same order on both ranks)"
+                        .into(),
+                ))
+            }
         }
         let _peer_depth = r.u32()?;
         if r.u8()? != staged as u8 {
@@ -230,10 +261,11 @@ impl<A: DeviceAdaptor> Comm<A> {
             for _ in 0..n {
                 remote.push((DevicePtr(0), r.u64()? as usize));
             }
+            let slot = r.u64()? as usize;
             let fd = fds
                 .pop()
                 .ok_or_else(|| CommError::Protocol("port channel: no lane from the peer".into()))?;
-            part.lanes.push(lane::Lane::open(a, fd)?);
+            part.lanes.push(lane::Lane::open(a, fd, slot)?);
         } else {
             let mut open = |wire: &[u8], off: u64| -> Result<DevicePtr> {
                 let h = IpcMemHandle::from_wire(wire)?;

@@ -424,7 +424,7 @@ impl<A: DeviceAdaptor> Active<A> {
             if self.produced.saturating_sub(link.out.credit()) >= SLOTS as u64 {
                 break;
             }
-            let (src, d, last) = p.next();
+            let (src, d, last) = p.next(link.out.slot_bytes());
             // SAFETY: the slot is free (checked above); the source range was checked against
             // our registered buffer, which lives while the channel names it.
             unsafe {
