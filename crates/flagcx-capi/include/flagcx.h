@@ -300,8 +300,10 @@ typedef struct flagcxPortChannel *flagcxPortChannel_t;
 /* Creates a port channel with peer. Both ranks call it, in the same order as their other
  * channels with that peer, each naming nhandles registrations from flagcxCommRegister; triggers
  * name buffers by their index in these lists. depth is the trigger FIFO's slot count (1 to
- * 65536). Needs a pair whose buffers map into each other (same vendor with IPC handles) and a
- * vendor with host registration and 64-bit stream memory operations: else
+ * 65536). On a same-vendor IPC pair puts are one copy into the peer's buffer; on a staged pair
+ * of one host (different vendors, or FLAGCX_P2P_DISABLE=1) they go through shared-memory
+ * lanes, where a flush means the sources may be reused. Needs host registration and 64-bit
+ * stream memory operations on both ranks' vendors, and both ranks on one host: else
  * flagcxNotSupported. *device_handle receives what kernels take. */
 flagcxResult_t flagcxPortChannelCreate(const flagcxComm_t comm, int peer, void *const *handles,
                                        int nhandles, int depth, flagcxPortChannel_t *channel,
