@@ -44,8 +44,34 @@ const CHILD_SIZE_ENV: &str = "FLAGCX_CONFORMANCE_SIZE";
 const CHILD_FD_SIZE_ENV: &str = "FLAGCX_CONFORMANCE_FD_SIZE";
 const IPC_BYTES: usize = (1 << 20) + 37;
 
-/// Runs one case: opens the adaptor, skips visibly if the vendor is unavailable.
+/// The cases that hold one of their streams on a value (or a host function) which the case
+/// itself releases later, making runtime calls in between. They run alone: CUDA takes one
+/// process-wide lock for every call, and a device-synchronizing call on another test thread
+/// (`cuMemFree`, `cuMemFreeHost`, `cuMemHostUnregister`) keeps it while it waits for every
+/// stream of the device — the held one included — so the releasing thread's next call
+/// (`cuStreamQuery`, `cuLaunchKernel`, `cuStreamWriteValue64`) waits for ever. Seen on an H200
+/// (2026-12-03, stacks in docs/reliability.md): 5 of 15 parallel runs of the CUDA suite hung
+/// so, with `cuMemFreeHost` holding the lock. Users of one device from many threads meet the
+/// same rule; the engine keeps it for its own frees (`Engine::trim_at_rest`).
+const HOLDS_A_STREAM: &[&str] = &[
+    "host_functions",
+    "stream_memory_ops",
+    "sized_copies_read_their_length_late",
+];
+
+/// Shared by every case of this process; taken exclusively by the cases of `HOLDS_A_STREAM`.
+static CASES: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// Runs one case: opens the adaptor, skips visibly if the vendor is unavailable. Cases in
+/// `HOLDS_A_STREAM` (a private list: host functions, stream memory operations and sized
+/// copies) run with no other case of the process beside them.
 pub fn run_case<A: DeviceAdaptor>(test: &str, open: impl FnOnce() -> Result<A>, case: fn(&A)) {
+    // A case that panicked poisoned the lock; it only orders cases, so carry on.
+    let _turn = if HOLDS_A_STREAM.contains(&test) {
+        Err(CASES.write().unwrap_or_else(|p| p.into_inner()))
+    } else {
+        Ok(CASES.read().unwrap_or_else(|p| p.into_inner()))
+    };
     match open() {
         Ok(adaptor) => case(&adaptor),
         Err(e @ AdaptorError::Unavailable { .. }) => report_skip(test, &e),
