@@ -94,6 +94,13 @@ impl Request {
 /// that is already complete. A group's small messages go eagerly at [`Comm::group_end`], which
 /// may likewise wait up to the spin time for the group's eager receives. On a stream-ordered
 /// pair ([`Comm::stream_limit`]) small messages only enqueue stream operations, grouped or not.
+///
+/// On CUDA, do not call `cudaFree`, `cudaFreeHost` or `cudaHostUnregister` from any thread
+/// while a stream of the device waits for an operation of this communicator that has not
+/// finished: those calls hold the driver's process-wide lock while they wait for every stream,
+/// and the engine needs the driver to finish the operation (`docs/reliability.md`, "CUDA's
+/// process-wide lock"). Free after [`Request::wait`] or the stream's synchronize, or with
+/// `cudaFreeAsync`.
 pub struct Comm<A: DeviceAdaptor> {
     pub(crate) adaptor: A,
     pub(crate) rank: usize,
