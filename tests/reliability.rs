@@ -427,6 +427,56 @@ fn reliability_worker() {
                 t.elapsed().as_millis()
             );
         }
+        "abort_stuck" => {
+            use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor};
+            // Rank 0's engine thread blocks for 4 s inside the copy of a receive its caller's
+            // stream waits for (rank 0 copies, through the proxy: see the test's env); its
+            // caller aborts meanwhile, and the stream must pass its wait at once.
+            let stall = Duration::from_secs(4);
+            let a =
+                FaultyAdaptor::stalling(adaptor.clone(), FaultOp::CopyD2D, usize::MAX >> 1, stall);
+            let comm = Comm::from_env(a.clone()).expect("comm");
+            let stream = Stream::new(&a).expect("stream");
+            rendezvous(&comm, peer, &stream);
+            let buf = Arc::new(DeviceBuffer::new(&a, 1 << 20).expect("alloc"));
+            if me == 1 {
+                std::thread::sleep(Duration::from_millis(300));
+                let r = comm.send(&buf, peer, &stream).expect("post");
+                // Finished by the stalled copy, or failed by the abort: both are right here.
+                let r = r.wait_timeout(Duration::from_secs(20));
+                stream.synchronize().expect("released");
+                drop((comm, stream, buf));
+                println!("peer done: {r:?}");
+                return;
+            }
+            a.arm(0);
+            let r = comm.recv(&buf, peer, &stream).expect("post");
+            let t = Instant::now();
+            while !a.fired() {
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "the receive's copy never began"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let t = Instant::now();
+            comm.abort();
+            stream
+                .synchronize()
+                .expect("the caller's stream was released");
+            let released = t.elapsed();
+            assert!(
+                released < Duration::from_secs(1),
+                "the stream passed its wait {released:?} after the abort, with the engine \
+                 stuck in a vendor call (the stall lasts {stall:?})"
+            );
+            let r = r.wait_timeout(Duration::from_secs(20));
+            drop((comm, stream, buf));
+            assert_no_leaks(&before, &scenario);
+            println!(
+                "survivor ok: the stream passed {released:?} after the abort; the receive: {r:?}"
+            );
+        }
         "abort" | "timeout" => {
             let comm = Arc::new(Comm::from_env(adaptor.clone()).expect("comm"));
             let stream = Stream::new(&adaptor).expect("stream");
@@ -1179,6 +1229,26 @@ fn abort_from_another_thread_unblocks_waits() {
     let (r0, r1) = pair("abort", &[]);
     assert_survived(&r1, "the peer of an aborted rank");
     assert_survived(&r0, "abort");
+}
+
+/// An abort releases the caller's stream while the engine thread is blocked inside a vendor
+/// call (as a CUDA call waits behind another thread's `cudaFree`; docs/reliability.md).
+#[test]
+fn abort_releases_streams_while_the_engine_is_stuck() {
+    if skip_unless_vendor() {
+        return;
+    }
+    // Rank 0 copies (it pulls), and through the proxy: the posting thread moves nothing.
+    let (r0, r1) = pair(
+        "abort_stuck",
+        &[
+            ("FLAGCX_P2P_IPC_COPIER", "lower"),
+            ("FLAGCX_P2P_IPC_CALLER", "off"),
+            ("FLAGCX_P2P_EAGER_MAX", "0"),
+        ],
+    );
+    assert!(r1.status.success(), "{}", text(&r1));
+    assert_survived(&r0, "abort_stuck");
 }
 
 #[test]

@@ -2,8 +2,9 @@
 //!
 //! [`FaultyAdaptor`] wraps any adaptor and makes one chosen kind of call fail, once, after a
 //! number of successes — the way a real runtime fails mid-transfer (an ECC error, a lost
-//! device). Tests use it to prove that failures surface as errors on both sides of a transfer
-//! and never as silent corruption.
+//! device), or block in it for a while ([`FaultyAdaptor::stalling`]). Tests use it to prove
+//! that failures surface as errors on both sides of a transfer and never as silent
+//! corruption, and that a thread stuck in the runtime does not hold callers' streams.
 
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::Arc;
@@ -51,6 +52,9 @@ pub struct FaultyAdaptor<A: DeviceAdaptor> {
     inner: A,
     op: FaultOp,
     left: Arc<AtomicIsize>,
+    /// Where set, the chosen call blocks this long and then succeeds instead of failing: a
+    /// runtime call that hangs (CUDA's, behind a lock another thread holds).
+    stall: Option<std::time::Duration>,
 }
 
 impl<A: DeviceAdaptor> FaultyAdaptor<A> {
@@ -60,6 +64,16 @@ impl<A: DeviceAdaptor> FaultyAdaptor<A> {
             inner,
             op,
             left: Arc::new(AtomicIsize::new(after as isize)),
+            stall: None,
+        }
+    }
+
+    /// Wraps `inner`; the `after + 1`-th `op` call blocks for `stall` and then goes through.
+    /// [`FaultyAdaptor::fired`] is true from the moment it starts blocking.
+    pub fn stalling(inner: A, op: FaultOp, after: usize, stall: std::time::Duration) -> Self {
+        FaultyAdaptor {
+            stall: Some(stall),
+            ..FaultyAdaptor::new(inner, op, after)
         }
     }
 
@@ -75,6 +89,10 @@ impl<A: DeviceAdaptor> FaultyAdaptor<A> {
 
     fn check(&self, op: FaultOp, name: &'static str) -> Result<()> {
         if op == self.op && self.left.fetch_sub(1, Ordering::AcqRel) == 0 {
+            if let Some(d) = self.stall {
+                std::thread::sleep(d);
+                return Ok(());
+            }
             return Err(AdaptorError::Vendor {
                 vendor: self.inner.vendor(),
                 op: name,

@@ -223,6 +223,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             spare_events: Mutex::new(Vec::new()),
             shutdown: AtomicBool::new(false),
             aborted: AtomicBool::new(false),
+            released: AtomicU64::new(0),
             watermark: Mutex::new(0),
             watermark_cv: Condvar::new(),
             watermark_word: WatermarkWord::new(page.host),
@@ -517,8 +518,19 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// [`CommError::Aborted`], every waiting stream is released, and later posts are refused.
     /// Waiters return within milliseconds (the progress thread notices at once, fails what is
     /// left and advances the watermark); the communicator is unusable afterwards.
+    ///
+    /// The streams themselves are released here, with a store to the watermark word and no
+    /// vendor call, so that they pass their waits even while the progress thread is blocked
+    /// inside one (on CUDA: another thread's `cudaFree` holds the driver's lock while it waits
+    /// for a stream joined on this communicator; see `docs/reliability.md`). The data of the
+    /// operations they waited for is then not there: their requests fail with `Aborted`.
     pub fn abort(&self) {
         self.shared.aborted.store(true, Ordering::Release);
+        // Every sequence number handed out so far; a post racing with this call takes a later
+        // one, which the engine's final pass (or, at the latest, `Drop`) releases.
+        let issued = self.next_seq.load(Ordering::Acquire).saturating_sub(1);
+        self.shared.released.fetch_max(issued, Ordering::AcqRel);
+        self.shared.publish_watermark(&self.adaptor, 0);
         self.shared.wake();
     }
 

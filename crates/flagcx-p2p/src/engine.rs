@@ -62,6 +62,9 @@ pub(crate) struct Shared {
     pub shutdown: AtomicBool,
     /// Set by `Comm::abort`: everything pending fails with `Aborted`, nothing new is accepted.
     pub aborted: AtomicBool,
+    /// Set by `Comm::abort` to every sequence number handed out: the watermark it published
+    /// itself to release callers' streams, which the engine's later publishing never lowers.
+    pub released: AtomicU64,
     /// Highest `n` such that every operation with `seq <= n` has finished.
     pub watermark: Mutex<u64>,
     pub watermark_cv: Condvar,
@@ -161,10 +164,15 @@ impl Shared {
 
     /// Publishes the watermark: the device-visible word (through the adaptor, so vendors that
     /// emulate stream waits on the host wake their waiters), then the host-side copy.
-    fn publish_watermark<A: DeviceAdaptor>(&self, adaptor: &A, w: u64) {
+    /// Never below what an abort released (`released`).
+    pub fn publish_watermark<A: DeviceAdaptor>(&self, adaptor: &A, w: u64) {
+        // Under the lock, so an abort's release and the engine's publishing cannot cross.
+        let mut g = lock(&self.watermark);
+        let w = w.max(self.released.load(Ordering::Acquire));
         // SAFETY: see the type's Send/Sync argument: a live, aligned word.
         unsafe { adaptor.host_write_value32(self.watermark_word.as_mut_ptr(), w as u32) };
-        *lock(&self.watermark) = w;
+        *g = w;
+        drop(g);
         self.watermark_cv.notify_all();
     }
 }
