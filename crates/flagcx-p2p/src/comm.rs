@@ -519,11 +519,12 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// Waiters return within milliseconds (the progress thread notices at once, fails what is
     /// left and advances the watermark); the communicator is unusable afterwards.
     ///
-    /// The streams themselves are released here, with a store to the watermark word and no
-    /// vendor call, so that they pass their waits even while the progress thread is blocked
-    /// inside one (on CUDA: another thread's `cudaFree` holds the driver's lock while it waits
-    /// for a stream joined on this communicator; see `docs/reliability.md`). The data of the
-    /// operations they waited for is then not there: their requests fail with `Aborted`.
+    /// The streams themselves are released here, by writing the watermark word from the host
+    /// (on CUDA a plain store, no driver call), so that they pass their waits even while the
+    /// progress thread is blocked inside a vendor call (on CUDA: another thread's `cudaFree`
+    /// holds the driver's lock while it waits for a stream joined on this communicator; see
+    /// `docs/reliability.md`). The data of the operations they waited for is then not there.
+    /// Their requests fail with `Aborted` once the progress thread is back from that call.
     pub fn abort(&self) {
         self.shared.aborted.store(true, Ordering::Release);
         // Every sequence number handed out so far; a post racing with this call takes a later
