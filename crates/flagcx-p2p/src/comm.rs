@@ -530,8 +530,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         // Every sequence number handed out so far; a post racing with this call takes a later
         // one, which the engine's final pass (or, at the latest, `Drop`) releases.
         let issued = self.next_seq.load(Ordering::Acquire).saturating_sub(1);
-        self.shared.released.fetch_max(issued, Ordering::AcqRel);
-        self.shared.publish_watermark(&self.adaptor, 0);
+        self.shared.release_through(&self.adaptor, issued);
         self.shared.wake();
     }
 
@@ -763,16 +762,8 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
         }
         // Release every stream still waiting on the watermark, then let them pass it before
         // the page goes away.
-        let max = self.next_seq.load(Ordering::Relaxed);
-        // SAFETY: the page is still mapped and the word aligned.
-        unsafe {
-            self.adaptor
-                .host_write_value32(self.page.host as *mut u32, max as u32)
-        };
-        {
-            *lock(&self.shared.watermark) = max;
-            self.shared.watermark_cv.notify_all();
-        }
+        self.shared
+            .release_through(&self.adaptor, self.next_seq.load(Ordering::Relaxed));
         for (_, (ev, _)) in lock(&self.joined).drain() {
             let _ = self.adaptor.event_synchronize(ev);
             let _ = self.adaptor.event_destroy(ev);
