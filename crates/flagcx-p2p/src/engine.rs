@@ -175,14 +175,6 @@ impl Shared {
         drop(g);
         self.watermark_cv.notify_all();
     }
-
-    /// Releases every stream waiting for an operation up to `through`, from the host and
-    /// without the engine thread (`Comm::abort`, `Comm`'s drop): the watermark is published
-    /// there now and never below it afterwards.
-    pub fn release_through<A: DeviceAdaptor>(&self, adaptor: &A, through: u64) {
-        self.released.fetch_max(through, Ordering::AcqRel);
-        self.publish_watermark(adaptor, through);
-    }
 }
 
 /// Where operations spend their time, per direction (`FLAGCX_PROFILE=1` prints it at teardown).

@@ -158,6 +158,17 @@ impl<A: DeviceAdaptor> Comm<A> {
     }
 }
 
+impl crate::engine::Shared {
+    /// Releases every stream waiting for an operation up to `through`, from the host and
+    /// without the engine thread (`Comm::abort`, `Comm`'s drop): the watermark is published
+    /// there now and never below it afterwards.
+    pub(crate) fn release_through<A: DeviceAdaptor>(&self, adaptor: &A, through: u64) {
+        self.released
+            .fetch_max(through, std::sync::atomic::Ordering::AcqRel);
+        self.publish_watermark(adaptor, through);
+    }
+}
+
 /// Returns an event of the API side to its pool (`Shared::spare_events`) if it completed, else
 /// destroys it (allowed while a stream still has to pass it: runtimes release it once it
 /// completes).
