@@ -34,6 +34,7 @@ use crate::transport::ipc::IpcCache;
 use crate::transport::net::{NetPhase, SharedNet};
 use crate::transport::{Path, PeerConn, Phase, Progress, Step};
 use crate::PathStats;
+pub(crate) use crate::profile::Profile;
 
 /// State shared between the API side and the proxy thread.
 pub(crate) struct Shared {
@@ -174,59 +175,6 @@ impl Shared {
         *g = w;
         drop(g);
         self.watermark_cv.notify_all();
-    }
-}
-
-/// Where operations spend their time, per direction (`FLAGCX_PROFILE=1` prints it at teardown).
-#[derive(Default)]
-pub(crate) struct Profile {
-    /// Per direction: count, post→admit, admit→matched, matched→done (seconds).
-    dirs: [(u64, f64, f64, f64); 2],
-    /// IPC handles opened (cache misses).
-    ipc_opens: u64,
-    /// IPC mappings closed while running (cache trims), and the seconds that took.
-    pub(crate) ipc_closes: u64,
-    pub(crate) ipc_close_secs: f64,
-}
-
-impl Profile {
-    fn add(&mut self, dir: Dir, posted: Instant, admitted: Instant, matched: Option<Instant>) {
-        let now = Instant::now();
-        let m = matched.unwrap_or(now);
-        let d = &mut self.dirs[dir as usize];
-        d.0 += 1;
-        d.1 += admitted.duration_since(posted).as_secs_f64();
-        d.2 += m.duration_since(admitted).as_secs_f64();
-        d.3 += now.duration_since(m).as_secs_f64();
-    }
-
-    fn report(&self, rank: usize) {
-        eprintln!(
-            "flagcx profile rank {rank}: {} IPC handle opens, {} closed while running ({:.1} ms)",
-            self.ipc_opens,
-            self.ipc_closes,
-            self.ipc_close_secs * 1e3
-        );
-        for (dir, (n, a, b, c)) in ["send", "recv"].iter().zip(self.dirs) {
-            if n == 0 {
-                continue;
-            }
-            let us = |x: f64| x / n as f64 * 1e6;
-            let (match_what, rest_what) = if *dir == "send" {
-                ("waiting for the receive descriptor", "copy and answer")
-            } else {
-                (
-                    "waiting for the caller's stream, then announcing",
-                    "waiting for the sender",
-                )
-            };
-            eprintln!(
-                "flagcx profile rank {rank}: {n} {dir}s, mean µs: post→proxy {:.1}, {match_what} {:.1}, {rest_what} {:.1}",
-                us(a),
-                us(b),
-                us(c)
-            );
-        }
     }
 }
 

@@ -48,6 +48,7 @@ mod numa;
 mod op;
 pub mod peer;
 pub mod port;
+mod profile;
 mod setup;
 pub mod shm;
 mod transport;
