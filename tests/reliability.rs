@@ -470,11 +470,93 @@ fn reliability_worker() {
                 "the stream passed its wait {released:?} after the abort, with the engine \
                  stuck in a vendor call (the stall lasts {stall:?})"
             );
+            // The request takes the abort too, without the engine, which is still stalled.
             let r = r.wait_timeout(Duration::from_secs(20));
+            let failed = t.elapsed();
+            assert!(
+                matches!(r, Err(CommError::Aborted)) && failed < Duration::from_secs(1),
+                "the receive gave {r:?} {failed:?} after the abort (the stall lasts {stall:?})"
+            );
             drop((comm, stream, buf));
             assert_no_leaks(&before, &scenario);
             println!(
-                "survivor ok: the stream passed {released:?} after the abort; the receive: {r:?}"
+                "survivor ok: the stream passed {released:?} after the abort; the receive \
+                 failed with {r:?} after {failed:?}"
+            );
+        }
+        "stuck_times_out" => {
+            use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor};
+            // As in `abort_stuck`, rank 0's engine blocks inside a receive's copy, for 3 s;
+            // nobody aborts: `FLAGCX_TIMEOUT_MS=300` must end the plain `wait()` on its own.
+            let stall = Duration::from_secs(3);
+            let a =
+                FaultyAdaptor::stalling(adaptor.clone(), FaultOp::CopyD2D, usize::MAX >> 1, stall);
+            let comm = Comm::from_env(a.clone()).expect("comm");
+            let stream = Stream::new(&a).expect("stream");
+            rendezvous(&comm, peer, &stream);
+            let buf = Arc::new(DeviceBuffer::new(&a, 1 << 20).expect("alloc"));
+            if me == 1 {
+                // Well inside the timeout: the receive waits for it in the engine, not stuck.
+                std::thread::sleep(Duration::from_millis(100));
+                let r = comm.send(&buf, peer, &stream).expect("post");
+                // Its own engine times out waiting for rank 0, or rank 0 is gone: any end.
+                let r = r.wait_timeout(Duration::from_secs(20));
+                stream.synchronize().expect("released");
+                drop((comm, stream, buf));
+                println!("peer done: {r:?}");
+                return;
+            }
+            a.arm(0);
+            let r = comm.recv(&buf, peer, &stream).expect("post");
+            let t = Instant::now();
+            while !a.fired() {
+                assert!(
+                    t.elapsed() < Duration::from_secs(10),
+                    "the receive's copy never began: {:?}",
+                    comm.async_error()
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let t = Instant::now();
+            let what = match r.wait() {
+                Err(CommError::Timeout {
+                    ms: 300,
+                    peer: None,
+                    what,
+                }) => what,
+                other => panic!("a stalled engine's receive: {other:?}"),
+            };
+            let failed = t.elapsed();
+            assert!(what.contains("progress thread"), "{what}");
+            // The guard's window is the timeout, at least 250 ms; it looks every 75 ms.
+            assert!(
+                failed >= Duration::from_millis(250) && failed < Duration::from_millis(1300),
+                "the receive failed {failed:?} into a {stall:?} stall (timeout 300 ms)"
+            );
+            stream
+                .synchronize()
+                .expect("the caller's stream was released");
+            let released = t.elapsed();
+            assert!(released < stall, "the stream passed after {released:?}");
+            match comm.async_error() {
+                Some(CommError::Timeout { .. }) => {}
+                other => panic!("async_error after the stall: {other:?}"),
+            }
+            match comm.send(&buf, peer, &stream) {
+                Err(CommError::Aborted) => {}
+                other => panic!("a post after the stall: {other:?}"),
+            }
+            // Dropping it waits one more timeout for the engine, then leaves it behind.
+            let t = Instant::now();
+            drop((comm, stream, buf));
+            let dropped = t.elapsed();
+            assert!(
+                dropped < Duration::from_millis(1500),
+                "dropping the communicator took {dropped:?} with its engine stuck"
+            );
+            println!(
+                "survivor ok: wait() failed {failed:?} after the stall began ({what}); stream \
+                 released at {released:?}; dropped in {dropped:?}"
             );
         }
         "abort" | "timeout" => {
@@ -1249,6 +1331,26 @@ fn abort_releases_streams_while_the_engine_is_stuck() {
     );
     assert!(r1.status.success(), "{}", text(&r1));
     assert_survived(&r0, "abort_stuck");
+}
+
+/// `FLAGCX_TIMEOUT_MS` ends a plain `wait()` while the engine thread is blocked inside a vendor
+/// call, with nobody to call abort: the stall guard (`crates/flagcx-p2p/src/guard.rs`).
+#[test]
+fn stuck_engine_times_out_without_an_abort() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let (r0, r1) = pair(
+        "stuck_times_out",
+        &[
+            ("FLAGCX_P2P_IPC_COPIER", "lower"),
+            ("FLAGCX_P2P_IPC_CALLER", "off"),
+            ("FLAGCX_P2P_EAGER_MAX", "0"),
+            ("FLAGCX_TIMEOUT_MS", "300"),
+        ],
+    );
+    assert!(r1.status.success(), "{}", text(&r1));
+    assert_survived(&r0, "stuck_times_out");
 }
 
 #[test]

@@ -12,6 +12,7 @@ use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::config::{Config, RankEnv, StreamJoin};
 use crate::engine::{lock, Dir, Engine, Inbox, Op, Shared, Slot, WatermarkWord};
 use crate::error::{CommError, Result};
+use crate::guard::Guard;
 use crate::join::WatermarkPage;
 use crate::peer::{PeerInfo, TransportKind};
 use crate::setup::{connect_channels, Pairing};
@@ -75,7 +76,7 @@ impl Request {
     pub fn is_done(&self) -> bool {
         match &self.state {
             State::Done(_) => true,
-            State::Pending(slot) => slot.is_done(),
+            State::Pending(slot) => slot.settled(),
         }
     }
 }
@@ -120,7 +121,9 @@ pub struct Comm<A: DeviceAdaptor> {
     pub(crate) streamed: Vec<Option<StreamLink>>,
     pub(crate) shared: Arc<Shared>,
     pub(crate) proxy: Option<JoinHandle<()>>,
-    pub(crate) next_seq: AtomicU64,
+    pub(crate) next_seq: Arc<AtomicU64>,
+    /// The stall guard, where `FLAGCX_TIMEOUT_MS` is set (`crate::guard`).
+    pub(crate) guard: Option<Guard>,
     pub(crate) group: Mutex<Option<Vec<(Op, StreamHandle)>>>,
     /// Streams this communicator made wait on its watermark (synchronized before teardown).
     /// Per joined stream, an event of ours recorded right after its last join: teardown waits
@@ -233,6 +236,8 @@ impl<A: DeviceAdaptor> Comm<A> {
             path_bytes: Default::default(),
             caller_ops: AtomicU64::new(0),
             caller_handoffs: Default::default(),
+            beats: AtomicU64::new(0),
+            verdict: Default::default(),
         });
         // Eager slots: small messages through shared host memory, copied by the CPU where a
         // rank's device memory is host addressable and by its runtime (a blocking copy on the
@@ -331,6 +336,21 @@ impl<A: DeviceAdaptor> Comm<A> {
             })
             .map_err(|e| CommError::io("spawn proxy thread", e))?;
         *lock(&shared.thread) = Some(handle.thread().clone());
+        let next_seq = Arc::new(AtomicU64::new(1));
+        let guard = match config.timeout {
+            Some(t) => {
+                match Guard::start(adaptor.clone(), shared.clone(), next_seq.clone(), t, rank) {
+                    Ok(g) => Some(g),
+                    Err(e) => {
+                        shared.shutdown.store(true, Ordering::Release);
+                        shared.wake();
+                        let _ = handle.join();
+                        return Err(e);
+                    }
+                }
+            }
+            None => None,
+        };
         Ok(Comm {
             adaptor,
             rank,
@@ -344,7 +364,8 @@ impl<A: DeviceAdaptor> Comm<A> {
             streamed,
             shared,
             proxy: Some(handle),
-            next_seq: AtomicU64::new(1),
+            next_seq,
+            guard,
             group: Mutex::new(None),
             joined: Mutex::new(HashMap::new()),
             page,
@@ -524,9 +545,11 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// progress thread is blocked inside a vendor call (on CUDA: another thread's `cudaFree`
     /// holds the driver's lock while it waits for a stream joined on this communicator; see
     /// `docs/reliability.md`). The data of the operations they waited for is then not there.
-    /// Their requests fail with `Aborted` once the progress thread is back from that call.
+    /// Their requests fail with `Aborted` at once too (waiters look at the abort between
+    /// sleeps), whether or not the progress thread is back from that call.
     pub fn abort(&self) {
         self.shared.aborted.store(true, Ordering::Release);
+        self.shared.verdict.give(CommError::Aborted);
         // Every sequence number handed out so far; a post racing with this call takes a later
         // one, which the engine's final pass (or, at the latest, `Drop`) releases.
         let issued = self.next_seq.load(Ordering::Acquire).saturating_sub(1);
@@ -620,7 +643,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                 return Ok(r);
             }
         }
-        let slot = Arc::new(Slot::helped(self.net_helper(peer)));
+        let slot = Arc::new(self.slot(peer));
         let mut op = Op {
             seq: 0, // numbered when submitted: a group's eager moves take none
             dir,
@@ -757,8 +780,25 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
         self.shared.wake();
+        let stalled = self.guard.as_ref().is_some_and(|g| g.fired());
+        if let Some(g) = self.guard.take() {
+            g.stop();
+        }
         if let Some(h) = self.proxy.take() {
-            let _ = h.join();
+            if !stalled {
+                let _ = h.join();
+            } else if !crate::guard::joined_within(h, self.config.timeout) {
+                // The stall guard gave up on the progress thread, and it is still inside its
+                // vendor call: it is left behind with what it may touch when it comes back
+                // (the watermark page, the bounce buffer, the stream-ordered links, the
+                // joined streams' events), so that dropping the communicator does not hang.
+                tracing::warn!(
+                    "rank {}: the progress thread is still blocked inside a vendor call; \
+                     leaving it and the communicator's pages behind",
+                    self.rank
+                );
+                return;
+            }
         }
         // Release every stream still waiting on the watermark, then let them pass it before
         // the page goes away.

@@ -99,7 +99,9 @@ pub struct Config {
     /// of the ring, at most 8 MiB). A message moves in chunks of ~⅛ of its size, 64 KiB to a slot.
     pub chunksize: usize,
     /// Fail an operation that makes no progress for this long (`FLAGCX_TIMEOUT_MS`; unset or 0:
-    /// never). The pair is then unusable: its later operations fail at once.
+    /// never). The pair is then unusable: its later operations fail at once. A progress thread
+    /// blocked inside a vendor call this long (at least 250 ms) with operations in flight fails
+    /// the whole communicator, as [`crate::Comm::abort`] would, with `Timeout`.
     pub timeout: Option<Duration>,
     /// How callers' streams wait for operations (`FLAGCX_STREAM_JOIN=auto|memop|hostfn|none`).
     pub join: StreamJoin,

@@ -29,12 +29,12 @@ use crate::channel::{Counter, RETIRED};
 use crate::error::{CommError, Result};
 pub(crate) use crate::join::recycle_event;
 use crate::peer::TransportKind;
+pub(crate) use crate::profile::Profile;
 use crate::transport::hostmap::HostMaps;
 use crate::transport::ipc::IpcCache;
 use crate::transport::net::{NetPhase, SharedNet};
 use crate::transport::{Path, PeerConn, Phase, Progress, Step};
 use crate::PathStats;
-pub(crate) use crate::profile::Profile;
 
 /// State shared between the API side and the proxy thread.
 pub(crate) struct Shared {
@@ -83,6 +83,10 @@ pub(crate) struct Shared {
     /// IPC operations the posting thread handed to the proxy, indexed by [`Handoff`], for
     /// `FLAGCX_PROFILE` and [`crate::PathStats::caller_failures`].
     pub caller_handoffs: [AtomicU64; 5],
+    /// Passes of the engine's loop, for the stall guard (`crate::guard`); the verdict every
+    /// waiting request takes once an abort or the guard gives it.
+    pub beats: AtomicU64,
+    pub verdict: Arc<crate::guard::Verdict>,
 }
 
 /// The word of the communicator's watermark page that callers' streams wait on.
@@ -255,6 +259,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         let mut seen_posted = 0;
         let mut last_moved = Instant::now();
         loop {
+            self.shared.beats.fetch_add(1, Ordering::Relaxed);
             let mut moved = false;
             let posted = self.shared.posted.load(Ordering::Acquire);
             if posted != seen_posted {

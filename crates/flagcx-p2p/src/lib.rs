@@ -42,6 +42,7 @@ pub mod config;
 mod engine;
 mod error;
 mod group;
+mod guard;
 mod join;
 pub mod launch;
 mod numa;

@@ -10,6 +10,7 @@ use flagcx_adaptor::tracking::lock;
 use flagcx_adaptor::{DevicePtr, EventHandle};
 
 use crate::error::{CommError, Result};
+use crate::guard::{Verdict, VERDICT_POLL};
 
 /// Send or receive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,13 +43,18 @@ pub(crate) struct Slot {
     done: AtomicBool,
     /// What a waiter does between polls once its spin is over, instead of sleeping.
     help: Option<Helper>,
+    /// The communicator's verdict (an abort, the stall guard): taken by waiters while the
+    /// engine, which fills `result`, is blocked (`crate::guard`).
+    verdict: Option<Arc<Verdict>>,
 }
 
 impl Slot {
-    /// A slot whose waiters make progress with `help` rather than sleep.
-    pub fn helped(help: Option<Helper>) -> Self {
+    /// A slot whose waiters make progress with `help` rather than sleep, and take `verdict`
+    /// once it is given.
+    pub fn new(help: Option<Helper>, verdict: Arc<Verdict>) -> Self {
         Slot {
             help,
+            verdict: Some(verdict),
             ..Slot::default()
         }
     }
@@ -61,6 +67,11 @@ impl Slot {
 
     pub fn is_done(&self) -> bool {
         self.done.load(Ordering::Acquire)
+    }
+
+    /// Done, or a verdict was given: a wait returns at once.
+    pub fn settled(&self) -> bool {
+        self.is_done() || self.verdict.as_ref().is_some_and(|v| v.given())
     }
 
     /// Waits for the result, up to `timeout` if given, spinning for up to `spin` first.
@@ -92,17 +103,25 @@ impl Slot {
             if let Some(r) = g.take() {
                 return Some(r);
             }
-            match deadline {
-                None => g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner()),
-                Some(d) => {
-                    let left = d.checked_duration_since(Instant::now())?;
-                    g = self
-                        .cv
-                        .wait_timeout(g, left)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
-                }
+            if let Some(e) = self.verdict.as_ref().and_then(|v| v.get()) {
+                return Some(Err(e));
             }
+            // Sleeps in short turns where a verdict may come: its giver does not know this
+            // slot, and the engine that does may be blocked.
+            let turn = self.verdict.as_ref().map(|_| VERDICT_POLL);
+            let left = match deadline {
+                Some(d) => Some(d.checked_duration_since(Instant::now())?),
+                None => None,
+            };
+            g = match left.into_iter().chain(turn).min() {
+                None => self.cv.wait(g).unwrap_or_else(|p| p.into_inner()),
+                Some(t) => {
+                    self.cv
+                        .wait_timeout(g, t)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                }
+            };
         }
     }
 }

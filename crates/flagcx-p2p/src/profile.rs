@@ -17,7 +17,13 @@ pub(crate) struct Profile {
 }
 
 impl Profile {
-    pub(crate) fn add(&mut self, dir: Dir, posted: Instant, admitted: Instant, matched: Option<Instant>) {
+    pub(crate) fn add(
+        &mut self,
+        dir: Dir,
+        posted: Instant,
+        admitted: Instant,
+        matched: Option<Instant>,
+    ) {
         let now = Instant::now();
         let m = matched.unwrap_or(now);
         let d = &mut self.dirs[dir as usize];

@@ -20,7 +20,6 @@ use super::{
 };
 use crate::channel::{Channel, Counter, RecvDesc, SendDesc, SendStatus};
 use crate::comm::{Comm, State};
-use crate::engine::Slot;
 use crate::engine::{lock, recycle_event, Dir, Engine, Resume};
 use crate::error::{CommError, Result};
 use crate::peer::TransportKind;
@@ -330,7 +329,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             resume,
             Some(Resume::Pushed(_) | Resume::Pulled { .. } | Resume::Failed(_))
         );
-        let (seq, slot) = self.caller_hand_over(&m, start, resume, Slot::default(), keep);
+        let (seq, slot) = self.caller_hand_over(&m, start, resume, self.slot(m.peer), keep);
         if join {
             self.join_stream(stream, seq)?;
         }

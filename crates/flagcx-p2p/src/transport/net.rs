@@ -599,7 +599,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             Caller::Done(r) => return Ok(Some(self.caller_finished(&m, Path::Net, r, keep))),
             Caller::HandOff(r) => r,
         };
-        let helped = Slot::helped(self.net_helper(peer));
+        let helped = self.slot(peer);
         let (seq, slot) = self.caller_hand_over(&m, None, resume, helped, keep);
         Ok(Some(Request {
             state: State::Pending(slot),
@@ -610,6 +610,12 @@ impl<A: DeviceAdaptor> Comm<A> {
 
     /// For an operation with `peer`: where it is on another host, a waiter drives UCX (when
     /// the engine is not in it) instead of sleeping.
+    /// A fresh result slot for an operation with `peer`: its waiters drive UCX where the pair
+    /// is on two hosts, and take the communicator's verdict (`crate::guard`).
+    pub(crate) fn slot(&self, peer: usize) -> Slot {
+        Slot::new(self.net_helper(peer), self.shared.verdict.clone())
+    }
+
     pub(crate) fn net_helper(&self, peer: usize) -> Option<crate::op::Helper> {
         if self.transports.get(peer) != Some(&Some(TransportKind::Net)) {
             return None;

@@ -1,0 +1,215 @@
+//! The stall guard: `FLAGCX_TIMEOUT_MS` for a progress thread that stopped taking steps.
+//!
+//! The engine checks the timeout of every step itself, so it cannot see its own stall: while it
+//! is blocked inside a vendor call (on CUDA, behind another thread's `cudaFree`, which holds the
+//! driver's process-wide lock while it waits for a stream that waits for this communicator:
+//! `docs/reliability.md`), nothing would time out. Beside an engine with a timeout runs this
+//! thread. The engine bumps [`Shared::beats`] once per pass of its loop; the guard looks every
+//! quarter of the timeout (at most every 100 ms). When operations are in flight and no pass
+//! ended for the timeout, it fails the communicator from outside, with no vendor call that
+//! could block behind the same lock:
+//! - [`Shared::first_error`] and every waiting request get a `Timeout` that says so
+//!   (the [`Verdict`]: waiters look at it between sleeps, so they return even though the
+//!   engine, which fills their slots, does not);
+//! - the communicator is aborted (later posts fail with `Aborted`);
+//! - callers' streams are released as [`crate::Comm::abort`] releases them: the watermark word
+//!   is written from the host.
+//!
+//! A pass of the engine's loop never waits by design (its longest sleep is the 100 ms park of
+//! an idle engine), so the guard's window is the timeout but never less than
+//! [`MIN_WINDOW`]: no false alarm for a timeout shorter than an idle park.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use flagcx_adaptor::DeviceAdaptor;
+
+use crate::engine::{lock, Shared};
+use crate::error::{CommError, Result};
+
+/// The shortest stall the guard reports: longer than the engine's idle park (100 ms).
+pub(crate) const MIN_WINDOW: Duration = Duration::from_millis(250);
+
+/// How often a sleeping waiter looks at the [`Verdict`].
+pub(crate) const VERDICT_POLL: Duration = Duration::from_millis(20);
+
+/// The communicator-wide outcome every pending request takes once given: set by an abort or
+/// by the guard, read by waiters without the engine. The first one given stays.
+#[derive(Debug, Default)]
+pub(crate) struct Verdict {
+    given: AtomicBool,
+    error: Mutex<Option<CommError>>,
+}
+
+impl Verdict {
+    /// Gives `e` to every request still waiting, unless a verdict was given already.
+    pub fn give(&self, e: CommError) {
+        let mut g = lock(&self.error);
+        if g.is_none() {
+            *g = Some(e);
+            self.given.store(true, Ordering::Release);
+        }
+    }
+
+    /// The verdict, once given.
+    pub fn get(&self) -> Option<CommError> {
+        if !self.given.load(Ordering::Acquire) {
+            return None;
+        }
+        lock(&self.error).clone()
+    }
+
+    /// Whether one was given.
+    pub fn given(&self) -> bool {
+        self.given.load(Ordering::Acquire)
+    }
+}
+
+/// The guard's thread, and the flag it raises when it fails the communicator.
+pub(crate) struct Guard {
+    handle: JoinHandle<()>,
+    fired: Arc<AtomicBool>,
+}
+
+impl Guard {
+    /// Starts the guard of `shared`'s engine: after `timeout` (at least [`MIN_WINDOW`]) without
+    /// a pass of the engine's loop while operations are in flight, it fails every operation
+    /// numbered below `next_seq`'s value.
+    pub fn start<A: DeviceAdaptor>(
+        adaptor: A,
+        shared: Arc<Shared>,
+        next_seq: Arc<AtomicU64>,
+        timeout: Duration,
+        rank: usize,
+    ) -> Result<Guard> {
+        let fired = Arc::new(AtomicBool::new(false));
+        let flag = fired.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("flagcx-guard-{rank}"))
+            .spawn(move || {
+                if let Some(e) = watch(&shared, timeout.max(MIN_WINDOW), rank) {
+                    flag.store(true, Ordering::Release);
+                    tracing::warn!("{e}");
+                    shared.record_error(&e);
+                    shared.verdict.give(e);
+                    shared.aborted.store(true, Ordering::Release);
+                    let issued = next_seq.load(Ordering::Acquire).saturating_sub(1);
+                    shared.release_through(&adaptor, issued);
+                    shared.wake();
+                }
+            })
+            .map_err(|e| CommError::io("spawn stall guard thread", e))?;
+        Ok(Guard { handle, fired })
+    }
+
+    /// Whether the guard found the engine stalled (and failed the communicator).
+    pub fn fired(&self) -> bool {
+        self.fired.load(Ordering::Acquire)
+    }
+
+    /// Stops the guard (after [`Shared::shutdown`] is set) and waits for its thread, which
+    /// makes no call that blocks.
+    pub fn stop(self) {
+        self.handle.thread().unpark();
+        let _ = self.handle.join();
+    }
+}
+
+/// Watches the engine until shutdown or abort (`None`), or until it stalled for `window` with
+/// operations in flight: the error to fail them with.
+fn watch(shared: &Shared, window: Duration, rank: usize) -> Option<CommError> {
+    let tick = (window / 4).min(Duration::from_millis(100));
+    let mut seen = shared.beats.load(Ordering::Relaxed);
+    let mut since = Instant::now();
+    loop {
+        std::thread::park_timeout(tick);
+        if shared.shutdown.load(Ordering::Acquire) || shared.aborted.load(Ordering::Acquire) {
+            return None;
+        }
+        let beats = shared.beats.load(Ordering::Relaxed);
+        let busy = shared
+            .pending
+            .iter()
+            .flatten()
+            .any(|p| p.load(Ordering::Acquire) > 0);
+        if beats != seen || !busy {
+            seen = beats;
+            since = Instant::now();
+            continue;
+        }
+        let stalled = since.elapsed();
+        if stalled >= window {
+            return Some(CommError::Timeout {
+                ms: window.as_millis() as u64,
+                peer: None,
+                what: format!(
+                    "rank {rank}'s progress thread took no step for {} ms with operations in \
+                     flight (blocked inside a vendor call); the communicator is aborted and \
+                     its streams released",
+                    stalled.as_millis()
+                ),
+            });
+        }
+    }
+}
+
+/// Waits for `h` to end, up to `limit` (the timeout; [`MIN_WINDOW`] at least); whether it did.
+pub(crate) fn joined_within(h: JoinHandle<()>, limit: Option<Duration>) -> bool {
+    let limit = limit.unwrap_or_default().max(MIN_WINDOW);
+    let t0 = Instant::now();
+    while !h.is_finished() {
+        if t0.elapsed() >= limit {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let _ = h.join();
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op::Slot;
+
+    #[test]
+    fn a_verdict_ends_a_wait_the_engine_never_completes() {
+        let verdict = Arc::new(Verdict::default());
+        let slot = Arc::new(Slot::new(None, verdict.clone()));
+        let waiter = {
+            let slot = slot.clone();
+            std::thread::spawn(move || slot.wait(None, Duration::ZERO))
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!slot.settled());
+        let t = Instant::now();
+        verdict.give(CommError::Aborted);
+        assert!(slot.settled() && !slot.is_done());
+        let r = waiter.join().expect("waiter");
+        assert!(matches!(r, Some(Err(CommError::Aborted))), "{r:?}");
+        assert!(t.elapsed() < VERDICT_POLL * 10, "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn a_result_beats_a_later_verdict_and_the_first_verdict_stays() {
+        let verdict = Arc::new(Verdict::default());
+        let slot = Slot::new(None, verdict.clone());
+        slot.complete(Ok(8));
+        verdict.give(CommError::Aborted);
+        verdict.give(CommError::InvalidArgument("second".into()));
+        assert!(matches!(verdict.get(), Some(CommError::Aborted)));
+        assert!(matches!(slot.wait(None, Duration::ZERO), Some(Ok(8))));
+    }
+
+    #[test]
+    fn a_deadline_shorter_than_a_poll_still_holds() {
+        let slot = Slot::new(None, Arc::new(Verdict::default()));
+        let t = Instant::now();
+        assert!(slot
+            .wait(Some(Duration::from_millis(5)), Duration::ZERO)
+            .is_none());
+        assert!(t.elapsed() < VERDICT_POLL, "{:?}", t.elapsed());
+    }
+}
