@@ -678,6 +678,8 @@ impl<A: DeviceAdaptor> Engine<A> {
         left.iter_mut().for_each(|op| self.release_streamed(op));
         let _ = self.adaptor.stream_synchronize(self.send_stream);
         let _ = self.adaptor.stream_synchronize(self.recv_stream);
+        // What an abort or the stall guard told waiters already (`Aborted` at shutdown).
+        let why = self.shared.verdict.get().unwrap_or(CommError::Aborted);
         for mut op in left {
             if let (Some(Resume::Net(mut req)), Some(net)) = (op.resume.take(), &self.net) {
                 lock(net).cancel(&mut req);
@@ -687,7 +689,7 @@ impl<A: DeviceAdaptor> Engine<A> {
             if let Some(Resume::Pushed(ev) | Resume::Pulled { ev, .. }) = op.resume {
                 let _ = self.adaptor.event_synchronize(ev);
             }
-            self.finish(op, Err(CommError::Aborted));
+            self.finish(op, Err(why.clone()));
         }
         self.flush_ipc_cache();
         if let Some(m) = self.host_maps.as_mut() {

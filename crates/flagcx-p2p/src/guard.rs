@@ -120,11 +120,13 @@ impl Guard {
 /// Watches the engine until shutdown or abort (`None`), or until it stalled for `window` with
 /// operations in flight: the error to fail them with.
 fn watch(shared: &Shared, window: Duration, rank: usize) -> Option<CommError> {
-    let tick = (window / 4).min(Duration::from_millis(100));
-    let mut seen = shared.beats.load(Ordering::Relaxed);
-    let mut since = Instant::now();
+    let mut stall = Stall::new(window, shared.beats.load(Ordering::Relaxed));
+    let mut last = Instant::now();
     loop {
-        std::thread::park_timeout(tick);
+        std::thread::park_timeout(stall.tick);
+        let now = Instant::now();
+        let slept = now.duration_since(last);
+        last = now;
         if shared.shutdown.load(Ordering::Acquire) || shared.aborted.load(Ordering::Acquire) {
             return None;
         }
@@ -134,13 +136,7 @@ fn watch(shared: &Shared, window: Duration, rank: usize) -> Option<CommError> {
             .iter()
             .flatten()
             .any(|p| p.load(Ordering::Acquire) > 0);
-        if beats != seen || !busy {
-            seen = beats;
-            since = Instant::now();
-            continue;
-        }
-        let stalled = since.elapsed();
-        if stalled >= window {
+        if let Some(stalled) = stall.look(beats, busy, slept) {
             return Some(CommError::Timeout {
                 ms: window.as_millis() as u64,
                 peer: None,
@@ -152,6 +148,41 @@ fn watch(shared: &Shared, window: Duration, rank: usize) -> Option<CommError> {
                 ),
             });
         }
+    }
+}
+
+/// The guard's judgement, one look at a time.
+///
+/// The stall is the time the guard itself saw pass, each look counting for at most two ticks: a
+/// process that was stopped (`SIGSTOP`) or starved of CPU wakes its guard late, and the engine,
+/// stopped along with it, must get its turn before that time counts against it.
+struct Stall {
+    window: Duration,
+    tick: Duration,
+    seen: u64,
+    stalled: Duration,
+}
+
+impl Stall {
+    fn new(window: Duration, beats: u64) -> Self {
+        Stall {
+            window,
+            tick: (window / 4).min(Duration::from_millis(100)),
+            seen: beats,
+            stalled: Duration::ZERO,
+        }
+    }
+
+    /// One look, `slept` after the last: the engine's pass count and whether operations are in
+    /// flight. The stall so far once it reached the window.
+    fn look(&mut self, beats: u64, busy: bool, slept: Duration) -> Option<Duration> {
+        if beats != self.seen || !busy {
+            self.seen = beats;
+            self.stalled = Duration::ZERO;
+            return None;
+        }
+        self.stalled += slept.min(2 * self.tick);
+        (self.stalled >= self.window).then_some(self.stalled)
     }
 }
 
@@ -201,6 +232,31 @@ mod tests {
         verdict.give(CommError::InvalidArgument("second".into()));
         assert!(matches!(verdict.get(), Some(CommError::Aborted)));
         assert!(matches!(slot.wait(None, Duration::ZERO), Some(Ok(8))));
+    }
+
+    #[test]
+    fn the_guard_counts_only_time_it_saw_pass_with_work_and_no_step() {
+        let ms = Duration::from_millis;
+        let mut s = Stall::new(ms(300), 7);
+        assert_eq!(s.tick, ms(75));
+        // Steps taken, or nothing in flight: never a stall.
+        for beats in 8..100 {
+            assert_eq!(s.look(beats, true, ms(75)), None);
+        }
+        for _ in 0..100 {
+            assert_eq!(s.look(99, false, ms(75)), None);
+        }
+        // A process stopped for ten seconds wakes its guard late: one look counts two ticks.
+        assert_eq!(s.look(99, true, Duration::from_secs(10)), None);
+        // The engine's first pass after the stop clears it.
+        assert_eq!(s.look(100, true, ms(75)), None);
+        // Work in flight and no pass: the window fills tick by tick.
+        assert_eq!(s.look(100, true, ms(75)), None);
+        assert_eq!(s.look(100, true, ms(75)), None);
+        assert_eq!(s.look(100, true, ms(75)), None);
+        assert_eq!(s.look(100, true, ms(80)), Some(ms(305)));
+        // The tick is at most 100 ms.
+        assert_eq!(Stall::new(Duration::from_secs(30), 0).tick, ms(100));
     }
 
     #[test]
