@@ -186,6 +186,14 @@ impl Stall {
     }
 }
 
+impl<A: DeviceAdaptor> crate::comm::Comm<A> {
+    /// A fresh result slot for an operation with `peer`: its waiters drive UCX where the pair
+    /// is on two hosts, and take the communicator's verdict.
+    pub(crate) fn slot(&self, peer: usize) -> crate::op::Slot {
+        crate::op::Slot::new(self.net_helper(peer), self.shared.verdict.clone())
+    }
+}
+
 /// Waits for `h` to end, up to `limit` (the timeout; [`MIN_WINDOW`] at least); whether it did.
 pub(crate) fn joined_within(h: JoinHandle<()>, limit: Option<Duration>) -> bool {
     let limit = limit.unwrap_or_default().max(MIN_WINDOW);

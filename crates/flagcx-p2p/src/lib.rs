@@ -50,6 +50,7 @@ mod op;
 pub mod peer;
 pub mod port;
 mod profile;
+mod request;
 mod setup;
 pub mod shm;
 mod transport;

@@ -33,7 +33,7 @@ use flagcx_adaptor::{DeviceAdaptor, EventHandle, Vendor};
 use super::{started, Phase, Progress, Step};
 use crate::bootstrap::Bootstrap;
 use crate::comm::{Comm, Request, State};
-use crate::engine::{lock, Dir, Engine, Slot};
+use crate::engine::{lock, Dir, Engine};
 use crate::error::{CommError, Result};
 use crate::op::Resume;
 use crate::peer::TransportKind;
@@ -610,12 +610,6 @@ impl<A: DeviceAdaptor> Comm<A> {
 
     /// For an operation with `peer`: where it is on another host, a waiter drives UCX (when
     /// the engine is not in it) instead of sleeping.
-    /// A fresh result slot for an operation with `peer`: its waiters drive UCX where the pair
-    /// is on two hosts, and take the communicator's verdict (`crate::guard`).
-    pub(crate) fn slot(&self, peer: usize) -> Slot {
-        Slot::new(self.net_helper(peer), self.shared.verdict.clone())
-    }
-
     pub(crate) fn net_helper(&self, peer: usize) -> Option<crate::op::Helper> {
         if self.transports.get(peer) != Some(&Some(TransportKind::Net)) {
             return None;
