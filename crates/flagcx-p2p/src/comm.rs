@@ -742,6 +742,9 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
                      leaving it and the communicator's pages behind",
                     self.rank
                 );
+                // A post that raced with the guard took a number after its release.
+                self.shared
+                    .release_through(&self.adaptor, self.next_seq.load(Ordering::Relaxed));
                 return;
             }
         }
