@@ -428,37 +428,20 @@ fn reliability_worker() {
             );
         }
         "abort_stuck" => {
-            use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor};
             // Rank 0's engine thread blocks for 4 s inside the copy of a receive its caller's
             // stream waits for (rank 0 copies, through the proxy: see the test's env); its
             // caller aborts meanwhile, and the stream must pass its wait at once.
             let stall = Duration::from_secs(4);
-            let a =
-                FaultyAdaptor::stalling(adaptor.clone(), FaultOp::CopyD2D, usize::MAX >> 1, stall);
-            let comm = Comm::from_env(a.clone()).expect("comm");
-            let stream = Stream::new(&a).expect("stream");
-            rendezvous(&comm, peer, &stream);
-            let buf = Arc::new(DeviceBuffer::new(&a, 1 << 20).expect("alloc"));
-            if me == 1 {
-                std::thread::sleep(Duration::from_millis(300));
-                let r = comm.send(&buf, peer, &stream).expect("post");
-                // Finished by the stalled copy, or failed by the abort: both are right here.
-                let r = r.wait_timeout(Duration::from_secs(20));
-                stream.synchronize().expect("released");
-                drop((comm, stream, buf));
-                println!("peer done: {r:?}");
+            // Rank 1's send: finished by the stalled copy, or failed by the abort.
+            let Some(Stalled {
+                comm,
+                stream,
+                buf,
+                r,
+            }) = stalled_receive(&adaptor, me, peer, stall, Duration::from_millis(300))
+            else {
                 return;
-            }
-            a.arm(0);
-            let r = comm.recv(&buf, peer, &stream).expect("post");
-            let t = Instant::now();
-            while !a.fired() {
-                assert!(
-                    t.elapsed() < Duration::from_secs(10),
-                    "the receive's copy never began"
-                );
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            };
             let t = Instant::now();
             comm.abort();
             stream
@@ -485,38 +468,20 @@ fn reliability_worker() {
             );
         }
         "stuck_times_out" => {
-            use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor};
             // As in `abort_stuck`, rank 0's engine blocks inside a receive's copy, for 3 s;
             // nobody aborts: `FLAGCX_TIMEOUT_MS=300` must end the plain `wait()` on its own.
             let stall = Duration::from_secs(3);
-            let a =
-                FaultyAdaptor::stalling(adaptor.clone(), FaultOp::CopyD2D, usize::MAX >> 1, stall);
-            let comm = Comm::from_env(a.clone()).expect("comm");
-            let stream = Stream::new(&a).expect("stream");
-            rendezvous(&comm, peer, &stream);
-            let buf = Arc::new(DeviceBuffer::new(&a, 1 << 20).expect("alloc"));
-            if me == 1 {
-                // Well inside the timeout: the receive waits for it in the engine, not stuck.
-                std::thread::sleep(Duration::from_millis(100));
-                let r = comm.send(&buf, peer, &stream).expect("post");
-                // Its own engine times out waiting for rank 0, or rank 0 is gone: any end.
-                let r = r.wait_timeout(Duration::from_secs(20));
-                stream.synchronize().expect("released");
-                drop((comm, stream, buf));
-                println!("peer done: {r:?}");
+            // Rank 1 sends well inside the timeout, so the receive waits for it in the engine,
+            // not stuck; its own engine then times out waiting for rank 0, or rank 0 is gone.
+            let Some(Stalled {
+                comm,
+                stream,
+                buf,
+                r,
+            }) = stalled_receive(&adaptor, me, peer, stall, Duration::from_millis(100))
+            else {
                 return;
-            }
-            a.arm(0);
-            let r = comm.recv(&buf, peer, &stream).expect("post");
-            let t = Instant::now();
-            while !a.fired() {
-                assert!(
-                    t.elapsed() < Duration::from_secs(10),
-                    "the receive's copy never began: {:?}",
-                    comm.async_error()
-                );
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            };
             let t = Instant::now();
             let what = match r.wait() {
                 Err(CommError::Timeout {
@@ -845,6 +810,63 @@ fn watchdog_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot
 /// once rank 0 is done. Rank 0 must fail with `Timeout` naming rank 1 within the timeout plus
 /// 1 s of its last progress, fail a later operation at once, release its stream and leak
 /// nothing. Rank 1, continued, must fail cleanly too: its pair was retired.
+/// The adaptor of the stalled-engine scenarios.
+type Faulty = flagcx_adaptor::testing::FaultyAdaptor<Adaptor>;
+
+/// Rank 0's side of a stalled-engine scenario ([`stalled_receive`]).
+struct Stalled {
+    comm: Comm<Faulty>,
+    stream: Stream<Faulty>,
+    buf: Arc<DeviceBuffer<Faulty>>,
+    /// The receive whose copy is stalled.
+    r: flagcx::Request,
+}
+
+/// The two stalled-engine scenarios' common part: rank 0's communicator, over an adaptor whose
+/// next device-to-device copy blocks for `stall`, with a 1 MiB receive posted and its copy
+/// begun (the engine is inside the stalled call); `None` on rank 1, which sends after
+/// `send_after`, takes whatever end its send gets and is done.
+fn stalled_receive(
+    adaptor: &Adaptor,
+    me: usize,
+    peer: usize,
+    stall: Duration,
+    send_after: Duration,
+) -> Option<Stalled> {
+    use flagcx_adaptor::testing::FaultOp;
+    let a = Faulty::stalling(adaptor.clone(), FaultOp::CopyD2D, usize::MAX >> 1, stall);
+    let comm = Comm::from_env(a.clone()).expect("comm");
+    let stream = Stream::new(&a).expect("stream");
+    rendezvous(&comm, peer, &stream);
+    let buf = Arc::new(DeviceBuffer::new(&a, 1 << 20).expect("alloc"));
+    if me == 1 {
+        std::thread::sleep(send_after);
+        let r = comm.send(&buf, peer, &stream).expect("post");
+        let r = r.wait_timeout(Duration::from_secs(20));
+        stream.synchronize().expect("released");
+        drop((comm, stream, buf));
+        println!("peer done: {r:?}");
+        return None;
+    }
+    a.arm(0);
+    let r = comm.recv(&buf, peer, &stream).expect("post");
+    let t = Instant::now();
+    while !a.fired() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the receive's copy never began: {:?}",
+            comm.async_error()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Some(Stalled {
+        comm,
+        stream,
+        buf,
+        r,
+    })
+}
+
 fn stall_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
     let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_string());
     let n: usize = flagcx::p2p::config::parse_size(
