@@ -6,11 +6,15 @@
 //! - **Device memory** is `cl_mem` buffers. OpenCL has no device addresses, so each buffer gets a
 //!   range of a synthetic address space (in the non-canonical upper half, so it can never be
 //!   mistaken for a host pointer); a [`DevicePtr`] inside it resolves to (buffer, offset).
-//! - **Streams** are in-order command queues; **events** hold the `cl_event` of a marker enqueued
-//!   at record time (profiling gives elapsed time).
-//! - **Host functions** keep stream order with a marker, a user event and a barrier: the
-//!   adaptor's host-function thread polls the marker, runs the function and then opens the
-//!   barrier (completion callbacks came 16–25 ms late on NVIDIA's platform).
+//! - **Streams** are in-order command queues. A recorded **event** holds the `cl_event` of the
+//!   queue's last command at record time (in order, it completes exactly when everything
+//!   recorded before it has), so recording enqueues nothing; only events created for timing
+//!   get a marker of their own, whose profiling gives elapsed time.
+//! - **Host functions** keep stream order with a user event and a barrier on it: the adaptor's
+//!   host-function thread polls the queue's last earlier command, runs the function and then
+//!   opens the barrier (completion callbacks came 16–25 ms late on NVIDIA's platform). A
+//!   stream join is thus one command, where it was three (each command costs 6 µs on NVIDIA's
+//!   platform and ~20 µs on PoCL's before the next can run).
 //! - **Pinning** ([`DeviceAdaptor::host_pin`]): a `CL_MEM_USE_HOST_PTR` buffer wraps the range
 //!   and is never used, which makes NVIDIA's platform pin it, so raw-pointer copies of staging
 //!   rings run at pinned speed.
@@ -129,7 +133,9 @@ struct Inner {
     streams: HandleSet,
     queues: Mutex<HashMap<u64, Queue>>,
     events: HandleSet,
-    /// The marker event of each event's last recording.
+    /// The events created for timing: each recording enqueues a marker of its own.
+    timed: HandleSet,
+    /// The `cl_event` of each event's last recording (see `event_record`).
     recorded: Mutex<HashMap<u64, Raw<cl_event>>>,
     next_handle: AtomicU64,
     /// Hands host functions to their thread (see `spawn_host_fn_thread`).
@@ -252,6 +258,7 @@ impl OpenClAdaptor {
                 streams: HandleSet::new("stream"),
                 queues: Mutex::default(),
                 events: HandleSet::new("event"),
+                timed: HandleSet::new("timed event"),
                 recorded: Mutex::default(),
                 next_handle: AtomicU64::new(0x10_0000),
                 host_fns: Mutex::new(spawn_host_fn_thread()?),
@@ -268,6 +275,16 @@ impl OpenClAdaptor {
                 kind: "stream",
                 value: s.0,
             })
+    }
+
+    /// A new reference to the queue's last command, taken under the lock that guards its
+    /// release (`None`: nothing was ever enqueued, or the stream is unknown).
+    fn retain_last(&self, stream: StreamHandle) -> Option<Raw<cl_event>> {
+        let queues = lock(&self.inner.queues);
+        let last = queues.get(&stream.0)?.last?;
+        // SAFETY: `last` is live: the queue holds a reference, released only under this lock.
+        unsafe { cl3::event::retain_event(last.0) }.ok()?;
+        Some(last)
     }
 
     /// Keeps `ev` (from an enqueue on `stream`) as the queue's last command.
@@ -377,14 +394,26 @@ impl Drop for Inner {
 /// work on the queue is), and the user event gating later work.
 struct HostCall {
     f: HostFn,
-    marker: Raw<cl_event>,
+    /// The queue's last command before the function (`None`: nothing was enqueued before).
+    marker: Option<Raw<cl_event>>,
     gate: Raw<cl_event>,
+}
+
+impl HostCall {
+    /// Whether the work before the function has finished (a failed command counts: the queue
+    /// must not stay blocked).
+    fn ready(&self) -> bool {
+        self.marker
+            .map_or(true, |m| event_complete(m.0).unwrap_or(true))
+    }
 }
 
 /// Runs one host function, then opens the barrier holding later work on its queue.
 fn run_host_call(call: HostCall) {
     let HostCall { f, marker, gate } = call;
-    release(marker.0);
+    if let Some(m) = marker {
+        release(m.0);
+    }
     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
         eprintln!("flagcx-opencl: a host function panicked; the panic was contained");
     }
@@ -424,8 +453,7 @@ fn spawn_host_fn_thread() -> Result<std::sync::mpsc::Sender<HostCall>> {
                 let mut ran = false;
                 let mut i = 0;
                 while i < pending.len() {
-                    // A failed marker runs its function too: the queue must not stay blocked.
-                    if event_complete(pending[i].marker.0).unwrap_or(true) {
+                    if pending[i].ready() {
                         if let Some(c) = pending.remove(i) {
                             run_host_call(c);
                         }
@@ -863,14 +891,18 @@ impl DeviceAdaptor for OpenClAdaptor {
         })
     }
 
-    fn event_create(&self, _timing: bool) -> Result<EventHandle> {
+    fn event_create(&self, timing: bool) -> Result<EventHandle> {
         let h = self.inner.next_handle.fetch_add(1, Ordering::Relaxed);
         self.inner.events.insert(h);
+        if timing {
+            self.inner.timed.insert(h);
+        }
         Ok(EventHandle(h))
     }
 
     fn event_destroy(&self, event: EventHandle) -> Result<()> {
         self.inner.events.remove(event.0)?;
+        let _ = self.inner.timed.remove(event.0);
         if let Some(ev) = lock(&self.inner.recorded).remove(&event.0) {
             release(ev.0);
         }
@@ -880,16 +912,29 @@ impl DeviceAdaptor for OpenClAdaptor {
     fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
         self.inner.events.check(event.0)?;
         let q = self.queue(stream)?;
-        // SAFETY: a live queue; no wait list.
-        let m =
-            unsafe { cl3::command_queue::enqueue_marker_with_wait_list(q, 0, std::ptr::null()) }
-                .map_err(|c| cl_error("clEnqueueMarkerWithWaitList", c))?;
-        let _ = cl3::command_queue::flush(q);
-        // The marker is both the event's recording and the queue's last command.
-        // SAFETY: `m` is live; the extra reference is released by `enqueued`'s bookkeeping.
-        let retained = unsafe { cl3::event::retain_event(m) }.map(|()| m);
-        self.enqueued("clRetainEvent", stream, retained)?;
-        if let Some(old) = lock(&self.inner.recorded).insert(event.0, Raw(m)) {
+        let m = if self.inner.timed.check(event.0).is_ok() {
+            // Timing needs a command of its own at this point: the last one may have finished
+            // long ago, and its end would be the wrong time.
+            // SAFETY: a live queue; no wait list.
+            let m = unsafe {
+                cl3::command_queue::enqueue_marker_with_wait_list(q, 0, std::ptr::null())
+            }
+            .map_err(|c| cl_error("clEnqueueMarkerWithWaitList", c))?;
+            // The marker is both the event's recording and the queue's last command.
+            // SAFETY: `m` is live; the extra reference is released by `enqueued`'s bookkeeping.
+            let retained = unsafe { cl3::event::retain_event(m) }.map(|()| m);
+            self.enqueued("clRetainEvent", stream, retained)?;
+            Some(Raw(m))
+        } else {
+            // In order, the last command completes exactly when all work before this point
+            // has: the recording needs no command (`None`: the queue never had any).
+            self.retain_last(stream)
+        };
+        let old = match m {
+            Some(m) => lock(&self.inner.recorded).insert(event.0, m),
+            None => lock(&self.inner.recorded).remove(&event.0),
+        };
+        if let Some(old) = old {
             release(old.0);
         }
         Ok(())
@@ -968,29 +1013,22 @@ impl DeviceAdaptor for OpenClAdaptor {
         let q = self.queue(stream)?;
         let gate = cl3::event::create_user_event(self.inner.context.0)
             .map_err(|c| cl_error("clCreateUserEvent", c))?;
-        // The marker completes when earlier work has; the barrier holds later work until the
-        // host-function thread opens the gate.
+        // The queue's last command completes when earlier work has; the barrier holds later
+        // work until the host-function thread opens the gate.
+        let marker = self.retain_last(stream);
         // SAFETY: a live queue; the wait list is the one live user event.
-        let marker = match unsafe {
-            cl3::command_queue::enqueue_marker_with_wait_list(q, 0, std::ptr::null())
-        } {
-            Ok(m) => m,
-            Err(c) => {
-                release(gate);
-                return Err(cl_error("clEnqueueMarkerWithWaitList", c));
-            }
-        };
-        // SAFETY: as above.
         let barrier = unsafe { cl3::command_queue::enqueue_barrier_with_wait_list(q, 1, &gate) };
         if let Err(c) = self.enqueued("clEnqueueBarrierWithWaitList", stream, barrier) {
             let _ = cl3::event::set_user_event_status(gate, CL_COMPLETE);
             release(gate);
-            release(marker);
+            if let Some(m) = marker {
+                release(m.0);
+            }
             return Err(c);
         }
         let call = HostCall {
             f,
-            marker: Raw(marker),
+            marker,
             gate: Raw(gate),
         };
         if let Err(std::sync::mpsc::SendError(call)) = lock(&self.inner.host_fns).send(call) {
@@ -999,7 +1037,9 @@ impl DeviceAdaptor for OpenClAdaptor {
             let HostCall { marker, gate, .. } = call;
             let _ = cl3::event::set_user_event_status(gate.0, CL_COMPLETE);
             release(gate.0);
-            release(marker.0);
+            if let Some(m) = marker {
+                release(m.0);
+            }
             return Err(AdaptorError::Unsupported {
                 vendor: VENDOR,
                 op: "launch_host_func (host-function thread gone)",

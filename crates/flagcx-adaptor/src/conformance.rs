@@ -55,6 +55,7 @@ const IPC_BYTES: usize = (1 << 20) + 37;
 /// same rule; the engine keeps it for its own frees (`Engine::trim_at_rest`).
 const HOLDS_A_STREAM: &[&str] = &[
     "host_functions",
+    "events_follow_earlier_work",
     "stream_memory_ops",
     "sized_copies_read_their_length_late",
 ];
@@ -645,6 +646,63 @@ pub fn host_functions<A: DeviceAdaptor>(a: &A) {
         finished.load(std::sync::atomic::Ordering::SeqCst),
         "stream_query said idle before its host function finished"
     );
+}
+
+/// An event stands for everything enqueued before its recording, however the vendor records
+/// it: recorded behind a host function that blocks, an event (with or without timing) stays
+/// incomplete and a second stream waiting on it waits, until the function returns; recorded
+/// again once the stream is idle, or on a stream that never had work, it completes.
+pub fn events_follow_earlier_work<A: DeviceAdaptor>(a: &A) {
+    if !a.capabilities().host_functions {
+        return; // nothing can hold a stream at a known point from the host
+    }
+    let fresh = Stream::new(a).expect("stream");
+    let never = Event::new(a, false).expect("event");
+    never
+        .record(&fresh)
+        .expect("record on a stream that never had work");
+    await_word(
+        "an event on a stream that never had work completing",
+        || never.query().expect("query"),
+    );
+    for timing in [false, true] {
+        let s = Stream::new(a).expect("stream");
+        let s2 = Stream::new(a).expect("stream 2");
+        let d = DeviceBuffer::new(a, 4).expect("alloc");
+        let ev = Event::new(a, timing).expect("event");
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        a.launch_host_func(
+            s.handle(),
+            Box::new(move || {
+                let _ = rx.recv_timeout(Duration::from_secs(5));
+            }),
+        )
+        .expect("launch a blocking host function");
+        ev.record(&s).expect("record behind it");
+        s2.wait_event(&ev).expect("wait event");
+        // SAFETY: `d` outlives the synchronize below.
+        unsafe { a.memset_async(d.ptr(), 9, 4, s2.handle()) }.expect("memset");
+        watch_blocked(
+            &format!("an event (timing {timing}) behind a blocking host function"),
+            || ev.query().expect("query"),
+            false,
+            || a.stream_query(s2.handle()).expect("stream_query"),
+        );
+        tx.send(()).expect("release");
+        ev.synchronize().expect("event sync");
+        s2.synchronize().expect("sync s2");
+        let mut got = [0u8; 4];
+        d.read(0, &mut got, &s2).expect("read");
+        assert_eq!(
+            got, [9; 4],
+            "the waiting stream ran its work once the event completed"
+        );
+        ev.record(&s).expect("record on the idle stream");
+        await_word(
+            &format!("an event (timing {timing}) recorded on an idle stream completing"),
+            || ev.query().expect("query"),
+        );
+    }
 }
 
 /// Registers a shared (memfd) mapping; the device writes through its alias and a second
@@ -1317,7 +1375,7 @@ macro_rules! conformance_tests {
             $crate::conformance_tests!(@cases $open;
                 device_properties, memory_round_trip_odd_sizes, pinned_host_copies,
                 zero_and_huge_sizes, null_and_foreign_pointers, allocation_range,
-                invalid_handles, stream_ordering_many_ops, events, host_functions,
+                invalid_handles, stream_ordering_many_ops, events, host_functions, events_follow_earlier_work,
                 host_addressable_memory, host_register_shared_mapping, host_pin_shared_mapping,
                 stream_memory_ops, stream_value_writes_in_device_memory,
                 sized_copies_read_their_length_late, peer_access,
