@@ -2,7 +2,8 @@
 
 use flagcx_adaptor::{
     AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceProperties, DevicePtr,
-    EventHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor, WaitCondition,
+    EventHandle, GateHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor,
+    WaitCondition,
 };
 
 /// Environment variable naming the vendor to use (`host`, `cuda`, `hip`, `opencl`).
@@ -312,6 +313,12 @@ impl DeviceAdaptor for Adaptor {
     }
     fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()> {
         each!(self, a => a.launch_host_func(stream, f))
+    }
+    fn stream_gate(&self, stream: StreamHandle) -> Result<GateHandle> {
+        each!(self, a => a.stream_gate(stream))
+    }
+    fn gate_open(&self, gate: GateHandle) -> Result<()> {
+        each!(self, a => a.gate_open(gate))
     }
     unsafe fn stream_wait_value32(
         &self,

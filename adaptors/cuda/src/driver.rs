@@ -241,6 +241,7 @@ unsafe impl Driver for CudaDriver {
             capture_mode: true,
             host_addressable: false,
             sized_copy: sized.is_some(),
+            host_gates: false,
         };
         let driver = CudaDriver {
             cu_device,

@@ -151,6 +151,7 @@ unsafe impl Driver for HipDriver {
             host_addressable: false,
             // No kernel for HIP yet (hiprtc or a code object would carry it).
             sized_copy: false,
+            host_gates: false,
         };
         Ok((
             driver,

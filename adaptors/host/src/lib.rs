@@ -274,6 +274,7 @@ impl DeviceAdaptor for HostAdaptor {
             capture_mode: true,
             host_addressable: true,
             sized_copy: true,
+            host_gates: false,
             // Bookkeeping only (see `host_pin`).
             host_pin: true,
         }

@@ -12,9 +12,14 @@
 //!   get a marker of their own, whose profiling gives elapsed time.
 //! - **Host functions** keep stream order with a user event and a barrier on it: the adaptor's
 //!   host-function thread polls the queue's last earlier command, runs the function and then
-//!   opens the barrier (completion callbacks came 16–25 ms late on NVIDIA's platform). A
-//!   stream join is thus one command, where it was three (each command costs 6 µs on NVIDIA's
-//!   platform and ~20 µs on PoCL's before the next can run).
+//!   opens the barrier (completion callbacks came 16–25 ms late on NVIDIA's platform). A host
+//!   function and the event recorded behind it are thus one command, where they were three
+//!   (each command costs 5–6 µs on NVIDIA's platform and ~20 µs on PoCL's before the next can
+//!   run: `benches/probes/ocl_join.c`).
+//! - **Gates** ([`DeviceAdaptor::stream_gate`]): a barrier on a user event that the caller
+//!   sets from any thread ([`DeviceAdaptor::gate_open`]), with no host-function thread in
+//!   between: what the p2p layer joins OpenCL streams with, opened by whoever publishes an
+//!   operation's completion. Gates still closed when the adaptor goes are opened first.
 //! - **Pinning** ([`DeviceAdaptor::host_pin`]): a `CL_MEM_USE_HOST_PTR` buffer wraps the range
 //!   and is never used, which makes NVIDIA's platform pin it, so raw-pointer copies of staging
 //!   rings run at pinned speed.
@@ -36,7 +41,8 @@ use cl3::types::{cl_command_queue, cl_context, cl_device_id, cl_event, cl_int, c
 use flagcx_adaptor::tracking::{lock, HandleSet, RangeMap};
 use flagcx_adaptor::{
     AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceProperties, DevicePtr,
-    EventHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor, WaitCondition,
+    EventHandle, GateHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor,
+    WaitCondition,
 };
 
 const VENDOR: Vendor = Vendor::OpenCl;
@@ -135,6 +141,8 @@ struct Inner {
     events: HandleSet,
     /// The events created for timing: each recording enqueues a marker of its own.
     timed: HandleSet,
+    /// The user event of each gate not yet opened (see `stream_gate`).
+    gates: Mutex<HashMap<u64, Raw<cl_event>>>,
     /// The `cl_event` of each event's last recording (see `event_record`).
     recorded: Mutex<HashMap<u64, Raw<cl_event>>>,
     next_handle: AtomicU64,
@@ -259,6 +267,7 @@ impl OpenClAdaptor {
                 queues: Mutex::default(),
                 events: HandleSet::new("event"),
                 timed: HandleSet::new("timed event"),
+                gates: Mutex::default(),
                 recorded: Mutex::default(),
                 next_handle: AtomicU64::new(0x10_0000),
                 host_fns: Mutex::new(spawn_host_fn_thread()?),
@@ -366,6 +375,11 @@ impl Drop for Inner {
         // SAFETY: no clone remains, so nothing can use these objects any more; each is released
         // exactly once.
         unsafe {
+            // A gate left closed would hold its queue's finish below for ever.
+            for (_, g) in lock(&self.gates).drain() {
+                let _ = cl3::event::set_user_event_status(g.0, CL_COMPLETE);
+                let _ = cl3::event::release_event(g.0);
+            }
             for (_, q) in lock(&self.queues).drain() {
                 let _ = cl3::command_queue::finish(q.q.0);
                 if let Some(e) = q.last {
@@ -519,6 +533,7 @@ impl DeviceAdaptor for OpenClAdaptor {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             host_functions: true,
+            host_gates: true,
             host_pin: true,
             ..Capabilities::default()
         }
@@ -1047,6 +1062,34 @@ impl DeviceAdaptor for OpenClAdaptor {
         }
         let _ = cl3::command_queue::flush(q);
         Ok(())
+    }
+
+    fn stream_gate(&self, stream: StreamHandle) -> Result<GateHandle> {
+        let q = self.queue(stream)?;
+        let gate = cl3::event::create_user_event(self.inner.context.0)
+            .map_err(|c| cl_error("clCreateUserEvent", c))?;
+        // SAFETY: a live queue; the wait list is the one live user event.
+        let barrier = unsafe { cl3::command_queue::enqueue_barrier_with_wait_list(q, 1, &gate) };
+        if let Err(e) = self.enqueued("clEnqueueBarrierWithWaitList", stream, barrier) {
+            release(gate);
+            return Err(e);
+        }
+        let h = self.inner.next_handle.fetch_add(1, Ordering::Relaxed);
+        lock(&self.inner.gates).insert(h, Raw(gate));
+        Ok(GateHandle(h))
+    }
+
+    fn gate_open(&self, gate: GateHandle) -> Result<()> {
+        const OP: &str = "clSetUserEventStatus";
+        let Some(g) = lock(&self.inner.gates).remove(&gate.0) else {
+            return Err(AdaptorError::invalid(
+                OP,
+                format!("gate {} is not closed", gate.0),
+            ));
+        };
+        let r = cl3::event::set_user_event_status(g.0, CL_COMPLETE).map_err(|c| cl_error(OP, c));
+        release(g.0);
+        r
     }
 
     unsafe fn stream_wait_value32(

@@ -2,8 +2,8 @@
 
 use crate::error::Result;
 use crate::types::{
-    Capabilities, CaptureMode, DeviceProperties, DevicePtr, EventHandle, IpcFdHandle, IpcMemHandle,
-    StreamHandle, Vendor, WaitCondition,
+    Capabilities, CaptureMode, DeviceProperties, DevicePtr, EventHandle, GateHandle, IpcFdHandle,
+    IpcMemHandle, StreamHandle, Vendor, WaitCondition,
 };
 
 /// A host function enqueued on a stream with [`DeviceAdaptor::launch_host_func`].
@@ -270,6 +270,28 @@ pub trait DeviceAdaptor: Clone + Send + Sync + 'static {
     /// Enqueues `f` to run on a host thread once earlier work on `stream` completes; later work
     /// on `stream` waits for it. `f` must not call back into the adaptor's stream operations.
     fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()>;
+
+    /// Makes later work on `stream` wait until the returned gate is opened with
+    /// [`Self::gate_open`] (from any thread). A gate that is never opened holds its stream for
+    /// ever: whoever makes one opens it, on error paths too. Requires
+    /// [`crate::Capabilities::host_gates`]; `Unsupported` otherwise (the default).
+    fn stream_gate(&self, stream: StreamHandle) -> Result<GateHandle> {
+        let _ = stream;
+        Err(crate::AdaptorError::Unsupported {
+            vendor: self.vendor(),
+            op: "stream_gate",
+        })
+    }
+
+    /// Opens a gate made by [`Self::stream_gate`]: its stream goes on past it. Each gate opens
+    /// once; an unknown or already opened gate is an invalid argument.
+    fn gate_open(&self, gate: GateHandle) -> Result<()> {
+        let _ = gate;
+        Err(crate::AdaptorError::Unsupported {
+            vendor: self.vendor(),
+            op: "gate_open",
+        })
+    }
 
     // ---- stream memory operations -------------------------------------------------------------
 

@@ -56,6 +56,7 @@ const IPC_BYTES: usize = (1 << 20) + 37;
 const HOLDS_A_STREAM: &[&str] = &[
     "host_functions",
     "events_follow_earlier_work",
+    "stream_gates",
     "stream_memory_ops",
     "sized_copies_read_their_length_late",
 ];
@@ -703,6 +704,59 @@ pub fn events_follow_earlier_work<A: DeviceAdaptor>(a: &A) {
             || ev.query().expect("query"),
         );
     }
+}
+
+/// Gates hold their stream until opened, from another thread too, and open once; or they are
+/// honestly unsupported.
+pub fn stream_gates<A: DeviceAdaptor>(a: &A) {
+    let s = Stream::new(a).expect("stream");
+    if !a.capabilities().host_gates {
+        let e = assert_err("stream_gate", a.stream_gate(s.handle()));
+        assert!(e.is_unsupported(), "{e}");
+        let e = assert_err("gate_open", a.gate_open(crate::GateHandle(1)));
+        assert!(e.is_unsupported(), "{e}");
+        return;
+    }
+    let d = DeviceBuffer::new(a, 8).expect("alloc");
+    d.write(0, &[1; 8], &s).expect("write");
+    s.synchronize().expect("sync");
+    let first = a.stream_gate(s.handle()).expect("stream_gate");
+    let second = a
+        .stream_gate(s.handle())
+        .expect("a second gate behind the first");
+    // SAFETY: `d` outlives the synchronize below.
+    unsafe { a.memset_async(d.ptr(), 7, 8, s.handle()) }.expect("memset behind the gates");
+    let behind = Event::new(a, false).expect("event");
+    behind.record(&s).expect("record");
+    watch_blocked(
+        "a closed gate",
+        || behind.query().expect("query"),
+        false,
+        || a.stream_query(s.handle()).expect("stream_query"),
+    );
+    a.gate_open(first).expect("open the first gate");
+    watch_blocked(
+        "the second gate, with the first open",
+        || behind.query().expect("query"),
+        false,
+        || a.stream_query(s.handle()).expect("stream_query"),
+    );
+    let e = assert_err("opening a gate twice", a.gate_open(first));
+    assert!(
+        matches!(e, AdaptorError::InvalidArgument { .. }),
+        "opening a gate twice: {e}"
+    );
+    // Opened from another thread, as a progress thread opens them.
+    std::thread::scope(|t| {
+        t.spawn(|| a.gate_open(second).expect("open from another thread"));
+    });
+    s.synchronize().expect("sync past both gates");
+    let mut got = [0u8; 8];
+    d.read(0, &mut got, &s).expect("read");
+    assert_eq!(
+        got, [7; 8],
+        "the work behind the gates ran once they opened"
+    );
 }
 
 /// Registers a shared (memfd) mapping; the device writes through its alias and a second
@@ -1375,7 +1429,7 @@ macro_rules! conformance_tests {
             $crate::conformance_tests!(@cases $open;
                 device_properties, memory_round_trip_odd_sizes, pinned_host_copies,
                 zero_and_huge_sizes, null_and_foreign_pointers, allocation_range,
-                invalid_handles, stream_ordering_many_ops, events, host_functions, events_follow_earlier_work,
+                invalid_handles, stream_ordering_many_ops, events, host_functions, events_follow_earlier_work, stream_gates,
                 host_addressable_memory, host_register_shared_mapping, host_pin_shared_mapping,
                 stream_memory_ops, stream_value_writes_in_device_memory,
                 sized_copies_read_their_length_late, peer_access,

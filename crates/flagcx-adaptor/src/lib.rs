@@ -37,6 +37,6 @@ pub use adaptor::{DeviceAdaptor, HostFn};
 pub use error::{clone_io_error, AdaptorError, Result};
 pub use raii::{CaptureModeGuard, DeviceBuffer, Event, IpcMapping, PinnedBuffer, Stream};
 pub use types::{
-    Capabilities, CaptureMode, DeviceProperties, DevicePtr, EventHandle, IpcFdHandle, IpcMemHandle,
-    StreamHandle, Vendor, WaitCondition, IPC_HANDLE_BYTES,
+    Capabilities, CaptureMode, DeviceProperties, DevicePtr, EventHandle, GateHandle, IpcFdHandle,
+    IpcMemHandle, StreamHandle, Vendor, WaitCondition, IPC_HANDLE_BYTES,
 };

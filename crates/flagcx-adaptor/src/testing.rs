@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use crate::{
     AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceProperties, DevicePtr,
-    EventHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor, WaitCondition,
+    EventHandle, GateHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor,
+    WaitCondition,
 };
 
 /// Which calls a [`FaultyAdaptor`] fails.
@@ -281,6 +282,12 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
     }
     fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()> {
         self.inner.launch_host_func(stream, f)
+    }
+    fn stream_gate(&self, stream: StreamHandle) -> Result<GateHandle> {
+        self.inner.stream_gate(stream)
+    }
+    fn gate_open(&self, gate: GateHandle) -> Result<()> {
+        self.inner.gate_open(gate)
     }
     unsafe fn stream_wait_value32(
         &self,

@@ -109,6 +109,11 @@ pub struct StreamHandle(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct EventHandle(pub u64);
 
+/// A point of a stream that later work waits at until the host opens it, from any thread: made
+/// by [`crate::DeviceAdaptor::stream_gate`], opened once by [`crate::DeviceAdaptor::gate_open`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GateHandle(pub u64);
+
 /// Size of the opaque byte form of an IPC memory handle (CUDA's and HIP's are 64 bytes).
 pub const IPC_HANDLE_BYTES: usize = 64;
 
@@ -211,6 +216,10 @@ pub struct Capabilities {
     pub peer_access: bool,
     /// [`crate::DeviceAdaptor::launch_host_func`] works.
     pub host_functions: bool,
+    /// [`crate::DeviceAdaptor::stream_gate`] / `gate_open` work: a stream waits at a point
+    /// the host opens directly, with no runtime thread or host function in between (OpenCL's
+    /// user events). What a vendor without stream memory operations joins streams with.
+    pub host_gates: bool,
     /// 32-bit stream wait/write value operations work.
     pub stream_mem_ops: bool,
     /// 64-bit stream wait/write value operations work.

@@ -33,6 +33,9 @@ pub struct PeerInfo {
     pub streamed: HostDirect,
 }
 
+/// How many capability bits the peer information carries (`caps_bits`).
+const CAP_BITS: u32 = 12;
+
 fn caps_bits(c: &Capabilities) -> u32 {
     [
         c.ipc_bytes,
@@ -46,6 +49,7 @@ fn caps_bits(c: &Capabilities) -> u32 {
         c.host_addressable,
         c.host_pin,
         c.sized_copy,
+        c.host_gates,
     ]
     .iter()
     .enumerate()
@@ -66,6 +70,7 @@ fn bits_caps(b: u32) -> Capabilities {
         host_addressable: f(8),
         host_pin: f(9),
         sized_copy: f(10),
+        host_gates: f(11),
     }
 }
 
@@ -119,7 +124,7 @@ impl PeerInfo {
         let host_id = r.str()?;
         let pid = r.u32()?;
         let bits = r.u32()?;
-        if bits >> 11 != 0 {
+        if bits >> CAP_BITS != 0 {
             return Err(CommError::Protocol(format!(
                 "peer info: unknown capability bits {bits:#x}"
             )));
