@@ -130,6 +130,13 @@ impl<A: DeviceAdaptor> Comm<A> {
                 ),
             ));
         }
+        if config.join == StreamJoin::Gate && !caps.host_gates {
+            return Err(CommError::config(
+                "FLAGCX_STREAM_JOIN",
+                "gate",
+                format!("{} has no stream gates", adaptor.vendor()),
+            ));
+        }
         let boot = Arc::new(Bootstrap::connect(
             rank,
             nranks,
@@ -174,6 +181,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             released: AtomicU64::new(0),
             watermark: Mutex::new(0),
             watermark_cv: Condvar::new(),
+            gates: Mutex::default(),
             watermark_word: WatermarkWord::new(page.host),
             thread: Mutex::new(None),
             first_error: Mutex::new(None),

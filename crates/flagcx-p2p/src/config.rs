@@ -9,10 +9,14 @@ use crate::error::{CommError, Result};
 /// How a caller's stream waits for the operations posted on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StreamJoin {
-    /// Stream memory operations where the vendor has them, else host functions.
+    /// Stream memory operations where the vendor has them, else gates, else host functions.
     Auto,
     /// A stream wait-value on the communicator's completion word (fast trigger).
     MemOp,
+    /// A gate the progress thread opens when the operation finished
+    /// ([`flagcx_adaptor::DeviceAdaptor::stream_gate`]; OpenCL's user events): no runtime
+    /// thread in between. Refused where the vendor has none.
+    Gate,
     /// A host function that blocks the stream until the operation finished (slow trigger).
     HostFn,
     /// No join: later work on the stream is *not* ordered after the operation; callers order
@@ -103,7 +107,8 @@ pub struct Config {
     /// blocked inside a vendor call this long (at least 250 ms) with operations in flight fails
     /// the whole communicator, as [`crate::Comm::abort`] would, with `Timeout`.
     pub timeout: Option<Duration>,
-    /// How callers' streams wait for operations (`FLAGCX_STREAM_JOIN=auto|memop|hostfn|none`).
+    /// How callers' streams wait for operations
+    /// (`FLAGCX_STREAM_JOIN=auto|memop|gate|hostfn|none`).
     pub join: StreamJoin,
     /// How often the proxy checks, while it has work, whether peers hung up
     /// (`FLAGCX_HEALTH_INTERVAL_MS`, default 10 ms): a dead peer is noticed within this.
@@ -281,10 +286,11 @@ impl Config {
                 &[
                     ("auto", StreamJoin::Auto),
                     ("memop", StreamJoin::MemOp),
+                    ("gate", StreamJoin::Gate),
                     ("hostfn", StreamJoin::HostFn),
                     ("none", StreamJoin::None),
                 ],
-                "expected auto, memop, hostfn or none",
+                "expected auto, memop, gate, hostfn or none",
             )?;
         }
         if let Some(v) = var("FLAGCX_P2P_IPC_COPIER") {
@@ -714,6 +720,21 @@ mod tests {
         let e = Config::from_lookup(lookup(&[("FLAGCX_P2P_EAGER_MAX", "65537")])).unwrap_err();
         assert!(e.to_string().contains("FLAGCX_P2P_EAGER_MAX"), "{e}");
         assert!(Config::from_lookup(lookup(&[("FLAGCX_P2P_EAGER_MAX", "lots")])).is_err());
+    }
+
+    #[test]
+    fn stream_joins_parse_strictly() {
+        for (v, want) in [
+            ("gate", StreamJoin::Gate),
+            (" HostFn ", StreamJoin::HostFn),
+            ("memop", StreamJoin::MemOp),
+            ("none", StreamJoin::None),
+        ] {
+            let c = Config::from_lookup(lookup(&[("FLAGCX_STREAM_JOIN", v)])).unwrap();
+            assert_eq!(c.join, want, "{v}");
+        }
+        let e = Config::from_lookup(lookup(&[("FLAGCX_STREAM_JOIN", "gates")])).unwrap_err();
+        assert!(e.to_string().contains("expected auto, memop, gate"), "{e}");
     }
 
     #[test]

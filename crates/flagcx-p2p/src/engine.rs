@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use flagcx_adaptor::{DeviceAdaptor, EventHandle, StreamHandle};
+use flagcx_adaptor::{DeviceAdaptor, EventHandle, GateHandle, StreamHandle};
 
 pub(crate) use flagcx_adaptor::tracking::lock;
 
@@ -69,6 +69,9 @@ pub(crate) struct Shared {
     /// Highest `n` such that every operation with `seq <= n` has finished.
     pub watermark: Mutex<u64>,
     pub watermark_cv: Condvar,
+    /// Callers' streams waiting at gates (`StreamJoin::Gate`), with the operation each waits
+    /// for: opened by whoever publishes a watermark that reaches it (taken inside `watermark`).
+    pub(crate) gates: Mutex<Vec<(u64, GateHandle)>>,
     /// The device-visible word callers' streams wait on (low 32 bits of the watermark).
     pub watermark_word: WatermarkWord,
     pub thread: Mutex<Option<std::thread::Thread>>,
@@ -177,7 +180,27 @@ impl Shared {
         // SAFETY: see the type's Send/Sync argument: a live, aligned word.
         unsafe { adaptor.host_write_value32(self.watermark_word.as_mut_ptr(), w as u32) };
         *g = w;
+        let open: Vec<GateHandle> = {
+            let mut gates = lock(&self.gates);
+            if gates.is_empty() {
+                Vec::new()
+            } else {
+                let mut open = Vec::new();
+                gates.retain(|&(seq, gate)| {
+                    let passed = seq <= w;
+                    if passed {
+                        open.push(gate);
+                    }
+                    !passed
+                });
+                open
+            }
+        };
         drop(g);
+        for gate in open {
+            // Only an unknown gate fails, and every gate here was made and not yet opened.
+            let _ = adaptor.gate_open(gate);
+        }
         self.watermark_cv.notify_all();
     }
 }

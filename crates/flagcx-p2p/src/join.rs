@@ -100,8 +100,10 @@ impl<A: DeviceAdaptor> Comm<A> {
             return Ok(());
         }
         let caps = self.adaptor.capabilities();
+        let memop = !matches!(join, StreamJoin::HostFn | StreamJoin::Gate);
+        let gate = caps.host_gates && matches!(join, StreamJoin::Auto | StreamJoin::Gate);
         match self.page.device {
-            Some(word) if caps.stream_mem_ops && join != StreamJoin::HostFn => {
+            Some(word) if caps.stream_mem_ops && memop => {
                 // SAFETY: the word lives in the registered watermark page, which outlives every
                 // stream wait (Drop releases the waits and waits for each joined stream's
                 // last-join event before unmapping).
@@ -114,6 +116,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                     )?
                 };
             }
+            _ if gate => self.shared.gate_until(&self.adaptor, stream, seq)?,
             _ => {
                 let shared = self.shared.clone();
                 self.adaptor
@@ -159,6 +162,34 @@ impl<A: DeviceAdaptor> Comm<A> {
 }
 
 impl crate::engine::Shared {
+    /// Makes `stream` wait at a gate until the watermark reaches `seq`: the publisher of the
+    /// watermark opens it ([`Self::publish_watermark`]), with no runtime thread in between.
+    /// Nothing is enqueued where the operation already finished.
+    pub(crate) fn gate_until<A: DeviceAdaptor>(
+        &self,
+        adaptor: &A,
+        stream: StreamHandle,
+        seq: u64,
+    ) -> Result<()> {
+        if *lock(&self.watermark) >= seq {
+            return Ok(());
+        }
+        let gate = adaptor.stream_gate(stream)?;
+        // Checked again under the lock the publisher holds while it collects gates: a gate is
+        // either seen by a later publish or opened here.
+        let passed = {
+            let w = lock(&self.watermark);
+            if *w < seq {
+                lock(&self.gates).push((seq, gate));
+            }
+            *w >= seq
+        };
+        if passed {
+            adaptor.gate_open(gate)?;
+        }
+        Ok(())
+    }
+
     /// Releases every stream waiting for an operation up to `through`, from the host and
     /// without the engine thread (`Comm::abort`, `Comm`'s drop): the watermark is published
     /// there now and never below it afterwards.
