@@ -38,7 +38,11 @@ use crate::PathStats;
 /// ([`Config::eager_max`]), and on IPC pairs ([`Config::ipc_caller`]). Such a post may then take
 /// up to the spin time (plus up to 2 ms while the message's copy runs) and return a request
 /// that is already complete. A group's small messages go eagerly at [`Comm::group_end`], which
-/// may likewise wait up to the spin time for the group's eager receives. On a stream-ordered
+/// may likewise wait up to the spin time for the group's eager receives. An eager receive
+/// waits longer for a pair whose recent eager messages took longer to come (three times their
+/// average, up to 1 ms), and 2 ms more while the sender's runtime copies the message out of
+/// its device: a receive that gives up goes to the proxy, and on a stream the caller keeps
+/// enqueuing to, every later message of the pair follows it there. On a stream-ordered
 /// pair ([`Comm::stream_limit`]) small messages only enqueue stream operations, grouped or not.
 ///
 /// On CUDA, do not call `cudaFree`, `cudaFreeHost` or `cudaHostUnregister` from any thread
@@ -253,6 +257,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                     freed: AtomicU64::new(0),
                     addressable: caps.host_addressable,
                     shares_device: c.shares_device,
+                    waited_ns: AtomicU64::new(0),
                 })
             })
             .collect();

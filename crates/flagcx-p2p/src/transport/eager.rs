@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use flagcx_adaptor::{Capabilities, DeviceAdaptor, DevicePtr, StreamHandle};
 
-use super::ipc::poll_peer_for;
+use super::ipc::{poll_peer_for, RUNNING_COPY_WAIT};
 use super::{started, Path, Progress, Step};
 use crate::channel::{Channel, Counter, SendDesc, DESC_RING};
 use crate::comm::{Comm, Request, State};
@@ -42,7 +42,14 @@ pub(crate) struct EagerLink {
     /// Both ranks use one physical device: small messages are written in with stream value
     /// writes ([`copy_in`]).
     pub(crate) shares_device: bool,
+    /// How long this rank's eager receives of the pair recently waited for their message
+    /// (nanoseconds, a moving average of the ones that came): see [`EagerLink::recv_budget`].
+    pub(crate) waited_ns: AtomicU64,
 }
+
+/// The longest a receive waits for an eager message because the pair's recent ones took long
+/// to come ([`EagerLink::recv_budget`]).
+pub(crate) const ACTIVE_PEER_WAIT: Duration = Duration::from_millis(1);
 
 /// Largest eager message of a pair where neither side's device memory is host addressable
 /// (two runtimes copy, each through a bounce buffer). On the H200, two CUDA ranks forced
@@ -315,9 +322,10 @@ impl<A: DeviceAdaptor> Comm<A> {
                     Duration::ZERO
                 };
                 let mut polls = 0u32;
+                let t0 = std::time::Instant::now();
                 let found = poll_peer_for(
                     spin,
-                    || spin,
+                    || link.recv_budget(spin, k),
                     || match link.probe(k, &mut polls) {
                         Arrival::Eager(sd) => Some(Some(sd)),
                         Arrival::Other => Some(None),
@@ -325,7 +333,10 @@ impl<A: DeviceAdaptor> Comm<A> {
                     },
                 );
                 match found {
-                    Some(Some(sd)) => self.eager_take(link, k, &sd, ptr, bytes, peer, stream),
+                    Some(Some(sd)) => {
+                        link.note_wait(t0.elapsed());
+                        self.eager_take(link, k, &sd, ptr, bytes, peer, stream)
+                    }
                     _ => None,
                 }
             }
@@ -405,8 +416,10 @@ impl<A: DeviceAdaptor> Comm<A> {
             return publish(ptr.0 as *const u8).map(|()| Ok(bytes));
         }
         // Device memory the CPU cannot read: the runtime copies it to the host first, outside
-        // the inbox lock (nothing is copied where the pair is not free now).
-        taken(&lock(&self.shared.inbox))?;
+        // the inbox lock (nothing is copied where the pair is not free now). The peer's
+        // receive keeps waiting while the copy runs (`EagerLink::recv_budget`).
+        let k = taken(&lock(&self.shared.inbox))?;
+        link.out.store(Counter::Issued, k + 1);
         let sent = lock(&self.bounce).with(&self.adaptor, bytes, |b| {
             // SAFETY: `ptr..ptr+bytes` lies in one allocation of this adaptor (checked by
             // `post`), and the stream is idle, so earlier work on it has finished writing it;
@@ -471,6 +484,35 @@ impl<A: DeviceAdaptor> Comm<A> {
 }
 
 impl EagerLink {
+    /// How long a receive of message `k` waits for it to come eagerly before the proxy takes
+    /// it: the spin time, or three times what the pair's recent eager receives waited where
+    /// that is longer (up to [`ACTIVE_PEER_WAIT`]: a peer that answers in lockstep, slowly,
+    /// is worth waiting for, where a miss would leave every later message of an enqueued
+    /// stream in the proxy), and [`RUNNING_COPY_WAIT`] more while the peer's posting thread
+    /// copies message `k` out of its device ([`Counter::Issued`]). No wait where the spin
+    /// time is zero.
+    pub(crate) fn recv_budget(&self, spin: Duration, k: u64) -> Duration {
+        if spin.is_zero() {
+            return spin;
+        }
+        let recent = Duration::from_nanos(self.waited_ns.load(Ordering::Relaxed).saturating_mul(3));
+        let wait = spin.max(recent.min(ACTIVE_PEER_WAIT));
+        if self.inc.load(Counter::Issued) > k {
+            wait + RUNNING_COPY_WAIT
+        } else {
+            wait
+        }
+    }
+
+    /// Records that an eager receive waited `waited` for its message (a moving average of
+    /// eight).
+    pub(crate) fn note_wait(&self, waited: Duration) {
+        let w = waited.as_nanos().min(u64::MAX as u128) as u64;
+        let old = self.waited_ns.load(Ordering::Relaxed);
+        self.waited_ns
+            .store(old - old / 8 + w / 8, Ordering::Relaxed);
+    }
+
     /// One look at the peer's message `k`: its status word (an eager message publishes it
     /// last: one cache line to fetch), and every 64th look (`polls` counts them) the counter,
     /// which shows a message of the proxy's protocol.
@@ -558,6 +600,8 @@ impl<A: DeviceAdaptor> Comm<A> {
         let t0 = std::time::Instant::now();
         let mut polls = 0u32;
         let mut busy: HashSet<usize> = HashSet::new();
+        // The longest any receive still waiting may wait (`EagerLink::recv_budget`).
+        let mut limit = spin;
         loop {
             busy.clear();
             let mut left = false;
@@ -576,11 +620,13 @@ impl<A: DeviceAdaptor> Comm<A> {
                 let k = lock(&self.shared.inbox).next[peer][Dir::Recv as usize];
                 let taken = match link.probe(k, &mut polls) {
                     Arrival::Eager(sd) => {
+                        link.note_wait(t0.elapsed());
                         self.eager_take(link, k, &sd, op.ptr, op.bytes, peer, stream)
                     }
                     Arrival::Other => None,
                     Arrival::NotYet => {
                         left = true;
+                        limit = limit.max(link.recv_budget(spin, k));
                         continue;
                     }
                 };
@@ -595,7 +641,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                     }
                 }
             }
-            if !left || t0.elapsed() >= spin {
+            if !left || t0.elapsed() >= limit {
                 break;
             }
             flagcx_adaptor::spin::relax_on_peer(polls);
@@ -692,5 +738,64 @@ mod value_write_tests {
         // SAFETY: allocated above, nothing in flight.
         unsafe { a.mem_free(buf).unwrap() };
         a.stream_destroy(s).unwrap();
+    }
+}
+
+#[cfg(test)]
+mod budget_tests {
+    use super::*;
+    use crate::channel::Geometry;
+
+    fn link() -> EagerLink {
+        let geo = Geometry {
+            slots: 1,
+            chunk: 4096,
+            eager: 64,
+        };
+        EagerLink {
+            out: Arc::new(Channel::create(geo).unwrap()),
+            inc: Arc::new(Channel::create(geo).unwrap()),
+            send_max: 64,
+            recv_max: 64,
+            freed: AtomicU64::new(0),
+            addressable: false,
+            shares_device: false,
+            waited_ns: AtomicU64::new(0),
+        }
+    }
+
+    #[test]
+    fn receives_wait_longer_for_a_slow_pair_and_for_a_running_copy() {
+        let l = link();
+        let spin = Duration::from_micros(50);
+        assert_eq!(l.recv_budget(spin, 0), spin, "no history: the spin time");
+        assert_eq!(
+            l.recv_budget(Duration::ZERO, 0),
+            Duration::ZERO,
+            "spin 0: no wait"
+        );
+        // Receives that waited 10 µs keep the spin time; ones that waited 100 µs triple it.
+        for _ in 0..64 {
+            l.note_wait(Duration::from_micros(10));
+        }
+        assert_eq!(l.recv_budget(spin, 0), spin);
+        for _ in 0..64 {
+            l.note_wait(Duration::from_micros(100));
+        }
+        let b = l.recv_budget(spin, 0);
+        assert!(
+            b > Duration::from_micros(280) && b <= Duration::from_micros(300),
+            "{b:?}"
+        );
+        // Never past the cap, however slow.
+        for _ in 0..64 {
+            l.note_wait(Duration::from_secs(1));
+        }
+        assert_eq!(l.recv_budget(spin, 0), ACTIVE_PEER_WAIT);
+        // The peer copying message 5 out of its device: its receive waits for the copy too,
+        // the next one's does not.
+        l.inc.store(Counter::Issued, 6);
+        assert_eq!(l.recv_budget(spin, 5), ACTIVE_PEER_WAIT + RUNNING_COPY_WAIT);
+        assert_eq!(l.recv_budget(spin, 6), ACTIVE_PEER_WAIT);
     }
 }
