@@ -193,6 +193,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             path_bytes: Default::default(),
             caller_ops: AtomicU64::new(0),
             caller_handoffs: Default::default(),
+            eager_declined: Default::default(),
             beats: AtomicU64::new(0),
             verdict: Default::default(),
         });
@@ -580,6 +581,10 @@ impl<A: DeviceAdaptor> Comm<A> {
         // stream idle at posting: it waits out a satisfied join as an ungrouped one does.
         let grouped_eager = !ungrouped && self.eager.get(peer).is_some_and(|l| l.is_some());
         let idle = ordered || self.idle_or_soon(stream, eager || grouped_eager || caller || net)?;
+        let link = self.eager.get(peer).and_then(|l| l.as_ref());
+        if !idle && (eager || grouped_eager) && link.is_some_and(|l| l.fits(dir, bytes)) {
+            self.shared.declined(crate::op::Declined::StreamBusy);
+        }
         if idle && eager {
             if let Some(r) = self.try_eager(dir, ptr, bytes, peer, stream)? {
                 return Ok(r);

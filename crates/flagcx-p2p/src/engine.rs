@@ -86,6 +86,9 @@ pub(crate) struct Shared {
     /// IPC operations the posting thread handed to the proxy, indexed by [`Handoff`], for
     /// `FLAGCX_PROFILE` and [`crate::PathStats::caller_failures`].
     pub caller_handoffs: [AtomicU64; 5],
+    /// Small messages of eager pairs that went to the proxy, by reason
+    /// ([`crate::op::Declined`]).
+    pub(crate) eager_declined: [AtomicU64; 4],
     /// Passes of the engine's loop, for the stall guard (`crate::guard`); the verdict every
     /// waiting request takes once an abort or the guard gives it.
     pub beats: AtomicU64,
@@ -664,6 +667,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         if let Some(p) = self.profile.as_mut() {
             p.ipc_opens = lock(&self.shared.ipc).opens;
             p.report(self.boot.rank());
+            crate::profile::report_declined(self.boot.rank(), &self.shared);
             let n = |h: Handoff| self.shared.caller_handoffs[h as usize].load(Ordering::Relaxed);
             eprintln!(
                 "flagcx profile rank {}: {} IPC operations finished by their posting thread; \

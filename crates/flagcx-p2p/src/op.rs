@@ -186,6 +186,20 @@ pub(crate) enum Handoff {
     Failed = 4,
 }
 
+/// Why a small message of a pair with eager slots went to the proxy instead: the index of its
+/// counter in [`crate::engine::Shared::eager_declined`] (printed by `FLAGCX_PROFILE=1`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Declined {
+    /// The caller's stream had work pending at posting.
+    StreamBusy = 0,
+    /// The pair and direction had an operation with the proxy, or the peer's slots were full.
+    PairBusy = 1,
+    /// A receive waited out its budget (`EagerLink::recv_budget`) before the message came.
+    WaitedOut = 2,
+    /// A receive found the peer's message sent through the proxy's protocol.
+    OtherPath = 3,
+}
+
 impl Resume {
     /// The counter of a hand-over that resumes at `r`.
     pub fn handoff(r: &Option<Resume>) -> Handoff {

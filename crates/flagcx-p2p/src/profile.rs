@@ -4,6 +4,20 @@ use std::time::Instant;
 
 use crate::op::Dir;
 
+/// Prints why small messages of eager pairs went to the proxy ([`crate::op::Declined`]).
+pub(crate) fn report_declined(rank: usize, shared: &crate::engine::Shared) {
+    let n = |i: usize| shared.eager_declined[i].load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!(
+        "flagcx profile rank {rank}: small messages of eager pairs handed to the proxy: {} with \
+         the caller's stream busy, {} with the pair busy, {} receives waited out, {} found a \
+         message of the proxy's protocol",
+        n(0),
+        n(1),
+        n(2),
+        n(3)
+    );
+}
+
 /// Where operations spend their time, per direction (`FLAGCX_PROFILE=1` prints it at teardown).
 #[derive(Default)]
 pub(crate) struct Profile {

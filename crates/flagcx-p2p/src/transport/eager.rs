@@ -22,6 +22,7 @@ use crate::channel::{Channel, Counter, SendDesc, DESC_RING};
 use crate::comm::{Comm, Request, State};
 use crate::engine::{lock, Dir, Engine, Inbox, Op};
 use crate::error::{CommError, Result};
+use crate::op::Declined;
 
 /// The API side's handle on one pair's eager slots (see [`crate::Config::eager_max`]).
 pub(crate) struct EagerLink {
@@ -308,7 +309,13 @@ impl<A: DeviceAdaptor> Comm<A> {
             return Ok(None);
         };
         let r = match dir {
-            Dir::Send => self.eager_send(link, ptr, bytes, peer, stream),
+            Dir::Send => {
+                let r = self.eager_send(link, ptr, bytes, peer, stream);
+                if r.is_none() && link.fits(dir, bytes) {
+                    self.shared.declined(Declined::PairBusy);
+                }
+                r
+            }
             Dir::Recv => {
                 if link.recv_max == 0 {
                     return Ok(None);
@@ -335,9 +342,22 @@ impl<A: DeviceAdaptor> Comm<A> {
                 match found {
                     Some(Some(sd)) => {
                         link.note_wait(t0.elapsed());
-                        self.eager_take(link, k, &sd, ptr, bytes, peer, stream)
+                        let r = self.eager_take(link, k, &sd, ptr, bytes, peer, stream);
+                        if r.is_none() {
+                            self.shared.declined(Declined::PairBusy);
+                        }
+                        r
                     }
-                    _ => None,
+                    Some(None) => {
+                        self.shared.declined(Declined::OtherPath);
+                        None
+                    }
+                    None => {
+                        if !spin.is_zero() {
+                            self.shared.declined(Declined::WaitedOut);
+                        }
+                        None
+                    }
                 }
             }
         };
@@ -483,7 +503,22 @@ impl<A: DeviceAdaptor> Comm<A> {
     }
 }
 
+impl crate::engine::Shared {
+    /// Counts a small message of an eager pair that goes to the proxy, and why.
+    pub(crate) fn declined(&self, why: Declined) {
+        self.eager_declined[why as usize].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 impl EagerLink {
+    /// Whether a message of `bytes` in direction `dir` fits this pair's eager slots.
+    pub(crate) fn fits(&self, dir: Dir, bytes: usize) -> bool {
+        match dir {
+            Dir::Send => bytes <= self.send_max,
+            Dir::Recv => bytes <= self.recv_max,
+        }
+    }
+
     /// How long a receive of message `k` waits for it to come eagerly before the proxy takes
     /// it: the spin time, or three times what the pair's recent eager receives waited where
     /// that is longer (up to [`ACTIVE_PEER_WAIT`]: a peer that answers in lockstep, slowly,
@@ -591,6 +626,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                     }
                 }
                 None => {
+                    self.shared.declined(Declined::PairBusy);
                     handed.insert(key);
                 }
             }
@@ -623,7 +659,11 @@ impl<A: DeviceAdaptor> Comm<A> {
                         link.note_wait(t0.elapsed());
                         self.eager_take(link, k, &sd, op.ptr, op.bytes, peer, stream)
                     }
-                    Arrival::Other => None,
+                    Arrival::Other => {
+                        self.shared.declined(Declined::OtherPath);
+                        handed.insert((peer, Dir::Recv as usize));
+                        continue;
+                    }
                     Arrival::NotYet => {
                         left = true;
                         limit = limit.max(link.recv_budget(spin, k));
@@ -637,6 +677,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                         }
                     }
                     None => {
+                        self.shared.declined(Declined::PairBusy);
                         handed.insert((peer, Dir::Recv as usize));
                     }
                 }
@@ -645,6 +686,13 @@ impl<A: DeviceAdaptor> Comm<A> {
                 break;
             }
             flagcx_adaptor::spin::relax_on_peer(polls);
+        }
+        // Each peer's first receive still waiting waited out its budget.
+        for &(i, _) in &receives {
+            let waiting = ops[i].as_ref().map(|(op, _)| op.peer);
+            if waiting.is_some_and(|p| handed.insert((p, Dir::Recv as usize))) {
+                self.shared.declined(Declined::WaitedOut);
+            }
         }
         ops.into_iter().flatten().collect()
     }
