@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use flagcx::p2p::bootstrap::{socket_name, UniqueId};
 
 mod common;
-use flagcx::{Adaptor, Comm, CommError, DeviceBuffer, Stream};
+use flagcx::{Adaptor, Comm, CommError, DeviceAdaptor, DeviceBuffer, Stream};
 
 fn vendor() -> String {
     std::env::var("FLAGCX_P2P_TEST_VENDORS")
@@ -96,6 +96,32 @@ fn assert_survived(o: &Output, what: &str) {
 fn is_root() -> bool {
     // SAFETY: getuid has no preconditions.
     unsafe { libc::getuid() == 0 }
+}
+
+/// Whether the vendor's ranks make IPC pairs (CUDA, HIP, the host vendor); OpenCL's are staged.
+fn has_ipc() -> bool {
+    let v: flagcx::Vendor = vendor().parse().expect("vendor");
+    Adaptor::open(v, 0).is_ok_and(|a| {
+        let c = a.capabilities();
+        c.ipc_bytes || c.ipc_fd
+    })
+}
+
+/// Skips `test` with a reason where the vendor has no IPC pairs (or no device): the case drives
+/// an IPC pair's copier or its posting-thread path.
+fn skip_unless_ipc(test: &str) -> bool {
+    if skip_unless_vendor() {
+        return true;
+    }
+    if has_ipc() {
+        return false;
+    }
+    flagcx_adaptor::conformance::report_skip_reason(
+        &format!("reliability::{test}"),
+        &vendor(),
+        "the vendor has no IPC handles, and the case drives an IPC pair",
+    );
+    true
 }
 
 fn skip_unless_vendor() -> bool {
@@ -1339,7 +1365,7 @@ fn abort_from_another_thread_unblocks_waits() {
 /// call (as a CUDA call waits behind another thread's `cudaFree`; docs/reliability.md).
 #[test]
 fn abort_releases_streams_while_the_engine_is_stuck() {
-    if skip_unless_vendor() {
+    if skip_unless_ipc("abort_releases_streams_while_the_engine_is_stuck") {
         return;
     }
     // Rank 0 copies (it pulls), and through the proxy: the posting thread moves nothing.
@@ -1359,7 +1385,7 @@ fn abort_releases_streams_while_the_engine_is_stuck() {
 /// call, with nobody to call abort: the stall guard (`crates/flagcx-p2p/src/guard.rs`).
 #[test]
 fn stuck_engine_times_out_without_an_abort() {
-    if skip_unless_vendor() {
+    if skip_unless_ipc("stuck_engine_times_out_without_an_abort") {
         return;
     }
     let (r0, r1) = pair(
@@ -1404,15 +1430,25 @@ fn stalled_peer(what: &str, env: &[(&str, &str)]) {
     if skip_unless_vendor() {
         return;
     }
-    // Only host-vendor pairs have eager slots; elsewhere the same small messages go by IPC
-    // (moved by the posting threads where they spin).
+    // A GPU vendor's IPC pairs have no eager slots: the same small messages go by IPC there
+    // (moved by the posting threads where they spin). Staged pairs (OpenCL) have them.
     let mut env = env.to_vec();
-    if vendor() != "host" {
+    let ipc = has_ipc();
+    if vendor() != "host" && ipc {
         for (k, v) in env.iter_mut() {
             if *k == "FLAGCX_TEST_STALL_PATH" && *v == "eager" {
                 *v = "ipc";
             }
         }
+    }
+    let drives_ipc = env
+        .iter()
+        .any(|&(k, v)| k == "FLAGCX_TEST_STALL_PATH" && (v == "ipc" || v == "caller"));
+    if !ipc && drives_ipc {
+        let test = format!("reliability::stopped_peer_times_out ({what})");
+        let why = "the vendor has no IPC handles, and the case drives an IPC pair";
+        flagcx_adaptor::conformance::report_skip_reason(&test, &vendor(), why);
+        return;
     }
     let (r0, r1) = stall_pair(&env);
     assert_survived(&r0, &format!("{what}: survivor of a stopped peer"));
@@ -1670,10 +1706,12 @@ fn launcher_ends_a_job_whose_rank_stopped() {
     if skip_unless_vendor() {
         return;
     }
+    // Any path that carries the traffic: the case is about the launcher.
+    let path = if has_ipc() { "ipc" } else { "staged" };
     let (mut job, rx, errs) = launch_stall_job(&[
         ("FLAGCX_TIMEOUT_MS", "1000"),
         ("FLAGCX_TEST_STALL_EXIT", "3"),
-        ("FLAGCX_TEST_STALL_PATH", "ipc"),
+        ("FLAGCX_TEST_STALL_PATH", path),
         ("FLAGCX_TEST_STALL_AFTER_MS", "300"),
     ]);
     let mut lines = Vec::new();
@@ -1828,6 +1866,9 @@ const IPC_ISSUERS: [[(&str, &str); 2]; 2] = [
 
 #[test]
 fn failed_copy_on_the_sender_errors_both_sides_ipc() {
+    if skip_unless_ipc("failed_copy_on_the_sender_errors_both_sides_ipc") {
+        return;
+    }
     for issuer in IPC_ISSUERS {
         fault_pair_with("d2d", "0", false, &issuer);
     }
@@ -1835,6 +1876,9 @@ fn failed_copy_on_the_sender_errors_both_sides_ipc() {
 
 #[test]
 fn failed_pull_on_the_receiver_errors_both_sides_ipc() {
+    if skip_unless_ipc("failed_pull_on_the_receiver_errors_both_sides_ipc") {
+        return;
+    }
     // Rank 1 sends; rank 0, the pair's copier, pulls and its copy fails.
     for issuer in IPC_ISSUERS {
         let pull = [

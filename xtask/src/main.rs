@@ -281,6 +281,13 @@ fn vendor_commands(vendor: &str) -> Vec<Command> {
                     .env("FLAGCX_P2P_TEST_VENDORS", other)
                     .env("FLAGCX_P2P_TEST_MIXED", format!("host,{other}"));
                 cmds.push(c);
+                // Faults, aborts and timeouts with OpenCL ranks: their streams join at gates,
+                // which an abort, a timeout and a lost peer must open.
+                let mut c = cargo();
+                c.args(["test", "-p", "flagcx", "--features", other])
+                    .args(["--test", "reliability"])
+                    .env("FLAGCX_P2P_TEST_VENDORS", other);
+                cmds.push(c);
                 // The C ABI with host and OpenCL ranks mixed.
                 let mut c = cargo();
                 c.args([
