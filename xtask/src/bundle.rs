@@ -25,6 +25,32 @@ struct Entry {
     placements: bool,
 }
 
+/// A run of the facade's test binary `file` (`target`: conformance, p2p or reliability) with
+/// OpenCL ranks, on the platform `run.sh` finds (`$icd`); skipped visibly where there is none.
+fn opencl_entry(file: &str, target: &str, vendor: &str) -> Entry {
+    let mut env = vec![("OCL_ICD_VENDORS".to_string(), "\"$icd\"".to_string())];
+    let mut args = vec![format!("\"$here/bin/{file}\"")];
+    match target {
+        "conformance" => env.push(("FLAGCX_VENDOR".into(), "opencl".into())),
+        "p2p" => {
+            env.push(("FLAGCX_P2P_TEST_VENDORS".into(), "opencl".into()));
+            env.push(("FLAGCX_P2P_TEST_MIXED".into(), format!("{vendor},opencl")));
+            args.push("--skip net_".into());
+        }
+        _ => {
+            env.push(("FLAGCX_P2P_TEST_VENDORS".into(), "opencl".into()));
+            args.push("--skip direct --skip failed_registration_keeps_the_ring".into());
+        }
+    }
+    Entry {
+        label: format!("flagcx::{target} (opencl ranks)"),
+        file: format!("{file}-opencl"),
+        env,
+        args,
+        placements: false,
+    }
+}
+
 pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
     let vendor = match vendors.as_deref() {
         Some([v]) if v == "cuda" => v.clone(),
@@ -34,15 +60,17 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(out.join("bin")).map_err(|e| e.to_string())?;
 
-    // Test binaries: the vendor's own conformance suite and the facade on that vendor.
+    // Test binaries: the vendor's own conformance suite and the facade on that vendor, with
+    // OpenCL compiled in too (loaded at run time) for the OpenCL-rank suites below.
     let tests = build_tests(&[
         "-p",
         &format!("flagcx-{vendor}"),
         "-p",
         "flagcx",
         "--features",
-        &format!("flagcx/{vendor}"),
+        &format!("flagcx/{vendor},flagcx/opencl"),
     ])?;
+    let mut opencl = Vec::new();
     let mut entries = Vec::new();
     for (krate, target, exe) in tests {
         let wanted = [
@@ -56,6 +84,9 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         }
         let file = format!("{}-{}", krate.replace('-', "_"), target);
         copy_stripped(&exe, &out.join("bin").join(&file))?;
+        if krate == "flagcx" {
+            opencl.push(opencl_entry(&file, &target, &vendor));
+        }
         let env = if target == "p2p" {
             // Same-vendor jobs on the GPU vendor, and the mixed shape with a host-vendor rank.
             vec![
@@ -108,6 +139,8 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
             placements: target == "p2p",
         });
     }
+    // The same suites with OpenCL ranks on the node's GPU (NVIDIA's platform: `$icd`).
+    entries.extend(opencl);
     if entries.len() != 5 {
         return Err(format!(
             "expected 4 test binaries (5 entries), got {} entries",
@@ -451,6 +484,14 @@ run() {
 "#,
     );
     s.push_str("gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')\n");
+    // The node's ICD loader may list only PoCL: the OpenCL-rank suites get NVIDIA's platform
+    // through a vendors directory of their own (empty, and the suites skip, where it is absent).
+    s.push_str(
+        "icd=\"$logs/icd\"; mkdir -p \"$icd\"\n\
+         for l in /usr/local/nvidia/lib64/libnvidia-opencl.so.1 \
+         /usr/lib/x86_64-linux-gnu/libnvidia-opencl.so.1; do\n  \
+         [ -e \"$l\" ] && echo \"$l\" > \"$icd/nvidia.icd\" && break\ndone\n",
+    );
     for e in entries {
         let env: String = e.env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
         let command = if e.args.is_empty() {
