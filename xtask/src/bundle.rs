@@ -139,14 +139,15 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
             placements: target == "p2p",
         });
     }
-    // The same suites with OpenCL ranks on the node's GPU (NVIDIA's platform: `$icd`).
-    entries.extend(opencl);
-    if entries.len() != 5 {
+    if entries.len() != 5 || opencl.len() != 3 {
         return Err(format!(
-            "expected 4 test binaries (5 entries), got {} entries",
-            entries.len()
+            "expected 4 test binaries (5 entries, and 3 with OpenCL ranks), got {} and {}",
+            entries.len(),
+            opencl.len()
         ));
     }
+    // The same suites with OpenCL ranks on the node's GPU (NVIDIA's platform: `$icd`).
+    entries.extend(opencl);
     // The launcher, the main-job example and the perf tool, run on the GPU vendor.
     for (kind, name) in [
         ("--bin", "flagcx-run"),
