@@ -287,13 +287,16 @@ impl OpenClAdaptor {
     }
 
     /// A new reference to the queue's last command, taken under the lock that guards its
-    /// release (`None`: nothing was ever enqueued, or the stream is unknown).
-    fn retain_last(&self, stream: StreamHandle) -> Option<Raw<cl_event>> {
+    /// release (`None`: nothing was ever enqueued, or the stream is unknown). A failed retain
+    /// is an error, never `None`: that would pass for "nothing to wait for".
+    fn retain_last(&self, stream: StreamHandle) -> Result<Option<Raw<cl_event>>> {
         let queues = lock(&self.inner.queues);
-        let last = queues.get(&stream.0)?.last?;
+        let Some(last) = queues.get(&stream.0).and_then(|q| q.last) else {
+            return Ok(None);
+        };
         // SAFETY: `last` is live: the queue holds a reference, released only under this lock.
-        unsafe { cl3::event::retain_event(last.0) }.ok()?;
-        Some(last)
+        unsafe { cl3::event::retain_event(last.0) }.map_err(|c| cl_error("clRetainEvent", c))?;
+        Ok(Some(last))
     }
 
     /// Keeps `ev` (from an enqueue on `stream`) as the queue's last command.
@@ -943,7 +946,7 @@ impl DeviceAdaptor for OpenClAdaptor {
         } else {
             // In order, the last command completes exactly when all work before this point
             // has: the recording needs no command (`None`: the queue never had any).
-            self.retain_last(stream)
+            self.retain_last(stream)?
         };
         let old = match m {
             Some(m) => lock(&self.inner.recorded).insert(event.0, m),
@@ -1030,7 +1033,13 @@ impl DeviceAdaptor for OpenClAdaptor {
             .map_err(|c| cl_error("clCreateUserEvent", c))?;
         // The queue's last command completes when earlier work has; the barrier holds later
         // work until the host-function thread opens the gate.
-        let marker = self.retain_last(stream);
+        let marker = match self.retain_last(stream) {
+            Ok(m) => m,
+            Err(e) => {
+                release(gate);
+                return Err(e);
+            }
+        };
         // SAFETY: a live queue; the wait list is the one live user event.
         let barrier = unsafe { cl3::command_queue::enqueue_barrier_with_wait_list(q, 1, &gate) };
         if let Err(c) = self.enqueued("clEnqueueBarrierWithWaitList", stream, barrier) {
