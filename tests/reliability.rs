@@ -849,7 +849,8 @@ struct Stalled {
 }
 
 /// The two stalled-engine scenarios' common part: rank 0's communicator, over an adaptor whose
-/// next device-to-device copy blocks for `stall`, with a 1 MiB receive posted and its copy
+/// next copy of the receive's kind (`FLAGCX_TEST_STALL_COPY`: `d2d`, an IPC pull, by default;
+/// `h2d` out of a staged ring) blocks for `stall`, with a 1 MiB receive posted and its copy
 /// begun (the engine is inside the stalled call); `None` on rank 1, which sends after
 /// `send_after`, takes whatever end its send gets and is done.
 fn stalled_receive(
@@ -860,7 +861,11 @@ fn stalled_receive(
     send_after: Duration,
 ) -> Option<Stalled> {
     use flagcx_adaptor::testing::FaultOp;
-    let a = Faulty::stalling(adaptor.clone(), FaultOp::CopyD2D, usize::MAX >> 1, stall);
+    let op: FaultOp = std::env::var("FLAGCX_TEST_STALL_COPY")
+        .unwrap_or_else(|_| "d2d".into())
+        .parse()
+        .expect("FLAGCX_TEST_STALL_COPY");
+    let a = Faulty::stalling(adaptor.clone(), op, usize::MAX >> 1, stall);
     let comm = Comm::from_env(a.clone()).expect("comm");
     let stream = Stream::new(&a).expect("stream");
     rendezvous(&comm, peer, &stream);
@@ -1365,37 +1370,41 @@ fn abort_from_another_thread_unblocks_waits() {
 /// call (as a CUDA call waits behind another thread's `cudaFree`; docs/reliability.md).
 #[test]
 fn abort_releases_streams_while_the_engine_is_stuck() {
-    if skip_unless_ipc("abort_releases_streams_while_the_engine_is_stuck") {
+    if skip_unless_vendor() {
         return;
     }
-    // Rank 0 copies (it pulls), and through the proxy: the posting thread moves nothing.
-    let (r0, r1) = pair(
-        "abort_stuck",
-        &[
-            ("FLAGCX_P2P_IPC_COPIER", "lower"),
-            ("FLAGCX_P2P_IPC_CALLER", "off"),
-            ("FLAGCX_P2P_EAGER_MAX", "0"),
-        ],
-    );
+    let (r0, r1) = pair("abort_stuck", &stuck_receive_env(&[]));
     assert!(r1.status.success(), "{}", text(&r1));
     assert_survived(&r0, "abort_stuck");
+}
+
+/// The environment of the stalled-engine cases, plus `extra`: rank 0's engine makes the
+/// receive's copy, and the posting threads move nothing. On an IPC pair rank 0 pulls (a
+/// device-to-device copy); on a staged pair (OpenCL) it copies out of the ring (host to device).
+fn stuck_receive_env(extra: &[(&'static str, &'static str)]) -> Vec<(&'static str, &'static str)> {
+    let mut env = vec![("FLAGCX_P2P_EAGER_MAX", "0")];
+    if has_ipc() {
+        env.extend([
+            ("FLAGCX_P2P_IPC_COPIER", "lower"),
+            ("FLAGCX_P2P_IPC_CALLER", "off"),
+        ]);
+    } else {
+        env.push(("FLAGCX_TEST_STALL_COPY", "h2d"));
+    }
+    env.extend_from_slice(extra);
+    env
 }
 
 /// `FLAGCX_TIMEOUT_MS` ends a plain `wait()` while the engine thread is blocked inside a vendor
 /// call, with nobody to call abort: the stall guard (`crates/flagcx-p2p/src/guard.rs`).
 #[test]
 fn stuck_engine_times_out_without_an_abort() {
-    if skip_unless_ipc("stuck_engine_times_out_without_an_abort") {
+    if skip_unless_vendor() {
         return;
     }
     let (r0, r1) = pair(
         "stuck_times_out",
-        &[
-            ("FLAGCX_P2P_IPC_COPIER", "lower"),
-            ("FLAGCX_P2P_IPC_CALLER", "off"),
-            ("FLAGCX_P2P_EAGER_MAX", "0"),
-            ("FLAGCX_TIMEOUT_MS", "300"),
-        ],
+        &stuck_receive_env(&[("FLAGCX_TIMEOUT_MS", "300")]),
     );
     assert!(r1.status.success(), "{}", text(&r1));
     assert_survived(&r0, "stuck_times_out");
