@@ -299,6 +299,22 @@ impl OpenClAdaptor {
         Ok(Some(last))
     }
 
+    /// A user event and a barrier on it, enqueued (and flushed) on `stream`: later work waits
+    /// until the event is set. The caller owns the returned reference and sets the event.
+    fn enqueue_gate(&self, stream: StreamHandle) -> Result<Raw<cl_event>> {
+        let q = self.queue(stream)?;
+        let gate = cl3::event::create_user_event(self.inner.context.0)
+            .map_err(|c| cl_error("clCreateUserEvent", c))?;
+        // SAFETY: a live queue; the wait list is the one live user event.
+        let barrier = unsafe { cl3::command_queue::enqueue_barrier_with_wait_list(q, 1, &gate) };
+        if let Err(e) = self.enqueued("clEnqueueBarrierWithWaitList", stream, barrier) {
+            // No command waits on the event: releasing it is all.
+            release(gate);
+            return Err(e);
+        }
+        Ok(Raw(gate))
+    }
+
     /// Keeps `ev` (from an enqueue on `stream`) as the queue's last command.
     fn enqueued(
         &self,
@@ -1028,33 +1044,19 @@ impl DeviceAdaptor for OpenClAdaptor {
     }
 
     fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()> {
-        let q = self.queue(stream)?;
-        let gate = cl3::event::create_user_event(self.inner.context.0)
-            .map_err(|c| cl_error("clCreateUserEvent", c))?;
-        // The queue's last command completes when earlier work has; the barrier holds later
-        // work until the host-function thread opens the gate.
-        let marker = match self.retain_last(stream) {
-            Ok(m) => m,
+        // The queue's last command completes when earlier work has; the gate's barrier holds
+        // later work until the host-function thread opens it.
+        let marker = self.retain_last(stream)?;
+        let gate = match self.enqueue_gate(stream) {
+            Ok(g) => g,
             Err(e) => {
-                release(gate);
+                if let Some(m) = marker {
+                    release(m.0);
+                }
                 return Err(e);
             }
         };
-        // SAFETY: a live queue; the wait list is the one live user event.
-        let barrier = unsafe { cl3::command_queue::enqueue_barrier_with_wait_list(q, 1, &gate) };
-        if let Err(c) = self.enqueued("clEnqueueBarrierWithWaitList", stream, barrier) {
-            let _ = cl3::event::set_user_event_status(gate, CL_COMPLETE);
-            release(gate);
-            if let Some(m) = marker {
-                release(m.0);
-            }
-            return Err(c);
-        }
-        let call = HostCall {
-            f,
-            marker,
-            gate: Raw(gate),
-        };
+        let call = HostCall { f, marker, gate };
         if let Err(std::sync::mpsc::SendError(call)) = lock(&self.inner.host_fns).send(call) {
             // The thread is gone (it never exits while the adaptor lives): open the gate rather
             // than leave the queue blocked, and report it.
@@ -1069,22 +1071,13 @@ impl DeviceAdaptor for OpenClAdaptor {
                 op: "launch_host_func (host-function thread gone)",
             });
         }
-        let _ = cl3::command_queue::flush(q);
         Ok(())
     }
 
     fn stream_gate(&self, stream: StreamHandle) -> Result<GateHandle> {
-        let q = self.queue(stream)?;
-        let gate = cl3::event::create_user_event(self.inner.context.0)
-            .map_err(|c| cl_error("clCreateUserEvent", c))?;
-        // SAFETY: a live queue; the wait list is the one live user event.
-        let barrier = unsafe { cl3::command_queue::enqueue_barrier_with_wait_list(q, 1, &gate) };
-        if let Err(e) = self.enqueued("clEnqueueBarrierWithWaitList", stream, barrier) {
-            release(gate);
-            return Err(e);
-        }
+        let gate = self.enqueue_gate(stream)?;
         let h = self.inner.next_handle.fetch_add(1, Ordering::Relaxed);
-        lock(&self.inner.gates).insert(h, Raw(gate));
+        lock(&self.inner.gates).insert(h, gate);
         Ok(GateHandle(h))
     }
 

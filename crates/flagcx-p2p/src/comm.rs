@@ -572,16 +572,16 @@ impl<A: DeviceAdaptor> Comm<A> {
         // no posting-thread path.
         let ordered = self.streamed_link(peer, dir, bytes).is_some();
         let ungrouped = lock(&self.group).is_none();
-        let eager = ungrouped && self.eager.get(peer).is_some_and(|l| l.is_some());
+        let link = self.eager.get(peer).and_then(|l| l.as_ref());
+        let eager = ungrouped && link.is_some();
         let caller = ungrouped && self.caller.get(peer).is_some_and(|l| l.is_some());
         let net = ungrouped
             && self.net.is_some()
             && self.transports.get(peer) == Some(&Some(TransportKind::Net));
         // A grouped post may go eagerly at `group_end` too (`group_eager`), which needs the
         // stream idle at posting: it waits out a satisfied join as an ungrouped one does.
-        let grouped_eager = !ungrouped && self.eager.get(peer).is_some_and(|l| l.is_some());
+        let grouped_eager = !ungrouped && link.is_some();
         let idle = ordered || self.idle_or_soon(stream, eager || grouped_eager || caller || net)?;
-        let link = self.eager.get(peer).and_then(|l| l.as_ref());
         if !idle && (eager || grouped_eager) && link.is_some_and(|l| l.fits(dir, bytes)) {
             self.shared.declined(crate::op::Declined::StreamBusy);
         }

@@ -183,22 +183,14 @@ impl Shared {
         // SAFETY: see the type's Send/Sync argument: a live, aligned word.
         unsafe { adaptor.host_write_value32(self.watermark_word.as_mut_ptr(), w as u32) };
         *g = w;
-        let open: Vec<GateHandle> = {
-            let mut gates = lock(&self.gates);
-            if gates.is_empty() {
-                Vec::new()
-            } else {
-                let mut open = Vec::new();
-                gates.retain(|&(seq, gate)| {
-                    let passed = seq <= w;
-                    if passed {
-                        open.push(gate);
-                    }
-                    !passed
-                });
-                open
+        let mut open: Vec<GateHandle> = Vec::new();
+        lock(&self.gates).retain(|&(seq, gate)| {
+            let passed = seq <= w;
+            if passed {
+                open.push(gate);
             }
-        };
+            !passed
+        });
         drop(g);
         for gate in open {
             // Only an unknown gate fails, and every gate here was made and not yet opened.

@@ -323,7 +323,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                 let k = lock(&self.shared.inbox).next[peer][Dir::Recv as usize];
                 // Wait without the lock for a message that may well come eagerly: only where
                 // any message this receive can take fits the eager slots.
-                let spin = if bytes <= link.recv_max {
+                let spin = if link.fits(Dir::Recv, bytes) {
                     self.config.spin.unwrap_or_default()
                 } else {
                     Duration::ZERO
@@ -583,10 +583,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         // The pair's eager link, where the operation may take it.
         let eligible = |op: &Op| {
             let link = self.eager.get(op.peer)?.as_ref()?;
-            let fits = match op.dir {
-                Dir::Send => op.bytes <= link.send_max,
-                Dir::Recv => op.bytes <= link.recv_max && !spin.is_zero(),
-            };
+            let fits = link.fits(op.dir, op.bytes) && (op.dir == Dir::Send || !spin.is_zero());
             (op.start.is_none() && fits).then_some(link)
         };
         if !ops.iter().any(|(op, _)| eligible(op).is_some()) {
