@@ -320,6 +320,9 @@ impl DeviceAdaptor for Adaptor {
     fn gate_open(&self, gate: GateHandle) -> Result<()> {
         each!(self, a => a.gate_open(gate))
     }
+    fn gate_is_last(&self, gate: GateHandle) -> Result<bool> {
+        each!(self, a => a.gate_is_last(gate))
+    }
     unsafe fn stream_wait_value32(
         &self,
         stream: StreamHandle,

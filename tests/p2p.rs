@@ -459,6 +459,22 @@ fn early_sends(r: &Rank) {
             "posting {N} sends took {posting:?} while the receiver slept 2 s: a post waited"
         );
         println!("early sends: {N} posted in {posting:?} while the receiver slept");
+        // Streams joined at gates (OpenCL): the sends wait behind the first ones still
+        // running, so the stream's gate waits for each later one too instead of the stream
+        // growing a gate per message (NVIDIA's platform slowed down with every closed gate
+        // queued: 1.4 s for these posts).
+        let gates = r.adaptor.capabilities().host_gates
+            && std::env::var("FLAGCX_STREAM_JOIN").map_or(true, |j| j == "auto" || j == "gate");
+        let held = r.comm.stats().joins_held;
+        if gates {
+            assert!(
+                held as usize >= N / 2,
+                "{held} of {N} sends held the stream's gate; the rest each added one"
+            );
+            println!("early sends: {held} joins held the stream's gate");
+        } else {
+            assert_eq!(held, 0, "no gates, none held");
+        }
     }
     for q in reqs {
         assert_eq!(q.wait().expect("completes"), LEN);

@@ -70,6 +70,14 @@ unsafe impl<T> Send for Raw<T> {}
 // SAFETY: as above.
 unsafe impl<T> Sync for Raw<T> {}
 
+/// A gate not yet opened: its user event, the barrier waiting on it, and its stream.
+#[derive(Debug)]
+struct Gate {
+    event: Raw<cl_event>,
+    barrier: Raw<cl_event>,
+    stream: u64,
+}
+
 /// A command queue and the event of the last command enqueued on it (in-order, so that
 /// command's completion means the queue is idle).
 #[derive(Debug)]
@@ -141,8 +149,8 @@ struct Inner {
     events: HandleSet,
     /// The events created for timing: each recording enqueues a marker of its own.
     timed: HandleSet,
-    /// The user event of each gate not yet opened (see `stream_gate`).
-    gates: Mutex<HashMap<u64, Raw<cl_event>>>,
+    /// Each gate not yet opened (see `stream_gate`).
+    gates: Mutex<HashMap<u64, Gate>>,
     /// The `cl_event` of each event's last recording (see `event_record`).
     recorded: Mutex<HashMap<u64, Raw<cl_event>>>,
     next_handle: AtomicU64,
@@ -300,19 +308,33 @@ impl OpenClAdaptor {
     }
 
     /// A user event and a barrier on it, enqueued (and flushed) on `stream`: later work waits
-    /// until the event is set. The caller owns the returned reference and sets the event.
-    fn enqueue_gate(&self, stream: StreamHandle) -> Result<Raw<cl_event>> {
+    /// until the event is set. The caller owns the returned references, to the event (which it
+    /// sets) and to the barrier (to compare with the queue's last command, see `gate_is_last`).
+    fn enqueue_gate(&self, stream: StreamHandle) -> Result<(Raw<cl_event>, Raw<cl_event>)> {
         let q = self.queue(stream)?;
         let gate = cl3::event::create_user_event(self.inner.context.0)
             .map_err(|c| cl_error("clCreateUserEvent", c))?;
         // SAFETY: a live queue; the wait list is the one live user event.
         let barrier = unsafe { cl3::command_queue::enqueue_barrier_with_wait_list(q, 1, &gate) };
-        if let Err(e) = self.enqueued("clEnqueueBarrierWithWaitList", stream, barrier) {
-            // No command waits on the event: releasing it is all.
+        let b = match barrier {
+            Ok(b) => b,
+            Err(c) => {
+                // No command waits on the event: releasing it is all.
+                release(gate);
+                return Err(cl_error("clEnqueueBarrierWithWaitList", c));
+            }
+        };
+        // The caller's reference is taken before the queue's own one can be released.
+        // SAFETY: a live event just returned by the enqueue.
+        let kept = unsafe { cl3::event::retain_event(b) };
+        self.enqueued("clEnqueueBarrierWithWaitList", stream, Ok(b))?;
+        if let Err(c) = kept {
+            // The barrier is enqueued, and nothing may wait at a gate no one can open.
+            let _ = cl3::event::set_user_event_status(gate, CL_COMPLETE);
             release(gate);
-            return Err(e);
+            return Err(cl_error("clRetainEvent", c));
         }
-        Ok(Raw(gate))
+        Ok((Raw(gate), Raw(b)))
     }
 
     /// Keeps `ev` (from an enqueue on `stream`) as the queue's last command.
@@ -396,8 +418,9 @@ impl Drop for Inner {
         unsafe {
             // A gate left closed would hold its queue's finish below for ever.
             for (_, g) in lock(&self.gates).drain() {
-                let _ = cl3::event::set_user_event_status(g.0, CL_COMPLETE);
-                let _ = cl3::event::release_event(g.0);
+                let _ = cl3::event::set_user_event_status(g.event.0, CL_COMPLETE);
+                let _ = cl3::event::release_event(g.event.0);
+                let _ = cl3::event::release_event(g.barrier.0);
             }
             for (_, q) in lock(&self.queues).drain() {
                 let _ = cl3::command_queue::finish(q.q.0);
@@ -1048,7 +1071,10 @@ impl DeviceAdaptor for OpenClAdaptor {
         // later work until the host-function thread opens it.
         let marker = self.retain_last(stream)?;
         let gate = match self.enqueue_gate(stream) {
-            Ok(g) => g,
+            Ok((g, barrier)) => {
+                release(barrier.0);
+                g
+            }
             Err(e) => {
                 if let Some(m) = marker {
                     release(m.0);
@@ -1075,9 +1101,16 @@ impl DeviceAdaptor for OpenClAdaptor {
     }
 
     fn stream_gate(&self, stream: StreamHandle) -> Result<GateHandle> {
-        let gate = self.enqueue_gate(stream)?;
+        let (gate, barrier) = self.enqueue_gate(stream)?;
         let h = self.inner.next_handle.fetch_add(1, Ordering::Relaxed);
-        lock(&self.inner.gates).insert(h, gate);
+        lock(&self.inner.gates).insert(
+            h,
+            Gate {
+                event: gate,
+                barrier,
+                stream: stream.0,
+            },
+        );
         Ok(GateHandle(h))
     }
 
@@ -1089,9 +1122,25 @@ impl DeviceAdaptor for OpenClAdaptor {
                 format!("gate {} is not closed", gate.0),
             ));
         };
-        let r = cl3::event::set_user_event_status(g.0, CL_COMPLETE).map_err(|c| cl_error(OP, c));
-        release(g.0);
+        let r =
+            cl3::event::set_user_event_status(g.event.0, CL_COMPLETE).map_err(|c| cl_error(OP, c));
+        release(g.event.0);
+        release(g.barrier.0);
         r
+    }
+
+    fn gate_is_last(&self, gate: GateHandle) -> Result<bool> {
+        // Gates before queues, as nowhere else takes both.
+        let gates = lock(&self.inner.gates);
+        let Some(g) = gates.get(&gate.0) else {
+            return Ok(false);
+        };
+        let queues = lock(&self.inner.queues);
+        // The gate holds a reference to its barrier, so no later command can have its address.
+        Ok(queues
+            .get(&g.stream)
+            .and_then(|q| q.last)
+            .is_some_and(|l| l.0 == g.barrier.0))
     }
 
     unsafe fn stream_wait_value32(

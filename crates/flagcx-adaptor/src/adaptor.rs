@@ -293,6 +293,17 @@ pub trait DeviceAdaptor: Clone + Send + Sync + 'static {
         })
     }
 
+    /// Whether `gate` is still closed and the last work enqueued on its stream (recording an
+    /// event enqueues nothing where [`crate::Capabilities::host_gates`] holds). Then work enqueued
+    /// on the stream afterwards waits for the gate anyway, and whoever opens it may keep it
+    /// closed for longer instead of enqueuing a second gate behind it. Vendors with
+    /// `host_gates` answer exactly; `false` is always safe, and is the default (an opened or
+    /// unknown gate is not last).
+    fn gate_is_last(&self, gate: GateHandle) -> Result<bool> {
+        let _ = gate;
+        Ok(false)
+    }
+
     // ---- stream memory operations -------------------------------------------------------------
 
     /// Makes `stream` wait until the 32-bit word at `addr` satisfies `cond` against `value`.

@@ -715,17 +715,35 @@ pub fn stream_gates<A: DeviceAdaptor>(a: &A) {
         assert!(e.is_unsupported(), "{e}");
         let e = assert_err("gate_open", a.gate_open(crate::GateHandle(1)));
         assert!(e.is_unsupported(), "{e}");
+        assert!(
+            !a.gate_is_last(crate::GateHandle(1)).expect("gate_is_last"),
+            "no gate is last where there are none"
+        );
         return;
     }
     let d = DeviceBuffer::new(a, 8).expect("alloc");
     d.write(0, &[1; 8], &s).expect("write");
     s.synchronize().expect("sync");
+    let last = |g| a.gate_is_last(g).expect("gate_is_last");
     let first = a.stream_gate(s.handle()).expect("stream_gate");
+    assert!(last(first), "a gate just made is its stream's last work");
     let second = a
         .stream_gate(s.handle())
         .expect("a second gate behind the first");
+    assert!(
+        !last(first),
+        "a gate with a second one behind it is not last"
+    );
+    assert!(last(second), "the second gate is last");
+    let waiting = Event::new(a, false).expect("event");
+    waiting.record(&s).expect("record behind the second gate");
+    assert!(
+        last(second),
+        "recording an event enqueues nothing behind a gate"
+    );
     // SAFETY: `d` outlives the synchronize below.
     unsafe { a.memset_async(d.ptr(), 7, 8, s.handle()) }.expect("memset behind the gates");
+    assert!(!last(second), "a gate with work behind it is not last");
     let behind = Event::new(a, false).expect("event");
     behind.record(&s).expect("record");
     watch_blocked(
@@ -741,6 +759,7 @@ pub fn stream_gates<A: DeviceAdaptor>(a: &A) {
         false,
         || a.stream_query(s.handle()).expect("stream_query"),
     );
+    assert!(!last(first), "an opened gate is not last");
     let e = assert_err("opening a gate twice", a.gate_open(first));
     assert!(
         matches!(e, AdaptorError::InvalidArgument { .. }),

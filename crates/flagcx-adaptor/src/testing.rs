@@ -289,6 +289,9 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
     fn gate_open(&self, gate: GateHandle) -> Result<()> {
         self.inner.gate_open(gate)
     }
+    fn gate_is_last(&self, gate: GateHandle) -> Result<bool> {
+        self.inner.gate_is_last(gate)
+    }
     unsafe fn stream_wait_value32(
         &self,
         stream: StreamHandle,

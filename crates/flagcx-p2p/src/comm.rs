@@ -78,8 +78,8 @@ pub struct Comm<A: DeviceAdaptor> {
     /// Per joined stream, an event of ours recorded right after its last join: teardown waits
     /// on it, so the watermark page outlives every wait on it even if the caller already
     /// destroyed the stream (a destroyed stream still runs what was queued).
-    /// Beside it, the operation that last join waits for.
-    pub(crate) joined: Mutex<HashMap<u64, (EventHandle, u64)>>,
+    /// Beside it, the operation that last join waits for, and its gate.
+    pub(crate) joined: Mutex<HashMap<u64, crate::join::Joined>>,
     pub(crate) page: WatermarkPage,
     pub(crate) config: Config,
     pub(crate) _boot: Arc<Bootstrap>,
@@ -186,6 +186,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             watermark: Mutex::new(0),
             watermark_cv: Condvar::new(),
             gates: Mutex::default(),
+            joins_held: AtomicU64::new(0),
             watermark_word: WatermarkWord::new(page.host),
             thread: Mutex::new(None),
             first_error: Mutex::new(None),
@@ -590,7 +591,14 @@ impl<A: DeviceAdaptor> Comm<A> {
                 return Ok(r);
             }
         }
-        let start = if idle {
+        // Behind nothing but this communicator's closed gate, the operation waits for what the
+        // gate waits for, on the host, and the gate will wait for it in turn: no command is
+        // added to the stream.
+        let after = match idle {
+            true => 0,
+            false => self.behind_own_gate(stream)?.unwrap_or(0),
+        };
+        let start = if idle || after > 0 {
             None
         } else {
             Some(self.start_event(stream)?)
@@ -601,7 +609,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                 return Ok(r);
             }
         }
-        if caller && !ordered {
+        if caller && !ordered && after == 0 {
             if let Some(r) = self.try_caller_ipc(dir, ptr, bytes, peer, stream, start, &mut keep)? {
                 return Ok(r);
             }
@@ -615,6 +623,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             ptr,
             bytes,
             start,
+            after,
             slot: slot.clone(),
             keep,
             posted: std::time::Instant::now(),
@@ -707,6 +716,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             ptr: m.ptr,
             bytes: m.bytes,
             start,
+            after: 0,
             slot: slot.clone(),
             keep: keep.take(),
             posted: std::time::Instant::now(),
@@ -770,9 +780,9 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
         // the page goes away.
         self.shared
             .release_through(&self.adaptor, self.next_seq.load(Ordering::Relaxed));
-        for (_, (ev, _)) in lock(&self.joined).drain() {
-            let _ = self.adaptor.event_synchronize(ev);
-            let _ = self.adaptor.event_destroy(ev);
+        for (_, j) in lock(&self.joined).drain() {
+            let _ = self.adaptor.event_synchronize(j.ev);
+            let _ = self.adaptor.event_destroy(j.ev);
         }
         self.page.release(&self.adaptor);
         lock(&self.bounce).release(&self.adaptor);

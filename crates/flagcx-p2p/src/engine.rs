@@ -72,6 +72,8 @@ pub(crate) struct Shared {
     /// Callers' streams waiting at gates (`StreamJoin::Gate`), with the operation each waits
     /// for: opened by whoever publishes a watermark that reaches it (taken inside `watermark`).
     pub(crate) gates: Mutex<Vec<(u64, GateHandle)>>,
+    /// Joins that held a closed gate for longer instead of adding one (`PathStats::joins_held`).
+    pub(crate) joins_held: AtomicU64,
     /// The device-visible word callers' streams wait on (low 32 bits of the watermark).
     pub watermark_word: WatermarkWord,
     pub thread: Mutex<Option<std::thread::Thread>>,
@@ -170,6 +172,7 @@ impl Shared {
             caller_ops: self.caller_ops.load(Ordering::Relaxed),
             caller_failures: self.caller_handoffs[Handoff::Failed as usize].load(Ordering::Relaxed),
             ipc_mappings_closed: lock(&self.ipc).closes,
+            joins_held: self.joins_held.load(Ordering::Relaxed),
         }
     }
 

@@ -67,15 +67,18 @@ impl<A: DeviceAdaptor> Comm<A> {
         if ops.is_empty() {
             return before_join();
         }
-        let mut last: BTreeMap<u64, u64> = BTreeMap::new();
+        // Per stream: the last operation to join, and whether none waits for a start event
+        // there (then a closed gate may be held for longer, see `join_stream`).
+        let mut last: BTreeMap<u64, (u64, bool)> = BTreeMap::new();
         for (op, s) in &mut ops {
             if op.seq == 0 {
                 op.seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
             }
             // A stream-ordered message is on its stream already: nothing to join.
             if op.resume.is_some() || self.streamed_link(op.peer, op.dir, op.bytes).is_none() {
-                let e = last.entry(s.0).or_default();
-                *e = (*e).max(op.seq);
+                let e = last.entry(s.0).or_insert((0, true));
+                e.0 = e.0.max(op.seq);
+                e.1 &= op.start.is_none();
             }
         }
         {
@@ -111,8 +114,8 @@ impl<A: DeviceAdaptor> Comm<A> {
         self.shared.posted.fetch_add(1, Ordering::Release);
         self.shared.wake();
         let between = before_join();
-        for (stream, seq) in last {
-            self.join_stream(StreamHandle(stream), seq)?;
+        for (stream, (seq, extend)) in last {
+            self.join_stream(StreamHandle(stream), seq, extend)?;
         }
         between
     }

@@ -2,7 +2,9 @@
 //! caller's stream on the communicator's completion watermark (a stream memory operation on a
 //! registered host page, or a host function where the vendor has none).
 
-use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, StreamHandle, WaitCondition};
+use flagcx_adaptor::{
+    DeviceAdaptor, DevicePtr, EventHandle, GateHandle, StreamHandle, WaitCondition,
+};
 
 use crate::comm::Comm;
 use crate::config::StreamJoin;
@@ -41,6 +43,17 @@ pub(crate) fn anon_pages(len: usize, what: &'static str) -> Result<*mut u8> {
         return Err(CommError::io(what, std::io::Error::last_os_error()));
     }
     Ok(host.cast())
+}
+
+/// A stream's last join by this communicator.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Joined {
+    /// Recorded right after the join: teardown waits for it.
+    pub(crate) ev: EventHandle,
+    /// The operation the join waits for (and every one before it).
+    pub(crate) seq: u64,
+    /// The join's gate, where it is one (`StreamJoin::Gate`) and was not open when made.
+    pub(crate) gate: Option<GateHandle>,
 }
 
 impl WatermarkPage {
@@ -93,15 +106,46 @@ impl<A: DeviceAdaptor> Comm<A> {
         Ok(start)
     }
 
-    /// Makes `stream` wait until operation `seq` (and all before it) finished.
-    pub(crate) fn join_stream(&self, stream: StreamHandle, seq: u64) -> Result<()> {
+    /// Whether the join of `stream` goes through a gate (see [`Self::join_stream`]).
+    fn joins_at_gates(&self) -> bool {
+        let caps = self.adaptor.capabilities();
+        let memop = self.page.device.is_some()
+            && caps.stream_mem_ops
+            && !matches!(self.config.join, StreamJoin::HostFn | StreamJoin::Gate);
+        !memop && caps.host_gates && matches!(self.config.join, StreamJoin::Auto | StreamJoin::Gate)
+    }
+
+    /// Where all `stream` still holds is this communicator's closed gate (nothing was enqueued
+    /// behind it), the operation that gate waits for: an operation posted now may start once
+    /// that one finished, without a start event, and the gate can then wait for it too
+    /// ([`Self::join_stream`] with `extend`) instead of a second gate. One command per stream
+    /// however many operations are posted back to back while the first is still running.
+    pub(crate) fn behind_own_gate(&self, stream: StreamHandle) -> Result<Option<u64>> {
+        if !self.joins_at_gates() {
+            return Ok(None);
+        }
+        let Some(j) = lock(&self.joined).get(&stream.0).copied() else {
+            return Ok(None);
+        };
+        match j.gate {
+            Some(g) if *lock(&self.shared.watermark) < j.seq && self.adaptor.gate_is_last(g)? => {
+                Ok(Some(j.seq))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Makes `stream` wait until operation `seq` (and all before it) finished. With `extend`
+    /// (no operation behind this join recorded a start event on `stream`), a closed gate that
+    /// is still the stream's last work is made to wait for `seq` instead of adding a gate.
+    pub(crate) fn join_stream(&self, stream: StreamHandle, seq: u64, extend: bool) -> Result<()> {
         let join = self.config.join;
         if join == StreamJoin::None {
             return Ok(());
         }
         let caps = self.adaptor.capabilities();
         let memop = !matches!(join, StreamJoin::HostFn | StreamJoin::Gate);
-        let gate = caps.host_gates && matches!(join, StreamJoin::Auto | StreamJoin::Gate);
+        let mut gate = None;
         match self.page.device {
             Some(word) if caps.stream_mem_ops && memop => {
                 // SAFETY: the word lives in the registered watermark page, which outlives every
@@ -116,7 +160,22 @@ impl<A: DeviceAdaptor> Comm<A> {
                     )?
                 };
             }
-            _ if gate => self.shared.gate_until(&self.adaptor, stream, seq)?,
+            _ if self.joins_at_gates() => {
+                // Every operation posted since that gate was made saw it last (nothing can be
+                // enqueued in front of the last command), so none waits for it by an event:
+                // holding it for longer cannot make an operation wait for itself.
+                let prev = lock(&self.joined).get(&stream.0).and_then(|j| j.gate);
+                gate = match prev {
+                    Some(g)
+                        if extend
+                            && self.adaptor.gate_is_last(g)?
+                            && self.shared.gate_extend(g, seq) =>
+                    {
+                        Some(g)
+                    }
+                    _ => self.shared.gate_until(&self.adaptor, stream, seq)?,
+                };
+            }
             _ => {
                 let shared = self.shared.clone();
                 self.adaptor
@@ -125,10 +184,10 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         let mut joined = lock(&self.joined);
         let ev = match joined.get(&stream.0) {
-            Some(&(e, _)) => e,
+            Some(j) => j.ev,
             None => self.adaptor.event_create(false)?,
         };
-        joined.insert(stream.0, (ev, seq));
+        joined.insert(stream.0, Joined { ev, seq, gate });
         self.adaptor.event_record(ev, stream)?;
         Ok(())
     }
@@ -145,7 +204,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         let spin = self.config.spin.unwrap_or_default();
         let passed = |seq: u64| *lock(&self.shared.watermark) >= seq;
-        let last = lock(&self.joined).get(&stream.0).map(|&(_, seq)| seq);
+        let last = lock(&self.joined).get(&stream.0).map(|j| j.seq);
         match last {
             Some(seq) if eager && !spin.is_zero() && passed(seq) => {}
             _ => return Ok(false),
@@ -164,15 +223,16 @@ impl<A: DeviceAdaptor> Comm<A> {
 impl crate::engine::Shared {
     /// Makes `stream` wait at a gate until the watermark reaches `seq`: the publisher of the
     /// watermark opens it ([`Self::publish_watermark`]), with no runtime thread in between.
-    /// Nothing is enqueued where the operation already finished.
+    /// Nothing is enqueued where the operation already finished. Returns the gate while it
+    /// waits in [`Self::gates`].
     pub(crate) fn gate_until<A: DeviceAdaptor>(
         &self,
         adaptor: &A,
         stream: StreamHandle,
         seq: u64,
-    ) -> Result<()> {
+    ) -> Result<Option<GateHandle>> {
         if *lock(&self.watermark) >= seq {
-            return Ok(());
+            return Ok(None);
         }
         let gate = adaptor.stream_gate(stream)?;
         // Checked again under the lock the publisher holds while it collects gates: a gate is
@@ -186,8 +246,26 @@ impl crate::engine::Shared {
         };
         if passed {
             adaptor.gate_open(gate)?;
+            return Ok(None);
         }
-        Ok(())
+        Ok(Some(gate))
+    }
+
+    /// Makes the closed `gate` wait until operation `seq` finished, where it still waits for
+    /// an earlier one; `false` where it was opened already (or waits for `seq` or later).
+    pub(crate) fn gate_extend(&self, gate: GateHandle, seq: u64) -> bool {
+        // Under the publisher's lock: a gate is either moved before it sees it or opened.
+        let w = lock(&self.watermark);
+        let mut gates = lock(&self.gates);
+        match gates.iter_mut().find(|(_, g)| *g == gate) {
+            Some(entry) if *w < entry.0 && entry.0 < seq => {
+                entry.0 = seq;
+                self.joins_held
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Releases every stream waiting for an operation up to `through`, from the host and

@@ -90,4 +90,8 @@ pub struct PathStats {
     /// Peer allocations whose IPC mapping was closed while running: the mapping cache (256
     /// entries) trimmed past its bound.
     pub ipc_mappings_closed: u64,
+    /// Operations whose caller's stream already waited at this rank's closed gate for an
+    /// earlier one: the gate was made to wait for them too, and nothing was enqueued for them
+    /// (OpenCL streams enqueued back to back; see `StreamJoin::Gate`).
+    pub joins_held: u64,
 }

@@ -138,6 +138,10 @@ pub(crate) struct Op {
     /// Recorded on the caller's stream at posting: the operation may start once it completes.
     /// `None` when the stream was already idle at posting (nothing to wait for).
     pub start: Option<EventHandle>,
+    /// Instead of a start event: the operation may start once every operation up to this one
+    /// finished (0: no such wait). Set where the caller's stream held nothing but this
+    /// communicator's closed gate for that operation (see `Comm::behind_own_gate`).
+    pub after: u64,
     pub slot: Arc<Slot>,
     /// Keeps a safe API caller's buffer alive until the operation finishes.
     pub keep: Option<Box<dyn std::any::Any + Send>>,

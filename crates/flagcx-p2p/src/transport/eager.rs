@@ -119,7 +119,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         step: &mut Step,
         sd: &SendDesc,
     ) -> Result<Progress> {
-        if !started(&self.adaptor, step.op.start)? {
+        if !started(&self.adaptor, self.watermark, &step.op)? {
             return Ok(Progress::Idle { on_peer: false });
         }
         let conn = self.peers[p].as_ref().expect("checked by caller");
@@ -584,7 +584,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         let eligible = |op: &Op| {
             let link = self.eager.get(op.peer)?.as_ref()?;
             let fits = link.fits(op.dir, op.bytes) && (op.dir == Dir::Send || !spin.is_zero());
-            (op.start.is_none() && fits).then_some(link)
+            (op.start.is_none() && op.after == 0 && fits).then_some(link)
         };
         if !ops.iter().any(|(op, _)| eligible(op).is_some()) {
             return ops;

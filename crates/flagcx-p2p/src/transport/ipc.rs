@@ -331,7 +331,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         );
         let (seq, slot) = self.caller_hand_over(&m, start, resume, self.slot(m.peer), keep);
         if join {
-            self.join_stream(stream, seq)?;
+            self.join_stream(stream, seq, false)?;
         }
         Ok(Some(Request {
             state: State::Pending(slot),

@@ -253,8 +253,13 @@ pub(crate) fn export<A: DeviceAdaptor>(
 /// event on the device: with iterations enqueued back to back, a later operation's start
 /// depends on an earlier one to another peer, and a device-side wait queued ahead of that
 /// earlier operation's copies would stall both for good. The proxy polls instead.
-pub(crate) fn started<A: DeviceAdaptor>(a: &A, start: Option<EventHandle>) -> Result<bool> {
-    match start {
+/// `watermark` is the engine's: every operation up to it finished. An operation may start once
+/// its start event completed, or the operation it waits for instead (`Op::after`) finished.
+pub(crate) fn started<A: DeviceAdaptor>(a: &A, watermark: u64, op: &crate::op::Op) -> Result<bool> {
+    if op.after > watermark {
+        return Ok(false);
+    }
+    match op.start {
         None => Ok(true),
         Some(e) => Ok(a.event_query(e)?),
     }

@@ -333,7 +333,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         };
         match phase {
             NetPhase::Start => {
-                if !started(&self.adaptor, step.op.start)? {
+                if !started(&self.adaptor, self.watermark, &step.op)? {
                     return Ok(Progress::Idle { on_peer: false });
                 }
                 if dir == Dir::Recv {

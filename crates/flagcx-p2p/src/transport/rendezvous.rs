@@ -39,7 +39,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                 }
                 // Every copy below reads the caller's buffer, so it is issued only once the
                 // caller's stream passed the posting point (see `started`).
-                if !started(&self.adaptor, step.op.start)? {
+                if !started(&self.adaptor, self.watermark, &step.op)? {
                     return Ok(Progress::Idle { on_peer: false });
                 }
                 // The transport's one copy into the receiver's buffer, or none (the ring).
@@ -96,7 +96,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                 let (handle, offset) = if bytes > 0 {
                     // The receiver's copy engine reads straight from the buffer, so it may only
                     // be offered once earlier work on the caller's stream is done.
-                    if !started(&self.adaptor, step.op.start)? {
+                    if !started(&self.adaptor, self.watermark, &step.op)? {
                         return Ok(Progress::Idle { on_peer: false });
                     }
                     match export(&self.adaptor, step.op.ptr, conn.transport)? {
@@ -174,7 +174,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                 if bytes > 0 && (ipc || conn.roles.peer_maps) {
                     // The sender's copy engine may write straight into the buffer, so it may
                     // only be announced once earlier work on the caller's stream is done.
-                    if !started(&self.adaptor, step.op.start)? {
+                    if !started(&self.adaptor, self.watermark, &step.op)? {
                         return Ok(Progress::Idle { on_peer: false });
                     }
                     if let Some((h, offset)) = export(&self.adaptor, step.op.ptr, conn.transport)? {
@@ -239,7 +239,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                     return Ok(Progress::Done(r));
                 }
                 // Every copy below writes the caller's buffer: see `started`.
-                if !started(&self.adaptor, step.op.start)? {
+                if !started(&self.adaptor, self.watermark, &step.op)? {
                     return Ok(Progress::Idle { on_peer: false });
                 }
                 // The transport's one copy out of the sender's buffer, or none (the ring).

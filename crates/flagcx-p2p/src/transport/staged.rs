@@ -57,7 +57,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         }
         // No chunk is in flight before the first: see `started`.
         if !*started {
-            if !super::started(&self.adaptor, step.op.start)? {
+            if !super::started(&self.adaptor, self.watermark, &step.op)? {
                 return Ok(Progress::Idle { on_peer: false });
             }
             *started = true;
