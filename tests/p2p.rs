@@ -187,6 +187,7 @@ fn rank_worker() {
         }
         "enqueued" => enqueued(&r),
         "early_sends" => early_sends(&r),
+        "rejoin" => rejoin(&r),
         "random" => {
             for iter in 0..12u64 {
                 let to: Vec<(usize, usize)> = (0..n)
@@ -415,6 +416,54 @@ fn enqueued(r: &Rank) {
             }
         }
     }
+}
+
+/// A small receive whose stream waits at the gate of the previous one (which went through the
+/// proxy: its sender was late) waits for that receive and then goes eagerly, instead of
+/// following it through the proxy; and nothing is held twice. Streams that join at gates only.
+fn rejoin(r: &Rank) {
+    const LEN: usize = 64;
+    let h = r.stream.handle();
+    if r.comm.rank() == 0 {
+        let a = r.filled(1, 0, LEN);
+        let b = r.filled(1, 1, LEN);
+        r.stream.synchronize().expect("sync");
+        // Well past the receiver's eager wait (the spin time: no pair history yet).
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        // SAFETY: both buffers outlive the waits and the synchronize below.
+        let q = unsafe {
+            [
+                r.comm.send_raw(a.ptr(), LEN, 1, h),
+                r.comm.send_raw(b.ptr(), LEN, 1, h),
+            ]
+        };
+        for q in q {
+            assert_eq!(q.expect("post").wait().expect("send"), LEN);
+        }
+        r.stream.synchronize().expect("sync");
+        return;
+    }
+    let a = r.buffer(LEN);
+    let b = r.buffer(LEN);
+    r.stream.synchronize().expect("sync");
+    // SAFETY: both buffers outlive the waits and the synchronize below.
+    let first = unsafe { r.comm.recv_raw(a.ptr(), LEN, 0, h) }.expect("post the first");
+    assert!(
+        !first.is_done(),
+        "the first receive waits for a sender that sleeps: it went to the proxy"
+    );
+    // SAFETY: as above.
+    let second = unsafe { r.comm.recv_raw(b.ptr(), LEN, 0, h) }.expect("post the second");
+    assert!(
+        second.is_done(),
+        "the second receive waited for the first, then went eagerly (done when posted)"
+    );
+    assert_eq!(first.wait().expect("first"), LEN);
+    assert_eq!(second.wait().expect("second"), LEN);
+    r.stream.synchronize().expect("sync");
+    r.check(&a, 0, 0, LEN);
+    r.check(&b, 0, 1, LEN);
+    assert_eq!(r.comm.stats().joins_held, 0, "no gate was held for longer");
 }
 
 /// A post never blocks its thread on the peer: rank 0 posts 1000 sends (outside any group)
@@ -1519,6 +1568,27 @@ fn posts_never_wait_for_the_peer() {
     job(2, &v, "early_sends", &[("FLAGCX_P2P_EAGER_MAX", "0")]);
     job(2, &v, "early_sends", &[("FLAGCX_P2P_DISABLE", "1")]);
     job(2, &v, "early_sends", &[("FLAGCX_SPIN_US", "100")]);
+}
+
+/// Small messages get back to the eager path behind a receive that went through the proxy
+/// (see `rejoin`), where streams join at gates (OpenCL).
+#[test]
+fn small_messages_rejoin_the_eager_path() {
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    let gates = match v.parse::<flagcx::Vendor>() {
+        Ok(vendor) => Adaptor::open(vendor, 0).is_ok_and(|a| a.capabilities().host_gates),
+        Err(_) => false,
+    };
+    if !gates {
+        flagcx_adaptor::conformance::report_skip_reason(
+            "p2p::small_messages_rejoin_the_eager_path",
+            &v,
+            "the vendor's streams join with stream memory operations or host functions, not gates",
+        );
+        return;
+    }
+    // A wait far longer than the sender's delay: the case checks the path, not a timing.
+    job(2, &v, "rejoin", &[("FLAGCX_P2P_REJOIN_US", "5000000")]);
 }
 
 /// Stream-ordered small messages (forced on: the host vendor's ranks share memory, which

@@ -140,6 +140,28 @@ impl Shared {
         }
     }
 
+    /// Whether the watermark reaches `seq` within `limit` (spinning briefly, then sleeping on
+    /// its condition variable); `false` at once after shutdown or an abort.
+    pub fn watermark_within(&self, seq: u64, limit: Duration) -> bool {
+        let t0 = Instant::now();
+        let mut w = lock(&self.watermark);
+        while *w < seq {
+            let left = limit.saturating_sub(t0.elapsed());
+            if left.is_zero()
+                || self.shutdown.load(Ordering::Acquire)
+                || self.aborted.load(Ordering::Acquire)
+            {
+                return false;
+            }
+            w = self
+                .watermark_cv
+                .wait_timeout(w, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
+    }
+
     /// Keeps the first asynchronous failure of any operation (for
     /// [`crate::Comm::async_error`]); the caller's own errors (a size mismatch, an abort) are
     /// not kept.

@@ -54,6 +54,8 @@ pub(crate) struct Joined {
     pub(crate) seq: u64,
     /// The join's gate, where it is one (`StreamJoin::Gate`) and was not open when made.
     pub(crate) gate: Option<GateHandle>,
+    /// How many later joins that gate was made to wait for (0: it waits for its first).
+    pub(crate) held: u32,
 }
 
 impl WatermarkPage {
@@ -145,7 +147,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         let caps = self.adaptor.capabilities();
         let memop = !matches!(join, StreamJoin::HostFn | StreamJoin::Gate);
-        let mut gate = None;
+        let (mut gate, mut held) = (None, 0);
         match self.page.device {
             Some(word) if caps.stream_mem_ops && memop => {
                 // SAFETY: the word lives in the registered watermark page, which outlives every
@@ -164,16 +166,19 @@ impl<A: DeviceAdaptor> Comm<A> {
                 // Every operation posted since that gate was made saw it last (nothing can be
                 // enqueued in front of the last command), so none waits for it by an event:
                 // holding it for longer cannot make an operation wait for itself.
-                let prev = lock(&self.joined).get(&stream.0).and_then(|j| j.gate);
-                gate = match prev {
-                    Some(g)
-                        if extend
-                            && self.adaptor.gate_is_last(g)?
-                            && self.shared.gate_extend(g, seq) =>
+                let prev = lock(&self.joined).get(&stream.0).copied();
+                (gate, held) = match prev {
+                    Some(Joined {
+                        gate: Some(g),
+                        held,
+                        ..
+                    }) if extend
+                        && self.adaptor.gate_is_last(g)?
+                        && self.shared.gate_extend(g, seq) =>
                     {
-                        Some(g)
+                        (Some(g), held + 1)
                     }
-                    _ => self.shared.gate_until(&self.adaptor, stream, seq)?,
+                    _ => (self.shared.gate_until(&self.adaptor, stream, seq)?, 0),
                 };
             }
             _ => {
@@ -187,7 +192,15 @@ impl<A: DeviceAdaptor> Comm<A> {
             Some(j) => j.ev,
             None => self.adaptor.event_create(false)?,
         };
-        joined.insert(stream.0, Joined { ev, seq, gate });
+        joined.insert(
+            stream.0,
+            Joined {
+                ev,
+                seq,
+                gate,
+                held,
+            },
+        );
         self.adaptor.event_record(ev, stream)?;
         Ok(())
     }
@@ -197,20 +210,48 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// for a request posts its next operation before the stream has passed that (satisfied)
     /// wait, and only an idle stream lets the next message go eagerly. Without this, one
     /// message through the proxy keeps every later one there.
-    /// Only waits where the eager path could follow (`eager`).
-    pub(crate) fn idle_or_soon(&self, stream: StreamHandle, eager: bool) -> Result<bool> {
+    /// Only waits where the eager path could follow (`eager`). Where the message could go
+    /// eagerly (`small`) and all the stream holds is this communicator's fresh gate (one
+    /// operation's join, nothing behind it), it first waits up to `Config::rejoin_wait` for that
+    /// operation: once per gate, so posts behind a peer that does not answer pay it once.
+    pub(crate) fn idle_or_soon(
+        &self,
+        stream: StreamHandle,
+        eager: bool,
+        small: bool,
+    ) -> Result<bool> {
         if self.adaptor.stream_query(stream)? {
             return Ok(true);
         }
         let spin = self.config.spin.unwrap_or_default();
         let passed = |seq: u64| *lock(&self.shared.watermark) >= seq;
-        let last = lock(&self.joined).get(&stream.0).map(|j| j.seq);
+        let last = lock(&self.joined).get(&stream.0).copied();
+        // How long to spin for the stream once its join is satisfied: the spin time, or what
+        // is left of the wait for the gate's operation (its barrier takes tens of µs to pass
+        // once opened, ~45 µs on PoCL).
+        let mut until = spin;
+        let t0 = std::time::Instant::now();
         match last {
-            Some(seq) if eager && !spin.is_zero() && passed(seq) => {}
+            Some(j) if eager && !spin.is_zero() && passed(j.seq) => {}
+            Some(Joined {
+                seq,
+                gate: Some(g),
+                held: 0,
+                ..
+            }) if eager
+                && small
+                && !spin.is_zero()
+                && !self.config.rejoin_wait.is_zero()
+                && self.adaptor.gate_is_last(g)? =>
+            {
+                if !self.shared.watermark_within(seq, self.config.rejoin_wait) {
+                    return Ok(false);
+                }
+                until = (t0.elapsed() + spin).max(self.config.rejoin_wait);
+            }
             _ => return Ok(false),
         }
-        let t0 = std::time::Instant::now();
-        while t0.elapsed() < spin {
+        while t0.elapsed() < until {
             flagcx_adaptor::spin::relax();
             if self.adaptor.stream_query(stream)? {
                 return Ok(true);

@@ -165,6 +165,14 @@ fn eager_limit_parses_and_is_bounded() {
     let e = Config::from_lookup(lookup(&[("FLAGCX_P2P_EAGER_MAX", "65537")])).unwrap_err();
     assert!(e.to_string().contains("FLAGCX_P2P_EAGER_MAX"), "{e}");
     assert!(Config::from_lookup(lookup(&[("FLAGCX_P2P_EAGER_MAX", "lots")])).is_err());
+    assert_eq!(Config::default().rejoin_wait, Duration::from_millis(1));
+    let c = Config::from_lookup(lookup(&[("FLAGCX_P2P_REJOIN_US", "250")])).unwrap();
+    assert_eq!(c.rejoin_wait, Duration::from_micros(250));
+    let off = Config::from_lookup(lookup(&[("FLAGCX_P2P_REJOIN_US", "0")])).unwrap();
+    assert!(off.rejoin_wait.is_zero());
+    let e = Config::from_lookup(lookup(&[("FLAGCX_P2P_REJOIN_US", "10000001")])).unwrap_err();
+    assert!(e.to_string().contains("FLAGCX_P2P_REJOIN_US"), "{e}");
+    assert!(Config::from_lookup(lookup(&[("FLAGCX_P2P_REJOIN_US", "soon")])).is_err());
 }
 
 #[test]
