@@ -175,7 +175,6 @@ impl<A: DeviceAdaptor> Comm<A> {
             }),
             pending: (0..nranks).map(|_| Default::default()).collect(),
             lost: (0..nranks).map(|_| AtomicBool::new(false)).collect(),
-            proxied_small_ns: (0..nranks).map(|_| AtomicU64::new(0)).collect(),
             reserved: (0..nranks).map(|_| Default::default()).collect(),
             ipc: Mutex::new(IpcCache::default()),
             trimming: AtomicBool::new(false),
@@ -583,13 +582,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         // A grouped post may go eagerly at `group_end` too (`group_eager`), which needs the
         // stream idle at posting: it waits out a satisfied join as an ungrouped one does.
         let grouped_eager = !ungrouped && link.is_some();
-        // Worth waiting for the proxy's operation where the pair's eager messages come faster
-        // than its proxied ones (on one GPU, 4 KiB CUDA<->OpenCL messages take longer eagerly).
-        let proxied = self.shared.proxied_small_ns[peer].load(Ordering::Relaxed);
-        let small = (eager || grouped_eager)
-            && link.is_some_and(|l| {
-                l.fits(dir, bytes) && (proxied == 0 || l.recent_wait().as_nanos() < proxied as u128)
-            });
+        let small = (eager || grouped_eager) && link.is_some_and(|l| l.fits(dir, bytes));
         let idle =
             ordered || self.idle_or_soon(stream, eager || grouped_eager || caller || net, small)?;
         if !idle && (eager || grouped_eager) && link.is_some_and(|l| l.fits(dir, bytes)) {

@@ -45,10 +45,6 @@ pub(crate) struct Shared {
     /// Per peer: the pair was retired (a failure, a timeout, the peer hung up); the eager path
     /// leaves it to the proxy, which fails what comes.
     pub lost: Vec<AtomicBool>,
-    /// Per peer: how long its small operations (up to 64 KiB) took through the proxy, from
-    /// posting to completion, in ns (a moving average of eight; 0: none yet). Read by
-    /// `Comm::idle_or_soon`, which waits for the proxy only where it is slower than eagerly.
-    pub(crate) proxied_small_ns: Vec<AtomicU64>,
     /// Set (under the inbox lock, with nothing in flight) while the proxy closes IPC mappings,
     /// which may wait for the device context: meanwhile no caller may hand over an operation
     /// and make a stream wait for it.
@@ -480,18 +476,6 @@ impl<A: DeviceAdaptor> Engine<A> {
         // eagerly, which needs this one to be off the books.
         if let Some(p) = self.shared.pending.get(op.peer) {
             p[op.dir as usize].fetch_sub(1, Ordering::AcqRel);
-        }
-        if r.is_ok() && op.bytes <= crate::config::MAX_EAGER_MAX {
-            if let Some(avg) = self.shared.proxied_small_ns.get(op.peer) {
-                let took = op.posted.elapsed().as_nanos().min(u64::MAX as u128) as u64;
-                let old = avg.load(Ordering::Relaxed);
-                let new = if old == 0 {
-                    took
-                } else {
-                    old - old / 8 + took / 8
-                };
-                avg.store(new, Ordering::Relaxed);
-            }
         }
         op.slot.complete(r);
         drop(op.keep);

@@ -211,7 +211,7 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// wait, and only an idle stream lets the next message go eagerly. Without this, one
     /// message through the proxy keeps every later one there.
     /// Only waits where the eager path could follow (`eager`). Where the message could go
-    /// eagerly, and faster than through the proxy (`small`, see `Comm::post`), and all the stream holds is this communicator's fresh gate (one
+    /// eagerly (`small`) and all the stream holds is this communicator's fresh gate (one
     /// operation's join, nothing behind it), it first waits up to `Config::rejoin_wait` for that
     /// operation: once per gate, so posts behind a peer that does not answer pay it once.
     pub(crate) fn idle_or_soon(

@@ -539,11 +539,6 @@ impl EagerLink {
         }
     }
 
-    /// What the pair's recent eager receives waited for their messages (a moving average).
-    pub(crate) fn recent_wait(&self) -> Duration {
-        Duration::from_nanos(self.waited_ns.load(Ordering::Relaxed))
-    }
-
     /// Records that an eager receive waited `waited` for its message (a moving average of
     /// eight).
     pub(crate) fn note_wait(&self, waited: Duration) {
