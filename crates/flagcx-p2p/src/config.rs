@@ -161,8 +161,8 @@ pub struct Config {
     pub ipc_caller: bool,
     /// How long a small message's post waits for the one operation its stream is held behind
     /// at this communicator's gate (OpenCL streams; `FLAGCX_P2P_REJOIN_US`, default 1000, 0:
-    /// never), so that it goes eagerly instead of following that operation through the proxy.
-    /// Once per gate: behind a peer that does not answer, only the first post waits.
+    /// never; messages up to 1 KiB), so that it goes eagerly instead of following that
+    /// operation through the proxy. Once per gate: behind a peer that does not answer, only the first post waits.
     pub rejoin_wait: Duration,
     /// Each rank prints where its operations spent their time when its communicator is
     /// destroyed (`FLAGCX_PROFILE` set to anything, default off).
