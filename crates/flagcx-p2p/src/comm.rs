@@ -595,18 +595,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                 return Ok(r);
             }
         }
-        // Behind nothing but this communicator's closed gate, the operation waits for what the
-        // gate waits for, on the host, and the gate will wait for it in turn: no command is
-        // added to the stream.
-        let after = match idle {
-            true => 0,
-            false => self.behind_own_gate(stream)?.unwrap_or(0),
-        };
-        let start = if idle || after > 0 {
-            None
-        } else {
-            Some(self.start_event(stream)?)
-        };
+        let (start, after) = self.start_of(stream, idle)?;
         let mut keep = keep;
         if net && idle {
             if let Some(r) = self.try_caller_net(dir, ptr, bytes, peer, &mut keep)? {

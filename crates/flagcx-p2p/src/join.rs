@@ -124,6 +124,24 @@ impl<A: DeviceAdaptor> Comm<A> {
         !memop && caps.host_gates && matches!(self.config.join, StreamJoin::Auto | StreamJoin::Gate)
     }
 
+    /// What an operation posted on `stream` now starts after: nothing where the stream is
+    /// `idle`; behind nothing but this communicator's closed gate, the operation that gate
+    /// waits for (on the host: the gate will wait for this one in turn, and no command is added
+    /// to the stream); else an event recorded on the stream.
+    pub(crate) fn start_of(
+        &self,
+        stream: StreamHandle,
+        idle: bool,
+    ) -> Result<(Option<EventHandle>, u64)> {
+        if idle {
+            return Ok((None, 0));
+        }
+        match self.behind_own_gate(stream)? {
+            Some(after) => Ok((None, after)),
+            None => Ok((Some(self.start_event(stream)?), 0)),
+        }
+    }
+
     /// Where all `stream` still holds is this communicator's closed gate (nothing was enqueued
     /// behind it), the operation that gate waits for: an operation posted now may start once
     /// that one finished, without a start event, and the gate can then wait for it too
