@@ -272,6 +272,14 @@ impl<A: DeviceAdaptor> Comm<A> {
                 if !self.shared.watermark_within(seq, self.config.rejoin_wait) {
                     return Ok(false);
                 }
+                // An abort's release also moves the watermark.
+                if self
+                    .shared
+                    .aborted
+                    .load(std::sync::atomic::Ordering::Acquire)
+                {
+                    return Err(CommError::Aborted);
+                }
                 until = (t0.elapsed() + spin).max(self.config.rejoin_wait);
             }
             _ => return Ok(false),
