@@ -1587,8 +1587,18 @@ fn small_messages_rejoin_the_eager_path() {
         );
         return;
     }
-    // A wait far longer than the sender's delay: the case checks the path, not a timing.
-    job(2, &v, "rejoin", &[("FLAGCX_P2P_REJOIN_US", "5000000")]);
+    // Waits far longer than any scheduling delay, and the rejoin wait far longer than the
+    // sender's 300 ms: the case checks the path, not a timing. The eager receive waits (the
+    // spin time, 20 ms) stay well under that delay, so the first receive still misses.
+    job(
+        2,
+        &v,
+        "rejoin",
+        &[
+            ("FLAGCX_P2P_REJOIN_US", "5000000"),
+            ("FLAGCX_SPIN_US", "10000"),
+        ],
+    );
 }
 
 /// Stream-ordered small messages (forced on: the host vendor's ranks share memory, which
