@@ -582,12 +582,11 @@ impl<A: DeviceAdaptor> Comm<A> {
         // A grouped post may go eagerly at `group_end` too (`group_eager`), which needs the
         // stream idle at posting: it waits out a satisfied join as an ungrouped one does.
         let grouped_eager = !ungrouped && link.is_some();
-        let small = (eager || grouped_eager)
-            && bytes <= crate::join::REJOIN_MAX
-            && link.is_some_and(|l| l.fits(dir, bytes));
+        let fits = (eager || grouped_eager) && link.is_some_and(|l| l.fits(dir, bytes));
+        let small = fits && bytes <= crate::join::REJOIN_MAX;
         let idle =
             ordered || self.idle_or_soon(stream, eager || grouped_eager || caller || net, small)?;
-        if !idle && (eager || grouped_eager) && link.is_some_and(|l| l.fits(dir, bytes)) {
+        if !idle && fits {
             self.shared.declined(crate::op::Declined::StreamBusy);
         }
         if idle && eager {

@@ -140,8 +140,8 @@ impl Shared {
         }
     }
 
-    /// Whether the watermark reaches `seq` within `limit` (spinning briefly, then sleeping on
-    /// its condition variable); `false` at once after shutdown or an abort.
+    /// Whether the watermark reaches `seq` within `limit`, sleeping on its condition variable;
+    /// `false` once the limit passed, or at once after shutdown or an abort.
     pub fn watermark_within(&self, seq: u64, limit: Duration) -> bool {
         let t0 = Instant::now();
         let mut w = lock(&self.watermark);

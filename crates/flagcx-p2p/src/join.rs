@@ -115,13 +115,20 @@ impl<A: DeviceAdaptor> Comm<A> {
         Ok(start)
     }
 
-    /// Whether the join of `stream` goes through a gate (see [`Self::join_stream`]).
+    /// The watermark word streams wait on with a stream memory operation, where joins use
+    /// them (see [`Self::join_stream`]).
+    fn memop_word(&self) -> Option<DevicePtr> {
+        let memop = !matches!(self.config.join, StreamJoin::HostFn | StreamJoin::Gate);
+        self.page
+            .device
+            .filter(|_| memop && self.adaptor.capabilities().stream_mem_ops)
+    }
+
+    /// Whether streams join at gates (see [`Self::join_stream`]).
     fn joins_at_gates(&self) -> bool {
-        let caps = self.adaptor.capabilities();
-        let memop = self.page.device.is_some()
-            && caps.stream_mem_ops
-            && !matches!(self.config.join, StreamJoin::HostFn | StreamJoin::Gate);
-        !memop && caps.host_gates && matches!(self.config.join, StreamJoin::Auto | StreamJoin::Gate)
+        self.memop_word().is_none()
+            && self.adaptor.capabilities().host_gates
+            && matches!(self.config.join, StreamJoin::Auto | StreamJoin::Gate)
     }
 
     /// What an operation posted on `stream` now starts after: nothing where the stream is
@@ -170,11 +177,9 @@ impl<A: DeviceAdaptor> Comm<A> {
         if join == StreamJoin::None {
             return Ok(());
         }
-        let caps = self.adaptor.capabilities();
-        let memop = !matches!(join, StreamJoin::HostFn | StreamJoin::Gate);
         let (mut gate, mut held) = (None, 0);
-        match self.page.device {
-            Some(word) if caps.stream_mem_ops && memop => {
+        match self.memop_word() {
+            Some(word) => {
                 // SAFETY: the word lives in the registered watermark page, which outlives every
                 // stream wait (Drop releases the waits and waits for each joined stream's
                 // last-join event before unmapping).
@@ -187,7 +192,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                     )?
                 };
             }
-            _ if self.joins_at_gates() => {
+            None if self.joins_at_gates() => {
                 // Every operation posted since that gate was made saw it last (nothing can be
                 // enqueued in front of the last command), so none waits for it by an event:
                 // holding it for longer cannot make an operation wait for itself.
@@ -206,7 +211,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                     _ => (self.shared.gate_until(&self.adaptor, stream, seq)?, 0),
                 };
             }
-            _ => {
+            None => {
                 let shared = self.shared.clone();
                 self.adaptor
                     .launch_host_func(stream, Box::new(move || shared.wait_watermark(seq)))?;
