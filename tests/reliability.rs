@@ -727,6 +727,22 @@ fn reliability_worker() {
                 other => panic!("expected a bootstrap error, got {other:?}"),
             }
         }
+        "expect_setup_mismatch" => {
+            // The ranks were started with different staged ring settings: each must refuse
+            // the other's channel with an error that names the settings, and neither may hang.
+            let t = Instant::now();
+            match Comm::from_env(adaptor.clone()) {
+                Err(CommError::Protocol(e)) if e.contains("FLAGCX_P2P_") => {
+                    drop(adaptor);
+                    assert_no_leaks(&before, "a refused setup");
+                    println!(
+                        "survivor ok: rank {me} refused after {} ms: {e}",
+                        t.elapsed().as_millis()
+                    );
+                }
+                other => panic!("expected the mismatch to be refused, got {other:?}"),
+            }
+        }
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -1238,6 +1254,37 @@ fn pair(scenario: &str, env: &[(&str, &str)]) -> (Output, Output) {
         finish(r0, Duration::from_secs(60)),
         finish(r1, Duration::from_secs(60)),
     )
+}
+
+#[test]
+fn ranks_with_different_ring_settings_refuse_each_other() {
+    if skip_unless_vendor() {
+        return;
+    }
+    // Chunk boundaries are derived on both sides from the ring's geometry: ranks that cut
+    // messages differently would read each other's slots wrong, so setup refuses them.
+    let id = UniqueId::random().expect("id").to_string();
+    let staged = ("FLAGCX_P2P_DISABLE", "1");
+    let r0 = spawn_rank(
+        0,
+        2,
+        &id,
+        "expect_setup_mismatch",
+        &[staged, ("FLAGCX_P2P_SPLIT", "4")],
+    );
+    let r1 = spawn_rank(
+        1,
+        2,
+        &id,
+        "expect_setup_mismatch",
+        &[staged, ("FLAGCX_P2P_SPLIT", "8")],
+    );
+    for (rank, out) in [
+        (0, finish(r0, Duration::from_secs(60))),
+        (1, finish(r1, Duration::from_secs(60))),
+    ] {
+        assert_survived(&out, &format!("rank {rank} of a mismatched pair"));
+    }
 }
 
 #[test]

@@ -179,6 +179,8 @@ pub struct Geometry {
     pub slots: usize,
     /// Bytes per slot.
     pub chunk: usize,
+    /// Chunks a staged message is cut into while each fits a slot (0 for IPC channels).
+    pub split: usize,
     /// Bytes per eager slot, one per descriptor (0: the channel carries no eager messages).
     pub eager: usize,
 }
@@ -553,6 +555,7 @@ mod tests {
         let geo = Geometry {
             slots: 4,
             chunk: 4096,
+            split: 8,
             eager: 0,
         };
         let rx = Channel::create(geo).unwrap();
@@ -596,6 +599,7 @@ mod tests {
         let geo = Geometry {
             slots: 0,
             chunk: 0,
+            split: 0,
             eager: 0,
         };
         let ch = Channel::create(geo).unwrap();
@@ -642,6 +646,7 @@ mod tests {
         let geo = Geometry {
             slots: 0,
             chunk: 0,
+            split: 0,
             eager: 64,
         };
         let ch = Channel::create(geo).unwrap();
@@ -674,6 +679,7 @@ mod tests {
         let geo = Geometry {
             slots: 2,
             chunk: 4096,
+            split: 8,
             eager: 100,
         };
         let rx = Channel::create(geo).unwrap();

@@ -100,8 +100,12 @@ pub struct Config {
     /// Bytes of shared host memory per staged channel (`FLAGCX_P2P_BUFFSIZE`, default 32 MiB).
     pub buffsize: usize,
     /// Bytes per staged ring slot, the largest chunk (`FLAGCX_P2P_CHUNKSIZE`; default a quarter
-    /// of the ring, at most 8 MiB). A message moves in chunks of ~⅛ of its size, 64 KiB to a slot.
+    /// of the ring, at most 8 MiB). A message moves in chunks of about `1/split` of its size,
+    /// 64 KiB to a slot.
     pub chunksize: usize,
+    /// Chunks a staged message is cut into while each fits a slot (`FLAGCX_P2P_SPLIT`, default 8,
+    /// 1–64): more chunks overlap the two sides' copies sooner; each costs a hand-over per side.
+    pub split: usize,
     /// Fail an operation that makes no progress for this long (`FLAGCX_TIMEOUT_MS`; unset or 0:
     /// never). The pair is then unusable: its later operations fail at once. A progress thread
     /// blocked inside a vendor call this long (at least 250 ms) with operations in flight fails
@@ -178,6 +182,8 @@ pub struct Config {
 pub const DEFAULT_BUFFSIZE: usize = 32 << 20;
 /// Default staged slot (largest chunk) size: a quarter of the ring, at most this.
 pub const DEFAULT_CHUNKSIZE: usize = 8 << 20;
+/// Default [`Config::split`].
+pub const DEFAULT_SPLIT: usize = 8;
 /// Default [`Config::host_map_max`].
 pub const DEFAULT_HOST_MAP_MAX: usize = 16 << 30;
 /// Default [`Config::host_pin_piece`].
@@ -197,6 +203,7 @@ impl Default for Config {
             p2p_disable: false,
             buffsize: DEFAULT_BUFFSIZE,
             chunksize: DEFAULT_CHUNKSIZE,
+            split: DEFAULT_SPLIT,
             timeout: None,
             join: StreamJoin::Auto,
             health_interval: Duration::from_millis(10),
@@ -284,6 +291,9 @@ impl Config {
             Some(v) => parse_size("FLAGCX_P2P_CHUNKSIZE", &v)?,
             None => (c.buffsize / 4 / 64 * 64).clamp(64, DEFAULT_CHUNKSIZE),
         };
+        if let Some(v) = var("FLAGCX_P2P_SPLIT") {
+            c.split = parse_usize("FLAGCX_P2P_SPLIT", &v)?;
+        }
         if let Some(v) = var("FLAGCX_TIMEOUT_MS") {
             let ms = parse_usize("FLAGCX_TIMEOUT_MS", &v)? as u64;
             c.timeout = (ms > 0).then(|| Duration::from_millis(ms));
@@ -415,6 +425,13 @@ impl Config {
                 "FLAGCX_P2P_CHUNKSIZE",
                 &self.chunksize.to_string(),
                 "must be a non-zero multiple of 64",
+            ));
+        }
+        if !(1..=64).contains(&self.split) {
+            return Err(CommError::config(
+                "FLAGCX_P2P_SPLIT",
+                &self.split.to_string(),
+                "must be between 1 and 64 chunks",
             ));
         }
         if self.buffsize < 2 * self.chunksize || self.buffsize / self.chunksize > 1024 {

@@ -123,11 +123,13 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
             Some(TransportKind::Staged) => Geometry {
                 slots: config.slots(),
                 chunk: config.chunksize,
+                split: config.split,
                 eager,
             },
             _ => Geometry {
                 slots: 0,
                 chunk: 0,
+                split: 0,
                 eager,
             },
         }
@@ -150,6 +152,7 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
             .u8(matches!(t, TransportKind::Staged) as u8)
             .u64(geo.slots as u64)
             .u64(geo.chunk as u64)
+            .u64(geo.split as u64)
             .u64(geo.eager as u64)
             .u64(geo.len() as u64)
             .finish();
@@ -195,6 +198,7 @@ fn ch_local() -> Result<Channel> {
     Channel::create(Geometry {
         slots: 0,
         chunk: 0,
+        split: 0,
         eager: 0,
     })
 }
@@ -217,6 +221,7 @@ pub(crate) fn connect_one<A: DeviceAdaptor>(
     let geo = Geometry {
         slots: r.u64()? as usize,
         chunk: r.u64()? as usize,
+        split: r.u64()? as usize,
         eager: r.u64()? as usize,
     };
     let len = r.u64()? as usize;
@@ -226,14 +231,14 @@ pub(crate) fn connect_one<A: DeviceAdaptor>(
     // bounds works for the sender (it sends eagerly up to the smaller of the two settings).
     let eager_ok = geo.eager == 0 || (lane && geo.eager <= MAX_EAGER_MAX);
     if staged != matches!(t, TransportKind::Staged)
-        || (geo.slots, geo.chunk) != (want.slots, want.chunk)
+        || (geo.slots, geo.chunk, geo.split) != (want.slots, want.chunk, want.split)
         || !eager_ok
         || len != geo.len()
         || fds.len() != 1
     {
         return Err(CommError::Protocol(format!(
-            "rank {q} set up a different channel (staged {staged}, {geo:?}, {} fds); \
-             do all ranks use the same FLAGCX_P2P_* settings?",
+            "rank {q} set up a different channel (staged {staged}, {geo:?}, {} fds) \
+             than this rank expects ({want:?}); do all ranks use the same FLAGCX_P2P_* settings?",
             fds.len()
         )));
     }

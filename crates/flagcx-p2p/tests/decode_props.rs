@@ -249,6 +249,7 @@ proptest! {
         let ch = Channel::create(Geometry {
             slots: 0,
             chunk: 0,
+            split: 0,
             eager: 0,
         }).unwrap();
         // A well-formed descriptor round-trips...

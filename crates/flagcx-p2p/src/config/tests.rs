@@ -264,6 +264,13 @@ fn ring_geometry_is_validated() {
     c.chunksize = 1 << 20;
     names(c.validate(), "FLAGCX_P2P_BUFFSIZE", "2147483648");
     c.buffsize = 32 << 20;
+    assert_eq!(c.split, DEFAULT_SPLIT);
+    for bad in [0, 65] {
+        c.split = bad;
+        names(c.validate(), "FLAGCX_P2P_SPLIT", &bad.to_string());
+    }
+    c.split = 64;
+    c.validate().unwrap();
     c.eager_max = MAX_EAGER_MAX + 1;
     names(
         c.validate(),

@@ -86,6 +86,7 @@ fn link() -> EagerLink {
     let geo = Geometry {
         slots: 1,
         chunk: 4096,
+        split: 8,
         eager: 64,
     };
     EagerLink {
