@@ -134,6 +134,10 @@ fn port_worker() {
         return;
     };
     flagcx::init_logging();
+    if scenario == "stalled_proxy" {
+        stalled_proxy();
+        return;
+    }
     let adaptor = Adaptor::from_env().expect("adaptor");
     let comm = Comm::from_env(adaptor).expect("comm");
     let (me, n) = (comm.rank(), comm.nranks());
@@ -379,6 +383,85 @@ fn port_worker() {
     }
 }
 
+/// Rank 0's port proxy blocks for [`STALL`] inside the copy of its first put (a vendor call that
+/// hangs, as CUDA's do behind a lock another thread holds). With `FLAGCX_TIMEOUT_MS=300` the
+/// proxy's guard fails the channel long before the call returns: rank 0's flush returns the
+/// failure and `check` says `Timeout`; rank 1's wait for the put's signal ends poisoned — on a
+/// staged pair at once (through the lane), on an IPC pair once rank 0's proxy is back and
+/// writes the flag (the put it was inside may land first, with its signal). Both then close.
+fn stalled_proxy() {
+    use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor};
+    const STALL: Duration = Duration::from_secs(3);
+    let staged = std::env::var("FLAGCX_P2P_DISABLE").is_ok_and(|v| v == "1");
+    // A staged put is a copy out into the lane; an IPC put one copy into the peer's buffer.
+    let op = if staged {
+        FaultOp::CopyD2H
+    } else {
+        FaultOp::CopyD2D
+    };
+    let inner = Adaptor::from_env().expect("adaptor");
+    let a = FaultyAdaptor::stalling(inner, op, usize::MAX >> 1, STALL);
+    let comm = Comm::from_env(a.clone()).expect("comm");
+    let me = comm.rank();
+    let mem = DeviceBuffer::new(&a, 4096).expect("alloc");
+    let reg = comm.register(mem.ptr(), 4096).expect("register");
+    let ch = comm.port_channel(1 - me, &[&reg], 4).expect("channel");
+    assert_eq!(ch.is_staged(), staged);
+    // SAFETY: a host-vendor channel, open while the port is used.
+    let mut p = unsafe { HostPort::new(ch.raw(), LIMIT) };
+    if me == 0 {
+        a.arm(0);
+        let t0 = Instant::now();
+        p.put_with_signal((0, 0), (0, 0), 64).expect("put");
+        let e = p.flush().unwrap_err();
+        let failed_after = t0.elapsed();
+        assert!(a.fired(), "the put's copy was not the stalled call");
+        assert_eq!(e, PortFailure::Failed(PortStatus::DeviceError));
+        assert!(
+            failed_after < STALL / 2,
+            "the flush failed only after {failed_after:?}"
+        );
+        assert!(
+            matches!(ch.check(), Err(CommError::Timeout { .. })),
+            "{:?}",
+            ch.check()
+        );
+        // Closing waits for the proxy to come back from the call, then reports the failure.
+        let closed = ch.close();
+        assert!(
+            matches!(closed, Err(CommError::Timeout { .. })),
+            "{closed:?}"
+        );
+        ok(
+            me,
+            &format!(
+                "a proxy blocked in a vendor call failed the flush after {failed_after:?} \
+                 (staged: {staged})"
+            ),
+        );
+    } else {
+        let t0 = Instant::now();
+        let mut signals = 0;
+        let e = loop {
+            match p.wait() {
+                Ok(()) => signals += 1,
+                Err(e) => break e,
+            }
+        };
+        let waited = t0.elapsed();
+        assert_eq!(e, PortFailure::Poisoned);
+        assert!(signals <= 1, "{signals} signals from one put");
+        if staged {
+            assert!(waited < STALL / 2, "released only after {waited:?}");
+        }
+        ch.close().expect("close (this side did nothing wrong)");
+        ok(
+            me,
+            &format!("the wait ended poisoned after {waited:?}, {signals} signal(s) first"),
+        );
+    }
+}
+
 fn spawn(rank: usize, n: usize, id: &str, scenario: &str, env: &[(&str, &str)]) -> Child {
     let mut cmd = Command::new(std::env::current_exe().expect("exe"));
     cmd.args(["--exact", "port_worker", "--ignored", "--nocapture"])
@@ -529,6 +612,14 @@ fn staged_lanes_take_each_senders_slot_size() {
 #[test]
 fn staged_pairs_drive_every_pair_at_once() {
     assert_ok(&job(4, "many", STAGED), &[0, 1, 2, 3]);
+}
+
+/// `FLAGCX_TIMEOUT_MS` covers a port proxy blocked inside a vendor call ([`stalled_proxy`]).
+#[test]
+fn a_proxy_blocked_in_a_vendor_call_fails_its_channels() {
+    let timeout = ("FLAGCX_TIMEOUT_MS", "300");
+    assert_ok(&job(2, "stalled_proxy", &[timeout]), &[0, 1]);
+    assert_ok(&job(2, "stalled_proxy", &[timeout, STAGED[0]]), &[0, 1]);
 }
 
 #[test]

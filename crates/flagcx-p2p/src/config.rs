@@ -109,7 +109,8 @@ pub struct Config {
     /// Fail an operation that makes no progress for this long (`FLAGCX_TIMEOUT_MS`; unset or 0:
     /// never). The pair is then unusable: its later operations fail at once. A progress thread
     /// blocked inside a vendor call this long (at least 250 ms) with operations in flight fails
-    /// the whole communicator, as [`crate::Comm::abort`] would, with `Timeout`.
+    /// the whole communicator, as [`crate::Comm::abort`] would, with `Timeout`; a port proxy
+    /// blocked that long with channels open fails its channels (`crate::port`).
     pub timeout: Option<Duration>,
     /// How callers' streams wait for operations
     /// (`FLAGCX_STREAM_JOIN=auto|memop|gate|hostfn|none`).

@@ -156,15 +156,17 @@ fn watch(shared: &Shared, window: Duration, rank: usize) -> Option<CommError> {
 /// The stall is the time the guard itself saw pass, each look counting for at most two ticks: a
 /// process that was stopped (`SIGSTOP`) or starved of CPU wakes its guard late, and the engine,
 /// stopped along with it, must get its turn before that time counts against it.
-struct Stall {
+pub(crate) struct Stall {
     window: Duration,
-    tick: Duration,
+    /// How long the watcher sleeps between looks.
+    pub(crate) tick: Duration,
     seen: u64,
     stalled: Duration,
 }
 
 impl Stall {
-    fn new(window: Duration, beats: u64) -> Self {
+    /// A judge of a thread that stalls for `window`; `beats` is its pass count now.
+    pub(crate) fn new(window: Duration, beats: u64) -> Self {
         Stall {
             window,
             tick: (window / 4).min(Duration::from_millis(100)),
@@ -175,7 +177,7 @@ impl Stall {
 
     /// One look, `slept` after the last: the engine's pass count and whether operations are in
     /// flight. The stall so far once it reached the window.
-    fn look(&mut self, beats: u64, busy: bool, slept: Duration) -> Option<Duration> {
+    pub(crate) fn look(&mut self, beats: u64, busy: bool, slept: Duration) -> Option<Duration> {
         if beats != self.seen || !busy {
             self.seen = beats;
             self.stalled = Duration::ZERO;

@@ -61,6 +61,8 @@
 //! on a staged pair through its lane's `poison` word, which the peer's proxy turns into
 //! [`POISON`] in its flag — so its kernels stop waiting for signals that will not come). Device-side waits check both and
 //! return the code. A poisoned channel stays failed; [`PortChannel::check`] reports why.
+//! A proxy blocked inside a vendor call for `FLAGCX_TIMEOUT_MS` has its channels failed by a
+//! guard thread (status `DeviceError`, `Timeout` from [`PortChannel::check`]; `proxy.rs`).
 //! A peer that hangs without dying is not detected by the proxy (there is no operation to
 //! time out): the application releases its kernels with [`PortChannel::poison`].
 //!
@@ -319,11 +321,22 @@ impl<A: DeviceAdaptor> Channel<A> {
     /// Marks the channel failed with `code` and releases every waiter: this rank's flag and
     /// (unless the peer is gone) the peer's are set to [`POISON`]. The first failure wins.
     pub fn poison(&self, code: PortStatus, why: CommError) {
+        if self.mark_failed(code, why) {
+            self.release_waiters(code);
+        }
+    }
+
+    /// The part of [`Self::poison`] that makes no vendor call, so that a thread may do it while
+    /// the proxy is blocked inside one: keeps `why` for [`PortChannel::check`], writes `code`
+    /// into the status word every device-side wait checks, and (a staged pair, unless the peer
+    /// is gone) tells the peer through its lane's poison word. Whether this was the first
+    /// failure.
+    pub fn mark_failed(&self, code: PortStatus, why: CommError) -> bool {
         {
             // The error is in place before anything a waiter sees says "failed".
             let mut first = crate::engine::lock(&self.error);
             if first.is_some() {
-                return;
+                return false;
             }
             tracing::warn!(peer = self.peer, ?code, "port channel failed: {why}");
             *first = Some(why);
@@ -331,19 +344,29 @@ impl<A: DeviceAdaptor> Channel<A> {
         self.control
             .word(STATUS_OFF)
             .store(code as u64, Ordering::Release);
-        self.release_flag();
-        if code == PortStatus::PeerLost {
-            return;
-        }
-        match &self.staged {
+        if let (Some(link), false) = (&self.staged, code == PortStatus::PeerLost) {
             // The peer's proxy reads it and releases its own flag.
-            Some(link) => link.out.poison(code as u64),
+            link.out.poison(code as u64);
+        }
+        true
+    }
+
+    /// The status word: what device-side waits see.
+    pub fn status(&self) -> PortStatus {
+        PortStatus::from_word(self.control.word(STATUS_OFF).load(Ordering::Acquire))
+    }
+
+    /// The part of [`Self::poison`] that takes vendor calls: [`POISON`] into this rank's flag,
+    /// and on an IPC pair into the peer's (unless the peer is gone).
+    pub fn release_waiters(&self, code: PortStatus) {
+        self.release_flag();
+        if code != PortStatus::PeerLost && self.staged.is_none() {
             // SAFETY: the peer's flag is a live device word mapped until close, 8-byte aligned.
-            None => unsafe {
+            unsafe {
                 let _ = self
                     .adaptor
                     .stream_write_value64(self.ctl, self.peer_flag, POISON);
-            },
+            }
         }
     }
 
@@ -445,7 +468,7 @@ impl<A: DeviceAdaptor> PortChannel<A> {
         if let Err(e) = ch.adaptor.stream_synchronize(ch.ctl) {
             first.get_or_insert(e.into());
         }
-        let status = PortStatus::from_word(ch.control.word(STATUS_OFF).load(Ordering::Acquire));
+        let status = ch.status();
         // The peer must stop writing into our flag (and lanes) before they are freed: say
         // goodbye with the count of chunks we published, and wait for its goodbye. A peer
         // known dead writes nothing more.

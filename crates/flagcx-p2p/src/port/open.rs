@@ -291,7 +291,7 @@ impl<A: DeviceAdaptor> Comm<A> {
 
         let proxy = self
             .ports
-            .get_or_init(|| Arc::new(PortProxy::new(self.rank)))
+            .get_or_init(|| Arc::new(PortProxy::new(self.rank, self.config.timeout)))
             .clone();
         let link = if staged {
             let inb = part.lanes.pop().expect("opened above");

@@ -5,8 +5,16 @@
 //! must be picked up within microseconds even while the engine waits on a copy or a peer, and
 //! the thread binds to the device's NUMA node (the control blocks it polls are host memory the
 //! device writes over the bus).
+//!
+//! With `FLAGCX_TIMEOUT_MS` set, a second thread guards it as [`crate::guard`] guards the
+//! engine: the proxy counts its passes, and when none ends for the timeout (at least
+//! [`MIN_WINDOW`]) while channels are open — the proxy is blocked inside a vendor call — the
+//! guard fails every channel from outside with no vendor call of its own
+//! ([`Channel::mark_failed`]): the status word that every device-side wait checks, the error
+//! [`super::PortChannel::check`] returns, and on a staged pair the peer's lane. Once the proxy
+//! returns it stops executing those channels and writes the flags itself.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -21,6 +29,7 @@ use super::{
 };
 use crate::engine::{hung_up, lock};
 use crate::error::{CommError, Result};
+use crate::guard::{Stall, MIN_WINDOW};
 
 /// How often a channel's peer is checked for death.
 const HEALTH_EVERY: Duration = Duration::from_millis(1);
@@ -38,19 +47,48 @@ enum Cmd<A: DeviceAdaptor> {
 /// How long a closing channel may wait for its last triggers (or the peer's last chunks).
 const CLOSE_LIMIT: Duration = Duration::from_secs(20);
 
+/// What the stall guard watches: the proxy's passes, and every channel handed to the proxy
+/// and not yet dropped by it.
+struct Watch<A: DeviceAdaptor> {
+    beats: AtomicU64,
+    chans: Mutex<Vec<Arc<Channel<A>>>>,
+    stop: AtomicBool,
+}
+
+impl<A: DeviceAdaptor> Watch<A> {
+    /// Stops watching channel `id`: the proxy dropped it (before it answers the close, so
+    /// that the closing side is the channel's only owner), or it never reached the proxy.
+    fn forget(&self, id: u64) {
+        lock(&self.chans).retain(|c| c.id != id);
+    }
+}
+
 /// The handle to a communicator's port proxy thread.
 pub(crate) struct PortProxy<A: DeviceAdaptor> {
     tx: Mutex<Option<Sender<Cmd<A>>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    guard: Mutex<Option<JoinHandle<()>>>,
+    watch: Arc<Watch<A>>,
+    /// `FLAGCX_TIMEOUT_MS`: with it, a guard thread watches the proxy.
+    timeout: Option<Duration>,
     rank: usize,
     ids: AtomicU64,
 }
 
 impl<A: DeviceAdaptor> PortProxy<A> {
-    pub fn new(rank: usize) -> Self {
+    /// A proxy for `rank`'s channels, started with the first one; guarded where `timeout` is
+    /// set.
+    pub fn new(rank: usize, timeout: Option<Duration>) -> Self {
         PortProxy {
             tx: Mutex::new(None),
             thread: Mutex::new(None),
+            guard: Mutex::new(None),
+            watch: Arc::new(Watch {
+                beats: AtomicU64::new(0),
+                chans: Mutex::new(Vec::new()),
+                stop: AtomicBool::new(false),
+            }),
+            timeout,
             rank,
             ids: AtomicU64::new(1),
         }
@@ -64,12 +102,21 @@ impl<A: DeviceAdaptor> PortProxy<A> {
         let mut tx = lock(&self.tx);
         if tx.is_none() {
             let (t, rx) = mpsc::channel();
+            let watch = self.watch.clone();
             let h = std::thread::Builder::new()
                 .name(format!("flagcx-port-{}", self.rank))
-                .spawn(move || run(rx))
+                .spawn(move || run(rx, &watch))
                 .map_err(|e| CommError::io("spawn port proxy thread", e))?;
             *tx = Some(t);
             *lock(&self.thread) = Some(h);
+            if let Some(timeout) = self.timeout {
+                let (watch, rank) = (self.watch.clone(), self.rank);
+                let g = std::thread::Builder::new()
+                    .name(format!("flagcx-port-guard-{rank}"))
+                    .spawn(move || guard(&watch, timeout.max(MIN_WINDOW), rank))
+                    .map_err(|e| CommError::io("spawn port guard thread", e))?;
+                *lock(&self.guard) = Some(g);
+            }
         }
         let sent = tx.as_ref().map(|t| t.send(cmd).is_ok()).unwrap_or(false);
         if let Some(h) = lock(&self.thread).as_ref() {
@@ -85,7 +132,14 @@ impl<A: DeviceAdaptor> PortProxy<A> {
     /// Hands a channel to the thread; `cpus` is where the thread should run (the first
     /// channel's device's NUMA node).
     pub fn add(&self, ch: Arc<Channel<A>>, cpus: Option<Vec<usize>>) -> Result<()> {
-        self.send(Cmd::Add(ch, cpus))
+        let id = ch.id;
+        // Watched from now: a proxy blocked before it takes the channel fails it too.
+        lock(&self.watch.chans).push(ch.clone());
+        let r = self.send(Cmd::Add(ch, cpus));
+        if r.is_err() {
+            self.watch.forget(id);
+        }
+        r
     }
 
     /// Stops a channel's outbound side: the triggers already in its FIFO run (on a staged
@@ -113,6 +167,12 @@ impl<A: DeviceAdaptor> PortProxy<A> {
 
 impl<A: DeviceAdaptor> Drop for PortProxy<A> {
     fn drop(&mut self) {
+        // The guard makes no call that blocks: it ends at its next look.
+        self.watch.stop.store(true, Ordering::Release);
+        if let Some(g) = lock(&self.guard).take() {
+            g.thread().unpark();
+            let _ = g.join();
+        }
         // Every channel holds the proxy, so none is left: closing the sender ends the thread.
         lock(&self.tx).take();
         if let Some(h) = lock(&self.thread).take() {
@@ -148,11 +208,48 @@ struct Active<A: DeviceAdaptor> {
     retiring: Option<(Option<u64>, Sender<Result<()>>, Instant)>,
 }
 
-fn run<A: DeviceAdaptor>(rx: Receiver<Cmd<A>>) {
+/// The guard's thread body: until the proxy is dropped, fails every watched channel while
+/// the proxy has taken no step for `window` with channels open. It keeps looking after it
+/// fired, so a channel added while the proxy is still blocked fails as well.
+fn guard<A: DeviceAdaptor>(watch: &Watch<A>, window: Duration, rank: usize) {
+    let mut stall = Stall::new(window, watch.beats.load(Ordering::Relaxed));
+    let mut last = Instant::now();
+    loop {
+        std::thread::park_timeout(stall.tick);
+        if watch.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let now = Instant::now();
+        let slept = now.duration_since(last);
+        last = now;
+        let chans = lock(&watch.chans);
+        let beats = watch.beats.load(Ordering::Relaxed);
+        let Some(stalled) = stall.look(beats, !chans.is_empty(), slept) else {
+            continue;
+        };
+        for ch in chans.iter() {
+            ch.mark_failed(
+                PortStatus::DeviceError,
+                CommError::Timeout {
+                    ms: window.as_millis() as u64,
+                    peer: Some(ch.peer),
+                    what: format!(
+                        "rank {rank}'s port proxy took no step for {} ms with channels open \
+                         (blocked inside a vendor call); the channel is failed",
+                        stalled.as_millis()
+                    ),
+                },
+            );
+        }
+    }
+}
+
+fn run<A: DeviceAdaptor>(rx: Receiver<Cmd<A>>, watch: &Watch<A>) {
     let mut chans: Vec<Active<A>> = Vec::new();
     let mut last_work = Instant::now();
     let mut bound = false;
     loop {
+        watch.beats.fetch_add(1, Ordering::Relaxed);
         loop {
             match rx.try_recv() {
                 Ok(cmd) => handle(cmd, &mut chans, &mut bound),
@@ -173,7 +270,8 @@ fn run<A: DeviceAdaptor>(rx: Receiver<Cmd<A>>) {
             work |= a.closing.is_some() || a.retiring.is_some();
             let (done, answer) = a.settle();
             if done {
-                chans.swap_remove(i);
+                let gone = chans.swap_remove(i);
+                watch.forget(gone.ch.id);
             } else {
                 i += 1;
             }
@@ -242,6 +340,15 @@ impl<A: DeviceAdaptor> Active<A> {
     fn step(&mut self) -> bool {
         if self.failed {
             return false;
+        }
+        let status = self.ch.status();
+        if status != PortStatus::Running {
+            // Failed from outside this thread (the stall guard, or the application's
+            // `poison`): execute nothing more, and write the flags the guard could not.
+            self.failed = true;
+            self.pending = None;
+            self.ch.release_waiters(status);
+            return true;
         }
         if self.peer_failed {
             return self.discard();
