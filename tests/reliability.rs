@@ -1088,12 +1088,15 @@ fn fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
         // Only the sender fills (a receiver's h2d fault must hit the transfer, not this).
         buf.write(0, &vec![7u8; n], &stream).expect("fill");
     }
-    if me != sender {
-        // So that the sender's side is there when the receiver posts (a pulling receiver's
-        // posting thread then issues the copy itself).
-        if let Ok(ms) = std::env::var("FLAGCX_TEST_RECV_DELAY_MS") {
-            std::thread::sleep(Duration::from_millis(ms.parse().expect("milliseconds")));
-        }
+    // One side posts later, so that the other's descriptor is there when it posts: a pulling
+    // receiver's (`FLAGCX_TEST_RECV_DELAY_MS`) or a pushing sender's (`..._SEND_DELAY_MS`)
+    // posting thread then issues the copy itself, however far apart the two ranks started.
+    let delay = match me == sender {
+        true => "FLAGCX_TEST_SEND_DELAY_MS",
+        false => "FLAGCX_TEST_RECV_DELAY_MS",
+    };
+    if let Ok(ms) = std::env::var(delay) {
+        std::thread::sleep(Duration::from_millis(ms.parse().expect("milliseconds")));
     }
     let req = if me == sender {
         comm.send(&buf, peer, &stream)
@@ -1926,7 +1929,11 @@ fn failed_copy_on_the_sender_errors_both_sides_ipc() {
         return;
     }
     for issuer in IPC_ISSUERS {
-        fault_pair_with("d2d", "0", false, &issuer);
+        // Rank 0 sends after rank 1's receive is posted: with its 10 ms of spinning alone,
+        // a receiver that started later under load (the GPU host's parallel tests) left the
+        // copy to the proxy now and then.
+        let push = [issuer[0], issuer[1], ("FLAGCX_TEST_SEND_DELAY_MS", "200")];
+        fault_pair_with("d2d", "0", false, &push);
     }
 }
 
