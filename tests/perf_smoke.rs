@@ -491,3 +491,93 @@ fn ipc_pairs_name_their_placement_and_measure_against_the_peer() {
     );
     assert!(one.contains("# wrong bytes in all: 0"), "{one}");
 }
+
+/// The GPU bundle's verdict table (`xtask/assets/targets.py`) reads what flagcx-perf writes:
+/// fed real rows of a host-vendor run under the names `targets.sh` gives them, it must print a
+/// number for the targets those rows cover and "NO DATA" for the rest, not fail on a renamed
+/// field. Skipped (and reported) where there is no `python3`.
+#[test]
+fn the_bundles_verdict_table_reads_flagcx_perf_rows() {
+    let py = Command::new("python3").arg("--version").output();
+    if !py.is_ok_and(|o| o.status.success()) {
+        flagcx_adaptor::conformance::report_skip_reason(
+            "perf_smoke",
+            "host",
+            "python3 not found: the GPU bundle's targets.py was not checked",
+        );
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("flagcx-targets-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = |name: &str| dir.join(format!("{name}.json")).display().to_string();
+    for (name, args) in [
+        (
+            "staged-pingpong",
+            &[
+                "-t",
+                "pingpong",
+                "--transport",
+                "staged",
+                "-b",
+                "64M",
+                "-e",
+                "64M",
+            ][..],
+        ),
+        (
+            "mixed-cuda-host-sendrecv",
+            &["-t", "sendrecv", "-b", "1M", "-e", "4M", "-f", "4"],
+        ),
+        (
+            "mixed-cuda-host-broadcast",
+            &["-t", "broadcast", "-b", "1M", "-e", "4M", "-f", "4"],
+        ),
+    ] {
+        let mut a = args.to_vec();
+        let f = file(name);
+        a.extend(["-n", "2", "-w", "1", "-c", "--json-file", &f]);
+        perf(&a);
+    }
+    let out = Command::new("python3")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/xtask/assets/targets.py"
+        ))
+        .arg(&dir)
+        .output()
+        .expect("run targets.py");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = |what: &str| {
+        text.lines()
+            .find(|l| l.contains(what))
+            .unwrap_or_else(|| panic!("no line for {what}:\n{text}"))
+            .to_string()
+    };
+    assert!(
+        text.contains("wrong bytes over every flagcx-perf row: 0"),
+        "{text}"
+    );
+    for covered in [
+        "staged CUDA<->CUDA / pinned copy",
+        "cuda-host broadcast busbw / the pair's sendrecv",
+    ] {
+        let l = line(covered);
+        assert!(
+            (l.ends_with("met") || l.ends_with("MISSED")) && !l.contains("NO DATA"),
+            "{l}"
+        );
+    }
+    for missing in [
+        "allgather busbw / NCCL's",
+        "trigger pick-up",
+        "CUDA<->OpenCL 8 B",
+    ] {
+        assert!(line(missing).ends_with("NO DATA"), "{text}");
+    }
+}

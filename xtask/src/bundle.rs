@@ -297,6 +297,12 @@ fi
     )
     .map_err(|e| e.to_string())?;
     write_perf_script(&out, &vendor)?;
+    // The open issues' one-rank-per-GPU targets in one call on a two-GPU node, with a verdict
+    // table (`targets.py`, standard-library Python: the GPU hosts have no Rust).
+    for f in ["targets.sh", "targets.py"] {
+        std::fs::copy(root().join("xtask/assets").join(f), out.join(f))
+            .map_err(|e| format!("copy {f}: {e}"))?;
+    }
     let pingpong = |label: &str, env: Vec<(String, String)>, launcher: Option<&str>| Entry {
         label: label.into(),
         file: label.replace([' ', '+', '/'], "-"),

@@ -1,0 +1,58 @@
+#!/bin/sh
+# Copied into the GPU bundle by `cargo xtask bundle`: the open issues' targets that need one
+# rank per GPU (#17, #19, #23), measured in one go on a node with two or more GPUs, every byte
+# checked. Full logs and JSON rows in $FLAGCX_BUNDLE_LOGS/targets; the verdict table is last
+# (targets.py). Exit status: 0 when every run completed (whatever the verdicts), 1 when one
+# failed, 2 when the node has fewer than two GPUs (TARGETS_ANY_NODE=1 runs anyway, as a trial).
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+logs=${FLAGCX_BUNDLE_LOGS:-$here/logs}/targets
+mkdir -p "$logs"
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "${gpus:-0}" -lt 2 ]; then
+  if [ "${TARGETS_ANY_NODE:-0}" != 1 ]; then
+    echo "skipped: the targets are for one rank per GPU; this node has ${gpus:-0} GPU(s)"
+    exit 2
+  fi
+  # A trial of the script itself: the ranks share a GPU, NCCL refuses that (its rows say n/a).
+  echo "TARGETS_ANY_NODE=1: running on ${gpus:-0} GPU(s); these are not the targets' placement"
+fi
+# NVIDIA's OpenCL platform for the CUDA<->OpenCL rows (its ICD may not be registered).
+icd="$logs/icd"; mkdir -p "$icd"
+for l in /usr/local/nvidia/lib64/libnvidia-opencl.so.1 /usr/lib/x86_64-linux-gnu/libnvidia-opencl.so.1; do
+  [ -e "$l" ] && echo "$l" > "$icd/nvidia.icd" && break
+done
+export OCL_ICD_VENDORS="$icd"
+perf="$here/bin/flagcx-perf"
+failed=0
+# run NAME COMMAND...: flagcx-perf's table in NAME.log, its rows in NAME.json.
+run() {
+  name=$1; shift
+  echo "== $name: $*"
+  if "$@" --json-file "$logs/$name.json" > "$logs/$name.log" 2>&1; then echo "   ok"; else echo "   FAILED"; tail -n 5 "$logs/$name.log"; failed=1; fi
+}
+# #19 (and the point-to-point it rests on): ours next to NCCL, same buffers, stream and timing.
+for t in sendrecv allgather alltoall broadcast; do
+  run nccl-$t env FLAGCX_VENDOR=cuda "$perf" -t $t -b 8 -e 1G -f 4 -n 20 -w 5 -c --vs-nccl
+done
+# #17: staged CUDA<->CUDA, and a CUDA rank next to an OpenCL rank on the other GPU.
+run staged-pingpong env FLAGCX_VENDOR=cuda "$perf" -t pingpong --transport staged -b 64M -e 1G -f 2 -n 10 -w 3 -c
+run ocl-pingpong "$perf" -t pingpong --vendors cuda,opencl -b 8M -e 1G -f 2 -n 10 -w 3 -c
+run ocl-small "$perf" -t sendrecv --vendors cuda,opencl -b 8 -e 8 -n 300 -w 30 -c
+# #19: mixed jobs against the same pair's point-to-point.
+for v in cuda,host cuda,opencl; do
+  for t in sendrecv allgather alltoall broadcast; do
+    # Warm-ups long enough for a host rank's buffers to be registered (~0.5 ms per MiB).
+    run mixed-$(echo $v | tr , -)-$t "$perf" -t $t --vendors $v -b 64M -e 1G -f 4 -n 10 -w 30 -c
+  done
+done
+# #23: kernels driving a port channel between the two GPUs (the shipped PTX where no nvcc).
+nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+ptx=
+if [ -x "$nvcc" ] && "$nvcc" -ptx -arch=compute_75 -I "$here/port" -o "$logs/port_kernels.ptx" "$here/port/port_kernels.cu"; then
+  ptx="$logs/port_kernels.ptx"
+fi
+echo "== port: two ranks, one per GPU"
+if "$here/bin/flagcx-run" -n 2 -- "$here/bin/port_pingpong" $ptx > "$logs/port.log" 2>&1; then echo "   ok"; else echo "   FAILED"; tail -n 5 "$logs/port.log"; failed=1; fi
+python3 "$here/targets.py" "$logs" || failed=1
+exit $failed
