@@ -22,6 +22,7 @@ fn ring_handoff(c: &mut Criterion) {
     let geo = Geometry {
         slots: 2,
         chunk: 4096,
+        split: 8,
         eager: 0,
     };
     let a = Channel::create(geo).unwrap();
