@@ -142,6 +142,28 @@ fn port_worker() {
     let comm = Comm::from_env(adaptor).expect("comm");
     let (me, n) = (comm.rank(), comm.nranks());
     match scenario.as_str() {
+        "quiet" => {
+            // Open and idle for over three times FLAGCX_TIMEOUT_MS (the job sets 300 ms): an
+            // idle proxy still takes its steps, so its stall guard must not fail the channel.
+            let peer = 1 - me;
+            let (src, dst) = (Buf::new(&comm, 4096), Buf::new(&comm, 4096));
+            let ch = comm
+                .port_channel(peer, &[&src.reg, &dst.reg], 4)
+                .expect("channel");
+            std::thread::sleep(Duration::from_secs(1));
+            assert!(
+                ch.check().is_ok(),
+                "an idle channel failed: {:?}",
+                ch.check()
+            );
+            pingpong(me, peer, &ch, &src, &dst, 100);
+            ch.check().expect("healthy after traffic");
+            ch.close().expect("close");
+            ok(
+                me,
+                "an idle channel outlived the timeout, then carried 100 turns",
+            );
+        }
         "pingpong" => {
             let peer = 1 - me;
             let (src, dst) = (Buf::new(&comm, 64 << 10), Buf::new(&comm, 64 << 10));
@@ -620,6 +642,9 @@ fn a_proxy_blocked_in_a_vendor_call_fails_its_channels() {
     let timeout = ("FLAGCX_TIMEOUT_MS", "300");
     assert_ok(&job(2, "stalled_proxy", &[timeout]), &[0, 1]);
     assert_ok(&job(2, "stalled_proxy", &[timeout, STAGED[0]]), &[0, 1]);
+    // No false alarm: a proxy with open channels and nothing to do is not stalled.
+    assert_ok(&job(2, "quiet", &[timeout]), &[0, 1]);
+    assert_ok(&job(2, "quiet", &[timeout, STAGED[0]]), &[0, 1]);
 }
 
 #[test]
