@@ -727,6 +727,7 @@ fn reliability_worker() {
                 other => panic!("expected a bootstrap error, got {other:?}"),
             }
         }
+        "join_fault" => join_fault_scenario(adaptor, me, peer, &before),
         "expect_setup_mismatch" => {
             // The ranks were started with different staged ring settings: each must refuse
             // the other's channel with an error that names the settings, and neither may hang.
@@ -1113,6 +1114,67 @@ fn fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
     drop((comm, stream, buf));
     assert_no_leaks(before, "fault");
     println!("survivor ok: rank {me} saw {}", r.unwrap_err());
+}
+
+/// Rank 0's first stream memory wait fails ([`failed_stream_join_fails_the_communicator`]).
+fn join_fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
+    use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor, INJECTED_CODE};
+    let after = if me == 0 { 0 } else { usize::MAX >> 1 };
+    let a = FaultyAdaptor::new(adaptor, FaultOp::StreamWait, after);
+    let comm = Comm::from_env(a.clone()).expect("comm");
+    let stream = Stream::new(&a).expect("stream");
+    let n = 4 << 20;
+    let buf = Arc::new(DeviceBuffer::new(&a, n).expect("alloc"));
+    let injected = |e: &CommError| matches!(e, CommError::Adaptor(flagcx::AdaptorError::Vendor { code, .. }) if *code == INJECTED_CODE);
+    if me == 0 {
+        buf.write(0, &vec![7u8; n], &stream).expect("fill");
+        let posted = comm.send(&buf, peer, &stream);
+        assert!(a.fired(), "the send's join made no stream wait: {posted:?}");
+        match &posted {
+            Err(e) if injected(e) => {}
+            other => panic!("the post: expected the injected error, got {other:?}"),
+        }
+        let async_error = comm.async_error();
+        assert!(
+            async_error.as_ref().is_some_and(injected),
+            "async_error: {async_error:?}"
+        );
+        match comm.send(&buf, peer, &stream) {
+            Err(CommError::Aborted) => {}
+            other => panic!("a later post: expected Aborted, got {other:?}"),
+        }
+        stream
+            .synchronize()
+            .expect("the caller's stream was released");
+        drop((comm, stream, buf));
+        assert_no_leaks(before, "a failed join");
+        println!(
+            "survivor ok: rank 0: the post failed with {}",
+            posted.unwrap_err()
+        );
+    } else {
+        let r = comm
+            .recv(&buf, peer, &stream)
+            .and_then(|r| r.wait_timeout(Duration::from_secs(20)));
+        let got = match &r {
+            // The send was under way when rank 0 failed: it may have landed first, whole.
+            Ok(len) => {
+                assert_eq!(*len, n);
+                let mut back = vec![0u8; n];
+                buf.read(0, &mut back, &stream).expect("read");
+                assert!(back.iter().all(|&b| b == 7), "a delivered message differs");
+                "delivered whole".to_string()
+            }
+            Err(CommError::RemoteFailure { .. } | CommError::PeerLost { .. }) => {
+                format!("failed: {}", r.as_ref().unwrap_err())
+            }
+            other => panic!("the receive: unexpected outcome {other:?}"),
+        };
+        stream.synchronize().expect("released");
+        drop((comm, stream, buf));
+        assert_no_leaks(before, "the peer of a failed join");
+        println!("survivor ok: rank 1: the receive {got}");
+    }
 }
 
 /// Both sides of a faulted transfer report it: the faulty rank the injected vendor error, the
@@ -1953,6 +2015,49 @@ fn failed_pull_on_the_receiver_errors_both_sides_ipc() {
         ];
         fault_pair_with("d2d", "0", false, &pull);
     }
+}
+
+/// The runtime's other calls fail too, not only copies: an event query (the proxy asking
+/// whether its copy finished) on the sender or the receiver of a staged pair (16 MiB in
+/// chunks, each polled), and on the sender of an IPC pair; both sides report it, nothing hangs.
+#[test]
+fn failed_event_query_errors_both_sides() {
+    for rank in ["0", "1"] {
+        fault_pair("event_query", rank, true);
+    }
+    // On an IPC pair the sender's query of its copy into the receiver; the receiver of a push
+    // queries events only to recycle them, where a failure is harmless (it destroys the event).
+    if has_ipc() {
+        fault_pair_with(
+            "event_query",
+            "0",
+            false,
+            &[("FLAGCX_P2P_IPC_CALLER", "off")],
+        );
+    }
+}
+
+/// The runtime fails to enqueue the wait that joins the caller's stream to a send (a stream
+/// memory wait on host and CUDA ranks): the send is with the engine already and the stream
+/// would run on beside it, so the post returns the vendor's error and the communicator is
+/// failed with it; the peer's receive ends either way, nothing hangs, nothing leaks.
+#[test]
+fn failed_stream_join_fails_the_communicator() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let v: flagcx::Vendor = vendor().parse().expect("vendor");
+    if !Adaptor::open(v, 0).is_ok_and(|a| a.capabilities().stream_mem_ops) {
+        flagcx_adaptor::conformance::report_skip_reason(
+            "failed_stream_join_fails_the_communicator",
+            v.name(),
+            "the vendor joins streams without stream memory waits (gates or host functions)",
+        );
+        return;
+    }
+    let (r0, r1) = pair("join_fault", &[("FLAGCX_P2P_DISABLE", "1")]);
+    assert_survived(&r0, "rank 0, whose join failed");
+    assert_survived(&r1, "rank 1");
 }
 
 #[test]

@@ -26,6 +26,14 @@ pub enum FaultOp {
     CopyD2D,
     /// `host_register`.
     Register,
+    /// `event_query`: the runtime fails to say whether an event completed.
+    EventQuery,
+    /// `stream_write_value32/64` and `stream_write_values64`: a stream memory write fails to
+    /// enqueue (eager value writes, stream-ordered messages, port channels).
+    StreamWrite,
+    /// `stream_wait_value32/64`: a stream memory wait fails to enqueue (how callers' streams
+    /// join operations on vendors that have them).
+    StreamWait,
 }
 
 impl std::str::FromStr for FaultOp {
@@ -36,9 +44,15 @@ impl std::str::FromStr for FaultOp {
             "d2h" => Ok(FaultOp::CopyD2H),
             "d2d" => Ok(FaultOp::CopyD2D),
             "register" => Ok(FaultOp::Register),
+            "event_query" => Ok(FaultOp::EventQuery),
+            "stream_write" => Ok(FaultOp::StreamWrite),
+            "stream_wait" => Ok(FaultOp::StreamWait),
             _ => Err(AdaptorError::invalid(
                 "FaultOp",
-                format!("{s:?}: expected h2d, d2h, d2d or register"),
+                format!(
+                    "{s:?}: expected h2d, d2h, d2d, register, event_query, stream_write or \
+                     stream_wait"
+                ),
             )),
         }
     }
@@ -247,6 +261,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         self.inner.event_record(event, stream)
     }
     fn event_query(&self, event: EventHandle) -> Result<bool> {
+        self.check(FaultOp::EventQuery, "event_query")?;
         self.inner.event_query(event)
     }
     fn event_synchronize(&self, event: EventHandle) -> Result<()> {
@@ -299,6 +314,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         value: u32,
         cond: WaitCondition,
     ) -> Result<()> {
+        self.check(FaultOp::StreamWait, "stream_wait_value32")?;
         // SAFETY: forwarded contract.
         unsafe { self.inner.stream_wait_value32(stream, addr, value, cond) }
     }
@@ -309,6 +325,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         value: u64,
         cond: WaitCondition,
     ) -> Result<()> {
+        self.check(FaultOp::StreamWait, "stream_wait_value64")?;
         // SAFETY: forwarded contract.
         unsafe { self.inner.stream_wait_value64(stream, addr, value, cond) }
     }
@@ -318,6 +335,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         addr: DevicePtr,
         value: u32,
     ) -> Result<()> {
+        self.check(FaultOp::StreamWrite, "stream_write_value32")?;
         // SAFETY: forwarded contract.
         unsafe { self.inner.stream_write_value32(stream, addr, value) }
     }
@@ -331,6 +349,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         addr: DevicePtr,
         value: u64,
     ) -> Result<()> {
+        self.check(FaultOp::StreamWrite, "stream_write_value64")?;
         // SAFETY: forwarded contract.
         unsafe { self.inner.stream_write_value64(stream, addr, value) }
     }
@@ -339,6 +358,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         stream: StreamHandle,
         writes: &[(DevicePtr, u64)],
     ) -> Result<()> {
+        self.check(FaultOp::StreamWrite, "stream_write_values64")?;
         // SAFETY: forwarded contract.
         unsafe { self.inner.stream_write_values64(stream, writes) }
     }

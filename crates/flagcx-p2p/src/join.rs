@@ -172,7 +172,21 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// Makes `stream` wait until operation `seq` (and all before it) finished. With `extend`
     /// (no operation behind this join recorded a start event on `stream`), a closed gate that
     /// is still the stream's last work is made to wait for `seq` instead of adding a gate.
+    ///
+    /// The operations are with the engine already when their stream joins them. If the runtime
+    /// fails to enqueue the join, the stream would run on while they still use its buffers, so
+    /// the communicator is failed with that error, as [`Comm::abort`] fails it: every pending
+    /// operation and `async_error` report it, later posts fail with `Aborted`.
     pub(crate) fn join_stream(&self, stream: StreamHandle, seq: u64, extend: bool) -> Result<()> {
+        self.try_join_stream(stream, seq, extend).inspect_err(|e| {
+            tracing::warn!("a caller's stream could not join operation {seq}: {e}");
+            self.shared.record_error(e);
+            self.shared.verdict.give(e.clone());
+            self.abort();
+        })
+    }
+
+    fn try_join_stream(&self, stream: StreamHandle, seq: u64, extend: bool) -> Result<()> {
         let join = self.config.join;
         if join == StreamJoin::None {
             return Ok(());
