@@ -107,6 +107,21 @@ fn has_ipc() -> bool {
     })
 }
 
+/// Skips `test` with a reason where the vendor has no stream memory operations (OpenCL: its
+/// streams join at gates, and nothing of its messages is stream-ordered).
+fn skip_unless_stream_memops(test: &str) -> bool {
+    let v: flagcx::Vendor = vendor().parse().expect("vendor");
+    if Adaptor::open(v, 0).is_ok_and(|a| a.capabilities().stream_mem_ops) {
+        return false;
+    }
+    flagcx_adaptor::conformance::report_skip_reason(
+        test,
+        v.name(),
+        "the vendor has no stream memory operations (its streams join at gates or host functions)",
+    );
+    true
+}
+
 /// Skips `test` with a reason where the vendor has no IPC pairs (or no device): the case drives
 /// an IPC pair's copier or its posting-thread path.
 fn skip_unless_ipc(test: &str) -> bool {
@@ -1083,7 +1098,8 @@ fn fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
     let sender: usize = std::env::var("FLAGCX_TEST_FAULT_SENDER")
         .map(|v| v.parse().unwrap())
         .unwrap_or(0);
-    let n = 16 << 20;
+    let n =
+        std::env::var("FLAGCX_TEST_FAULT_BYTES").map_or(16 << 20, |v| v.parse().expect("bytes"));
     let buf = Arc::new(DeviceBuffer::new(&a, n).expect("alloc"));
     if me == sender {
         // Only the sender fills (a receiver's h2d fault must hit the transfer, not this).
@@ -2046,18 +2062,30 @@ fn failed_stream_join_fails_the_communicator() {
     if skip_unless_vendor() {
         return;
     }
-    let v: flagcx::Vendor = vendor().parse().expect("vendor");
-    if !Adaptor::open(v, 0).is_ok_and(|a| a.capabilities().stream_mem_ops) {
-        flagcx_adaptor::conformance::report_skip_reason(
-            "failed_stream_join_fails_the_communicator",
-            v.name(),
-            "the vendor joins streams without stream memory waits (gates or host functions)",
-        );
+    if skip_unless_stream_memops("failed_stream_join_fails_the_communicator") {
         return;
     }
     let (r0, r1) = pair("join_fault", &[("FLAGCX_P2P_DISABLE", "1")]);
     assert_survived(&r0, "rank 0, whose join failed");
     assert_survived(&r1, "rank 1");
+}
+
+/// A stream memory write fails on the sender of a stream-ordered message (`FLAGCX_P2P_STREAM=on`:
+/// the sender's stream carries a 64 B message into the peer's slot and writes its status).
+#[test]
+fn failed_stream_write_errors_both_sides() {
+    if skip_unless_vendor() || skip_unless_stream_memops("failed_stream_write_errors_both_sides") {
+        return;
+    }
+    fault_pair_with(
+        "stream_write",
+        "0",
+        false,
+        &[
+            ("FLAGCX_P2P_STREAM", "on"),
+            ("FLAGCX_TEST_FAULT_BYTES", "64"),
+        ],
+    );
 }
 
 #[test]
