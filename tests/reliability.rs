@@ -2269,8 +2269,8 @@ fn unique_id_carries_a_root_address() {
     assert_ne!(printed, id, "a fresh id each time");
 }
 
-/// Over TCP (a root address in the id), the root logs and drops garbage and a hello with a
-/// wrong secret, and the job still forms.
+/// Over TCP (a root address in the id), the root logs and drops garbage, a hello of another
+/// build (an older protocol version) and a hello with a wrong secret, and the job still forms.
 #[test]
 fn tcp_bootstrap_drops_garbage_and_wrong_secrets() {
     if skip_unless_vendor() {
@@ -2292,23 +2292,30 @@ fn tcp_bootstrap_drops_garbage_and_wrong_secrets() {
     let mut s = connect();
     let _ = s.write_all(&[0xff; 64]);
     drop(s);
-    // A well-formed hello for rank 1 with a wrong secret.
-    let mut hello = Writer::new();
-    hello
-        .bytes(b"FLAGCXv1")
-        .u32(1)
-        .u32(1)
-        .u32(2)
-        .bytes(&[7u8; 16])
-        .str("elsewhere")
-        .u32(9);
-    let payload = hello.finish();
-    let mut s = connect();
-    let _ = s.write_all(&header(Tag::Hello, payload.len()).expect("header"));
-    let _ = s.write_all(&payload);
-    let mut ack = [0u8; 1];
-    let refused = matches!(std::io::Read::read(&mut s, &mut ack), Ok(0) | Err(_));
-    assert!(refused, "a wrong secret was acknowledged");
+    // Well-formed hellos for rank 1: from another build (an older protocol version), then
+    // with a wrong secret.
+    use flagcx::p2p::bootstrap::PROTOCOL_VERSION;
+    for (version, what) in [
+        (PROTOCOL_VERSION - 1, "another build's hello"),
+        (PROTOCOL_VERSION, "a wrong secret"),
+    ] {
+        let mut hello = Writer::new();
+        hello
+            .bytes(b"FLAGCXv1")
+            .u32(version)
+            .u32(1)
+            .u32(2)
+            .bytes(&[7u8; 16])
+            .str("elsewhere")
+            .u32(9);
+        let payload = hello.finish();
+        let mut s = connect();
+        let _ = s.write_all(&header(Tag::Hello, payload.len()).expect("header"));
+        let _ = s.write_all(&payload);
+        let mut ack = [0u8; 1];
+        let refused = matches!(std::io::Read::read(&mut s, &mut ack), Ok(0) | Err(_));
+        assert!(refused, "{what} was acknowledged");
+    }
     let r1 = spawn_rank(1, 2, &id.to_string(), "bootstrap_only", &[]);
     let (o0, o1) = (
         finish(r0, Duration::from_secs(30)),
@@ -2322,6 +2329,11 @@ fn tcp_bootstrap_drops_garbage_and_wrong_secrets() {
         "not logged:\n{}",
         text(&o0)
     );
+    let other_build = format!(
+        "speaks protocol version {}, this rank {PROTOCOL_VERSION}",
+        PROTOCOL_VERSION - 1
+    );
+    assert!(log.contains(&other_build), "not logged:\n{}", text(&o0));
 }
 
 #[test]

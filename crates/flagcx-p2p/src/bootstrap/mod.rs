@@ -37,7 +37,11 @@ pub use tcp::host_id;
 use tcp::{admit_tcp, meet_at_root, tcp_connect};
 
 const MAGIC: &[u8; 8] = b"FLAGCXv1";
-const PROTOCOL_VERSION: u32 = 1;
+/// The version of the frames and shared-memory layouts ranks exchange, sent in every hello:
+/// ranks of builds that disagree refuse each other there, naming both versions, instead of
+/// misreading a later frame. Bumped with every such change (2: the staged ring's split in the
+/// channel descriptor).
+pub const PROTOCOL_VERSION: u32 = 2;
 const MAX_FDS_PER_FRAME: usize = 16;
 
 /// A job's identity: a public name (which socket addresses derive from), a secret that peers
@@ -631,10 +635,16 @@ fn take_hello<S: FrameIo + SetReadTimeout>(
     let q = r.u32()? as usize;
     let n = r.u32()? as usize;
     let secret = r.bytes()?;
-    if magic != MAGIC || version != PROTOCOL_VERSION {
+    if magic != MAGIC {
         return Err(CommError::Bootstrap(
-            "wrong magic or protocol version".into(),
+            "not a flagcx hello (wrong magic)".into(),
         ));
+    }
+    if version != PROTOCOL_VERSION {
+        return Err(CommError::Bootstrap(format!(
+            "rank {q} speaks protocol version {version}, this rank {PROTOCOL_VERSION}: are all \
+             ranks the same flagcx build?"
+        )));
     }
     if !ct_eq(secret, &id.secret) {
         return Err(CommError::Bootstrap(format!(
