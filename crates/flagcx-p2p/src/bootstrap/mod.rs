@@ -30,18 +30,15 @@ use nix::sys::socket::{
 };
 
 use crate::error::{CommError, Result};
-use crate::wire::{self, Reader, Tag, Writer, HEADER_LEN};
+use crate::wire::{self, Tag, HEADER_LEN};
 
+mod hello;
 mod tcp;
+pub use hello::PROTOCOL_VERSION;
+use hello::{say_hello, take_hello};
 pub use tcp::host_id;
 use tcp::{admit_tcp, meet_at_root, tcp_connect};
 
-const MAGIC: &[u8; 8] = b"FLAGCXv1";
-/// The version of the frames and shared-memory layouts ranks exchange, sent in every hello:
-/// ranks of builds that disagree refuse each other there, naming both versions, instead of
-/// misreading a later frame. Bumped with every such change (2: the staged ring's split in the
-/// channel descriptor).
-pub const PROTOCOL_VERSION: u32 = 2;
 const MAX_FDS_PER_FRAME: usize = 16;
 
 /// A job's identity: a public name (which socket addresses derive from), a secret that peers
@@ -558,120 +555,6 @@ fn connect_to(
     }
     say_hello(&s, id, rank, nranks, q, None, deadline)?;
     Ok(s)
-}
-
-/// Presents this rank to rank `q` on a fresh socket (over TCP with this rank's host and the
-/// port it listens on) and waits for the acknowledgement.
-fn say_hello<S: FrameIo + SetReadTimeout>(
-    s: &S,
-    id: &UniqueId,
-    rank: usize,
-    nranks: usize,
-    q: usize,
-    tcp: Option<(&str, u16)>,
-    deadline: Instant,
-) -> Result<()> {
-    let left = deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(100));
-    s.read_timeout(left)
-        .map_err(|e| CommError::io("socket timeout", e))?;
-    let mut w = Writer::new();
-    w.bytes(MAGIC)
-        .u32(PROTOCOL_VERSION)
-        .u32(rank as u32)
-        .u32(nranks as u32)
-        .bytes(&id.secret);
-    if let Some((host, port)) = tcp {
-        w.str(host).u32(port as u32);
-    }
-    send_frame(s, Tag::Hello, &w.finish(), &[])?;
-    let (tag, payload, _) = recv_frame(s)
-        .map_err(|e| CommError::Bootstrap(format!("rank {q} did not accept rank {rank}: {e}")))?;
-    let mut r = Reader::new(&payload, "hello ack");
-    if tag != Tag::HelloAck || r.u32()? as usize != q {
-        return Err(CommError::Bootstrap(format!(
-            "rank {q} answered with a bad acknowledgement"
-        )));
-    }
-    Ok(())
-}
-
-/// Sockets whose read timeout can be set.
-trait SetReadTimeout {
-    fn read_timeout(&self, t: Duration) -> std::io::Result<()>;
-}
-
-impl SetReadTimeout for UnixStream {
-    fn read_timeout(&self, t: Duration) -> std::io::Result<()> {
-        self.set_read_timeout(Some(t))
-    }
-}
-
-impl SetReadTimeout for TcpStream {
-    fn read_timeout(&self, t: Duration) -> std::io::Result<()> {
-        self.set_read_timeout(Some(t))
-    }
-}
-
-/// Reads and checks a hello: magic, version, job size and secret; over TCP also the
-/// connector's host and listening port. Acknowledges it. Returns the connector's rank.
-fn take_hello<S: FrameIo + SetReadTimeout>(
-    s: &S,
-    id: &UniqueId,
-    rank: usize,
-    nranks: usize,
-    tcp: bool,
-) -> Result<(usize, Option<(String, u16)>)> {
-    s.read_timeout(Duration::from_secs(2))
-        .map_err(|e| CommError::io("socket timeout", e))?;
-    let (tag, payload, _) = recv_frame(s)?;
-    if tag != Tag::Hello {
-        return Err(CommError::Bootstrap(format!("expected hello, got {tag:?}")));
-    }
-    let mut r = Reader::new(&payload, "hello");
-    let magic = r.bytes()?;
-    let version = r.u32()?;
-    let q = r.u32()? as usize;
-    let n = r.u32()? as usize;
-    let secret = r.bytes()?;
-    if magic != MAGIC {
-        return Err(CommError::Bootstrap(
-            "not a flagcx hello (wrong magic)".into(),
-        ));
-    }
-    if version != PROTOCOL_VERSION {
-        return Err(CommError::Bootstrap(format!(
-            "rank {q} speaks protocol version {version}, this rank {PROTOCOL_VERSION}: are all \
-             ranks the same flagcx build?"
-        )));
-    }
-    if !ct_eq(secret, &id.secret) {
-        return Err(CommError::Bootstrap(format!(
-            "rank {q} presented a wrong secret"
-        )));
-    }
-    let place = if tcp {
-        let host = r.str()?;
-        let port = u16::try_from(r.u32()?)
-            .map_err(|_| CommError::Bootstrap(format!("rank {q} sent a bad port")))?;
-        Some((host, port))
-    } else {
-        None
-    };
-    r.end()?;
-    if n != nranks || q >= nranks {
-        return Err(CommError::Bootstrap(format!(
-            "peer claims rank {q} of {n}, this job has {nranks} ranks"
-        )));
-    }
-    send_frame(
-        s,
-        Tag::HelloAck,
-        &Writer::new().u32(rank as u32).finish(),
-        &[],
-    )?;
-    Ok((q, place))
 }
 
 /// Checks a connecting local peer: same uid, then [`take_hello`].
