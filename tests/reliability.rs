@@ -98,28 +98,38 @@ fn is_root() -> bool {
     unsafe { libc::getuid() == 0 }
 }
 
-/// Whether the vendor's ranks make IPC pairs (CUDA, HIP, the host vendor); OpenCL's are staged.
-fn has_ipc() -> bool {
+/// Whether the vendor's device opens and has what `has` asks of its capabilities.
+fn vendor_can(has: impl Fn(&flagcx::Capabilities) -> bool) -> bool {
     let v: flagcx::Vendor = vendor().parse().expect("vendor");
-    Adaptor::open(v, 0).is_ok_and(|a| {
-        let c = a.capabilities();
-        c.ipc_bytes || c.ipc_fd
-    })
+    Adaptor::open(v, 0).is_ok_and(|a| has(&a.capabilities()))
 }
 
-/// Skips `test` with a reason where the vendor has no stream memory operations (OpenCL: its
-/// streams join at gates, and nothing of its messages is stream-ordered).
+/// Whether the vendor's ranks make IPC pairs (CUDA, HIP, the host vendor); OpenCL's are staged.
+fn has_ipc() -> bool {
+    vendor_can(|c| c.ipc_bytes || c.ipc_fd)
+}
+
+/// Skips `test` with a reason where the vendor has no stream memory operations (or no device):
+/// OpenCL's streams join at gates, and nothing of its messages is stream-ordered.
 fn skip_unless_stream_memops(test: &str) -> bool {
-    let v: flagcx::Vendor = vendor().parse().expect("vendor");
-    if Adaptor::open(v, 0).is_ok_and(|a| a.capabilities().stream_mem_ops) {
+    if skip_unless_vendor() {
+        return true;
+    }
+    if vendor_can(|c| c.stream_mem_ops) {
         return false;
     }
     flagcx_adaptor::conformance::report_skip_reason(
-        test,
-        v.name(),
+        &format!("reliability::{test}"),
+        &vendor(),
         "the vendor has no stream memory operations (its streams join at gates or host functions)",
     );
     true
+}
+
+/// Whether `e` is the error a [`flagcx_adaptor::testing::FaultyAdaptor`] injected.
+fn is_injected(e: &CommError) -> bool {
+    use flagcx_adaptor::testing::INJECTED_CODE;
+    matches!(e, CommError::Adaptor(flagcx::AdaptorError::Vendor { code, .. }) if *code == INJECTED_CODE)
 }
 
 /// Skips `test` with a reason where the vendor has no IPC pairs (or no device): the case drives
@@ -1142,25 +1152,24 @@ fn fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
 
 /// Rank 0's first stream memory wait fails ([`failed_stream_join_fails_the_communicator`]).
 fn join_fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
-    use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor, INJECTED_CODE};
+    use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor};
     let after = if me == 0 { 0 } else { usize::MAX >> 1 };
     let a = FaultyAdaptor::new(adaptor, FaultOp::StreamWait, after);
     let comm = Comm::from_env(a.clone()).expect("comm");
     let stream = Stream::new(&a).expect("stream");
     let n = 4 << 20;
     let buf = Arc::new(DeviceBuffer::new(&a, n).expect("alloc"));
-    let injected = |e: &CommError| matches!(e, CommError::Adaptor(flagcx::AdaptorError::Vendor { code, .. }) if *code == INJECTED_CODE);
     if me == 0 {
         buf.write(0, &vec![7u8; n], &stream).expect("fill");
         let posted = comm.send(&buf, peer, &stream);
         assert!(a.fired(), "the send's join made no stream wait: {posted:?}");
         match &posted {
-            Err(e) if injected(e) => {}
+            Err(e) if is_injected(e) => {}
             other => panic!("the post: expected the injected error, got {other:?}"),
         }
         let async_error = comm.async_error();
         assert!(
-            async_error.as_ref().is_some_and(injected),
+            async_error.as_ref().is_some_and(is_injected),
             "async_error: {async_error:?}"
         );
         match comm.send(&buf, peer, &stream) {
@@ -1214,11 +1223,9 @@ fn check_fault_outcome(
     buf: &Arc<DeviceBuffer<flagcx_adaptor::testing::FaultyAdaptor<Adaptor>>>,
     stream: &Stream<flagcx_adaptor::testing::FaultyAdaptor<Adaptor>>,
 ) {
-    use flagcx_adaptor::testing::INJECTED_CODE;
     let peer = 1 - me;
     match (r, local) {
-        (Err(CommError::Adaptor(flagcx::AdaptorError::Vendor { code, .. })), true)
-            if *code == INJECTED_CODE => {}
+        (Err(e), true) if is_injected(e) => {}
         (Err(CommError::RemoteFailure { .. }), false) => {}
         _ => panic!(
             "rank {me} ({}): unexpected outcome {r:?}",
@@ -2067,9 +2074,6 @@ fn failed_event_query_errors_both_sides() {
 /// failed with it; the peer's receive ends either way, nothing hangs, nothing leaks.
 #[test]
 fn failed_stream_join_fails_the_communicator() {
-    if skip_unless_vendor() {
-        return;
-    }
     if skip_unless_stream_memops("failed_stream_join_fails_the_communicator") {
         return;
     }
@@ -2082,7 +2086,7 @@ fn failed_stream_join_fails_the_communicator() {
 /// the sender's stream carries a 64 B message into the peer's slot and writes its status).
 #[test]
 fn failed_stream_write_errors_both_sides() {
-    if skip_unless_vendor() || skip_unless_stream_memops("failed_stream_write_errors_both_sides") {
+    if skip_unless_stream_memops("failed_stream_write_errors_both_sides") {
         return;
     }
     let env = [
@@ -2102,7 +2106,7 @@ fn failed_stream_write_errors_both_sides() {
         // Where the pair is not stream-ordered (two ranks on one GPU keep the posting
         // threads' path), no part of a message is a stream write.
         let why = line.split("skip: ").nth(1).unwrap_or(line).to_string();
-        let test = "failed_stream_write_errors_both_sides";
+        let test = "reliability::failed_stream_write_errors_both_sides";
         flagcx_adaptor::conformance::report_skip_reason(test, &vendor(), &why);
     }
 }
