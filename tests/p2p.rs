@@ -188,6 +188,7 @@ fn rank_worker() {
         "enqueued" => enqueued(&r),
         "early_sends" => early_sends(&r),
         "rejoin" => rejoin(&r),
+        "rejoin_groups" => rejoin_groups(&r),
         "random" => {
             for iter in 0..12u64 {
                 let to: Vec<(usize, usize)> = (0..n)
@@ -464,6 +465,63 @@ fn rejoin(r: &Rank) {
     r.check(&a, 0, 0, LEN);
     r.check(&b, 0, 1, LEN);
     assert_eq!(r.comm.stats().joins_held, 0, "no gate was held for longer");
+}
+
+/// Groups enqueued back to back (a stream of small collectives) leave the proxy again: rank 1's
+/// first group waits for a sender that sleeps and goes to the proxy, its stream joining it;
+/// every later group of both ranks is posted without waiting for the one before. Before
+/// posts waited for such a join (where the CPU copies eager messages), every later group
+/// followed the first through the proxy, each finding the stream busy with the last one's join.
+fn rejoin_groups(r: &Rank) {
+    const LEN: usize = 1024;
+    const GROUPS: u64 = 40;
+    let me = r.comm.rank();
+    let peer = 1 - me;
+    let h = r.stream.handle();
+    let sends: Vec<_> = (0..GROUPS).map(|g| r.filled(peer, g, LEN)).collect();
+    let recvs: Vec<_> = (0..GROUPS).map(|_| r.buffer(LEN)).collect();
+    r.stream.synchronize().expect("sync");
+    if me == 0 {
+        // Well past rank 1's eager wait for its first receive (the spin time).
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
+    let mut done_at_posting = 0;
+    let mut requests = Vec::new();
+    for g in 0..GROUPS as usize {
+        let reqs = r
+            .comm
+            .group(|| {
+                // SAFETY: both buffers outlive the waits and the synchronize below.
+                unsafe {
+                    Ok(vec![
+                        r.comm.send_raw(sends[g].ptr(), LEN, peer, h)?,
+                        r.comm.recv_raw(recvs[g].ptr(), LEN, peer, h)?,
+                    ])
+                }
+            })
+            .expect("group");
+        if g > 0 && reqs.iter().all(|q| q.is_done()) {
+            done_at_posting += 1;
+        }
+        requests.extend(reqs);
+    }
+    for q in requests {
+        assert_eq!(q.wait().expect("wait"), LEN);
+    }
+    r.stream.synchronize().expect("sync");
+    for (g, b) in recvs.iter().enumerate() {
+        r.check(b, peer, g as u64, LEN);
+    }
+    println!(
+        "rank {me}: {done_at_posting} of {} later groups went eagerly",
+        GROUPS - 1
+    );
+    assert!(
+        done_at_posting >= (GROUPS - 1) / 2,
+        "rank {me}: {done_at_posting} of {} groups after the first were done when posted: \
+         they followed it through the proxy",
+        GROUPS - 1
+    );
 }
 
 /// A post never blocks its thread on the peer: rank 0 posts 1000 sends (outside any group)
@@ -1571,34 +1629,41 @@ fn posts_never_wait_for_the_peer() {
 }
 
 /// Small messages get back to the eager path behind a receive that went through the proxy
-/// (see `rejoin`), where streams join at gates (OpenCL).
+/// (see `rejoin`), where streams join at gates (OpenCL) or the CPU copies eager messages (the
+/// host vendor, whose streams join with stream memory waits).
 #[test]
 fn small_messages_rejoin_the_eager_path() {
     let v = vendors("FLAGCX_P2P_TEST_VENDORS");
-    let gates = match v.parse::<flagcx::Vendor>() {
-        Ok(vendor) => Adaptor::open(vendor, 0).is_ok_and(|a| a.capabilities().host_gates),
+    let rejoins = match v.parse::<flagcx::Vendor>() {
+        Ok(vendor) => Adaptor::open(vendor, 0).is_ok_and(|a| {
+            let caps = a.capabilities();
+            caps.host_gates || caps.host_addressable
+        }),
         Err(_) => false,
     };
-    if !gates {
+    if !rejoins {
         flagcx_adaptor::conformance::report_skip_reason(
             "p2p::small_messages_rejoin_the_eager_path",
             &v,
-            "the vendor's streams join with stream memory operations or host functions, not gates",
+            "the vendor's streams join without gates and its eager copies are the runtime's: \
+             posts do not wait for a join to go eagerly",
         );
         return;
     }
     // Waits far longer than any scheduling delay, and the rejoin wait far longer than the
     // sender's 300 ms: the case checks the path, not a timing. The eager receive waits (the
     // spin time, 20 ms) stay well under that delay, so the first receive still misses.
-    job(
-        2,
-        &v,
-        "rejoin",
-        &[
-            ("FLAGCX_P2P_REJOIN_US", "5000000"),
-            ("FLAGCX_SPIN_US", "10000"),
-        ],
-    );
+    for scenario in ["rejoin", "rejoin_groups"] {
+        job(
+            2,
+            &v,
+            scenario,
+            &[
+                ("FLAGCX_P2P_REJOIN_US", "5000000"),
+                ("FLAGCX_SPIN_US", "10000"),
+            ],
+        );
+    }
 }
 
 /// Stream-ordered small messages (forced on: the host vendor's ranks share memory, which

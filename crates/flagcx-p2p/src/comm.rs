@@ -584,8 +584,9 @@ impl<A: DeviceAdaptor> Comm<A> {
         let grouped_eager = !ungrouped && link.is_some();
         let fits = (eager || grouped_eager) && link.is_some_and(|l| l.fits(dir, bytes));
         let small = fits && bytes <= crate::join::REJOIN_MAX;
-        let idle =
-            ordered || self.idle_or_soon(stream, eager || grouped_eager || caller || net, small)?;
+        let cpu = fits && link.is_some_and(|l| l.addressable);
+        let idle = ordered
+            || self.idle_or_soon(stream, eager || grouped_eager || caller || net, small, cpu)?;
         if !idle && fits {
             self.shared.declined(crate::op::Declined::StreamBusy);
         }

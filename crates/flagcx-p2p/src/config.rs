@@ -164,10 +164,13 @@ pub struct Config {
     /// each waits up to the spin time for the peer (plus up to 2 ms while the copy of the
     /// message runs), then hands the rest to the proxy from where it stands.
     pub ipc_caller: bool,
-    /// How long a small message's post waits for the one operation its stream is held behind
-    /// at this communicator's gate (OpenCL streams; `FLAGCX_P2P_REJOIN_US`, default 1000, 0:
-    /// never; messages up to 1 KiB), so that it goes eagerly instead of following that
-    /// operation through the proxy. Once per gate: behind a peer that does not answer, only the first post waits.
+    /// How long a small message's post waits for the operation its stream is held behind by
+    /// this communicator's last join (`FLAGCX_P2P_REJOIN_US`, default 1000, 0: never), so that
+    /// it goes eagerly instead of following that operation through the proxy. At a gate
+    /// (OpenCL streams): messages up to 1 KiB, once per gate, so behind a peer that does not
+    /// answer only the first post waits. Behind a stream memory wait where the CPU copies eager
+    /// messages (the host vendor): any eager size, at most once per ten such waits while the
+    /// joins pile up.
     pub rejoin_wait: Duration,
     /// Each rank prints where its operations spent their time when its communicator is
     /// destroyed (`FLAGCX_PROFILE` set to anything, default off).
