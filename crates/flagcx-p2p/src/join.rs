@@ -242,13 +242,14 @@ impl<A: DeviceAdaptor> Comm<A> {
                     .launch_host_func(stream, Box::new(move || shared.wait_watermark(seq)))?;
             }
         }
+        // Read first: no other lock is taken under `joined`.
+        let watermark = *lock(&self.shared.watermark);
         let mut joined = lock(&self.joined);
         let prev = joined.get(&stream.0).copied();
         let ev = match prev {
             Some(j) => j.ev,
             None => self.adaptor.event_create(false)?,
         };
-        let watermark = *lock(&self.shared.watermark);
         let rejoin_at = match prev {
             Some(p) if watermark < p.seq => p.rejoin_at,
             _ => Instant::now(),
