@@ -168,9 +168,9 @@ pub struct Config {
     /// this communicator's last join (`FLAGCX_P2P_REJOIN_US`, default 1000, 0: never), so that
     /// it goes eagerly instead of following that operation through the proxy. At a gate
     /// (OpenCL streams): messages up to 1 KiB, once per gate, so behind a peer that does not
-    /// answer only the first post waits. Behind a stream memory wait where the CPU copies eager
-    /// messages (the host vendor): any eager size, at most once per ten such waits while the
-    /// joins pile up.
+    /// answer only the first post waits. Behind a stream memory wait: messages up to 1 KiB, or
+    /// any eager size where the CPU copies eager messages (the host vendor), at most once per
+    /// ten such waits while the joins pile up.
     pub rejoin_wait: Duration,
     /// Each rank prints where its operations spent their time when its communicator is
     /// destroyed (`FLAGCX_PROFILE` set to anything, default off).
