@@ -7,7 +7,9 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
+
+use flagcx_adaptor::quiet::QuietCondvar;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -60,7 +62,7 @@ pub(crate) enum Op {
 #[derive(Default)]
 pub(crate) struct Progress {
     state: Mutex<ProgressInner>,
-    cv: Condvar,
+    cv: QuietCondvar,
     /// `submitted - completed`, kept beside them (changed under the lock) so that
     /// [`HostStream::idle`] — polled on every post of a latency-bound caller — reads one
     /// atomic instead of taking the lock. Decremented with release ordering once an op's
@@ -187,7 +189,7 @@ impl HostStream {
             .unwrap_or_else(|e| e.into_inner());
         let target = st.submitted;
         while st.completed < target {
-            st = self.progress.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+            st = self.progress.cv.wait(st);
         }
         st.fault.take()
     }
@@ -214,7 +216,7 @@ impl HostStream {
 
 /// Rung whenever this process writes a value a stream wait may watch (stream write-value ops and
 /// `host_write_value32`), so waiting workers wake at once instead of at their next poll.
-static DOORBELL: (Mutex<u64>, Condvar) = (Mutex::new(0), Condvar::new());
+static DOORBELL: (Mutex<u64>, QuietCondvar) = (Mutex::new(0), QuietCondvar::new());
 
 /// Wakes every stream wait-value worker of this process to re-check its word.
 pub(crate) fn ring_doorbell() {
@@ -399,7 +401,7 @@ fn run(op: Op, stop: &AtomicBool) -> Option<String> {
 #[derive(Default)]
 pub(crate) struct EventState {
     inner: Mutex<EventInner>,
-    cv: Condvar,
+    cv: QuietCondvar,
     pub timing: bool,
 }
 
@@ -455,7 +457,7 @@ impl EventState {
     pub fn wait(&self, gen: u64) {
         let mut st = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         while st.completed < gen {
-            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+            st = self.cv.wait(st);
         }
     }
 

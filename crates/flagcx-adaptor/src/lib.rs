@@ -23,6 +23,7 @@ mod adaptor;
 mod error;
 pub mod gpu;
 pub mod hostmem;
+pub mod quiet;
 pub mod raii;
 pub mod spin;
 pub mod tracking;

@@ -2,10 +2,11 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use flagcx_adaptor::quiet::QuietCondvar;
 use flagcx_adaptor::{DeviceAdaptor, DeviceBuffer, DevicePtr, EventHandle, Stream, StreamHandle};
 
 use crate::bootstrap::{Bootstrap, UniqueId};
@@ -184,7 +185,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             aborted: AtomicBool::new(false),
             released: AtomicU64::new(0),
             watermark: Mutex::new(0),
-            watermark_cv: Condvar::new(),
+            watermark_cv: QuietCondvar::new(),
             gates: Mutex::default(),
             joins_held: AtomicU64::new(0),
             watermark_word: WatermarkWord::new(page.host),

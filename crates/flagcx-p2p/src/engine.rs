@@ -14,7 +14,9 @@
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
+
+use flagcx_adaptor::quiet::QuietCondvar;
 use std::time::{Duration, Instant};
 
 use flagcx_adaptor::{DeviceAdaptor, EventHandle, GateHandle, StreamHandle};
@@ -68,7 +70,7 @@ pub(crate) struct Shared {
     pub released: AtomicU64,
     /// Highest `n` such that every operation with `seq <= n` has finished.
     pub watermark: Mutex<u64>,
-    pub watermark_cv: Condvar,
+    pub watermark_cv: QuietCondvar,
     /// Callers' streams waiting at gates (`StreamJoin::Gate`), with the operation each waits
     /// for: opened by whoever publishes a watermark that reaches it (taken inside `watermark`).
     pub(crate) gates: Mutex<Vec<(u64, GateHandle)>>,
@@ -135,7 +137,6 @@ impl Shared {
             w = self
                 .watermark_cv
                 .wait_timeout(w, Duration::from_millis(50))
-                .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
     }
@@ -153,11 +154,7 @@ impl Shared {
             {
                 return false;
             }
-            w = self
-                .watermark_cv
-                .wait_timeout(w, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            w = self.watermark_cv.wait_timeout(w, left).0;
         }
         true
     }

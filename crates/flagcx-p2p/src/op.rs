@@ -3,9 +3,10 @@
 //! posting thread got with one it began itself ([`Resume`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use flagcx_adaptor::quiet::QuietCondvar;
 use flagcx_adaptor::tracking::lock;
 use flagcx_adaptor::{DevicePtr, EventHandle};
 
@@ -38,7 +39,9 @@ const HELP_IDLE_MAX: Duration = Duration::from_millis(100);
 #[derive(Debug, Default)]
 pub(crate) struct Slot {
     result: Mutex<Option<Result<usize>>>,
-    cv: Condvar,
+    /// Notified on completion, only where a waiter sleeps (a completion without one is a
+    /// store, not a system call).
+    cv: QuietCondvar,
     /// Set once `result` is filled, for waiters that spin before sleeping.
     done: AtomicBool,
     /// What a waiter does between polls once its spin is over, instead of sleeping.
@@ -60,8 +63,10 @@ impl Slot {
     }
 
     pub fn complete(&self, r: Result<usize>) {
-        *lock(&self.result) = Some(r);
+        let mut g = lock(&self.result);
+        *g = Some(r);
         self.done.store(true, Ordering::Release);
+        drop(g);
         self.cv.notify_all();
     }
 
@@ -114,13 +119,8 @@ impl Slot {
                 None => None,
             };
             g = match left.into_iter().chain(turn).min() {
-                None => self.cv.wait(g).unwrap_or_else(|p| p.into_inner()),
-                Some(t) => {
-                    self.cv
-                        .wait_timeout(g, t)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0
-                }
+                None => self.cv.wait(g),
+                Some(t) => self.cv.wait_timeout(g, t).0,
             };
         }
     }
