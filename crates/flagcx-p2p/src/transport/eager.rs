@@ -9,7 +9,6 @@
 //! engine's eager stream): one blocking copy per side instead of the ring's descriptor
 //! handshake, proxy hops and stream joins.
 
-use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -590,15 +589,20 @@ impl<A: DeviceAdaptor> Comm<A> {
             return ops;
         }
         // Streams idle now: work enqueued on one since the posts comes first.
-        let mut idle: HashMap<u64, bool> = HashMap::new();
-        let mut is_idle = |s: StreamHandle| {
-            *idle
-                .entry(s.0)
-                .or_insert_with(|| self.adaptor.stream_query(s).unwrap_or(false))
+        // (A group has a stream or two: a list beats a hash map, whose hashing showed in the
+        // profile of small all-to-alls.)
+        let mut idle: Vec<(u64, bool)> = Vec::new();
+        let mut is_idle = |s: StreamHandle| match idle.iter().find(|(h, _)| *h == s.0) {
+            Some(&(_, i)) => i,
+            None => {
+                let i = self.adaptor.stream_query(s).unwrap_or(false);
+                idle.push((s.0, i));
+                i
+            }
         };
         let mut ops: Vec<Option<(Op, StreamHandle)>> = ops.into_iter().map(Some).collect();
         // Pairs and directions with an operation handed over: the rest of theirs follow it.
-        let mut handed: HashSet<(usize, usize)> = HashSet::new();
+        let mut handed = PeerDirs::new(self.nranks());
         let mut receives = Vec::new();
         for (i, entry) in ops.iter_mut().enumerate() {
             let Some((op, s)) = entry.as_ref() else {
@@ -606,7 +610,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             };
             let key = (op.peer, op.dir as usize);
             let link = match eligible(op) {
-                Some(link) if !handed.contains(&key) && is_idle(*s) => link,
+                Some(link) if !handed.contains(key) && is_idle(*s) => link,
                 _ => {
                     handed.insert(key);
                     continue;
@@ -632,21 +636,21 @@ impl<A: DeviceAdaptor> Comm<A> {
         // after it).
         let t0 = std::time::Instant::now();
         let mut polls = 0u32;
-        let mut busy: HashSet<usize> = HashSet::new();
+        let mut busy = vec![false; self.nranks()];
         // The longest any receive still waiting may wait (`EagerLink::recv_budget`).
         let mut limit = spin;
         loop {
-            busy.clear();
+            busy.fill(false);
             let mut left = false;
             for &(i, link) in &receives {
                 let Some((op, s)) = ops[i].as_ref() else {
                     continue;
                 };
                 let (peer, stream) = (op.peer, *s);
-                if handed.contains(&(peer, Dir::Recv as usize)) {
+                if handed.contains((peer, Dir::Recv as usize)) {
                     continue;
                 }
-                if !busy.insert(peer) {
+                if std::mem::replace(&mut busy[peer], true) {
                     left = true;
                     continue;
                 }
@@ -704,3 +708,21 @@ impl<A: DeviceAdaptor> Comm<A> {
 
 #[cfg(test)]
 mod tests;
+
+/// A set of (peer, direction) pairs of one group (`group_eager`): a flag per pair.
+struct PeerDirs(Vec<bool>);
+
+impl PeerDirs {
+    fn new(nranks: usize) -> Self {
+        PeerDirs(vec![false; 2 * nranks])
+    }
+
+    /// Adds `(peer, dir)`; whether it was new.
+    fn insert(&mut self, (peer, dir): (usize, usize)) -> bool {
+        !std::mem::replace(&mut self.0[2 * peer + dir], true)
+    }
+
+    fn contains(&self, (peer, dir): (usize, usize)) -> bool {
+        self.0[2 * peer + dir]
+    }
+}
