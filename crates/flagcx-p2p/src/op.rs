@@ -81,6 +81,12 @@ impl Slot {
 
     /// Waits for the result, up to `timeout` if given, spinning for up to `spin` first.
     pub fn wait(&self, timeout: Option<Duration>, spin: Duration) -> Option<Result<usize>> {
+        if self.is_done() {
+            // Finished already (an eager operation of a group): no clock, no spin.
+            if let Some(r) = lock(&self.result).take() {
+                return Some(r);
+            }
+        }
         let t0 = Instant::now();
         let spin = timeout.map_or(spin, |t| spin.min(t));
         let deadline = timeout.map(|t| t0 + t);
