@@ -20,8 +20,8 @@ mod stream;
 
 pub use copy::{COPY_THREADS_DEFAULT_MAX, COPY_THREAD_PREFIX, STREAMING_MIN_ENV};
 
+use flagcx_adaptor::tracking::HandleMap;
 use std::cell::Cell;
-use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -59,8 +59,8 @@ struct Inner {
     device: usize,
     count: usize,
     total_memory: u64,
-    streams: Mutex<HashMap<u64, Arc<HostStream>>>,
-    events: Mutex<HashMap<u64, Arc<EventState>>>,
+    streams: Mutex<HandleMap<Arc<HostStream>>>,
+    events: Mutex<HandleMap<Arc<EventState>>>,
 }
 
 impl Drop for Inner {

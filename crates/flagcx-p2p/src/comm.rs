@@ -1,12 +1,12 @@
 //! The communicator: point-to-point operations between the ranks of a job.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use flagcx_adaptor::quiet::QuietCondvar;
+use flagcx_adaptor::tracking::HandleMap;
 use flagcx_adaptor::{DeviceAdaptor, DeviceBuffer, DevicePtr, EventHandle, Stream, StreamHandle};
 
 use crate::bootstrap::{Bootstrap, UniqueId};
@@ -80,7 +80,7 @@ pub struct Comm<A: DeviceAdaptor> {
     /// on it, so the watermark page outlives every wait on it even if the caller already
     /// destroyed the stream (a destroyed stream still runs what was queued).
     /// Beside it, the operation that last join waits for, and its gate.
-    pub(crate) joined: Mutex<HashMap<u64, crate::join::Joined>>,
+    pub(crate) joined: Mutex<HandleMap<crate::join::Joined>>,
     pub(crate) page: WatermarkPage,
     pub(crate) config: Config,
     pub(crate) _boot: Arc<Bootstrap>,
@@ -328,7 +328,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             next_seq,
             guard,
             group: Mutex::new(None),
-            joined: Mutex::new(HashMap::new()),
+            joined: Mutex::new(HandleMap::default()),
             page,
             config,
             _boot: boot,
