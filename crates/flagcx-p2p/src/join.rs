@@ -304,20 +304,21 @@ impl<A: DeviceAdaptor> Comm<A> {
         let mut until = spin;
         let t0 = std::time::Instant::now();
         let rejoin = eager && !spin.is_zero() && !self.config.rejoin_wait.is_zero();
-        let seq = match last {
+        // The operation to wait for, and whether its join is a gate.
+        let wait_for = match last {
             Some(j) if eager && !spin.is_zero() && passed(j.seq) => None,
             Some(Joined {
                 seq,
                 gate: Some(g),
                 held: 0,
                 ..
-            }) if rejoin && small && self.adaptor.gate_is_last(g)? => Some(seq),
+            }) if rejoin && small && self.adaptor.gate_is_last(g)? => Some((seq, true)),
             Some(Joined {
                 seq, gate: None, ..
-            }) if rejoin && (small || cpu) && self.claim_rejoin(stream, seq) => Some(seq),
+            }) if rejoin && (small || cpu) && self.claim_rejoin(stream, seq) => Some((seq, false)),
             _ => return Ok(false),
         };
-        if let Some(seq) = seq {
+        if let Some((seq, gate)) = wait_for {
             if !self.shared.watermark_within(seq, self.config.rejoin_wait) {
                 return Ok(false);
             }
@@ -329,7 +330,13 @@ impl<A: DeviceAdaptor> Comm<A> {
             {
                 return Err(CommError::Aborted);
             }
-            until = (t0.elapsed() + spin).max(self.config.rejoin_wait);
+            // A gate's barrier takes tens of µs to pass once opened; a stream memory wait a
+            // few, so there the spin alone is what a stream with the caller's work behind the
+            // join costs this post.
+            until = t0.elapsed() + spin;
+            if gate {
+                until = until.max(self.config.rejoin_wait);
+            }
         }
         while t0.elapsed() < until {
             flagcx_adaptor::spin::relax();
