@@ -58,9 +58,9 @@ enum Task {
         secs: u64,
     },
     /// Criterion benches, a host-vendor flagcx-perf sweep and, with --vs-mpi, Open MPI's
-    /// ping-pong on the same machine.
+    /// ping-pong and 4-rank all-to-all (1 KiB to 256 MiB) on the same machine.
     Bench {
-        /// Also run Open MPI's ping-pong (needs mpicc and mpirun).
+        /// Also run Open MPI's ping-pong and all-to-all (needs mpicc and mpirun).
         #[arg(long)]
         vs_mpi: bool,
         /// Instead: the network transport between two network namespaces next to
@@ -439,7 +439,11 @@ fn bench(vs_mpi: bool) -> Result {
     let pingpong_large = [
         "-t", "pingpong", "-b", "2M", "-e", "256M", "-f", "4", "-n", "20", "-w", "3",
     ];
-    // All-to-all of 4 ranks (whole buffers, 4 blocks), 1 MiB .. 256 MiB.
+    // All-to-all of 4 ranks (whole buffers, 4 blocks): 1 KiB .. 256 KiB, many calls (a
+    // mixture-of-experts layer's token exchange is this small), then 1 MiB .. 256 MiB.
+    let alltoall_small = [
+        "-t", "alltoall", "-N", "4", "-b", "1K", "-e", "256K", "-f", "4", "-n", "1000", "-w", "50",
+    ];
     let alltoall = [
         "-t", "alltoall", "-N", "4", "-b", "1M", "-e", "256M", "-f", "4", "-n", "10", "-w", "2",
     ];
@@ -481,10 +485,10 @@ fn bench(vs_mpi: bool) -> Result {
         ),
         (
             "all-to-all, 4 ranks",
-            vec![&alltoall[..]],
+            vec![&alltoall_small[..], &alltoall[..]],
             "alltoall",
             "4",
-            ["1048576", "268435456"],
+            ["1024", "268435456"],
         ),
     ];
     // (test, bytes) -> (ours, theirs), one time in µs per round.
