@@ -8,11 +8,10 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
-
-use flagcx_adaptor::quiet::QuietCondvar;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use flagcx_adaptor::quiet::QuietCondvar;
 use flagcx_adaptor::{HostFn, WaitCondition};
 
 use crate::copy::copy_bytes;

@@ -15,10 +15,9 @@
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-
-use flagcx_adaptor::quiet::QuietCondvar;
 use std::time::{Duration, Instant};
 
+use flagcx_adaptor::quiet::QuietCondvar;
 use flagcx_adaptor::{DeviceAdaptor, EventHandle, GateHandle, StreamHandle};
 
 pub(crate) use flagcx_adaptor::tracking::lock;
