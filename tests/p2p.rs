@@ -526,10 +526,12 @@ fn rejoin_groups(r: &Rank) {
 }
 
 /// Behind a peer that does not answer, posts that wait for the last join's operation (see
-/// `rejoin`) spend at most about a tenth of the sender's time waiting: rank 0 posts 600 small
-/// sends, one every 300 µs, while rank 1 sleeps; once the eager slots are full every send goes
-/// to the proxy and each post finds the stream behind the previous one's join. Were every such
-/// post to wait the full rejoin wait (1 ms), posting would take most of the time.
+/// `rejoin`) wait at most once per ten rejoin waits: rank 0 posts 600 small sends, one every
+/// 300 µs, while rank 1 sleeps; once the eager slots are full every send goes to the proxy and
+/// each post finds the stream behind the previous one's join. Counted are the posts that took
+/// most of a rejoin wait (1 ms): about one per 10 ms of the ~250 ms of posting, where every
+/// post waiting would make it nearly all of them. (A count, not the time inside posts: on a
+/// loaded machine preemption inflates that time, rarely one short post past 0.9 ms.)
 fn rejoin_pause(r: &Rank) {
     const N: usize = 600;
     const LEN: usize = 64;
@@ -555,19 +557,27 @@ fn rejoin_pause(r: &Rank) {
     } else {
         let t0 = std::time::Instant::now();
         let mut posting = std::time::Duration::ZERO;
+        let mut long = 0;
         for i in 0..N {
             let p = flagcx::DevicePtr(buf.ptr().0 + (i * LEN) as u64);
             let t = std::time::Instant::now();
             // SAFETY: as above.
             reqs.push(unsafe { r.comm.send_raw(p, LEN, 1, h) }.expect("post"));
-            posting += t.elapsed();
+            let took = t.elapsed();
+            posting += took;
+            if took >= std::time::Duration::from_micros(900) {
+                long += 1;
+            }
             std::thread::sleep(std::time::Duration::from_micros(300));
         }
         let elapsed = t0.elapsed();
-        println!("rejoin pause: {N} sends posted in {elapsed:?}, {posting:?} of it inside posts");
+        println!(
+            "rejoin pause: {N} sends posted in {elapsed:?}, {posting:?} inside posts, \
+             {long} posts of 0.9 ms or more"
+        );
         assert!(
-            posting < elapsed * 3 / 10,
-            "posts took {posting:?} of {elapsed:?} behind a peer that does not answer: they \
+            long < N / 3,
+            "{long} of {N} posts took 0.9 ms or more behind a peer that does not answer: they \
              waited for every join"
         );
     }
