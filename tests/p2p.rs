@@ -68,6 +68,39 @@ impl Rank {
         b
     }
 
+    /// `n` messages of `len` bytes back to back, for rank 0 to send to rank 1: filled with
+    /// their payloads on rank 0, empty on rank 1.
+    fn message_run(&self, n: usize, len: usize) -> Arc<DeviceBuffer<Adaptor>> {
+        let b = self.buffer(n * len);
+        if self.comm.rank() == 0 {
+            let data: Vec<u8> = (0..n).flat_map(|i| payload(0, 1, i as u64, len)).collect();
+            b.write(0, &data, &self.stream).expect("fill");
+        }
+        b
+    }
+
+    /// Waits for `reqs` (each moved `len` bytes), then on rank 1 checks every message of a
+    /// [`Rank::message_run`] byte for byte.
+    fn finish_message_run(
+        &self,
+        reqs: Vec<flagcx::Request>,
+        buf: &DeviceBuffer<Adaptor>,
+        len: usize,
+    ) {
+        let n = reqs.len();
+        for q in reqs {
+            assert_eq!(q.wait().expect("completes"), len);
+        }
+        self.stream.synchronize().expect("sync");
+        if self.comm.rank() == 1 {
+            let mut got = vec![0u8; n * len];
+            buf.read(0, &mut got, &self.stream).expect("read back");
+            for (i, m) in got.chunks(len).enumerate() {
+                assert_eq!(m, payload(0, 1, i as u64, len), "message {i}");
+            }
+        }
+    }
+
     fn check(&self, buf: &DeviceBuffer<Adaptor>, src: usize, tag: u64, len: usize) {
         let mut got = vec![0u8; len];
         buf.read(0, &mut got, &self.stream).expect("read back");
@@ -537,14 +570,7 @@ fn rejoin_pause(r: &Rank) {
     const LEN: usize = 64;
     let me = r.comm.rank();
     let h = r.stream.handle();
-    let buf = if me == 0 {
-        let b = r.buffer(N * LEN);
-        let data: Vec<u8> = (0..N).flat_map(|i| payload(0, 1, i as u64, LEN)).collect();
-        b.write(0, &data, &r.stream).expect("fill");
-        b
-    } else {
-        r.buffer(N * LEN)
-    };
+    let buf = r.message_run(N, LEN);
     r.stream.synchronize().expect("sync");
     let mut reqs = Vec::with_capacity(N);
     if me == 1 {
@@ -581,21 +607,7 @@ fn rejoin_pause(r: &Rank) {
              waited for every join"
         );
     }
-    for q in reqs {
-        assert_eq!(q.wait().expect("wait"), LEN);
-    }
-    r.stream.synchronize().expect("sync");
-    if me == 1 {
-        let mut got = vec![0u8; N * LEN];
-        buf.read(0, &mut got, &r.stream).expect("read back");
-        for i in 0..N {
-            assert_eq!(
-                &got[i * LEN..(i + 1) * LEN],
-                &payload(0, 1, i as u64, LEN)[..],
-                "message {i}"
-            );
-        }
-    }
+    r.finish_message_run(reqs, &buf, LEN);
 }
 
 /// A post never blocks its thread on the peer: rank 0 posts 1000 sends (outside any group)
@@ -608,14 +620,7 @@ fn early_sends(r: &Rank) {
     let me = r.comm.rank();
     let h = r.stream.handle();
     let peer = 1 - me;
-    let buf = if me == 0 {
-        let b = r.buffer(N * LEN);
-        let data: Vec<u8> = (0..N).flat_map(|i| payload(0, 1, i as u64, LEN)).collect();
-        b.write(0, &data, &r.stream).expect("fill");
-        b
-    } else {
-        r.buffer(N * LEN)
-    };
+    let buf = r.message_run(N, LEN);
     let t0 = std::time::Instant::now();
     let mut reqs = Vec::with_capacity(N);
     if me == 1 {
@@ -657,17 +662,7 @@ fn early_sends(r: &Rank) {
             assert_eq!(held, 0, "no gates, none held");
         }
     }
-    for q in reqs {
-        assert_eq!(q.wait().expect("completes"), LEN);
-    }
-    r.stream.synchronize().expect("sync");
-    if me == 1 {
-        let mut got = vec![0u8; N * LEN];
-        buf.read(0, &mut got, &r.stream).expect("read back");
-        for (i, m) in got.chunks(LEN).enumerate() {
-            assert_eq!(m, payload(0, 1, i as u64, LEN), "message {i}");
-        }
-    }
+    r.finish_message_run(reqs, &buf, LEN);
 }
 
 fn zero_byte_ring(r: &Rank, next: usize, prev: usize) {
