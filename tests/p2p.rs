@@ -223,6 +223,7 @@ fn rank_worker() {
         "rejoin" => rejoin(&r),
         "rejoin_groups" => rejoin_groups(&r),
         "rejoin_pause" => rejoin_pause(&r),
+        "waiter_progress" => waiter_progress(&r),
         "random" => {
             for iter in 0..12u64 {
                 let to: Vec<(usize, usize)> = (0..n)
@@ -400,6 +401,69 @@ fn rank_worker() {
 }
 
 /// Zero-byte messages through the raw API.
+/// With `FLAGCX_P2P_WAITER_PROGRESS=on`: where this rank's copies are CPU copies (host
+/// vendor), a thread waiting for a request runs the engine's passes (`PathStats::waiter_moves`
+/// grows), and ranks of other vendors never do; and once the waiter returns with operations
+/// still in flight, the proxy takes them over (they finish while nobody waits).
+fn waiter_progress(r: &Rank) {
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let h = r.stream.handle();
+    let drives = r.adaptor.capabilities().host_addressable;
+    let others: Vec<usize> = (0..n).filter(|&q| q != me).collect();
+    // Above the eager limit: through the proxy's protocol.
+    let s = (1 << 20) + 5;
+    for round in 0..4u64 {
+        let tag = |q: usize| 9000 + round * 100 + q as u64;
+        let sends: Vec<_> = others
+            .iter()
+            .map(|&q| (q, r.filled(q, tag(q), s)))
+            .collect();
+        let recvs: Vec<_> = others.iter().map(|&q| (q, r.buffer(s))).collect();
+        let mut reqs = r
+            .comm
+            .group(|| {
+                let mut v = Vec::new();
+                for (q, b) in &sends {
+                    // SAFETY: `b` holds `s` bytes and outlives the waits below.
+                    v.push(unsafe { r.comm.send_raw(b.ptr(), s, *q, h)? });
+                }
+                for (q, b) in &recvs {
+                    // SAFETY: as above.
+                    v.push(unsafe { r.comm.recv_raw(b.ptr(), s, *q, h)? });
+                }
+                Ok(v)
+            })
+            .expect("post");
+        if round % 2 == 0 {
+            for q in reqs {
+                assert_eq!(q.wait().unwrap_or_else(|e| panic!("rank {me}: {e}")), s);
+            }
+        } else {
+            // Wait for the first only; the rest must finish with nobody waiting.
+            let first = reqs.remove(0);
+            assert_eq!(first.wait().unwrap_or_else(|e| panic!("rank {me}: {e}")), s);
+            let t0 = Instant::now();
+            while !reqs.iter().all(|q| q.is_done()) {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(20),
+                    "rank {me}: operations in flight stalled after their waiter returned"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            for q in reqs {
+                assert_eq!(q.wait().unwrap_or_else(|e| panic!("rank {me}: {e}")), s);
+            }
+        }
+        r.stream.synchronize().expect("sync");
+        for (q, b) in &recvs {
+            r.check(b, *q, tag(me), s);
+        }
+    }
+    // Not every round: the proxy may finish a round before its waiter starts.
+    let moves = r.comm.stats().waiter_moves;
+    assert_eq!(moves > 0, drives, "rank {me}: {moves} passes by waiters");
+}
+
 /// Groups of all pairs posted back to back on one stream, nothing waited for until the end
 /// (as `flagcx-perf --enqueue` and nccl-tests time them): each group's operations start only
 /// when the stream passed the group before, which depends on every peer. This stalled 3-rank
@@ -1643,6 +1707,16 @@ fn each_sender_copies() {
     let sender = [("FLAGCX_P2P_IPC_COPIER", "sender")];
     job(2, &v, "ring", &sender);
     job(2, &v, "mismatch", &sender);
+}
+
+/// Threads waiting for a request run the engine's passes (host ranks), and operations left in
+/// flight when the waiter returns still finish (see `waiter_progress`).
+#[test]
+fn waiters_drive_the_engine() {
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    let on = [("FLAGCX_P2P_WAITER_PROGRESS", "on")];
+    job(2, &v, "waiter_progress", &on);
+    job(4, &v, "waiter_progress", &on);
 }
 
 /// Waiters spin longer before sleeping (200 µs; the default is 50).

@@ -71,6 +71,8 @@ pub struct Comm<A: DeviceAdaptor> {
     pub(crate) streamed: Vec<Option<StreamLink>>,
     pub(crate) shared: Arc<Shared>,
     pub(crate) proxy: Option<JoinHandle<()>>,
+    /// What a waiter runs instead of sleeping where this rank's copies are CPU copies.
+    pub(crate) help: Option<crate::op::Helper>,
     pub(crate) next_seq: Arc<AtomicU64>,
     /// The stall guard, where `FLAGCX_TIMEOUT_MS` is set (`crate::guard`).
     pub(crate) guard: Option<Guard>,
@@ -197,6 +199,9 @@ impl<A: DeviceAdaptor> Comm<A> {
             caller_handoffs: Default::default(),
             eager_declined: Default::default(),
             beats: AtomicU64::new(0),
+            helped_us: Default::default(),
+            waiter_moves: Default::default(),
+            epoch: std::time::Instant::now(),
             verdict: Default::default(),
         });
         // Eager slots: small messages through shared host memory, copied by the CPU where a
@@ -286,17 +291,8 @@ impl<A: DeviceAdaptor> Comm<A> {
             net.clone(),
             &config,
         )?;
-        let cpus = crate::numa::adaptor_cpus(&adaptor);
-        let handle = std::thread::Builder::new()
-            .name(format!("flagcx-proxy-{rank}"))
-            .spawn(move || {
-                if let Some(c) = cpus {
-                    crate::numa::bind_current_thread(&c);
-                }
-                proxy.run()
-            })
-            .map_err(|e| CommError::io("spawn proxy thread", e))?;
-        *lock(&shared.thread) = Some(handle.thread().clone());
+        let helps = config.waiter_progress && caps.host_addressable;
+        let (handle, help) = crate::drive::start(proxy, &adaptor, rank, helps)?;
         let next_seq = Arc::new(AtomicU64::new(1));
         let guard = match config.timeout {
             Some(t) => {
@@ -325,6 +321,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             streamed,
             shared,
             proxy: Some(handle),
+            help,
             next_seq,
             guard,
             group: Mutex::new(None),

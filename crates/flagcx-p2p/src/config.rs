@@ -164,6 +164,13 @@ pub struct Config {
     /// each waits up to the spin time for the peer (plus up to 2 ms while the copy of the
     /// message runs), then hands the rest to the proxy from where it stands.
     pub ipc_caller: bool,
+    /// Whether a thread waiting for an operation ([`crate::Request::wait`]) runs the engine's
+    /// passes itself where this rank's copies are CPU copies (host-addressable device memory:
+    /// the host vendor), instead of sleeping while the proxy thread — which may have no core
+    /// of its own — does them (`FLAGCX_P2P_WAITER_PROGRESS=on|off`, default on). The proxy
+    /// thread stays parked while a waiter drives. Ranks of other vendors never drive: their
+    /// vendor calls may block, which only the proxy may do (`crate::guard`).
+    pub waiter_progress: bool,
     /// How long a small message's post waits for the operation its stream is held behind by
     /// this communicator's last join (`FLAGCX_P2P_REJOIN_US`, default 1000, 0: never), so that
     /// it goes eagerly instead of following that operation through the proxy. At a gate
@@ -219,6 +226,7 @@ impl Default for Config {
             host_pin_piece: DEFAULT_HOST_PIN_PIECE,
             eager_max: DEFAULT_EAGER_MAX,
             ipc_caller: true,
+            waiter_progress: false,
             rejoin_wait: DEFAULT_REJOIN_WAIT,
             profile: false,
             net_staging: false,
@@ -376,6 +384,14 @@ impl Config {
         if let Some(v) = var("FLAGCX_P2P_IPC_CALLER") {
             c.ipc_caller = parse_choice(
                 "FLAGCX_P2P_IPC_CALLER",
+                &v,
+                &[("on", true), ("1", true), ("off", false), ("0", false)],
+                "expected on or off",
+            )?;
+        }
+        if let Some(v) = var("FLAGCX_P2P_WAITER_PROGRESS") {
+            c.waiter_progress = parse_choice(
+                "FLAGCX_P2P_WAITER_PROGRESS",
                 &v,
                 &[("on", true), ("1", true), ("off", false), ("0", false)],
                 "expected on or off",

@@ -9,8 +9,8 @@
 //! finishes, the communicator's completion watermark advances; callers' streams wait on it
 //! (stream memory operations, or a host function where the vendor lacks them).
 //!
-//! The thread spins while work is in flight (spin → yield → 20 µs naps once a wait grows long)
-//! and parks when idle, so an idle communicator burns no core.
+//! Who runs the engine's passes — the proxy thread, which spins while work is in flight and
+//! parks when idle, and (opt-in) threads waiting for an operation — is [`crate::drive`].
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -95,6 +95,12 @@ pub(crate) struct Shared {
     /// Passes of the engine's loop, for the stall guard (`crate::guard`); the verdict every
     /// waiting request takes once an abort or the guard gives it.
     pub beats: AtomicU64,
+    /// When a thread waiting for an operation last ran an engine pass ([`crate::drive`]), in
+    /// µs after `epoch`: while waiters drive, the proxy thread stays parked.
+    pub helped_us: AtomicU64,
+    /// Those passes that moved something (`PathStats::waiter_moves`).
+    pub waiter_moves: AtomicU64,
+    pub epoch: Instant,
     pub verdict: Arc<crate::guard::Verdict>,
 }
 
@@ -123,6 +129,14 @@ impl WatermarkWord {
 }
 
 impl Shared {
+    /// Wakes the proxy thread for new work, unless a waiter drove the engine within the last
+    /// [`crate::drive::HELPED_NAP`]: that waiter (or the proxy, after its nap) takes it.
+    pub fn wake_for_work(&self) {
+        if !crate::drive::helped_recently(self) {
+            self.wake();
+        }
+    }
+
     pub fn wake(&self) {
         if let Some(t) = lock(&self.thread).as_ref() {
             t.unpark();
@@ -191,6 +205,7 @@ impl Shared {
             caller_failures: self.caller_handoffs[Handoff::Failed as usize].load(Ordering::Relaxed),
             ipc_mappings_closed: lock(&self.ipc).closes,
             joins_held: self.joins_held.load(Ordering::Relaxed),
+            waiter_moves: self.waiter_moves.load(Ordering::Relaxed),
         }
     }
 
@@ -245,6 +260,13 @@ pub(crate) struct Engine<A: DeviceAdaptor> {
     pub(crate) eager_stream: Option<StreamHandle>,
     /// Its pinned bounce buffer.
     pub(crate) eager_bounce: crate::transport::eager::Bounce,
+    /// The last count of hand-overs seen (`Shared::posted`).
+    pub(crate) seen_posted: u64,
+    pub(crate) last_health: Instant,
+    /// Torn down: passes do nothing (a waiter may still hold the engine).
+    pub(crate) down: bool,
+    /// See [`crate::drive::Pass::waits_here`].
+    pub(crate) waits_here: bool,
 }
 
 impl<A: DeviceAdaptor> Engine<A> {
@@ -284,68 +306,11 @@ impl<A: DeviceAdaptor> Engine<A> {
             net,
             eager_stream: None,
             eager_bounce: Default::default(),
+            seen_posted: 0,
+            last_health: Instant::now(),
+            down: false,
+            waits_here: false,
         })
-    }
-
-    /// The thread body: runs until shutdown, then fails what is left and cleans up.
-    pub fn run(mut self) {
-        // Short naps must stay short: the default 50 µs timer slack would stretch every 20 µs
-        // back-off sleep to ~70 µs and show up directly in small-message latency.
-        // SAFETY: prctl on the calling thread with plain integer arguments.
-        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
-        let mut spins = 0u32;
-        let mut last_health = Instant::now();
-        let mut seen_posted = 0;
-        let mut last_moved = Instant::now();
-        loop {
-            self.shared.beats.fetch_add(1, Ordering::Relaxed);
-            let mut moved = false;
-            let posted = self.shared.posted.load(Ordering::Acquire);
-            if posted != seen_posted {
-                seen_posted = posted;
-                let new_ops = std::mem::take(&mut lock(&self.shared.inbox).ops);
-                moved = !new_ops.is_empty();
-                for op in new_ops {
-                    self.admit(op);
-                }
-            }
-            for p in 0..self.peers.len() {
-                moved |= self.progress_peer(p);
-            }
-            let busy = self.peers.iter().flatten().any(|c| !c.idle());
-            if busy && last_health.elapsed() >= self.health_interval {
-                self.check_peers();
-                last_health = Instant::now();
-            }
-            if self.shared.shutdown.load(Ordering::Acquire)
-                || self.shared.aborted.load(Ordering::Acquire)
-            {
-                break;
-            }
-            if moved {
-                spins = 0;
-                last_moved = Instant::now();
-            } else if !busy && self.trim_at_rest() {
-                continue;
-            } else if !self.spin.is_zero() && last_moved.elapsed() < self.spin {
-                // Hot for a while after progress, busy or not: the next step or the next
-                // operation usually comes within microseconds, and a wake-up costs more.
-                flagcx_adaptor::spin::relax();
-            } else if busy {
-                self.shared.busy_polls.fetch_add(1, Ordering::Relaxed);
-                spins = spins.saturating_add(1);
-                if spins < 2048 {
-                    flagcx_adaptor::spin::relax();
-                } else if spins < 4096 {
-                    std::thread::yield_now();
-                } else {
-                    std::thread::sleep(Duration::from_micros(20));
-                }
-            } else {
-                std::thread::park_timeout(Duration::from_millis(100));
-            }
-        }
-        self.teardown();
     }
 
     /// With nothing in flight, closes a few IPC mappings past the cache's bound; whether it did.
@@ -359,7 +324,7 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// traffic never pauses. Seen on an H200: closing between operations hung, and closing at
     /// idle while a caller posted the next operation stalled it. Posting threads' own copies
     /// (`IpcCache::caller_copies`) hold it off too.
-    fn trim_at_rest(&mut self) -> bool {
+    pub(crate) fn trim_at_rest(&mut self) -> bool {
         if !lock(&self.shared.ipc).over_bound() || !self.streams_idle() {
             return false;
         }
@@ -376,7 +341,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         quiet
     }
 
-    fn admit(&mut self, mut op: Op) {
+    pub(crate) fn admit(&mut self, mut op: Op) {
         let peer = op.peer;
         let Some(conn) = self.peers.get_mut(peer).and_then(|c| c.as_mut()) else {
             let e = CommError::InvalidArgument(format!("no connection to rank {peer}"));
@@ -527,7 +492,7 @@ impl<A: DeviceAdaptor> Engine<A> {
     }
 
     /// Advances the front send and front receive of one peer; true if anything moved.
-    fn progress_peer(&mut self, p: usize) -> bool {
+    pub(crate) fn progress_peer(&mut self, p: usize) -> bool {
         let mut moved = false;
         for dir in [Dir::Send, Dir::Recv] {
             loop {
@@ -582,6 +547,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                         break;
                     }
                     Progress::Idle { on_peer } => {
+                        self.waits_here |= !on_peer;
                         let stalled = self.timeout.filter(|t| step.progressed.elapsed() > *t);
                         match (lost.filter(|_| on_peer), stalled) {
                             (Some(reason), _) => {
@@ -663,7 +629,7 @@ impl<A: DeviceAdaptor> Engine<A> {
     }
 
     /// Marks peers whose bootstrap socket hung up; their stuck operations then fail.
-    fn check_peers(&mut self) {
+    pub(crate) fn check_peers(&mut self) {
         for conn in self.peers.iter_mut().flatten() {
             if conn.lost.is_some() || conn.idle() {
                 continue;
@@ -676,7 +642,9 @@ impl<A: DeviceAdaptor> Engine<A> {
         }
     }
 
-    fn teardown(mut self) {
+    /// Fails what is left and releases the engine's resources; later passes do nothing.
+    pub(crate) fn teardown(&mut self) {
+        self.down = true;
         if let Some(p) = self.profile.as_mut() {
             p.ipc_opens = lock(&self.shared.ipc).opens;
             p.report(self.boot.rank());

@@ -112,7 +112,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
         }
         self.shared.posted.fetch_add(1, Ordering::Release);
-        self.shared.wake();
+        self.shared.wake_for_work();
         let between = before_join();
         for (stream, (seq, extend)) in last {
             self.join_stream(StreamHandle(stream), seq, extend)?;

@@ -39,6 +39,7 @@ pub mod channel;
 pub mod collectives;
 mod comm;
 pub mod config;
+mod drive;
 mod engine;
 mod error;
 mod group;
@@ -94,4 +95,8 @@ pub struct PathStats {
     /// earlier one: the gate was made to wait for them too, and nothing was enqueued for them
     /// (OpenCL streams enqueued back to back; see `StreamJoin::Gate`).
     pub joins_held: u64,
+    /// Engine passes run by threads waiting for an operation that moved something
+    /// (`FLAGCX_P2P_WAITER_PROGRESS`, ranks whose copies are CPU copies): the waiter did the
+    /// proxy's work.
+    pub waiter_moves: u64,
 }

@@ -20,11 +20,22 @@ pub(crate) enum Dir {
     Recv,
 }
 
-/// Work a waiting thread can do for its operation instead of sleeping (the network
-/// transport's: driving UCX, which moves the bytes, while the engine only watches for the end);
-/// it says whether anything moved.
+/// Work a waiting thread can do for its operation instead of sleeping: the network
+/// transport's (driving UCX, which moves the bytes, while the engine only watches for the
+/// end), or the engine's own passes where this rank's copies are CPU copies
+/// ([`crate::drive`]).
+pub(crate) trait Help: Send + Sync {
+    /// One step; whether anything moved.
+    fn step(&self) -> bool;
+    /// Between two steps; `polls` counts the steps since the last that moved.
+    fn pause(&self, _polls: u32) {
+        flagcx_adaptor::spin::relax()
+    }
+}
+
+/// A [`Help`] a slot's waiters share.
 #[derive(Clone)]
-pub(crate) struct Helper(pub Arc<dyn Fn() -> bool + Send + Sync>);
+pub(crate) struct Helper(pub Arc<dyn Help>);
 
 impl std::fmt::Debug for Helper {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -95,15 +106,17 @@ impl Slot {
             // take milliseconds to come: sleeping through them and waking cost 15% at 16 MiB
             // over TCP); after `HELP_IDLE_MAX` with nothing moving the peer is late, not busy,
             // and it sleeps like any waiter while the engine carries on.
-            let mut moved = Instant::now();
-            while !self.is_done()
+            let (mut moved, mut polls) = (Instant::now(), 0u32);
+            while !self.settled()
                 && !deadline.is_some_and(|d| Instant::now() >= d)
                 && moved.elapsed() < HELP_IDLE_MAX
             {
-                if help() {
+                if help.step() {
                     moved = Instant::now();
+                    polls = 0;
                 }
-                flagcx_adaptor::spin::relax();
+                help.pause(polls);
+                polls = polls.wrapping_add(1);
             }
         }
         while !spin.is_zero() && !self.is_done() && t0.elapsed() < spin {

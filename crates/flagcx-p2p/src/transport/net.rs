@@ -614,11 +614,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         if self.transports.get(peer) != Some(&Some(TransportKind::Net)) {
             return None;
         }
-        let net = self.net.clone()?;
-        // Held by another thread: that one is at work on it, which counts as moving.
-        Some(crate::op::Helper(Arc::new(move || {
-            net.try_lock().map_or(true, |n| n.worker.progress())
-        })))
+        Some(crate::op::Helper(Arc::new(NetHelp(self.net.clone()?))))
     }
 
     /// Message `m`, moved by this thread for up to `spin` (see `try_caller_net`).
@@ -757,6 +753,14 @@ fn pause(polls: u32) -> u32 {
         std::hint::spin_loop();
     }
     polls.wrapping_add(1)
+}
+
+/// A waiter's step on a net pair: a round of UCX progress (another thread at it counts too).
+struct NetHelp(SharedNet);
+impl crate::op::Help for NetHelp {
+    fn step(&self) -> bool {
+        self.0.try_lock().map_or(true, |n| n.worker.progress())
+    }
 }
 
 #[cfg(test)]
