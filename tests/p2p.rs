@@ -401,14 +401,18 @@ fn rank_worker() {
 }
 
 /// Zero-byte messages through the raw API.
-/// With `FLAGCX_P2P_WAITER_PROGRESS=on`: where this rank's copies are CPU copies (host
-/// vendor), a thread waiting for a request runs the engine's passes (`PathStats::waiter_moves`
-/// grows), and ranks of other vendors never do; and once the waiter returns with operations
-/// still in flight, the proxy takes them over (they finish while nobody waits).
+/// With `FLAGCX_P2P_WAITER_PROGRESS=on` (or by default where the job's ranks do not outnumber
+/// the cores): where this rank's copies are CPU copies (host vendor), a thread waiting for a
+/// request runs the engine's passes (`PathStats::waiter_moves` grows), and ranks of other
+/// vendors never do; and once the waiter returns with operations still in flight, the proxy
+/// takes them over (they finish while nobody waits).
 fn waiter_progress(r: &Rank) {
     let (me, n) = (r.comm.rank(), r.comm.nranks());
     let h = r.stream.handle();
-    let drives = r.adaptor.capabilities().host_addressable;
+    // `on`, or `auto` where this job's ranks do not outnumber the cores.
+    let auto = std::env::var("FLAGCX_P2P_WAITER_PROGRESS").is_err();
+    let drives = r.adaptor.capabilities().host_addressable
+        && (!auto || n <= flagcx_adaptor::spin::cores_from_env());
     let others: Vec<usize> = (0..n).filter(|&q| q != me).collect();
     // Above the eager limit: through the proxy's protocol.
     let s = (1 << 20) + 5;
@@ -1717,6 +1721,8 @@ fn waiters_drive_the_engine() {
     let on = [("FLAGCX_P2P_WAITER_PROGRESS", "on")];
     job(2, &v, "waiter_progress", &on);
     job(4, &v, "waiter_progress", &on);
+    // The default: on with no more ranks than cores, off with more.
+    job(4, &v, "waiter_progress", &[]);
 }
 
 /// Waiters spin longer before sleeping (200 µs; the default is 50).

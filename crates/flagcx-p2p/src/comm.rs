@@ -291,7 +291,14 @@ impl<A: DeviceAdaptor> Comm<A> {
             net.clone(),
             &config,
         )?;
-        let helps = config.waiter_progress && caps.host_addressable;
+        let here = transports
+            .iter()
+            .filter(|t| **t != Some(TransportKind::Net))
+            .count();
+        let helps = caps.host_addressable
+            && config
+                .waiter_progress
+                .unwrap_or(here <= flagcx_adaptor::spin::cores_from_env());
         let (handle, help) = crate::drive::start(proxy, &adaptor, rank, helps)?;
         let next_seq = Arc::new(AtomicU64::new(1));
         let guard = match config.timeout {

@@ -223,7 +223,7 @@ impl<A: DeviceAdaptor> Help for EngineHelp<A> {
     /// thread here needs the core). Backs off as the proxy does while nothing moves.
     fn pause(&self, polls: u32) {
         match polls {
-            _ if self.waits_here.load(Ordering::Relaxed) => flagcx_adaptor::spin::relax(),
+            0..2048 if self.waits_here.load(Ordering::Relaxed) => flagcx_adaptor::spin::relax(),
             0..2048 => flagcx_adaptor::spin::relax_on_peer(polls),
             2048..4096 => std::thread::yield_now(),
             _ => std::thread::sleep(Duration::from_micros(20)),

@@ -112,8 +112,11 @@ impl Slot {
                 && moved.elapsed() < HELP_IDLE_MAX
             {
                 if help.step() {
+                    // Straight on, as the proxy does: the next step often follows at once,
+                    // and a yield here can cost a whole round of other threads.
                     moved = Instant::now();
                     polls = 0;
+                    continue;
                 }
                 help.pause(polls);
                 polls = polls.wrapping_add(1);

@@ -153,10 +153,12 @@ fn malformed_or_missing_rank_variables_are_errors() {
 #[test]
 fn eager_limit_parses_and_is_bounded() {
     assert!(Config::default().ipc_caller);
-    assert!(!Config::default().waiter_progress);
-    let on = Config::from_lookup(lookup(&[("FLAGCX_P2P_WAITER_PROGRESS", "on")])).unwrap();
-    assert!(on.waiter_progress);
-    let e = Config::from_lookup(lookup(&[("FLAGCX_P2P_WAITER_PROGRESS", "auto")])).unwrap_err();
+    assert_eq!(Config::default().waiter_progress, None);
+    for (v, want) in [("on", Some(true)), ("0", Some(false)), ("auto", None)] {
+        let c = Config::from_lookup(lookup(&[("FLAGCX_P2P_WAITER_PROGRESS", v)])).unwrap();
+        assert_eq!(c.waiter_progress, want, "{v}");
+    }
+    let e = Config::from_lookup(lookup(&[("FLAGCX_P2P_WAITER_PROGRESS", "yes")])).unwrap_err();
     assert!(e.to_string().contains("FLAGCX_P2P_WAITER_PROGRESS"), "{e}");
     let off = Config::from_lookup(lookup(&[("FLAGCX_P2P_IPC_CALLER", "off")])).unwrap();
     assert!(!off.ipc_caller);
