@@ -624,7 +624,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             after,
             slot: slot.clone(),
             keep,
-            posted: std::time::Instant::now(),
+            posted: self.config.profile.then(std::time::Instant::now),
             resume: None,
         };
         let mut g = lock(&self.group);
@@ -717,7 +717,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             after: 0,
             slot: slot.clone(),
             keep: keep.take(),
-            posted: std::time::Instant::now(),
+            posted: self.config.profile.then(std::time::Instant::now),
             resume,
         };
         {

@@ -535,8 +535,10 @@ impl<A: DeviceAdaptor> Engine<A> {
                             self.shared.path_bytes[step.path as usize]
                                 .fetch_add(n as u64, Ordering::Relaxed);
                         }
-                        if let (Some(pr), true) = (self.profile.as_mut(), res.is_ok()) {
-                            pr.add(dir, step.op.posted, step.admitted, step.matched);
+                        if let (Some(pr), true, Some(posted)) =
+                            (self.profile.as_mut(), res.is_ok(), step.op.posted)
+                        {
+                            pr.add(dir, posted, step.admitted, step.matched);
                         }
                         self.finish(step.op, res);
                     }

@@ -167,8 +167,9 @@ pub(crate) struct Op {
     pub slot: Arc<Slot>,
     /// Keeps a safe API caller's buffer alive until the operation finishes.
     pub keep: Option<Box<dyn std::any::Any + Send>>,
-    /// When the API thread posted it (for `FLAGCX_PROFILE`).
-    pub posted: Instant,
+    /// When the API thread posted it, where `FLAGCX_PROFILE` is on (a clock read per
+    /// operation is a tenth of a small collective's time on some VMs otherwise).
+    pub posted: Option<Instant>,
     /// Where the proxy takes over an operation the posting thread began itself (IPC pairs,
     /// see `Comm::try_caller_ipc`); `None`: from the start.
     pub resume: Option<Resume>,
