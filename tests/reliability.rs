@@ -109,21 +109,28 @@ fn has_ipc() -> bool {
     vendor_can(|c| c.ipc_bytes || c.ipc_fd)
 }
 
-/// Skips `test` with a reason where the vendor has no stream memory operations (or no device):
-/// OpenCL's streams join at gates, and nothing of its messages is stream-ordered.
-fn skip_unless_stream_memops(test: &str) -> bool {
+/// Skips `test` (returns true) where the vendor has no device, or where `capable` says it
+/// lacks what the case drives, reporting `reason`.
+fn skip_unless(test: &str, capable: impl Fn() -> bool, reason: &str) -> bool {
     if skip_unless_vendor() {
         return true;
     }
-    if vendor_can(|c| c.stream_mem_ops) {
+    if capable() {
         return false;
     }
-    flagcx_adaptor::conformance::report_skip_reason(
-        &format!("reliability::{test}"),
-        &vendor(),
-        "the vendor has no stream memory operations (its streams join at gates or host functions)",
-    );
+    let test = format!("reliability::{test}");
+    flagcx_adaptor::conformance::report_skip_reason(&test, &vendor(), reason);
     true
+}
+
+/// Skips `test` where the vendor has no stream memory operations: OpenCL's streams join at
+/// gates, and nothing of its messages is stream-ordered.
+fn skip_unless_stream_memops(test: &str) -> bool {
+    skip_unless(
+        test,
+        || vendor_can(|c| c.stream_mem_ops),
+        "the vendor has no stream memory operations (its streams join at gates or host functions)",
+    )
 }
 
 /// Whether `e` is the error a [`flagcx_adaptor::testing::FaultyAdaptor`] injected.
@@ -132,21 +139,14 @@ fn is_injected(e: &CommError) -> bool {
     matches!(e, CommError::Adaptor(flagcx::AdaptorError::Vendor { code, .. }) if *code == INJECTED_CODE)
 }
 
-/// Skips `test` with a reason where the vendor has no IPC pairs (or no device): the case drives
-/// an IPC pair's copier or its posting-thread path.
+/// Skips `test` where the vendor has no IPC pairs: the case drives an IPC pair's copier or
+/// its posting-thread path.
 fn skip_unless_ipc(test: &str) -> bool {
-    if skip_unless_vendor() {
-        return true;
-    }
-    if has_ipc() {
-        return false;
-    }
-    flagcx_adaptor::conformance::report_skip_reason(
-        &format!("reliability::{test}"),
-        &vendor(),
+    skip_unless(
+        test,
+        has_ipc,
         "the vendor has no IPC handles, and the case drives an IPC pair",
-    );
-    true
+    )
 }
 
 fn skip_unless_vendor() -> bool {
