@@ -431,24 +431,45 @@ fn bench(vs_mpi: bool) -> Result {
         cargo().args(["build", "--release", "-p", "flagcx", "--bin", "flagcx-perf"]),
     )?;
     let perf = root().join("target/release/flagcx-perf");
-    // Round trips: many iterations where they are short (Open MPI's program does 1000 up to
-    // 1 MiB), fewer where each moves hundreds of megabytes.
+    // Each sweep with Open MPI's programs' iteration counts (benches/mpi): ping-pong 1000 up to
+    // 1 MiB, then 2 GiB's worth; all-to-all 200 up to 1 MiB, then 1 GiB's worth. Ten calls of
+    // a 1 MiB all-to-all measured mostly the first calls after a sweep's setup (184-394 us,
+    // against 155-219 for a hundred), so the large sizes run one per sweep.
     let pingpong_small = [
         "-t", "pingpong", "-b", "8", "-e", "512K", "-f", "4", "-n", "1000", "-w", "50",
     ];
-    let pingpong_large = [
-        "-t", "pingpong", "-b", "2M", "-e", "256M", "-f", "4", "-n", "20", "-w", "3",
-    ];
+    let one_size = |test: &str, ranks: u32, bytes: u64, iters: u64| -> Vec<String> {
+        format!("-t {test} -N {ranks} -b {bytes} -e {bytes} -n {iters} -w 5")
+            .split_whitespace()
+            .map(String::from)
+            .collect()
+    };
+    let pingpong_large: Vec<Vec<String>> = (0..4)
+        .map(|i| 2u64 << 20 << (2 * i))
+        .map(|b| one_size("pingpong", 2, b, ((2048 << 20) / b).max(10)))
+        .collect();
     // All-to-all of 4 ranks (whole buffers, 4 blocks): 1 KiB .. 256 KiB, many calls (a
     // mixture-of-experts layer's token exchange is this small), then 1 MiB .. 256 MiB.
     let alltoall_small = [
         "-t", "alltoall", "-N", "4", "-b", "1K", "-e", "256K", "-f", "4", "-n", "1000", "-w", "50",
     ];
-    let alltoall = [
-        "-t", "alltoall", "-N", "4", "-b", "1M", "-e", "256M", "-f", "4", "-n", "10", "-w", "2",
-    ];
+    let alltoall_large: Vec<Vec<String>> = (0..5)
+        .map(|i| 1u64 << 20 << (2 * i))
+        .map(|b| {
+            let iters = if b <= 1 << 20 { 200 } else { (1 << 30) / b };
+            one_size("alltoall", 4, b, iters.max(5))
+        })
+        .collect();
+    fn args(v: &[Vec<String>]) -> Vec<Vec<&str>> {
+        v.iter()
+            .map(|a| a.iter().map(String::as_str).collect())
+            .collect()
+    }
+    let (pingpong_large, alltoall_large) = (args(&pingpong_large), args(&alltoall_large));
     if !vs_mpi {
-        for args in [&pingpong_small[..], &pingpong_large[..]] {
+        for args in
+            std::iter::once(&pingpong_small[..]).chain(pingpong_large.iter().map(Vec::as_slice))
+        {
             run(
                 "flagcx-perf: host-vendor ping-pong",
                 Command::new(&perf).args(args).env("FLAGCX_VENDOR", "host"),
@@ -478,14 +499,18 @@ fn bench(vs_mpi: bool) -> Result {
     let tests: Tests = [
         (
             "ping-pong",
-            vec![&pingpong_small[..], &pingpong_large[..]],
+            std::iter::once(&pingpong_small[..])
+                .chain(pingpong_large.iter().map(Vec::as_slice))
+                .collect(),
             "pingpong",
             "2",
             ["8", "268435456"],
         ),
         (
             "all-to-all, 4 ranks",
-            vec![&alltoall_small[..], &alltoall[..]],
+            std::iter::once(&alltoall_small[..])
+                .chain(alltoall_large.iter().map(Vec::as_slice))
+                .collect(),
             "alltoall",
             "4",
             ["1024", "268435456"],
