@@ -328,7 +328,6 @@ impl<A: DeviceAdaptor> Comm<A> {
                     Duration::ZERO
                 };
                 let mut polls = 0u32;
-                let t0 = std::time::Instant::now();
                 let found = poll_peer_for(
                     spin,
                     || link.recv_budget(spin, k),
@@ -339,15 +338,15 @@ impl<A: DeviceAdaptor> Comm<A> {
                     },
                 );
                 match found {
-                    Some(Some(sd)) => {
-                        link.note_wait(t0.elapsed());
+                    Some((Some(sd), waited)) => {
+                        link.note_wait(waited);
                         let r = self.eager_take(link, k, &sd, ptr, bytes, peer, stream);
                         if r.is_none() {
                             self.shared.declined(Declined::PairBusy);
                         }
                         r
                     }
-                    Some(None) => {
+                    Some((None, _)) => {
                         self.shared.declined(Declined::OtherPath);
                         None
                     }

@@ -143,34 +143,45 @@ pub(crate) fn poll_for<T>(
     budget: impl Fn() -> Duration,
     ready: impl FnMut() -> Option<T>,
 ) -> Option<T> {
-    poll_with(spin, budget, ready, |_| flagcx_adaptor::spin::relax())
+    poll_with(spin, budget, ready, |_| flagcx_adaptor::spin::relax()).map(|(v, _)| v)
 }
 
 /// [`poll_for`] for a store only the peer's process makes (an eager message): between polls
-/// [`flagcx_adaptor::spin::relax_on_peer`], which yields the core less often.
+/// [`flagcx_adaptor::spin::relax_on_peer`], which yields the core less often. With the value,
+/// about how long it waited: the time at the last clock read, so zero when it came within the
+/// first 64 polls (no clock read beyond the start's on that path, which is latency's).
 pub(crate) fn poll_peer_for<T>(
     spin: Duration,
     budget: impl Fn() -> Duration,
     ready: impl FnMut() -> Option<T>,
-) -> Option<T> {
+) -> Option<(T, Duration)> {
     poll_with(spin, budget, ready, flagcx_adaptor::spin::relax_on_peer)
 }
 
+/// The clock starts at the first poll that finds nothing: a value already there costs none.
 fn poll_with<T>(
     spin: Duration,
     budget: impl Fn() -> Duration,
     mut ready: impl FnMut() -> Option<T>,
     relax: impl Fn(u32),
-) -> Option<T> {
-    let t0 = std::time::Instant::now();
+) -> Option<(T, Duration)> {
+    let mut t0: Option<std::time::Instant> = None;
+    let mut waited = Duration::ZERO;
     let mut polls = 0u32;
     loop {
         if let Some(v) = ready() {
-            return Some(v);
+            return Some((v, waited));
         }
         polls = polls.wrapping_add(1);
-        if spin.is_zero() || polls % 64 == 0 && t0.elapsed() >= budget() {
+        if spin.is_zero() {
             return None;
+        }
+        let t0 = *t0.get_or_insert_with(std::time::Instant::now);
+        if polls % 64 == 0 {
+            waited = t0.elapsed();
+            if waited >= budget() {
+                return None;
+            }
         }
         relax(polls);
     }
