@@ -36,8 +36,15 @@ pub(crate) const HELPED_NAP: Duration = Duration::from_micros(200);
 
 /// Whether a waiter ran a pass within the last [`HELPED_NAP`].
 pub(crate) fn helped_recently(shared: &Shared) -> bool {
+    helped_within(shared).is_some()
+}
+
+/// Where a waiter ran a pass within the last [`HELPED_NAP`], how much of it is left.
+fn helped_within(shared: &Shared) -> Option<Duration> {
     let at = shared.helped_us.load(Ordering::Acquire);
-    at != 0 && since_epoch_us(shared).saturating_sub(at) < HELPED_NAP.as_micros() as u64
+    let ago = since_epoch_us(shared).saturating_sub(at);
+    let nap = HELPED_NAP.as_micros() as u64;
+    (at != 0 && ago < nap).then(|| Duration::from_micros(nap - ago))
 }
 
 fn since_epoch_us(shared: &Shared) -> u64 {
@@ -91,8 +98,9 @@ fn run<A: DeviceAdaptor>(cell: Arc<Mutex<Engine<A>>>, shared: Arc<Shared>) {
     let mut spins = 0u32;
     let mut last_moved = Instant::now();
     loop {
-        if helped_recently(&shared) && !stopping() {
-            std::thread::park_timeout(HELPED_NAP);
+        if let Some(left) = helped_within(&shared).filter(|_| !stopping()) {
+            // Until the nap since the waiter's last pass is over, not a whole nap more.
+            std::thread::park_timeout(left);
             last_moved = Instant::now();
             continue;
         }
