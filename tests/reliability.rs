@@ -1852,7 +1852,7 @@ fn wait_child(c: &mut Child, limit: Duration, what: &str) -> std::process::ExitS
 
 /// A rank stops mid-traffic: the other times out (`FLAGCX_TIMEOUT_MS`) and exits with 3; the
 /// launcher SIGTERMs the stopped rank, SIGKILLs it after the grace period, and exits with the
-/// failing rank's code, naming it — within timeout + grace + 1 s (2 s for a GPU runtime) of the stop.
+/// failing rank's code, naming it — within timeout + grace + 1 s (3 s for a GPU runtime) of the stop.
 #[test]
 fn launcher_ends_a_job_whose_rank_stopped() {
     if skip_unless_vendor() {
@@ -1879,9 +1879,12 @@ fn launcher_ends_a_job_whose_rank_stopped() {
         "the message names the rank:\n{stderr}"
     );
     // From the ranks' start: 300 ms to the stop, 1 s timeout, 1 s grace, and slack for the
-    // two processes' exits — 1 s, 2 s for a GPU runtime, whose driver tears a killed
-    // process's context down before the process is gone (3.34 s in all once on the H200).
-    let slack = if vendor() == "host" { 1000 } else { 2000 };
+    // two processes' exits — 1 s, 3 s for a GPU runtime, whose driver tears a killed
+    // process's context down before the process is gone: 2.4 s in all alone on the H200,
+    // 3.2–4.1 s with the suite's other jobs beside it, up to 5.0 s on a host busy for a
+    // while (the same spread for this session's first and last builds). A launcher that
+    // forgot its SIGKILL would wait the stopped rank out for good.
+    let slack = if vendor() == "host" { 1000 } else { 3000 };
     assert!(
         took <= Duration::from_millis(300 + 1000 + 1000 + slack),
         "the job ended {took:?} after the ranks started"
