@@ -400,7 +400,6 @@ fn rank_worker() {
     );
 }
 
-/// Zero-byte messages through the raw API.
 /// With `FLAGCX_P2P_WAITER_PROGRESS=on` (or by default where the job's ranks do not outnumber
 /// the cores): where this rank's copies are CPU copies (host vendor), a thread waiting for a
 /// request runs the engine's passes (`PathStats::waiter_moves` grows), and ranks of other
@@ -733,6 +732,7 @@ fn early_sends(r: &Rank) {
     r.finish_message_run(reqs, &buf, LEN);
 }
 
+/// Zero-byte messages through the raw API.
 fn zero_byte_ring(r: &Rank, next: usize, prev: usize) {
     let b = r.buffer(1);
     let (s, q) = r
