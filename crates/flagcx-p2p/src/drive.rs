@@ -42,9 +42,25 @@ pub(crate) fn helped_recently(shared: &Shared) -> bool {
 /// Where a waiter ran a pass within the last [`HELPED_NAP`], how much of it is left.
 fn helped_within(shared: &Shared) -> Option<Duration> {
     let at = shared.helped_us.load(Ordering::Acquire);
+    if at == 0 {
+        // Never helped (every rank whose waiters do not drive): no clock read on the proxy's
+        // loop and every post.
+        return None;
+    }
     let ago = since_epoch_us(shared).saturating_sub(at);
     let nap = HELPED_NAP.as_micros() as u64;
-    (at != 0 && ago < nap).then(|| Duration::from_micros(nap - ago))
+    (ago < nap).then(|| Duration::from_micros(nap - ago))
+}
+
+/// Between two polls that moved nothing (`polls` of them so far): `relax` for 2048 polls, then
+/// yields, then 20 µs naps once the wait grows long — the proxy's back-off, which waiters that
+/// drive share.
+fn back_off(polls: u32, relax: impl FnOnce()) {
+    match polls {
+        0..2048 => relax(),
+        2048..4096 => std::thread::yield_now(),
+        _ => std::thread::sleep(Duration::from_micros(20)),
+    }
 }
 
 fn since_epoch_us(shared: &Shared) -> u64 {
@@ -127,13 +143,7 @@ fn run<A: DeviceAdaptor>(cell: Arc<Mutex<Engine<A>>>, shared: Arc<Shared>) {
         } else if pass.busy {
             shared.busy_polls.fetch_add(1, Ordering::Relaxed);
             spins = spins.saturating_add(1);
-            if spins < 2048 {
-                flagcx_adaptor::spin::relax();
-            } else if spins < 4096 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(20));
-            }
+            back_off(spins, flagcx_adaptor::spin::relax);
         } else {
             std::thread::park_timeout(Duration::from_millis(100));
         }
@@ -231,11 +241,9 @@ impl<A: DeviceAdaptor> Help for EngineHelp<A> {
     /// machine; where it waits only for the peer's stores, it pauses (the proxy naps, so no
     /// thread here needs the core). Backs off as the proxy does while nothing moves.
     fn pause(&self, polls: u32) {
-        match polls {
-            0..2048 if self.waits_here.load(Ordering::Relaxed) => flagcx_adaptor::spin::relax(),
-            0..2048 => flagcx_adaptor::spin::relax_on_peer(polls),
-            2048..4096 => std::thread::yield_now(),
-            _ => std::thread::sleep(Duration::from_micros(20)),
-        }
+        back_off(polls, || match self.waits_here.load(Ordering::Relaxed) {
+            true => flagcx_adaptor::spin::relax(),
+            false => flagcx_adaptor::spin::relax_on_peer(polls),
+        })
     }
 }

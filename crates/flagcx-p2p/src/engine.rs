@@ -10,7 +10,8 @@
 //! (stream memory operations, or a host function where the vendor lacks them).
 //!
 //! Who runs the engine's passes — the proxy thread, which spins while work is in flight and
-//! parks when idle, and (opt-in) threads waiting for an operation — is [`crate::drive`].
+//! parks when idle, and, where this rank's copies are CPU copies, threads waiting for an
+//! operation (`FLAGCX_P2P_WAITER_PROGRESS`) — is [`crate::drive`].
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -96,10 +97,11 @@ pub(crate) struct Shared {
     /// waiting request takes once an abort or the guard gives it.
     pub beats: AtomicU64,
     /// When a thread waiting for an operation last ran an engine pass ([`crate::drive`]), in
-    /// µs after `epoch`: while waiters drive, the proxy thread stays parked.
+    /// µs after `epoch`: while waiters drive, the proxy thread naps.
     pub helped_us: AtomicU64,
     /// Those passes that moved something (`PathStats::waiter_moves`).
     pub waiter_moves: AtomicU64,
+    /// What `helped_us` counts from.
     pub epoch: Instant,
     pub verdict: Arc<crate::guard::Verdict>,
 }
