@@ -599,7 +599,7 @@ if command -v mpicc >/dev/null; then
       sweep host-vs-mpi-pp-$r "$perf" -t pingpong --vendor host -b 8 -e 512K -f 4 -n 1000 -w 50
       sweep host-vs-mpi-pp-large-$r "$perf" -t pingpong --vendor host -b 2M -e 256M -f 4 -n 20 -w 3
       sweep mpi-pp-$r mpirun --allow-run-as-root --oversubscribe -n 2 "$logs/mpi-pingpong" 8 268435456
-      sweep host-vs-mpi-a2a-$r "$perf" -t alltoall -N 4 --vendor host -b 1M -e 256M -f 4 -n 10 -w 2 -c
+      sweep host-vs-mpi-a2a-$r "$perf" -t alltoall -N 4 --vendor host -b 1M -e 256M -f 4 -n 10 -w 2 -c --blocking
       sweep mpi-a2a-$r mpirun --allow-run-as-root --oversubscribe -n 4 "$logs/mpi-alltoall" 1048576 268435456
     done
   fi

@@ -418,9 +418,10 @@ fn fuzz(secs: u64) -> Result {
 /// `--vs-mpi`, our Open MPI programs on the same machine in the same run.
 ///
 /// The comparison alternates: three rounds of (ours, Open MPI's), each row the median of the
-/// three with their range. A small VM swings both sides by 2–3× between sittings (an 8 B Open
-/// MPI round trip took 0.20 µs in one and 0.70 µs a few minutes later on the 2-core machine), so
-/// only numbers taken side by side compare.
+/// three with their range, in Open MPI's traffic pattern (each all-to-all waited for before
+/// the next; ping-pongs wait per round trip anyway). A small VM swings both sides by 2–3×
+/// between sittings (an 8 B Open MPI round trip took 0.20 µs in one and 0.70 µs a few minutes
+/// later on the 2-core machine), so only numbers taken side by side compare.
 fn bench(vs_mpi: bool) -> Result {
     run(
         "criterion benches (benches/pieces.rs)",
@@ -438,8 +439,16 @@ fn bench(vs_mpi: bool) -> Result {
     let pingpong_small = [
         "-t", "pingpong", "-b", "8", "-e", "512K", "-f", "4", "-n", "1000", "-w", "50",
     ];
+    // Our all-to-alls are waited for one by one (`--blocking`), as `MPI_Alltoall` returns
+    // with the call done: the same traffic pattern. Enqueued back to back (nccl-tests'
+    // pattern) they overlap calls, which Open MPI's program cannot.
     let one_size = |test: &str, ranks: u32, bytes: u64, iters: u64| -> Vec<String> {
-        format!("-t {test} -N {ranks} -b {bytes} -e {bytes} -n {iters} -w 5")
+        let wait = if test == "alltoall" {
+            " --blocking"
+        } else {
+            ""
+        };
+        format!("-t {test} -N {ranks} -b {bytes} -e {bytes} -n {iters} -w 5{wait}")
             .split_whitespace()
             .map(String::from)
             .collect()
@@ -450,9 +459,9 @@ fn bench(vs_mpi: bool) -> Result {
         .collect();
     // All-to-all of 4 ranks (whole buffers, 4 blocks): 1 KiB .. 256 KiB, many calls (a
     // mixture-of-experts layer's token exchange is this small), then 1 MiB .. 256 MiB.
-    let alltoall_small = [
-        "-t", "alltoall", "-N", "4", "-b", "1K", "-e", "256K", "-f", "4", "-n", "1000", "-w", "50",
-    ];
+    let alltoall_small: Vec<&str> = "-t alltoall -N 4 -b 1K -e 256K -f 4 -n 1000 -w 50 --blocking"
+        .split_whitespace()
+        .collect();
     let alltoall_large: Vec<Vec<String>> = (0..5)
         .map(|i| 1u64 << 20 << (2 * i))
         .map(|b| {
