@@ -70,11 +70,11 @@ enum Task {
     },
     /// cargo-deny: bans, licenses, sources (deny.toml), then advisories.
     Audit,
-    /// Build libflagcx (the FlagCX-compatible C ABI) and install it with flagcx.h and a
-    /// pkg-config file under target/flagcx.
     /// Shell completion scripts for flagcx-perf, flagcx-run and cargo xtask under
     /// target/completions/{bash,zsh,fish}.
     Completions,
+    /// Build libflagcx (the FlagCX-compatible C ABI) and install it with flagcx.h and a
+    /// pkg-config file under target/flagcx.
     Capi {
         /// Vendors compiled in besides host (cuda, hip, opencl); a list with commas.
         #[arg(long, visible_alias = "vendors", value_delimiter = ',',
