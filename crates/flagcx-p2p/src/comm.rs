@@ -1,30 +1,27 @@
 //! The communicator: point-to-point operations between the ranks of a job.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use flagcx_adaptor::quiet::QuietCondvar;
 use flagcx_adaptor::tracking::HandleMap;
 use flagcx_adaptor::{DeviceAdaptor, DeviceBuffer, DevicePtr, EventHandle, Stream, StreamHandle};
 
-use crate::bootstrap::{Bootstrap, UniqueId};
-use crate::config::{Config, RankEnv, StreamJoin};
-use crate::engine::{lock, Dir, Engine, Inbox, Op, Shared, Slot, WatermarkWord};
+use crate::bootstrap::Bootstrap;
+use crate::config::{Config, RankEnv};
+use crate::engine::{lock, Dir, Inbox, Op, Shared, Slot};
 use crate::error::{CommError, Result};
 use crate::guard::Guard;
 use crate::join::WatermarkPage;
 use crate::peer::{PeerInfo, TransportKind};
 pub use crate::request::Request;
 pub(crate) use crate::request::State;
-use crate::setup::{connect_channels, Pairing};
-use crate::transport::eager::{EagerLink, STAGED_EAGER_MAX};
-use crate::transport::ipc::{CallerLink, IpcCache, Msg};
-use crate::transport::net::{NetState, SharedNet};
-use crate::transport::streamed::{self, StreamLink};
+use crate::transport::eager::EagerLink;
+use crate::transport::ipc::{CallerLink, Msg};
+use crate::transport::net::SharedNet;
+use crate::transport::streamed::StreamLink;
 use crate::transport::Path;
-use crate::wire::Tag;
 use crate::PathStats;
 
 /// Point-to-point communication among the ranks of one job, on one device.
@@ -111,235 +108,6 @@ impl<A: DeviceAdaptor> Comm<A> {
         let env = RankEnv::from_env()?;
         let config = Config::from_env()?;
         Self::init(adaptor, env.rank, env.nranks, &env.id, config)
-    }
-
-    /// Joins job `id` as `rank` of `nranks`.
-    pub fn init(
-        adaptor: A,
-        rank: usize,
-        nranks: usize,
-        id: &UniqueId,
-        config: Config,
-    ) -> Result<Self> {
-        config.validate()?;
-        let mut config = config;
-        config
-            .spin
-            .get_or_insert_with(|| flagcx_adaptor::spin::default_spin(nranks));
-        let caps = adaptor.capabilities();
-        if config.join == StreamJoin::MemOp && !(caps.stream_mem_ops && caps.host_register) {
-            return Err(CommError::config(
-                "FLAGCX_STREAM_JOIN",
-                "memop",
-                format!(
-                    "{} has no stream memory operations on registered memory",
-                    adaptor.vendor()
-                ),
-            ));
-        }
-        if config.join == StreamJoin::Gate && !caps.host_gates {
-            return Err(CommError::config(
-                "FLAGCX_STREAM_JOIN",
-                "gate",
-                format!("{} has no stream gates", adaptor.vendor()),
-            ));
-        }
-        let boot = Arc::new(Bootstrap::connect(
-            rank,
-            nranks,
-            id,
-            config.bootstrap_timeout,
-        )?);
-        let me = PeerInfo::local(rank, &adaptor, &config)?;
-        let infos = boot
-            .all_gather(Tag::PeerInfo, &me.encode())?
-            .iter()
-            .map(|b| PeerInfo::decode(b))
-            .collect::<Result<Vec<_>>>()?;
-        for (q, info) in infos.iter().enumerate() {
-            if info.rank != q {
-                return Err(CommError::Protocol(format!(
-                    "rank {q} claims to be rank {}",
-                    info.rank
-                )));
-            }
-        }
-        let Pairing {
-            transports,
-            direct,
-            roles,
-            copiers,
-        } = Pairing::choose(rank, &infos);
-        let page = WatermarkPage::new(&adaptor)?;
-        let shared = Arc::new(Shared {
-            inbox: Mutex::new(Inbox {
-                ops: Vec::new(),
-                next: vec![[0; 2]; nranks],
-            }),
-            pending: (0..nranks).map(|_| Default::default()).collect(),
-            lost: (0..nranks).map(|_| AtomicBool::new(false)).collect(),
-            reserved: (0..nranks).map(|_| Default::default()).collect(),
-            ipc: Mutex::new(IpcCache::default()),
-            trimming: AtomicBool::new(false),
-            posted: AtomicU64::new(0),
-            spare_events: Mutex::new(Vec::new()),
-            shutdown: AtomicBool::new(false),
-            aborted: AtomicBool::new(false),
-            released: AtomicU64::new(0),
-            watermark: Mutex::new(0),
-            watermark_cv: QuietCondvar::new(),
-            gates: Mutex::default(),
-            joins_held: AtomicU64::new(0),
-            watermark_word: WatermarkWord::new(page.host),
-            thread: Mutex::new(None),
-            first_error: Mutex::new(None),
-            busy_polls: AtomicU64::new(0),
-            path_bytes: Default::default(),
-            caller_ops: AtomicU64::new(0),
-            caller_handoffs: Default::default(),
-            eager_declined: Default::default(),
-            beats: AtomicU64::new(0),
-            helped_us: Default::default(),
-            waiter_moves: Default::default(),
-            epoch: std::time::Instant::now(),
-            verdict: Default::default(),
-        });
-        // Eager slots: small messages through shared host memory, copied by the CPU where a
-        // rank's device memory is host addressable and by its runtime (a blocking copy on the
-        // caller's idle stream) where not. Every staged pair has them; IPC pairs only between
-        // host-addressable ranks (others do better with one device copy).
-        // Stream-ordered pairs carry their small messages in the eager slots too.
-        let ordered: Vec<bool> = (0..nranks)
-            .map(|q| {
-                q != rank && streamed::allowed(&infos[rank], &infos[q], transports[q], &roles[q])
-            })
-            .collect();
-        let lanes: Vec<bool> = (0..nranks)
-            .map(|q| {
-                q != rank && (ordered[q] || eager_lane(&infos[rank], &infos[q], transports[q]))
-            })
-            .collect();
-        let mut peers = connect_channels(&adaptor, &boot, &transports, &roles, &lanes, &config)?;
-        for c in peers.iter_mut().flatten() {
-            c.shares_device = infos[rank].shares_device(&infos[c.peer]);
-        }
-        let mut streamed: Vec<Option<StreamLink>> = Vec::with_capacity(nranks);
-        for (q, c) in peers.iter().enumerate() {
-            streamed.push(match (c, ordered[q]) {
-                (Some(c), true) => match StreamLink::register(&adaptor, &c.out, &c.inc) {
-                    Ok(l) => Some(l),
-                    Err(e) => {
-                        // Undo what setup registered before the channels go.
-                        streamed.iter().flatten().for_each(|l| l.release(&adaptor));
-                        for conn in peers.iter().flatten().filter(|c| c.registered) {
-                            for ch in [&conn.out, &conn.inc] {
-                                // SAFETY: no copy was ever issued on these rings.
-                                let _ = unsafe { adaptor.host_unpin(ch.ring().0) };
-                            }
-                        }
-                        return Err(e);
-                    }
-                },
-                _ => None,
-            });
-        }
-        let eager = peers
-            .iter()
-            .map(|c| {
-                let c = c.as_ref().filter(|c| !ordered[c.peer])?;
-                // Where both sides copy with their runtimes, two blocking copies lose to the
-                // ring's pipeline above a few KiB (both ranks derive the same cap).
-                let cap = match caps.host_addressable || infos[c.peer].caps.host_addressable {
-                    true => usize::MAX,
-                    false => STAGED_EAGER_MAX,
-                };
-                let (send_max, recv_max) = (
-                    c.out.geometry().eager.min(config.eager_max).min(cap),
-                    c.inc.geometry().eager.min(cap),
-                );
-                (send_max > 0 || recv_max > 0).then(|| EagerLink {
-                    out: c.out.clone(),
-                    inc: c.inc.clone(),
-                    send_max,
-                    recv_max,
-                    freed: AtomicU64::new(0),
-                    addressable: caps.host_addressable,
-                    shares_device: c.shares_device,
-                    waited_ns: AtomicU64::new(0),
-                })
-            })
-            .collect();
-        let caller = peers
-            .iter()
-            .map(|c| {
-                let c = c.as_ref()?;
-                let ipc = c.transport == TransportKind::Ipc && !ordered[c.peer];
-                (config.ipc_caller && ipc).then(|| CallerLink {
-                    out: c.out.clone(),
-                    inc: c.inc.clone(),
-                    push: !c.roles.peer_pulls,
-                    pull: c.roles.we_pull,
-                })
-            })
-            .collect();
-        let net = NetState::connect(&adaptor, &boot, &transports, config.net_staging)?;
-        let proxy = Engine::new(
-            adaptor.clone(),
-            shared.clone(),
-            boot.clone(),
-            peers,
-            net.clone(),
-            &config,
-        )?;
-        let here = transports
-            .iter()
-            .filter(|t| **t != Some(TransportKind::Net))
-            .count();
-        let helps = caps.host_addressable
-            && config
-                .waiter_progress
-                .unwrap_or(here <= flagcx_adaptor::spin::cores_from_env());
-        let (handle, help) = crate::drive::start(proxy, &adaptor, rank, helps)?;
-        let next_seq = Arc::new(AtomicU64::new(1));
-        let guard = match config.timeout {
-            Some(t) => {
-                match Guard::start(adaptor.clone(), shared.clone(), next_seq.clone(), t, rank) {
-                    Ok(g) => Some(g),
-                    Err(e) => {
-                        shared.shutdown.store(true, Ordering::Release);
-                        shared.wake();
-                        let _ = handle.join();
-                        return Err(e);
-                    }
-                }
-            }
-            None => None,
-        };
-        Ok(Comm {
-            adaptor,
-            rank,
-            nranks,
-            infos,
-            transports,
-            copiers,
-            direct,
-            eager,
-            caller,
-            streamed,
-            shared,
-            proxy: Some(handle),
-            help,
-            next_seq,
-            guard,
-            group: Mutex::new(None),
-            joined: Mutex::new(HandleMap::default()),
-            page,
-            config,
-            _boot: boot,
-            net,
-            ports: Default::default(),
-            bounce: Default::default(),
-        })
     }
 
     /// This rank.
@@ -787,14 +555,5 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
         for l in self.streamed.iter().flatten() {
             l.release(&self.adaptor);
         }
-    }
-}
-
-/// Whether the pair of `me` and `peer` (joined by `transport`) gets eager slots.
-fn eager_lane(me: &PeerInfo, peer: &PeerInfo, transport: Option<TransportKind>) -> bool {
-    match transport {
-        Some(TransportKind::Staged) => true,
-        Some(TransportKind::Ipc) => me.caps.host_addressable && peer.caps.host_addressable,
-        _ => false,
     }
 }
