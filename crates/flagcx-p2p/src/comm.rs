@@ -74,6 +74,8 @@ pub struct Comm<A: DeviceAdaptor> {
     /// The stall guard, where `FLAGCX_TIMEOUT_MS` is set (`crate::guard`).
     pub(crate) guard: Option<Guard>,
     pub(crate) group: Mutex<Option<Vec<(Op, StreamHandle)>>>,
+    /// `group_eager`'s bookkeeping, kept between groups.
+    pub(crate) group_scratch: Mutex<crate::transport::eager::GroupScratch>,
     /// Streams this communicator made wait on its watermark (synchronized before teardown).
     /// Per joined stream, an event of ours recorded right after its last join: teardown waits
     /// on it, so the watermark page outlives every wait on it even if the caller already

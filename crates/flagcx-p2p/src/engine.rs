@@ -362,7 +362,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                 unreachable!("matched above")
             };
             fail_locally(conn, &self.shared, op.dir, op.index, &e);
-            return self.finish(op, Err(e));
+            return self.finish(op, Err(*e));
         }
         let index = op.index;
         let phase = if conn.transport == TransportKind::Net {

@@ -30,7 +30,8 @@ impl<A: DeviceAdaptor> Comm<A> {
         if g.is_some() {
             return Err(CommError::InvalidArgument("groups do not nest".into()));
         }
-        *g = Some(Vec::new());
+        // Room for a send and a receive to every peer: one allocation for a collective's group.
+        *g = Some(Vec::with_capacity(2 * self.nranks()));
         Ok(())
     }
 
@@ -104,7 +105,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                     };
                     op.resume = Some(match r {
                         Ok(ev) => crate::op::Resume::Streamed(ev),
-                        Err(e) => crate::op::Resume::Failed(e),
+                        Err(e) => crate::op::Resume::Failed(Box::new(e)),
                     });
                 }
                 self.shared.pending[op.peer][d].fetch_add(1, Ordering::AcqRel);

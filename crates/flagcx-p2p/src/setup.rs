@@ -496,6 +496,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             next_seq,
             guard,
             group: Mutex::new(None),
+            group_scratch: Mutex::default(),
             joined: Mutex::new(HandleMap::default()),
             page,
             config,

@@ -587,10 +587,22 @@ impl<A: DeviceAdaptor> Comm<A> {
         if !ops.iter().any(|(op, _)| eligible(op).is_some()) {
             return ops;
         }
+        // The bookkeeping's vectors are the communicator's, kept between groups (allocating
+        // them per call showed in small collectives' profiles); a group ending on another
+        // thread meanwhile gets its own.
+        let mut kept = self.group_scratch.try_lock().ok();
+        let mut own = GroupScratch::default();
+        let scratch = kept.as_deref_mut().unwrap_or(&mut own);
+        scratch.reset(self.nranks());
+        let GroupScratch {
+            idle,
+            handed,
+            busy,
+            receives,
+        } = scratch;
         // Streams idle now: work enqueued on one since the posts comes first.
         // (A group has a stream or two: a list beats a hash map, whose hashing showed in the
         // profile of small all-to-alls.)
-        let mut idle: Vec<(u64, bool)> = Vec::new();
         let mut is_idle = |s: StreamHandle| match idle.iter().find(|(h, _)| *h == s.0) {
             Some(&(_, i)) => i,
             None => {
@@ -600,9 +612,8 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
         };
         let mut ops: Vec<Option<(Op, StreamHandle)>> = ops.into_iter().map(Some).collect();
-        // Pairs and directions with an operation handed over: the rest of theirs follow it.
-        let mut handed = PeerDirs::new(self.nranks());
-        let mut receives = Vec::new();
+        // Pairs and directions with an operation handed over (`handed`): the rest of theirs
+        // follow it.
         for (i, entry) in ops.iter_mut().enumerate() {
             let Some((op, s)) = entry.as_ref() else {
                 continue;
@@ -616,7 +627,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                 }
             };
             if op.dir == Dir::Recv {
-                receives.push((i, link));
+                receives.push(i);
                 continue;
             }
             match self.eager_send(link, op.ptr, op.bytes, op.peer, *s) {
@@ -638,13 +649,12 @@ impl<A: DeviceAdaptor> Comm<A> {
         let mut t0: Option<std::time::Instant> = None;
         let waited = |t0: Option<std::time::Instant>| t0.map_or(Duration::ZERO, |t| t.elapsed());
         let (mut polls, mut sweeps) = (0u32, 0u32);
-        let mut busy = vec![false; self.nranks()];
         // The longest any receive still waiting may wait (`EagerLink::recv_budget`).
         let mut limit = spin;
         loop {
             busy.fill(false);
             let mut left = false;
-            for &(i, link) in &receives {
+            for &i in receives.iter() {
                 let Some((op, s)) = ops[i].as_ref() else {
                     continue;
                 };
@@ -656,6 +666,9 @@ impl<A: DeviceAdaptor> Comm<A> {
                     left = true;
                     continue;
                 }
+                let Some(link) = eligible(op) else {
+                    continue; // it was eligible above, and nothing it depends on changed
+                };
                 let k = lock(&self.shared.inbox).next[peer][Dir::Recv as usize];
                 let taken = match link.probe(k, &mut polls) {
                     Arrival::Eager(sd) => {
@@ -695,7 +708,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             flagcx_adaptor::spin::relax_on_peer(polls);
         }
         // Each peer's first receive still waiting waited out its budget.
-        for &(i, _) in &receives {
+        for &i in receives.iter() {
             let waiting = ops[i].as_ref().map(|(op, _)| op.peer);
             if waiting.is_some_and(|p| handed.insert((p, Dir::Recv as usize))) {
                 self.shared.declined(Declined::WaitedOut);
@@ -715,14 +728,36 @@ impl<A: DeviceAdaptor> Comm<A> {
 #[cfg(test)]
 mod tests;
 
+/// What [`Comm::group_eager`] keeps track of during one group, reused between groups.
+#[derive(Default)]
+pub(crate) struct GroupScratch {
+    /// Streams seen, and whether each was idle.
+    idle: Vec<(u64, bool)>,
+    /// Pairs and directions with an operation handed to the proxy.
+    handed: PeerDirs,
+    /// Per peer, whether this sweep already looked at its next receive.
+    busy: Vec<bool>,
+    /// Indices of the group's receives that may come eagerly.
+    receives: Vec<usize>,
+}
+
+impl GroupScratch {
+    /// Empty, sized for `nranks`.
+    fn reset(&mut self, nranks: usize) {
+        self.idle.clear();
+        self.receives.clear();
+        self.handed.0.clear();
+        self.handed.0.resize(2 * nranks, false);
+        self.busy.clear();
+        self.busy.resize(nranks, false);
+    }
+}
+
 /// A set of (peer, direction) pairs of one group (`group_eager`): a flag per pair.
+#[derive(Default)]
 struct PeerDirs(Vec<bool>);
 
 impl PeerDirs {
-    fn new(nranks: usize) -> Self {
-        PeerDirs(vec![false; 2 * nranks])
-    }
-
     /// Adds `(peer, dir)`; whether it was new.
     fn insert(&mut self, (peer, dir): (usize, usize)) -> bool {
         !std::mem::replace(&mut self.0[2 * peer + dir], true)

@@ -315,7 +315,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             true => self.caller_copies(link, m, stream, idle, spin),
             false => self.caller_publish(link, m, spin),
         }
-        .unwrap_or_else(|e| Caller::HandOff(Some(Resume::Failed(e))));
+        .unwrap_or_else(|e| Caller::HandOff(Some(Resume::Failed(Box::new(e)))));
         let (resume, start) = match outcome {
             Caller::Done(r) => {
                 if let Some(start) = start {

@@ -594,7 +594,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         };
         let outcome = self
             .caller_net(shared, &m, spin)
-            .unwrap_or_else(|e| Caller::HandOff(Some(Resume::Failed(e))));
+            .unwrap_or_else(|e| Caller::HandOff(Some(Resume::Failed(Box::new(e)))));
         let resume = match outcome {
             Caller::Done(r) => return Ok(Some(self.caller_finished(&m, Path::Net, r, keep))),
             Caller::HandOff(r) => r,
