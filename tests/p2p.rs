@@ -1459,6 +1459,16 @@ fn collectives(r: &Rank, big: usize) {
             r.comm.all_to_allv_raw(b.ptr(), &[8], &[0], b.ptr(), &[8], &[0], h),
             Err(CommError::InvalidArgument(_)) if n != 1
         ));
+        // Blocks whose displacements overflow (from the third rank on): refused with an
+        // error, where the multiplication used to panic in debug builds.
+        let other = r.buffer(n * 8);
+        if n > 1 {
+            assert!(matches!(
+                r.comm
+                    .all_to_all_raw(b.ptr(), other.ptr(), usize::MAX / 2 + 1, h),
+                Err(CommError::InvalidArgument(_))
+            ));
+        }
     }
     r.comm.barrier(h).expect("barrier");
 }

@@ -367,11 +367,14 @@ impl<A: DeviceAdaptor> Comm<A> {
         bytes: usize,
         stream: StreamHandle,
     ) -> Result<Collective> {
-        let n = self.nranks();
-        let counts = vec![bytes; n];
-        let displs: Vec<usize> = (0..n).map(|q| q * bytes).collect();
+        // Every block of `bytes` at `q * bytes`, on both sides.
+        let at = |q: usize| {
+            q.checked_mul(bytes)
+                .map(|d| (d, bytes))
+                .ok_or_else(|| CommError::InvalidArgument("displacement overflows".into()))
+        };
         // SAFETY: the caller's contract.
-        unsafe { self.all_to_allv_raw(send, &counts, &displs, recv, &counts, &displs, stream) }
+        unsafe { self.exchange_blocks(send, recv, stream, at, at) }
     }
 
     /// All-to-all with per-peer sizes: `send_bytes[q]` at `send + send_displs[q]` go to rank
@@ -392,7 +395,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         recv_displs: &[usize],
         stream: StreamHandle,
     ) -> Result<Collective> {
-        let (me, n) = (self.rank(), self.nranks());
+        let n = self.nranks();
         for (name, v) in [
             ("send counts", send_bytes),
             ("send displacements", send_displs),
@@ -406,33 +409,62 @@ impl<A: DeviceAdaptor> Comm<A> {
                 )));
             }
         }
-        if send == recv && send_bytes.iter().any(|&b| b > 0) {
-            return Err(CommError::InvalidArgument(
-                "in-place all-to-all is not supported: use distinct send and receive buffers"
-                    .into(),
-            ));
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.exchange_blocks(
+                send,
+                recv,
+                stream,
+                |q| Ok((send_displs[q], send_bytes[q])),
+                |q| Ok((recv_displs[q], recv_bytes[q])),
+            )
         }
+    }
+
+    /// All-to-all of the blocks `sent(q)` and `received(q)` give (displacement, bytes) for each
+    /// rank `q`: [`Comm::all_to_allv_raw`] once its arguments are checked, and
+    /// [`Comm::all_to_all_raw`] without building per-rank lists per call.
+    ///
+    /// # Safety
+    /// As [`Comm::all_to_allv_raw`].
+    unsafe fn exchange_blocks(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        stream: StreamHandle,
+        sent: impl Fn(usize) -> Result<(usize, usize)>,
+        received: impl Fn(usize) -> Result<(usize, usize)>,
+    ) -> Result<Collective> {
+        let (me, n) = (self.rank(), self.nranks());
         let off = |base: DevicePtr, d: usize| {
             base.0
                 .checked_add(d as u64)
                 .map(DevicePtr)
                 .ok_or_else(|| CommError::InvalidArgument("displacement overflows".into()))
         };
-        let mut ops = Vec::new();
-        for q in (0..n).filter(|&q| q != me) {
-            ops.push((q, true, off(send, send_displs[q])?, send_bytes[q]));
-            ops.push((q, false, off(recv, recv_displs[q])?, recv_bytes[q]));
+        if send == recv && (0..n).any(|q| sent(q).is_ok_and(|(_, b)| b > 0)) {
+            return Err(CommError::InvalidArgument(
+                "in-place all-to-all is not supported: use distinct send and receive buffers"
+                    .into(),
+            ));
         }
-        if send_bytes[me] > recv_bytes[me] {
+        let mut ops = Vec::with_capacity(2 * n);
+        for q in (0..n).filter(|&q| q != me) {
+            let ((sd, sb), (rd, rb)) = (sent(q)?, received(q)?);
+            ops.push((q, true, off(send, sd)?, sb));
+            ops.push((q, false, off(recv, rd)?, rb));
+        }
+        let ((sd, sb), (rd, rb)) = (sent(me)?, received(me)?);
+        if sb > rb {
             return Err(CommError::SizeMismatch {
                 peer: me,
-                send_bytes: send_bytes[me],
-                recv_bytes: recv_bytes[me],
+                send_bytes: sb,
+                recv_bytes: rb,
             });
         }
-        let (dst, src) = (off(recv, recv_displs[me])?, off(send, send_displs[me])?);
+        let (dst, src) = (off(recv, rd)?, off(send, sd)?);
         // SAFETY: the caller's contract.
-        unsafe { self.post_group(&ops, stream, Some((dst, src, send_bytes[me]))) }
+        unsafe { self.post_group(&ops, stream, Some((dst, src, sb))) }
     }
 
     /// Returns once every rank reached it (a zero-byte exchange with every other rank); the
