@@ -189,7 +189,7 @@ pub(crate) enum Resume {
     Published,
     /// Its side failed (a vendor error): the proxy tells the peer and retires the pair, as
     /// for a failure of its own. Boxed: every operation carries a `Resume`, and an error
-    /// inline made each one 40 bytes larger to move around.
+    /// inline made each one 48 bytes larger to move around.
     Failed(Box<CommError>),
     /// A pair on two hosts: its UCX request (a send, or a probed receive) is under way.
     Net(crate::ucx::NetReq),
