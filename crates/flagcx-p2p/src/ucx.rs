@@ -41,6 +41,20 @@ const ERR_HANDLING_MODE_PEER: c_int = 1;
 const OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 const OP_ATTR_FLAG_NO_IMM_CMPL: u32 = 1 << 16;
 const OP_ATTR_FIELD_MEMORY_TYPE: u32 = 1 << 6;
+/// Bits of a tag that number messages; the sender's rank sits above them.
+const INDEX_BITS: u32 = 44;
+
+/// The message number of a rank's goodbye at teardown ([`Worker::goodbye`]): no message gets it.
+const GOODBYE: u64 = (1 << INDEX_BITS) - 1;
+
+/// What a goodbye points UCX at: it has zero bytes.
+static GOODBYE_BYTE: u8 = 0;
+
+/// The UCX tag of message `index` from rank `sender`.
+pub(crate) fn tag(sender: usize, index: u64) -> u64 {
+    ((sender as u64) << INDEX_BITS) | (index & ((1 << INDEX_BITS) - 1))
+}
+
 /// `UCS_MEMORY_TYPE_HOST`.
 pub(crate) const MEMORY_TYPE_HOST: u64 = 0;
 /// `UCS_MEMORY_TYPE_CUDA`.
@@ -146,6 +160,13 @@ struct Fns {
         u64,
         *const RequestParam,
     ) -> *mut c_void,
+    tag_send_sync_nbx: unsafe extern "C" fn(
+        *mut c_void,
+        *const c_void,
+        usize,
+        u64,
+        *const RequestParam,
+    ) -> *mut c_void,
     tag_recv_nbx: unsafe extern "C" fn(
         *mut c_void,
         *mut c_void,
@@ -219,6 +240,7 @@ impl Ucx {
             ep_create: sym!(ucp, "ucp_ep_create"),
             ep_close_nbx: sym!(ucp, "ucp_ep_close_nbx"),
             tag_send_nbx: sym!(ucp, "ucp_tag_send_nbx"),
+            tag_send_sync_nbx: sym!(ucp, "ucp_tag_send_sync_nbx"),
             tag_recv_nbx: sym!(ucp, "ucp_tag_recv_nbx"),
             tag_probe_nb: sym!(ucp, "ucp_tag_probe_nb"),
             tag_msg_recv_nbx: sym!(ucp, "ucp_tag_msg_recv_nbx"),
@@ -409,6 +431,70 @@ impl Worker {
         // SAFETY: by the caller's contract; `ep` belongs to this worker.
         let r = unsafe { (self.ucx.f.tag_send_nbx)(ep.ep, buf as *const c_void, len, tag, &p) };
         self.request("ucp_tag_send_nbx", r, len, false)
+    }
+
+    /// Posts a receive for each of `peers`' goodbyes at their teardown ([`Worker::goodbye`]):
+    /// kept posted, so UCX takes a goodbye in any progress call, whatever this rank is doing.
+    pub(crate) fn await_goodbyes(&self, peers: &[usize]) -> Vec<NetReq> {
+        let at = &GOODBYE_BYTE as *const u8 as *mut u8;
+        (peers.iter())
+            .filter_map(|&q| {
+                // SAFETY: zero bytes: UCX writes nothing at `at`.
+                unsafe { self.recv_tag(at, 0, tag(q, GOODBYE), MEMORY_TYPE_HOST) }.ok()
+            })
+            .collect()
+    }
+
+    /// Says goodbye to every endpoint of `to`, as `rank`, then cancels `farewells` (the
+    /// receives [`Worker::await_goodbyes`] posted). A goodbye is a zero-byte synchronous send:
+    /// it completes once the peer's UCX took it, and one connection delivers in order, so
+    /// everything this rank sent before is out of this host — where closing the connection can
+    /// no longer discard it, as it could a small message whose plain send had completed while
+    /// it still sat in this host's socket. All go at once; waits up to 2 s for them.
+    pub(crate) fn goodbye(&self, to: &[&Endpoint], rank: usize, farewells: &mut Vec<NetReq>) {
+        let p = no_imm_param(MEMORY_TYPE_HOST);
+        let at = (&GOODBYE_BYTE as *const u8).cast();
+        let mut reqs: Vec<NetReq> = (to.iter())
+            .filter_map(|ep| {
+                // SAFETY: zero bytes at a static byte; every endpoint belongs to this worker.
+                let r =
+                    unsafe { (self.ucx.f.tag_send_sync_nbx)(ep.ep, at, 0, tag(rank, GOODBYE), &p) };
+                self.request("ucp_tag_send_sync_nbx", r, 0, false).ok()
+            })
+            .collect();
+        let t0 = std::time::Instant::now();
+        while !reqs.is_empty() && t0.elapsed() < std::time::Duration::from_secs(2) {
+            self.progress();
+            reqs.retain_mut(|r| self.test(r).is_none());
+        }
+        if !reqs.is_empty() {
+            tracing::warn!(
+                "{} network peers did not take this rank's goodbye within 2 s",
+                reqs.len()
+            );
+        }
+        for r in reqs.iter_mut().chain(farewells.iter_mut()) {
+            self.cancel(r);
+        }
+        farewells.clear();
+    }
+
+    /// The message with `tag` from a peer that is gone: it may have sent it just before (its
+    /// bytes then sit in this host's sockets or in UCX), so the worker gets up to `within` to
+    /// bring it in.
+    pub(crate) fn probe_within(
+        &self,
+        tag: u64,
+        within: std::time::Duration,
+    ) -> Option<(Message, usize)> {
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < within {
+            self.progress();
+            if let Some(m) = self.probe(tag) {
+                return Some(m);
+            }
+        }
+        None
     }
 
     /// The message with exactly `tag`, if it arrived (all of it, or for a large one its

@@ -40,18 +40,10 @@ use crate::peer::TransportKind;
 use crate::transport::ipc::Msg;
 use crate::transport::Path;
 use crate::ucx::{
-    Endpoint, NetReq, Status, Ucx, Worker, ERR_TRUNCATED, MEMORY_TYPE_CUDA, MEMORY_TYPE_HOST,
+    tag, Endpoint, NetReq, Status, Ucx, Worker, ERR_TRUNCATED, MEMORY_TYPE_CUDA, MEMORY_TYPE_HOST,
     MEMORY_TYPE_ROCM,
 };
 use crate::wire::Tag;
-
-/// Bits of a tag that number messages; the sender's rank sits above them.
-const INDEX_BITS: u32 = 44;
-
-/// The UCX tag of message `index` from rank `sender`.
-pub(crate) fn tag(sender: usize, index: u64) -> u64 {
-    ((sender as u64) << INDEX_BITS) | (index & ((1 << INDEX_BITS) - 1))
-}
 
 /// Where a net step stands.
 pub(crate) enum NetPhase {
@@ -117,6 +109,9 @@ pub(crate) struct NetState {
     direct: Option<u64>,
     /// Staging buffers not in use.
     pool: Vec<Bounce>,
+    /// This rank, and the receives it keeps posted for its peers' goodbyes ([`Worker::goodbye`]).
+    rank: usize,
+    farewells: Vec<NetReq>,
 }
 
 impl NetState {
@@ -167,12 +162,15 @@ impl NetState {
             staged = direct.is_none(),
             "network transport (UCX) to ranks {peers:?}"
         );
+        let (rank, pool, farewells) = (boot.rank(), Vec::new(), worker.await_goodbyes(&peers));
         Ok(Some(Arc::new(Mutex::new(NetState {
             worker,
             eps,
             failed,
             direct,
-            pool: Vec::new(),
+            pool,
+            rank,
+            farewells,
         }))))
     }
 
@@ -196,20 +194,6 @@ impl NetState {
     /// Cancels a request a posting thread handed over, which will not run.
     pub(crate) fn cancel(&mut self, req: &mut NetReq) {
         self.worker.cancel(req);
-    }
-
-    /// The message with `tag` from a peer that is gone: it may have sent it just before (its
-    /// bytes then sit in this host's sockets or in UCX), so the worker gets up to 200 ms to
-    /// bring it in.
-    fn probe_after_loss(&self, tag: u64) -> Option<(crate::ucx::Message, usize)> {
-        let t0 = std::time::Instant::now();
-        while t0.elapsed() < std::time::Duration::from_millis(200) {
-            self.worker.progress();
-            if let Some(m) = self.worker.probe(tag) {
-                return Some(m);
-            }
-        }
-        None
     }
 
     fn bounce<A: DeviceAdaptor>(&mut self, adaptor: &A, n: usize) -> Result<Bounce> {
@@ -286,11 +270,15 @@ impl NetState {
     /// frees the staging buffers; the worker goes with `self`.
     /// `lost`: the pairs retired (peer gone, or an operation timed out): not flushed.
     pub(crate) fn close<A: DeviceAdaptor>(&mut self, adaptor: &A, force: bool, lost: &[bool]) {
+        let failed = &self.failed;
+        let gone = |q: usize| failed[q].load(Ordering::Acquire) != 0 || lost.get(q) == Some(&true);
+        let to: Vec<_> = (self.eps.iter().enumerate())
+            .filter_map(|(q, ep)| ep.as_ref().filter(|_| !force && !gone(q)))
+            .collect();
+        self.worker.goodbye(&to, self.rank, &mut self.farewells);
         for (q, ep) in self.eps.iter_mut().enumerate() {
             if let Some(ep) = ep.take() {
-                let gone = self.failed[q].load(Ordering::Acquire) != 0
-                    || lost.get(q).copied().unwrap_or(false);
-                self.worker.close(ep, force || gone);
+                self.worker.close(ep, force || gone(q));
             }
         }
         for b in self.pool.drain(..) {
@@ -375,7 +363,9 @@ impl<A: DeviceAdaptor> Engine<A> {
             NetPhase::Probe => {
                 let lost = self.peers[p].as_ref().is_some_and(|c| c.lost.is_some());
                 let found = match net.worker.probe(tag) {
-                    None if lost => net.probe_after_loss(tag),
+                    None if lost => net
+                        .worker
+                        .probe_within(tag, std::time::Duration::from_millis(200)),
                     m => m,
                 };
                 let Some((msg, len)) = found else {
