@@ -187,6 +187,9 @@ impl<A: DeviceAdaptor> Engine<A> {
             moved |= self.progress_peer(p);
         }
         let busy = self.peers.iter().flatten().any(|c| !c.idle());
+        if let (false, Some(Ok(net))) = (busy, self.net.as_ref().map(|n| n.try_lock())) {
+            net.idle_progress();
+        }
         if busy && self.last_health.elapsed() >= self.health_interval {
             self.check_peers();
             self.last_health = Instant::now();
