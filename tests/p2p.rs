@@ -530,8 +530,19 @@ fn rejoin(r: &Rank) {
         let a = r.filled(1, 0, LEN);
         let b = r.filled(1, 1, LEN);
         r.stream.synchronize().expect("sync");
-        // Well past the receiver's eager wait (the spin time: no pair history yet).
-        std::thread::sleep(std::time::Duration::from_millis(300));
+        // Only once the receiver's first post returned (past its eager wait, whatever this
+        // machine's start-up costs: a fixed 300 ms sleep was not enough on a GPU host's first
+        // CUDA run, where the job took 12 s instead of 4).
+        let marker = std::env::var_os("FLAGCX_TEST_MARKER").expect("job() sets a marker path");
+        let t0 = std::time::Instant::now();
+        while !std::path::Path::new(&marker).exists() {
+            assert!(
+                t0.elapsed().as_secs() < 120,
+                "rank 1 never posted its first receive"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let _ = std::fs::remove_file(&marker);
         // SAFETY: both buffers outlive the waits and the synchronize below.
         let q = unsafe {
             [
@@ -554,6 +565,8 @@ fn rejoin(r: &Rank) {
         !first.is_done(),
         "the first receive waits for a sender that sleeps: it went to the proxy"
     );
+    let marker = std::env::var_os("FLAGCX_TEST_MARKER").expect("job() sets a marker path");
+    std::fs::write(&marker, b"posted").expect("write the marker");
     // SAFETY: as above.
     let second = unsafe { r.comm.recv_raw(b.ptr(), LEN, 0, h) }.expect("post the second");
     assert!(
@@ -1474,6 +1487,14 @@ fn collectives(r: &Rank, big: usize) {
 }
 
 /// Runs a job unless one of its vendors has no device here, which is reported as a skip.
+/// A path of this machine no other job uses, for a scenario's ranks to tell each other a step
+/// is done (`FLAGCX_TEST_MARKER`): a file one rank writes and another waits for.
+fn marker_path() -> std::path::PathBuf {
+    static JOBS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    std::env::temp_dir().join(format!("flagcx-test-{}-{n}", std::process::id()))
+}
+
 fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) {
     for v in vendors.split(',') {
         let vendor: flagcx::Vendor = v.parse().expect("vendor name");
@@ -1506,6 +1527,7 @@ fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) {
         "--test-threads=1",
     ])
     .env("FLAGCX_TEST_SCENARIO", scenario)
+    .env("FLAGCX_TEST_MARKER", marker_path())
     .env_remove("FLAGCX_SKIP_LOG");
     for (k, v) in env {
         cmd.env(k, v);
