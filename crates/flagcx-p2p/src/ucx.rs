@@ -473,7 +473,14 @@ impl Worker {
                 reqs.len()
             );
         }
-        for r in reqs.iter_mut().chain(farewells.iter_mut()) {
+        // An unanswered goodbye is released, not cancelled: UCX may not cancel a send, and
+        // waiting for that per peer would add seconds to this teardown. Its byte is static.
+        for r in reqs.iter().filter(|r| !r.req.is_null()) {
+            // SAFETY: a live request of this worker, released once and not used again; UCX
+            // frees it when it completes (at the latest when its endpoint closes).
+            unsafe { (self.ucx.f.request_free)(r.req) };
+        }
+        for r in farewells.iter_mut() {
             self.cancel(r);
         }
         farewells.clear();
