@@ -368,13 +368,10 @@ impl<A: DeviceAdaptor> Comm<A> {
         stream: StreamHandle,
     ) -> Result<Collective> {
         // Every block of `bytes` at `q * bytes`, on both sides.
-        let at = |q: usize| {
-            q.checked_mul(bytes)
-                .map(|d| (d, bytes))
-                .ok_or_else(|| CommError::InvalidArgument("displacement overflows".into()))
-        };
+        let sent = |q| Ok((at(send, q, bytes)?, bytes));
+        let received = |q| Ok((at(recv, q, bytes)?, bytes));
         // SAFETY: the caller's contract.
-        unsafe { self.exchange_blocks(send, recv, stream, at, at) }
+        unsafe { self.exchange_blocks(send == recv && bytes > 0, stream, sent, received) }
     }
 
     /// All-to-all with per-peer sizes: `send_bytes[q]` at `send + send_displs[q]` go to rank
@@ -409,40 +406,39 @@ impl<A: DeviceAdaptor> Comm<A> {
                 )));
             }
         }
-        // SAFETY: the caller's contract.
-        unsafe {
-            self.exchange_blocks(
-                send,
-                recv,
-                stream,
-                |q| Ok((send_displs[q], send_bytes[q])),
-                |q| Ok((recv_displs[q], recv_bytes[q])),
-            )
-        }
-    }
-
-    /// All-to-all of the blocks `sent(q)` and `received(q)` give (displacement, bytes) for each
-    /// rank `q`: [`Comm::all_to_allv_raw`] once its arguments are checked, and
-    /// [`Comm::all_to_all_raw`] without building per-rank lists per call.
-    ///
-    /// # Safety
-    /// As [`Comm::all_to_allv_raw`].
-    unsafe fn exchange_blocks(
-        &self,
-        send: DevicePtr,
-        recv: DevicePtr,
-        stream: StreamHandle,
-        sent: impl Fn(usize) -> Result<(usize, usize)>,
-        received: impl Fn(usize) -> Result<(usize, usize)>,
-    ) -> Result<Collective> {
-        let (me, n) = (self.rank(), self.nranks());
         let off = |base: DevicePtr, d: usize| {
             base.0
                 .checked_add(d as u64)
                 .map(DevicePtr)
                 .ok_or_else(|| CommError::InvalidArgument("displacement overflows".into()))
         };
-        if send == recv && (0..n).any(|q| sent(q).is_ok_and(|(_, b)| b > 0)) {
+        let in_place = send == recv && send_bytes.iter().any(|&b| b > 0);
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.exchange_blocks(
+                in_place,
+                stream,
+                |q| Ok((off(send, send_displs[q])?, send_bytes[q])),
+                |q| Ok((off(recv, recv_displs[q])?, recv_bytes[q])),
+            )
+        }
+    }
+
+    /// All-to-all of the blocks `sent(q)` and `received(q)` give (address, bytes) for each rank
+    /// `q`, refused where the call is `in_place`: [`Comm::all_to_allv_raw`] once its arguments
+    /// are checked, and [`Comm::all_to_all_raw`] without building per-rank lists per call.
+    ///
+    /// # Safety
+    /// As [`Comm::all_to_allv_raw`].
+    unsafe fn exchange_blocks(
+        &self,
+        in_place: bool,
+        stream: StreamHandle,
+        sent: impl Fn(usize) -> Result<(DevicePtr, usize)>,
+        received: impl Fn(usize) -> Result<(DevicePtr, usize)>,
+    ) -> Result<Collective> {
+        let (me, n) = (self.rank(), self.nranks());
+        if in_place {
             return Err(CommError::InvalidArgument(
                 "in-place all-to-all is not supported: use distinct send and receive buffers"
                     .into(),
@@ -450,11 +446,11 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         let mut ops = Vec::with_capacity(2 * n);
         for q in (0..n).filter(|&q| q != me) {
-            let ((sd, sb), (rd, rb)) = (sent(q)?, received(q)?);
-            ops.push((q, true, off(send, sd)?, sb));
-            ops.push((q, false, off(recv, rd)?, rb));
+            let ((src, sb), (dst, rb)) = (sent(q)?, received(q)?);
+            ops.push((q, true, src, sb));
+            ops.push((q, false, dst, rb));
         }
-        let ((sd, sb), (rd, rb)) = (sent(me)?, received(me)?);
+        let ((src, sb), (dst, rb)) = (sent(me)?, received(me)?);
         if sb > rb {
             return Err(CommError::SizeMismatch {
                 peer: me,
@@ -462,7 +458,6 @@ impl<A: DeviceAdaptor> Comm<A> {
                 recv_bytes: rb,
             });
         }
-        let (dst, src) = (off(recv, rd)?, off(send, sd)?);
         // SAFETY: the caller's contract.
         unsafe { self.post_group(&ops, stream, Some((dst, src, sb))) }
     }

@@ -271,9 +271,10 @@ impl NetState {
         }
     }
 
-    /// Closes every endpoint (flushing what was sent unless `force`: a send completes once
-    /// its buffer may be reused, which for a small message is before it left this host) and
-    /// frees the staging buffers; the worker goes with `self`.
+    /// Says goodbye to every peer still there ([`Worker::goodbye`]: a send completes once its
+    /// buffer may be reused, which for a small message is before it left this host), closes
+    /// every endpoint (flushing what was sent) — neither where `force` — and frees the staging
+    /// buffers; the worker goes with `self`.
     /// `lost`: the pairs retired (peer gone, or an operation timed out): not flushed.
     pub(crate) fn close<A: DeviceAdaptor>(&mut self, adaptor: &A, force: bool, lost: &[bool]) {
         let failed = &self.failed;
