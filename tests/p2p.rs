@@ -546,6 +546,9 @@ fn rejoin(r: &Rank) {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
         let _ = std::fs::remove_file(&marker);
+        // And then late: the receiver's second post must be waiting for the first receive
+        // before the messages come (the marker alone let them overtake it on PoCL once).
+        std::thread::sleep(std::time::Duration::from_millis(300));
         // SAFETY: both buffers outlive the waits and the synchronize below.
         let q = unsafe {
             [
