@@ -1487,6 +1487,54 @@ fn collectives(r: &Rank, big: usize) {
                     .all_to_all_raw(b.ptr(), other.ptr(), usize::MAX / 2 + 1, h),
                 Err(CommError::InvalidArgument(_))
             ));
+            // Small blocks (the posting thread's own eager moves where the pairs have slots)
+            // at memory that is no device's: refused before anything moves.
+            assert!(matches!(
+                r.comm.all_to_all_raw(DevicePtr(64), DevicePtr(4096), 8, h),
+                Err(CommError::InvalidArgument(_))
+            ));
+        }
+    }
+    // Small calls with a late rank: the others' eager receives from it wait out their budget
+    // and go to the proxy, while the rest of the call already moved; the next calls still
+    // arrive whole and in order.
+    let s = 96;
+    for round in 0..4u64 {
+        if me == 0 && round % 2 == 0 {
+            std::thread::sleep(std::time::Duration::from_millis(30));
+        }
+        let tag = 9000 + 10 * round;
+        let send = r.buffer(n * s);
+        for q in 0..n {
+            send.write(q * s, &payload(me, q, tag, s), &r.stream)
+                .expect("fill");
+        }
+        let recv = r.buffer(n * s);
+        let all = r.buffer(n * s);
+        let mine = r.filled(usize::MAX, tag + 1, s);
+        // SAFETY: every buffer holds what the calls name and outlives the waits.
+        unsafe {
+            r.comm
+                .all_to_all_raw(send.ptr(), recv.ptr(), s, h)
+                .and_then(|c| c.wait())
+                .unwrap_or_else(|e| panic!("rank {me}: small all-to-all {round}: {e}"));
+            r.comm
+                .all_gather_raw(mine.ptr(), all.ptr(), s, h)
+                .and_then(|c| c.wait())
+                .unwrap_or_else(|e| panic!("rank {me}: small all-gather {round}: {e}"));
+        }
+        for q in 0..n {
+            let mut got = vec![0u8; s];
+            recv.read(q * s, &mut got, &r.stream).expect("read");
+            assert!(
+                got == payload(q, me, tag, s),
+                "small all-to-all {round} from {q}"
+            );
+            all.read(q * s, &mut got, &r.stream).expect("read");
+            assert!(
+                got == payload(q, usize::MAX, tag + 1, s),
+                "small all-gather {round} block {q}"
+            );
         }
     }
     r.comm.barrier(h).expect("barrier");

@@ -24,7 +24,12 @@
 use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, StreamHandle};
 
 use crate::comm::{Comm, Request};
+use crate::engine::{lock, Dir};
 use crate::error::{CommError, Result};
+use crate::transport::eager::Move;
+
+/// One message of a collective: peer, send (else receive), buffer, bytes.
+type Block = (usize, bool, DevicePtr, usize);
 
 /// The operations of one collective call.
 #[derive(Default)]
@@ -158,14 +163,15 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// Posts `ops` (peer, send?, pointer, bytes) as one group, then enqueues the local copy
     /// `local` (destination, source, bytes), if any, before the stream is made to wait for the
     /// group: the copy runs beside the transfers, not after them (on a host rank, a CPU copy
-    /// of a whole block took as long as the transfers).
+    /// of a whole block took as long as the transfers). A call small enough for the pairs'
+    /// eager slots is moved by this thread first ([`Comm::eager_blocks`]).
     ///
     /// # Safety
     /// As [`Comm::send_raw`] and [`Comm::recv_raw`] for every operation, and as
     /// [`Comm::local_copy`] for `local`.
     unsafe fn post_group(
         &self,
-        ops: &[(usize, bool, DevicePtr, usize)],
+        ops: &[Block],
         stream: StreamHandle,
         local: Option<(DevicePtr, DevicePtr, usize)>,
     ) -> Result<Collective> {
@@ -174,6 +180,16 @@ impl<A: DeviceAdaptor> Comm<A> {
             // SAFETY: the caller's contract.
             Some((dst, src, n)) => unsafe { self.local_copy(c, dst, src, n, stream) },
             None => Ok(()),
+        };
+        if ops.is_empty() {
+            copy(&mut c)?;
+            return Ok(c);
+        }
+        // SAFETY: the caller's contract.
+        let rest = unsafe { self.eager_blocks(ops, stream, &mut c) }?;
+        let (ops, tried) = match &rest {
+            Some(rest) => (&rest[..], true),
+            None => (ops, false),
         };
         if ops.is_empty() {
             copy(&mut c)?;
@@ -195,10 +211,80 @@ impl<A: DeviceAdaptor> Comm<A> {
             .collect::<Result<Vec<_>>>();
         let ok = posted.is_ok();
         // What was posted is handed over even where a later post failed, as `Comm::group` does.
-        let submitted = self.group_end_then(|| if ok { copy(&mut c) } else { Ok(()) });
-        c.requests = posted?;
+        let submitted = self.group_end_then(!tried, || if ok { copy(&mut c) } else { Ok(()) });
+        c.requests.extend(posted?);
         submitted?;
         Ok(c)
+    }
+
+    /// The posting thread moves a small call's messages itself, through the pairs' eager
+    /// slots ([`Comm::eager_moves`], as `group_end` does for a group's), without the request,
+    /// result slot and buffer lookup each operation of a group carries: on two host ranks
+    /// those were a third of a 1 KiB all-to-all's time. `None`: not tried — a message too
+    /// large for its pair's slots, a pair without them, the stream busy, a group open — and
+    /// every message goes to a group. Otherwise the messages left for the proxy (a peer's not
+    /// there within its budget, a full window), in order; a move that failed is a finished
+    /// request of `c`.
+    ///
+    /// # Safety
+    /// As [`Comm::post_group`].
+    unsafe fn eager_blocks(
+        &self,
+        ops: &[Block],
+        stream: StreamHandle,
+        c: &mut Collective,
+    ) -> Result<Option<Vec<Block>>> {
+        let spin = self.config.spin.unwrap_or_default();
+        let moves = ops.iter().map(|&(peer, send, ptr, bytes)| Move {
+            peer,
+            dir: if send { Dir::Send } else { Dir::Recv },
+            ptr,
+            bytes,
+            stream,
+            unordered: true,
+        });
+        if self.is_aborted()
+            || lock(&self.group).is_some()
+            || !moves
+                .clone()
+                .all(|m| self.eager_eligible(&m, spin).is_some())
+            || !self.adaptor().stream_query(stream)?
+        {
+            return Ok(None);
+        }
+        // Every buffer checked as a post checks it, before anything moves; consecutive blocks
+        // of one allocation need one lookup.
+        let mut known: Option<std::ops::Range<u64>> = None;
+        for &(_, _, ptr, bytes) in ops {
+            let end = ptr.0.saturating_add(bytes as u64);
+            if bytes > 0
+                && known
+                    .as_ref()
+                    .is_some_and(|r| r.start <= ptr.0 && end <= r.end)
+            {
+                continue;
+            }
+            known = self.check_buffer(ptr, bytes)?.or(known);
+        }
+        let rest = self.with_group_scratch(|s| {
+            s.moves.extend(moves);
+            self.eager_moves(s);
+            let mut rest = Vec::new();
+            for (&op, done) in ops.iter().zip(s.done.drain(..)) {
+                match done {
+                    Some(r) => {
+                        if r.is_err() {
+                            c.requests.push(self.eager_request(r));
+                        } else {
+                            self.eager_counted(&r);
+                        }
+                    }
+                    None => rest.push(op),
+                }
+            }
+            rest
+        });
+        Ok(Some(rest))
     }
 
     /// Broadcast: `bytes` at the root's `send` arrive in every rank's `recv` (in place when

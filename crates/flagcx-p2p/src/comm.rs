@@ -1,5 +1,6 @@
 //! The communicator: point-to-point operations between the ranks of a job.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -325,20 +326,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                 "rank {peer} cannot send to or receive from itself"
             )));
         }
-        if bytes > 0 {
-            if ptr.is_null() {
-                return Err(CommError::InvalidArgument("null buffer".into()));
-            }
-            // The buffer must be device memory of this adaptor, wholly inside one allocation.
-            let (base, len) = self.adaptor.mem_get_range(ptr).map_err(|e| {
-                CommError::InvalidArgument(format!("{ptr} is not memory of this device: {e}"))
-            })?;
-            if ptr.0 - base.0 + bytes as u64 > len as u64 {
-                return Err(CommError::InvalidArgument(format!(
-                    "{bytes} bytes at {ptr} run past the end of its {len}-byte allocation"
-                )));
-            }
-        }
+        self.check_buffer(ptr, bytes)?;
         // Where the caller's stream has nothing pending, there is nothing to order after: skip
         // the event (on a GPU its record is work in this process's context, which another
         // process on the same GPU would have to wait out).
@@ -416,6 +404,27 @@ impl<A: DeviceAdaptor> Comm<A> {
             seq,
             spin: self.config.spin.unwrap_or_default(),
         })
+    }
+
+    /// Checks that `bytes` at `ptr` are device memory of this adaptor, wholly inside one
+    /// allocation; returns that allocation's address range (`None` for zero bytes, which
+    /// touch no memory).
+    pub(crate) fn check_buffer(&self, ptr: DevicePtr, bytes: usize) -> Result<Option<Range<u64>>> {
+        if bytes == 0 {
+            return Ok(None);
+        }
+        if ptr.is_null() {
+            return Err(CommError::InvalidArgument("null buffer".into()));
+        }
+        let (base, len) = self.adaptor.mem_get_range(ptr).map_err(|e| {
+            CommError::InvalidArgument(format!("{ptr} is not memory of this device: {e}"))
+        })?;
+        if ptr.0 - base.0 + bytes as u64 > len as u64 {
+            return Err(CommError::InvalidArgument(format!(
+                "{bytes} bytes at {ptr} run past the end of its {len}-byte allocation"
+            )));
+        }
+        Ok(Some(base.0..base.0 + len as u64))
     }
 
     /// The number of the next message of `peer` and `dir`, reserved for a posting thread to

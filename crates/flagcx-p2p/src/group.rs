@@ -39,16 +39,21 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// moving its small messages itself where the pairs have eager slots (sends first; then it
     /// waits up to the spin time for the group's eager receives).
     pub fn group_end(&self) -> Result<()> {
-        self.group_end_then(|| Ok(()))
+        self.group_end_then(true, || Ok(()))
     }
 
     /// [`Comm::group_end`], running `before_join` once the operations are handed over and
-    /// before the streams wait for them (see [`Comm::submit_then`]).
-    pub(crate) fn group_end_then(&self, before_join: impl FnOnce() -> Result<()>) -> Result<()> {
+    /// before the streams wait for them (see [`Comm::submit_then`]); without the eager moves
+    /// where `eager` is false (a collective's messages that already had their chance).
+    pub(crate) fn group_end_then(
+        &self,
+        eager: bool,
+        before_join: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
         let ops = lock(&self.group)
             .take()
             .ok_or_else(|| CommError::InvalidArgument("no group is open".into()))?;
-        let ops = self.group_eager(ops);
+        let ops = if eager { self.group_eager(ops) } else { ops };
         self.submit_then(ops, before_join)
     }
 
