@@ -284,6 +284,10 @@ fn rank_worker() {
                 }
             }
         }
+        "net_parting" => {
+            net_parting(r);
+            return;
+        }
         "use_after_drop" => {
             use_after_drop(r, prev);
             println!("worker ok: rank {me} of {n}, request outlived its communicator");
@@ -1146,6 +1150,45 @@ fn net_killed(r: &Rank) {
     std::process::exit(0);
 }
 
+/// Rank 0 sends a burst of small messages (each complete once in its socket) and leaves at
+/// once, while rank 1 sleeps for 2.5 s without posting anything: rank 0's teardown says
+/// goodbye and waits for rank 1's UCX to take it, which rank 1's idle proxy does within its
+/// nap — so rank 0 leaves well before the goodbye's 2 s deadline (a proxy that made no
+/// progress while idle would leave it unanswered until then) — and rank 1, posting its
+/// receives afterwards, finds every message of the peer that left.
+fn net_parting(r: Rank) {
+    const N: usize = 32;
+    const LEN: usize = 1000;
+    let me = r.comm.rank();
+    r.comm.barrier(r.stream.handle()).expect("barrier");
+    if me == 0 {
+        let bufs: Vec<_> = (0..N).map(|i| r.filled(1, 500 + i as u64, LEN)).collect();
+        for b in &bufs {
+            let n = r.comm.send(b, 1, &r.stream).expect("post").wait();
+            assert_eq!(n.expect("send"), LEN);
+        }
+        let t0 = std::time::Instant::now();
+        drop(bufs);
+        drop(r);
+        let left = t0.elapsed();
+        assert!(
+            left < std::time::Duration::from_millis(1900),
+            "rank 0's teardown took {left:?}: its goodbye waited out the 2 s deadline, though \
+             rank 1 was idle"
+        );
+        println!("worker ok: rank 0 of 2, left {left:?} after its last send");
+        return;
+    }
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    for i in 0..N {
+        let b = r.buffer(LEN);
+        let got = r.comm.recv(&b, 0, &r.stream).expect("post").wait();
+        assert_eq!(got.expect("a message sent before rank 0 left"), LEN);
+        r.check(&b, 0, 500 + i as u64, LEN);
+    }
+    println!("worker ok: rank 1 of 2, every message of a peer that left");
+}
+
 /// Rank 1 stays alive but never sends: rank 0's receive, posted on its own thread and then
 /// waited for (the waiter drives UCX), fails with `Timeout` after `FLAGCX_TIMEOUT_MS`.
 fn net_stalled(r: &Rank) {
@@ -1727,6 +1770,11 @@ fn net_job(
     }
     let _ = std::fs::remove_file(&marker);
     assert!(ok, "{test} failed\n{log}");
+}
+
+#[test]
+fn net_peer_that_leaves_after_sending_loses_nothing() {
+    net_job(2, 1, "net_parting", &[], None);
 }
 
 #[test]
