@@ -109,6 +109,11 @@ pub enum Counter {
     /// of message `i` on an idle stream, so the copy is running. A hint for the other side's
     /// posting thread, which then keeps waiting for the answer rather than handing over.
     Issued = 448,
+    /// Sender: `i + 1` once its message `i` went to its proxy, for the descriptor handshake. A
+    /// hint for the receiver's posting thread, which may be waiting for the message to come
+    /// eagerly: it then hands its receive to its proxy at once (which announces it: a pushing
+    /// sender waits for that) instead of waiting out its budget.
+    Handshake = 512,
 }
 
 /// The value of a fault counter ([`Counter::SendFault`], [`Counter::RecvFault`]) whose side

@@ -31,6 +31,17 @@ use crate::transport::eager::Move;
 /// One message of a collective: peer, send (else receive), buffer, bytes.
 type Block = (usize, bool, DevicePtr, usize);
 
+/// How long a host rank's small collective waits in its posting thread for a peer's block
+/// before handing the receive to the proxy (`Comm::eager_blocks`), where a point-to-point
+/// receive waits the spin time. Every rank makes the same call, so the block is on its way; a
+/// receive handed over leaves a join on the stream, and every later call enqueued behind it
+/// then goes to the proxy too. Eight host ranks on 16 cores, 1 KiB, five runs of 10 000 calls
+/// enqueued back to back: all-to-all and all-gather 4.6–8.7 µs per call in every run with this
+/// wait, against 7.5–100 µs (mostly 30–100: receives that waited out the spin time while a
+/// peer's thread was off its core) without it; each call waited for, all-to-all 4.6–5.1 µs
+/// against 4.6–11.4.
+const COLLECTIVE_RECV_WAIT: std::time::Duration = std::time::Duration::from_millis(5);
+
 /// The operations of one collective call.
 #[derive(Default)]
 #[must_use = "a collective's failure is only seen by waiting for it (or through Comm::async_error)"]
@@ -268,7 +279,12 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         let rest = self.with_group_scratch(|s| {
             s.moves.extend(moves);
-            self.eager_moves(s);
+            let patience = if self.adaptor().capabilities().host_addressable {
+                COLLECTIVE_RECV_WAIT
+            } else {
+                std::time::Duration::ZERO
+            };
+            self.eager_moves(s, patience);
             let mut rest = Vec::new();
             for (&op, done) in ops.iter().zip(s.done.drain(..)) {
                 match done {
@@ -327,9 +343,11 @@ impl<A: DeviceAdaptor> Comm<A> {
             send
         } else {
             let parent = rel & (rel - 1); // clear the lowest set bit
+                                          // As a call of its own, so that a small block is taken the way a collective's are
+                                          // (`eager_blocks`): the children's sends follow it on the stream either way.
                                           // SAFETY: the caller's contract.
-            let r = unsafe { self.recv_raw(recv, bytes, abs(parent), stream) }?;
-            requests.push(r);
+            let c = unsafe { self.post_group(&[(abs(parent), false, recv, bytes)], stream, None) }?;
+            requests.extend(c.into_requests());
             recv
         };
         let lowest = if rel == 0 {

@@ -6,9 +6,11 @@ use std::sync::atomic::Ordering;
 
 use flagcx_adaptor::{DeviceAdaptor, StreamHandle};
 
+use crate::channel::Counter;
 use crate::comm::Comm;
-use crate::engine::{lock, Op};
+use crate::engine::{lock, Dir, Op};
 use crate::error::{CommError, Result};
+use crate::op::Resume;
 
 impl<A: DeviceAdaptor> Comm<A> {
     /// Runs `f`, posting its operations together: they progress at once and each stream waits
@@ -109,9 +111,16 @@ impl<A: DeviceAdaptor> Comm<A> {
                         self.enqueue_streamed(link, op.dir, op.index, op.ptr, op.bytes, stream)
                     };
                     op.resume = Some(match r {
-                        Ok(ev) => crate::op::Resume::Streamed(ev),
-                        Err(e) => crate::op::Resume::Failed(Box::new(e)),
+                        Ok(ev) => Resume::Streamed(ev),
+                        Err(e) => Resume::Failed(Box::new(e)),
                     });
+                }
+                if op.dir == Dir::Send && !matches!(op.resume, Some(Resume::Streamed(_))) {
+                    if let Some(link) = self.eager.get(op.peer).and_then(|l| l.as_ref()) {
+                        // After every earlier eager message of the pair (published under the
+                        // same lock), so the receiver's look at the slot settles which is which.
+                        link.out.store(Counter::Handshake, op.index + 1);
+                    }
                 }
                 self.shared.pending[op.peer][d].fetch_add(1, Ordering::AcqRel);
                 inbox.ops.push(op);

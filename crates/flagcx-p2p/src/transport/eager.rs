@@ -509,6 +509,12 @@ impl crate::engine::Shared {
 }
 
 impl EagerLink {
+    /// Whether send `k` of this pair waits for the peer to free a slot: the window of
+    /// [`DESC_RING`] messages is full.
+    pub(crate) fn window_shut(&self, k: u64) -> bool {
+        k >= self.out.load(Counter::RecvDone) + DESC_RING
+    }
+
     /// Whether a message of `bytes` in direction `dir` fits this pair's eager slots.
     pub(crate) fn fits(&self, dir: Dir, bytes: usize) -> bool {
         match dir {
@@ -547,8 +553,10 @@ impl EagerLink {
     }
 
     /// One look at the peer's message `k`: its status word (an eager message publishes it
-    /// last: one cache line to fetch), and every 64th look (`polls` counts them) the counter,
-    /// which shows a message of the proxy's protocol.
+    /// last: one cache line to fetch), and every 64th look (`polls` counts them) the counters
+    /// that show a message of the proxy's protocol: published, or handed to the peer's proxy
+    /// ([`Counter::Handshake`]: a pushing sender's proxy publishes nothing before the
+    /// receiver's announcement, so a receive left waiting eagerly would wait out its budget).
     pub(crate) fn probe(&self, k: u64, polls: &mut u32) -> Arrival {
         if let Some(sd) = self.inc.eager_arrived(k) {
             return Arrival::Eager(sd);
@@ -556,7 +564,9 @@ impl EagerLink {
         *polls = polls.wrapping_add(1);
         // Message `k` is published. An eager one stored its status word before the counter,
         // so this look settles which kind it is.
-        if *polls % 64 == 0 && self.inc.load(Counter::SendPosted) > k {
+        if *polls % 64 == 0
+            && (self.inc.load(Counter::SendPosted) > k || self.inc.load(Counter::Handshake) > k)
+        {
             return match self.inc.eager_arrived(k) {
                 Some(sd) => Arrival::Eager(sd),
                 None => Arrival::Other,

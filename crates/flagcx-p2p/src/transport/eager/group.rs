@@ -71,7 +71,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         self.with_group_scratch(|s| {
             s.moves.extend(ops.iter().map(|(op, st)| Move::of(op, *st)));
-            self.eager_moves(s);
+            self.eager_moves(s, Duration::ZERO);
             let mut done = s.done.drain(..);
             ops.retain_mut(|(op, _)| match done.next().flatten() {
                 Some(r) => {
@@ -87,7 +87,9 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// Moves what it can of `s.moves` (one group's messages, in posting order) through the
     /// pairs' eager slots: every small send whose pair and direction is free goes into the
     /// peer's slots, then the receives wait together, up to the spin time (or the pair's
-    /// budget, [`EagerLink::recv_budget`]), for eager messages to take. `s.done[i]` is move
+    /// budget, [`EagerLink::recv_budget`], or `patience` where that is longer; not past an
+    /// abort), for eager messages to take. With `patience`, a send whose peer has yet to free
+    /// a slot of its window waits for one as long. `s.done[i]` is move
     /// `i`'s result where it was made, `None` where the proxy is to make it: behind a message
     /// left to the proxy, the later ones of its pair and direction are left too.
     ///
@@ -95,7 +97,7 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// any receive waits, so ranks whose groups send to each other do not wait on each other
     /// for longer than the spin time. Only messages whose stream was idle at posting and still
     /// is move: the move is done before the caller returns, as outside a group.
-    pub(crate) fn eager_moves(&self, s: &mut GroupScratch) {
+    pub(crate) fn eager_moves(&self, s: &mut GroupScratch, patience: Duration) {
         let spin = self.config.spin.unwrap_or_default();
         let GroupScratch {
             moves,
@@ -133,7 +135,20 @@ impl<A: DeviceAdaptor> Comm<A> {
                 receives.push(i);
                 continue;
             }
-            match self.eager_send(link, m.ptr, m.bytes, m.peer, m.stream) {
+            let mut sent = self.eager_send(link, m.ptr, m.bytes, m.peer, m.stream);
+            // A peer behind by a whole window is waited for, with `patience`, rather than
+            // handed the rest of this pair's messages through the proxy.
+            let t0 = Instant::now();
+            while sent.is_none()
+                && !patience.is_zero()
+                && link.window_shut(lock(&self.shared.inbox).next[m.peer][Dir::Send as usize])
+                && t0.elapsed() < patience
+                && !self.is_aborted()
+            {
+                flagcx_adaptor::spin::relax_on_peer(0);
+                sent = self.eager_send(link, m.ptr, m.bytes, m.peer, m.stream);
+            }
+            match sent {
                 Some(r) => done[i] = Some(r),
                 None => {
                     self.shared.declined(Declined::PairBusy);
@@ -149,7 +164,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         let waited = |t0: Option<Instant>| t0.map_or(Duration::ZERO, |t| t.elapsed());
         let (mut polls, mut sweeps) = (0u32, 0u32);
         // The longest any receive still waiting may wait (`EagerLink::recv_budget`).
-        let mut limit = spin;
+        let mut limit = spin.max(patience);
         loop {
             busy.fill(false);
             let mut left = false;
@@ -191,7 +206,10 @@ impl<A: DeviceAdaptor> Comm<A> {
                 }
             }
             sweeps = sweeps.wrapping_add(1);
-            if !left || sweeps % 16 == 1 && t0.get_or_insert_with(Instant::now).elapsed() >= limit {
+            let out_of_time = |t0: &mut Option<Instant>| {
+                t0.get_or_insert_with(Instant::now).elapsed() >= limit || self.is_aborted()
+            };
+            if !left || sweeps % 16 == 1 && out_of_time(&mut t0) {
                 break;
             }
             flagcx_adaptor::spin::relax_on_peer(polls);

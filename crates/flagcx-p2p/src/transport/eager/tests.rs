@@ -135,3 +135,32 @@ fn receives_wait_longer_for_a_slow_pair_and_for_a_running_copy() {
     assert_eq!(l.recv_budget(spin, 5), ACTIVE_PEER_WAIT + RUNNING_COPY_WAIT);
     assert_eq!(l.recv_budget(spin, 6), ACTIVE_PEER_WAIT);
 }
+
+#[test]
+fn a_receive_sees_a_message_sent_through_the_handshake_and_a_full_window() {
+    let l = link();
+    let (mut polls, mut other_at) = (0u32, None);
+    // Nothing sent: not yet, however long it looks.
+    for _ in 0..200 {
+        assert!(matches!(l.probe(3, &mut polls), Arrival::NotYet));
+    }
+    // The peer handed message 4 to its proxy (message 3 came eagerly, published before):
+    // message 3 is eager, and a look at message 4 says "the proxy's" within 64 looks.
+    // SAFETY: 8 bytes at a live array into eager slot 3 of our own channel.
+    unsafe { l.inc.post_eager(3, [7u8; 8].as_ptr(), 8) };
+    l.inc.store(Counter::Handshake, 5);
+    assert!(matches!(l.probe(3, &mut polls), Arrival::Eager(sd) if sd.size == 8));
+    for i in 0..64 {
+        if let Arrival::Other = l.probe(4, &mut polls) {
+            other_at = Some(i);
+            break;
+        }
+    }
+    assert!(other_at.is_some(), "message 4 never showed as the proxy's");
+    assert!(matches!(l.probe(5, &mut polls), Arrival::NotYet));
+    // Sends: the window shuts once 64 are not yet taken.
+    assert!(!l.window_shut(63));
+    assert!(l.window_shut(64));
+    l.out.store(Counter::RecvDone, 1);
+    assert!(!l.window_shut(64));
+}
