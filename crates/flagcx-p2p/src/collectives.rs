@@ -279,7 +279,8 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         let rest = self.with_group_scratch(|s| {
             s.moves.extend(moves);
-            let patience = if self.adaptor().capabilities().host_addressable {
+            // Not where spinning is off (`FLAGCX_SPIN_US=0`).
+            let patience = if self.adaptor().capabilities().host_addressable && !spin.is_zero() {
                 COLLECTIVE_RECV_WAIT
             } else {
                 std::time::Duration::ZERO
