@@ -343,12 +343,20 @@ impl<A: DeviceAdaptor> Comm<A> {
         let data = if me == root {
             send
         } else {
-            let parent = rel & (rel - 1); // clear the lowest set bit
-                                          // As a call of its own, so that a small block is taken the way a collective's are
-                                          // (`eager_blocks`): the children's sends follow it on the stream either way.
-                                          // SAFETY: the caller's contract.
-            let c = unsafe { self.post_group(&[(abs(parent), false, recv, bytes)], stream, None) }?;
+            // The parent: `rel` with its lowest set bit cleared.
+            let parent = abs(rel & (rel - 1));
+            // A small block is taken the way a collective's are (`eager_blocks`); else, or
+            // where it did not come in time, as a point-to-point receive (which may also go
+            // the posting thread's IPC path). The children's sends follow it on the stream.
+            let one = [(parent, false, recv, bytes)];
+            let mut c = Collective::default();
+            // SAFETY: the caller's contract.
+            let rest = unsafe { self.eager_blocks(&one, stream, &mut c) }?;
             requests.extend(c.into_requests());
+            if rest.map_or(true, |r| !r.is_empty()) {
+                // SAFETY: the caller's contract.
+                requests.push(unsafe { self.recv_raw(recv, bytes, parent, stream) }?);
+            }
             recv
         };
         let lowest = if rel == 0 {
