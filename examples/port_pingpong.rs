@@ -231,8 +231,14 @@ fn run() -> Result<(), Error> {
 
     // 3. Back-to-back 4 MiB puts from rank 0's kernel; rank 1 waits for each round's final
     //    signal on its stream. Alternating with them, the ceiling: the same copies issued from
-    //    the host, into local memory. Medians of three rounds of each.
+    //    the host, into the same destination. Medians of three rounds of each.
     let (puts, rounds) = (200u32, 3u64);
+    // The ceiling copies where the puts do: into the peer's buffer through its mapping (an IPC
+    // pair; across two GPUs, the link between them), else into local memory (a staged pair).
+    let (ceiling_dst, ceiling_kind) = match ch.peer_buffer(1) {
+        Some(p) => (p, "host-issued copies into the peer"),
+        None => (scratch.ptr(), "host-issued copies within this GPU"),
+    };
     let (mut ours, mut host) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         if me == 0 {
@@ -253,8 +259,10 @@ fn run() -> Result<(), Error> {
             let (e0, e1) = (Event::new(&a, true)?, Event::new(&a, true)?);
             e0.record(&stream)?;
             for _ in 0..puts {
-                // SAFETY: both are live allocations of BIG bytes; synchronized below.
-                unsafe { a.memcpy_d2d_async(scratch.ptr(), src.ptr(), BIG, stream.handle())? };
+                // SAFETY: both are live allocations of BIG bytes (the peer's stays mapped until
+                // the channel closes, and holds the bytes the puts write too); synchronized
+                // below.
+                unsafe { a.memcpy_d2d_async(ceiling_dst, src.ptr(), BIG, stream.handle())? };
             }
             e1.record(&stream)?;
             e1.synchronize()?;
@@ -303,7 +311,7 @@ fn run() -> Result<(), Error> {
         println!("bus echo: {echo_us:.2} us (device write -> a spinning CPU thread -> device; the floor of the line above)");
         println!("port flush: {flush_us:.2} us per flush (trigger -> proxy -> stream write -> flushed word)");
         println!(
-            "port puts 4 MiB x{puts}: {gbs:.1} GB/s; host-issued copies {ceiling:.1} GB/s; ratio {:.3} (medians of {rounds})",
+            "port puts 4 MiB x{puts}: {gbs:.1} GB/s; {ceiling_kind} {ceiling:.1} GB/s; ratio {:.3} (medians of {rounds})",
             gbs / ceiling
         );
         println!("port ok: {triggers} triggers, {moved} bytes put, every byte checked");

@@ -429,6 +429,9 @@ fn stalled_proxy() {
     let reg = comm.register(mem.ptr(), 4096).expect("register");
     let ch = comm.port_channel(1 - me, &[&reg], 4).expect("channel");
     assert_eq!(ch.is_staged(), staged);
+    // The peer's buffer as mapped here: only on an IPC pair, only for a buffer it named.
+    assert_eq!(ch.peer_buffer(0).is_some(), !staged);
+    assert!(ch.peer_buffer(1).is_none());
     // SAFETY: a host-vendor channel, open while the port is used.
     let mut p = unsafe { HostPort::new(ch.raw(), LIMIT) };
     if me == 0 {

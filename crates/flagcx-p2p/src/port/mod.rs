@@ -424,6 +424,16 @@ impl<A: DeviceAdaptor> PortChannel<A> {
         self.ch.staged.is_some()
     }
 
+    /// The peer's registered buffer `i` as mapped in this process (an IPC pair: where a put
+    /// into it copies to); `None` on a staged pair, or past the buffers the peer named. For a
+    /// ceiling measured beside the puts: copies issued to it from the host.
+    pub fn peer_buffer(&self, i: usize) -> Option<DevicePtr> {
+        match self.ch.remote.get(i) {
+            Some(&(p, _)) if self.ch.staged.is_none() => Some(p),
+            _ => None,
+        }
+    }
+
     /// Triggers the proxy executed, and bytes it put.
     pub fn stats(&self) -> (u64, u64) {
         (
