@@ -575,6 +575,8 @@ fn the_bundles_verdict_table_reads_flagcx_perf_rows() {
     }
     for missing in [
         "allgather busbw / NCCL's",
+        "alltoall busbw / NCCL's, 8 B-2 MiB, FLAGCX_P2P_STREAM=on",
+        "4 MiB puts / host-issued copies into the peer",
         "trigger pick-up",
         "CUDA<->OpenCL 8 B",
     ] {

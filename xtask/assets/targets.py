@@ -40,6 +40,10 @@ def main(d):
     for t in ["allgather", "alltoall", "broadcast"]:
         verdict("#19", f"{t} busbw / NCCL's, 8 B-1 GiB", worst("nccl-" + t, "vs_nccl"), 1.0)
     verdict("#16", "sendrecv busbw / NCCL's, 8 B-1 GiB", worst("nccl-sendrecv", "vs_nccl"), 1.0)
+    # The small sizes again, stream-ordered (FLAGCX_P2P_STREAM=on), beside the default paths'.
+    for issue, t in [("#16", "sendrecv"), ("#19", "alltoall")]:
+        for name, how in [("nccl-", "default paths"), ("stream-", "FLAGCX_P2P_STREAM=on")]:
+            verdict(issue, f"{t} busbw / NCCL's, 8 B-2 MiB, {how}", worst(name + t, "vs_nccl", high=2 * MIB), 1.0)
     verdict("#17", "staged CUDA<->CUDA / pinned copy, from 64 MiB", worst("staged-pingpong", "ratio", 64 * MIB), 0.85)
     verdict("#17", "CUDA<->OpenCL / slower pinned copy, from 8 MiB", worst("ocl-pingpong", "ratio", 8 * MIB), 0.85)
     verdict("#17", "CUDA<->OpenCL 8 B sendrecv, us", worst("ocl-small", "time_us", pick=max), 60.0, higher_better=False, fmt="{:.1f}")
@@ -67,7 +71,7 @@ def main(d):
     one_way = pick - echo / 2 if pick is not None and echo is not None else None
     verdict("#23", "trigger pick-up, one way (round trip less half the bus echo), us", one_way, 2.0, higher_better=False)
     verdict("#23", "put_with_signal + wait ping-pong 8 B, round trip, us", num(r"port pingpong 8 B: ([0-9.]+) us"), 15.0, higher_better=False, fmt="{:.1f}")
-    verdict("#23", "4 MiB puts / host-issued peer copies", num(r"ratio ([0-9.]+) \(medians"), 0.9)
+    verdict("#23", "4 MiB puts / host-issued copies into the peer", num(r"into the peer [0-9.]+ GB/s; ratio ([0-9.]+) \(medians"), 0.9)
     placement = re.search(r"port: (rank 0 on .*?), (IPC|staged)", log)
     print()
     print("port channel placement: " + (placement.group(1) if placement else "unknown"))
