@@ -278,6 +278,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             known = self.check_buffer(ptr, bytes)?.or(known);
         }
         let rest = self.with_group_scratch(|s| {
+            s.known_idle(stream);
             s.moves.extend(moves);
             // Not where spinning is off (`FLAGCX_SPIN_US=0`).
             let patience = if self.adaptor().capabilities().host_addressable && !spin.is_zero() {

@@ -408,13 +408,8 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         let taken = |inbox: &Inbox| {
             let k = inbox.next[peer][Dir::Send as usize];
-            let window_open = k < link.freed.load(Ordering::Relaxed) + DESC_RING || {
-                let done = link.out.load(Counter::RecvDone);
-                link.freed.store(done, Ordering::Relaxed);
-                k < done + DESC_RING
-            };
             (self.eager_free(inbox, peer, Dir::Send, k)
-                && window_open
+                && link.window_open(k)
                 && link.out.load(Counter::RecvFault) == 0)
                 .then_some(k)
         };
@@ -509,10 +504,15 @@ impl crate::engine::Shared {
 }
 
 impl EagerLink {
-    /// Whether send `k` of this pair waits for the peer to free a slot: the window of
-    /// [`DESC_RING`] messages is full.
-    pub(crate) fn window_shut(&self, k: u64) -> bool {
-        k >= self.out.load(Counter::RecvDone) + DESC_RING
+    /// Whether send `k` of this pair has a slot in its window of [`DESC_RING`] messages: by
+    /// the peer's `RecvDone` as last read ([`EagerLink::freed`]), read again only where that
+    /// says no. Under the inbox lock.
+    pub(crate) fn window_open(&self, k: u64) -> bool {
+        k < self.freed.load(Ordering::Relaxed) + DESC_RING || {
+            let done = self.out.load(Counter::RecvDone);
+            self.freed.store(done, Ordering::Relaxed);
+            k < done + DESC_RING
+        }
     }
 
     /// Whether a message of `bytes` in direction `dir` fits this pair's eager slots.

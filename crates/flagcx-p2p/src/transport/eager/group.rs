@@ -93,9 +93,9 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// `i`'s result where it was made, `None` where the proxy is to make it: behind a message
     /// left to the proxy, the later ones of its pair and direction are left too.
     ///
-    /// Sends never wait (a full window leaves the send), and every send is published before
-    /// any receive waits, so ranks whose groups send to each other do not wait on each other
-    /// for longer than the spin time. Only messages whose stream was idle at posting and still
+    /// Without `patience` sends never wait (a full window leaves the send), and every send is
+    /// published before any receive waits, so ranks whose groups send to each other do not
+    /// wait on each other for longer than the spin time. Only messages whose stream was idle at posting and still
     /// is move: the move is done before the caller returns, as outside a group.
     pub(crate) fn eager_moves(&self, s: &mut GroupScratch, patience: Duration) {
         let spin = self.config.spin.unwrap_or_default();
@@ -137,16 +137,18 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
             let mut sent = self.eager_send(link, m.ptr, m.bytes, m.peer, m.stream);
             // A peer behind by a whole window is waited for, with `patience`, rather than
-            // handed the rest of this pair's messages through the proxy.
-            let t0 = Instant::now();
-            while sent.is_none()
-                && !patience.is_zero()
-                && link.window_shut(lock(&self.shared.inbox).next[m.peer][Dir::Send as usize])
-                && t0.elapsed() < patience
-                && !self.is_aborted()
-            {
-                flagcx_adaptor::spin::relax_on_peer(0);
-                sent = self.eager_send(link, m.ptr, m.bytes, m.peer, m.stream);
+            // handed the rest of this pair's messages through the proxy. (The clock is read
+            // only then: a send that went reads none.)
+            if sent.is_none() && !patience.is_zero() {
+                let t0 = Instant::now();
+                while sent.is_none()
+                    && !link.window_open(lock(&self.shared.inbox).next[m.peer][Dir::Send as usize])
+                    && t0.elapsed() < patience
+                    && !self.is_aborted()
+                {
+                    flagcx_adaptor::spin::relax_on_peer(0);
+                    sent = self.eager_send(link, m.ptr, m.bytes, m.peer, m.stream);
+                }
             }
             match sent {
                 Some(r) => done[i] = Some(r),
@@ -249,6 +251,12 @@ pub(crate) struct GroupScratch {
 }
 
 impl GroupScratch {
+    /// Records that `stream` is idle, as the caller just found it: [`Comm::eager_moves`]
+    /// then does not ask the vendor again.
+    pub(crate) fn known_idle(&mut self, stream: StreamHandle) {
+        self.idle.push((stream.0, true));
+    }
+
     /// Empty, sized for `nranks`.
     fn reset(&mut self, nranks: usize) {
         self.moves.clear();

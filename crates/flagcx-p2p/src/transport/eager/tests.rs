@@ -159,8 +159,8 @@ fn a_receive_sees_a_message_sent_through_the_handshake_and_a_full_window() {
     assert!(other_at.is_some(), "message 4 never showed as the proxy's");
     assert!(matches!(l.probe(5, &mut polls), Arrival::NotYet));
     // Sends: the window shuts once 64 are not yet taken.
-    assert!(!l.window_shut(63));
-    assert!(l.window_shut(64));
+    assert!(l.window_open(63));
+    assert!(!l.window_open(64));
     l.out.store(Counter::RecvDone, 1);
-    assert!(!l.window_shut(64));
+    assert!(l.window_open(64));
 }
