@@ -2,8 +2,8 @@
 
 use flagcx_adaptor::{
     AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceProperties, DevicePtr,
-    EventHandle, GateHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor,
-    WaitCondition,
+    EventHandle, GateHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, SlotStep, StreamHandle,
+    Vendor, WaitCondition,
 };
 
 /// Environment variable naming the vendor to use (`host`, `cuda`, `hip`, `opencl`).
@@ -372,6 +372,10 @@ impl DeviceAdaptor for Adaptor {
     ) -> Result<()> {
         // SAFETY: forwarded contract.
         each!(self, a => unsafe { a.stream_write_values64(stream, writes) })
+    }
+    unsafe fn stream_slot_steps(&self, stream: StreamHandle, steps: &[SlotStep]) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.stream_slot_steps(stream, steps) })
     }
 }
 

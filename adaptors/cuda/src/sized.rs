@@ -1,6 +1,7 @@
-//! The kernel behind `memcpy_sized_async`: a copy whose length the GPU reads when the stream
-//! reaches it. Shipped as PTX (`kernels/sized_copy.ptx`, from `kernels/sized_copy.cu`), so
-//! neither building nor running needs nvcc.
+//! The kernels behind `memcpy_sized_async` (a copy whose length the GPU reads when the stream
+//! reaches it) and `stream_slot_steps` (small messages' sides through slots, one block per
+//! step). Shipped as PTX (`kernels/stream.ptx`, from `kernels/stream.cu`), so neither building
+//! nor running needs nvcc.
 //!
 //! Loaded once per device and process, by the first open of that device, and never unloaded:
 //! on the H200 a module load or unload while another stream of the context waited on a value
@@ -20,8 +21,8 @@ use flagcx_adaptor::{AdaptorError, Result};
 
 use crate::error::check;
 
-/// The PTX of `kernels/sized_copy.cu`.
-const PTX: &str = concat!(include_str!("../kernels/sized_copy.ptx"), "\0");
+/// The PTX of `kernels/stream.cu`.
+const PTX: &str = concat!(include_str!("../kernels/stream.ptx"), "\0");
 
 /// Threads per block.
 const BLOCK: u32 = 256;
@@ -29,10 +30,38 @@ const BLOCK: u32 = 256;
 /// add launch work.
 const MAX_GRID: u32 = 32;
 
-/// The loaded module's one function (the module stays loaded for the process).
+/// Threads per block of a slot-steps launch: a 32 KiB slot in one round of four 16-byte
+/// loads per thread.
+const STEP_BLOCK: u32 = 512;
+
+/// At most this many steps per launch (`FLAGCX_SLOT_STEPS` in `kernels/stream.cu`).
+pub(crate) const MAX_STEPS: usize = 16;
+
+/// One step as `kernels/stream.cu`'s `SlotStep` lays it out.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct RawStep {
+    pub kind: u64,
+    pub wait_at: u64,
+    pub wait_min: u64,
+    pub src: u64,
+    pub dst: u64,
+    pub len: u64,
+    pub word0: u64,
+    pub value0: u64,
+    pub word1: u64,
+    pub value1: u64,
+}
+
+/// The kernel's parameter: `FLAGCX_SLOT_STEPS` steps, the unused ones zero.
+#[repr(C)]
+struct RawSteps([RawStep; MAX_STEPS]);
+
+/// The loaded module's functions (the module stays loaded for the process).
 #[derive(Debug)]
 pub(crate) struct SizedKernel {
     func: sys::CUfunction,
+    steps: sys::CUfunction,
 }
 
 // SAFETY: module and function handles are driver objects usable from any thread on which
@@ -77,7 +106,14 @@ impl SizedKernel {
         let got = check("cuModuleGetFunction", unsafe {
             sys::cuModuleGetFunction(&mut func, module, c"flagcx_sized_copy".as_ptr())
         });
-        let k = SizedKernel { func };
+        let mut steps = std::ptr::null_mut();
+        let got = got.and_then(|()| {
+            // SAFETY: as above.
+            check("cuModuleGetFunction", unsafe {
+                sys::cuModuleGetFunction(&mut steps, module, c"flagcx_slot_steps".as_ptr())
+            })
+        });
+        let k = SizedKernel { func, steps };
         if let Err(e) = got.and_then(|()| k.warm_up()) {
             // SAFETY: loaded above, used by nothing.
             unsafe { sys::cuModuleUnload(module) };
@@ -104,6 +140,19 @@ impl SizedKernel {
             // copies nothing: n = 0 copies zero bytes, more copies none) and touches no
             // other memory; the stream is synchronized before the word is freed.
             unsafe { self.launch(0, 0, word, 0, stream as u64) }?;
+            // SAFETY: one take with no wait (`wait_at` 0) and a capacity of 0: it reads the
+            // word and copies no byte whatever it holds. Loads the function as the launch
+            // above does.
+            unsafe {
+                self.launch_steps(
+                    &[RawStep {
+                        kind: 2,
+                        word0: word,
+                        ..RawStep::default()
+                    }],
+                    stream as u64,
+                )
+            }?;
             // SAFETY: the stream created above.
             check("cuStreamSynchronize", unsafe {
                 sys::cuStreamSynchronize(stream)
@@ -152,6 +201,43 @@ impl SizedKernel {
                 1,
                 1,
                 BLOCK,
+                1,
+                1,
+                0,
+                stream as sys::CUstream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+}
+
+impl SizedKernel {
+    /// Launches `steps` (at most [`MAX_STEPS`]) on `stream`, one block each.
+    ///
+    /// # Safety
+    /// The contract of `DeviceAdaptor::stream_slot_steps` for the steps they encode; the
+    /// context is current.
+    pub(crate) unsafe fn launch_steps(&self, steps: &[RawStep], stream: u64) -> Result<()> {
+        if steps.is_empty() || steps.len() > MAX_STEPS {
+            return Err(AdaptorError::invalid(
+                "stream_slot_steps",
+                "between 1 and 16 steps per launch",
+            ));
+        }
+        let mut raw = RawSteps([RawStep::default(); MAX_STEPS]);
+        raw.0[..steps.len()].copy_from_slice(steps);
+        let mut params: [*mut c_void; 1] = [(&mut raw as *mut RawSteps).cast()];
+        // SAFETY: one pointer to a value laid out as the kernel's one by-value struct
+        // parameter (sixteen 80-byte steps of u64 fields), alive for the call (the driver
+        // copies it at launch); the memory the steps touch is the caller's contract.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                self.steps,
+                steps.len() as u32,
+                1,
+                1,
+                STEP_BLOCK,
                 1,
                 1,
                 0,

@@ -3,7 +3,7 @@
 use crate::error::Result;
 use crate::types::{
     Capabilities, CaptureMode, DeviceProperties, DevicePtr, EventHandle, GateHandle, IpcFdHandle,
-    IpcMemHandle, StreamHandle, Vendor, WaitCondition,
+    IpcMemHandle, SlotStep, StreamHandle, Vendor, WaitCondition,
 };
 
 /// A host function enqueued on a stream with [`DeviceAdaptor::launch_host_func`].
@@ -385,4 +385,72 @@ pub trait DeviceAdaptor: Clone + Send + Sync + 'static {
         }
         Ok(())
     }
+
+    /// Enqueues the sides of small messages in `steps` on `stream` (see [`SlotStep`]); later
+    /// work on `stream` waits for all of them. The steps may run side by side or in order, so
+    /// no step may wait for a word that another step of the same call writes. CUDA runs a call
+    /// as one kernel (one launch instead of a wait, a copy and a write per step: each stream
+    /// operation behind a wait costs a scheduling hop). The default enqueues each step's wait,
+    /// copy and writes in order with [`Self::stream_wait_value64`], [`Self::memcpy_d2h_async`]
+    /// or [`Self::memcpy_sized_async`], and [`Self::stream_write_values64`]: it needs 64-bit
+    /// stream memory operations and sized copies. An error may leave some steps enqueued.
+    ///
+    /// # Safety
+    /// Every address of every step is valid as [`SlotStep`] says (and `slot_host` a live
+    /// mapping of the same slot) until the stream passes the call; a put's slot holds `len`
+    /// bytes and a take's `cap`, neither overlapping the other buffer.
+    unsafe fn stream_slot_steps(&self, stream: StreamHandle, steps: &[SlotStep]) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe { slot_steps_in_order(self, stream, steps) }
+    }
+}
+
+/// The default [`DeviceAdaptor::stream_slot_steps`]: each step's wait, copy and writes as
+/// separate stream operations, step after step (for adaptors that override the method but
+/// fall back to it, e.g. where a kernel could not be loaded).
+///
+/// # Safety
+/// As [`DeviceAdaptor::stream_slot_steps`].
+pub unsafe fn slot_steps_in_order<A: DeviceAdaptor>(
+    a: &A,
+    stream: StreamHandle,
+    steps: &[SlotStep],
+) -> Result<()> {
+    for step in steps {
+        match *step {
+            SlotStep::Put {
+                wait,
+                src,
+                len,
+                slot_host,
+                writes,
+                ..
+            } => {
+                if let Some((at, min)) = wait {
+                    // SAFETY: forwarded contract.
+                    unsafe { a.stream_wait_value64(stream, at, min, WaitCondition::Geq) }?;
+                }
+                if len > 0 {
+                    // SAFETY: forwarded contract (the slot's host mapping holds `len`).
+                    unsafe { a.memcpy_d2h_async(slot_host, src, len, stream) }?;
+                }
+                // SAFETY: forwarded contract.
+                unsafe { a.stream_write_values64(stream, &writes) }?;
+            }
+            SlotStep::Take {
+                wait,
+                slot,
+                len_at,
+                dst,
+                cap,
+            } => {
+                // SAFETY: forwarded contract.
+                unsafe {
+                    a.stream_wait_value64(stream, wait.0, wait.1, WaitCondition::Geq)?;
+                    a.memcpy_sized_async(dst, slot, len_at, cap, stream)?;
+                }
+            }
+        }
+    }
+    Ok(())
 }

@@ -37,6 +37,9 @@ pub const SKIP_LOG_ENV: &str = "FLAGCX_SKIP_LOG";
 /// Environment variable listing capabilities the adaptor must report (comma-separated field
 /// names of [`crate::Capabilities`]), for runs on a machine whose hardware is known.
 pub const EXPECT_CAPS_ENV: &str = "FLAGCX_EXPECT_CAPS";
+mod slots;
+pub use slots::slot_steps_move_messages;
+
 const CHILD_ROLE_ENV: &str = "FLAGCX_CONFORMANCE_CHILD";
 const CHILD_HANDLE_ENV: &str = "FLAGCX_CONFORMANCE_HANDLE";
 const CHILD_FD_ENV: &str = "FLAGCX_CONFORMANCE_FD";
@@ -59,6 +62,7 @@ const HOLDS_A_STREAM: &[&str] = &[
     "stream_gates",
     "stream_memory_ops",
     "sized_copies_read_their_length_late",
+    "slot_steps_move_messages",
 ];
 
 /// Shared by every case of this process; taken exclusively by the cases of `HOLDS_A_STREAM`.
@@ -1451,7 +1455,7 @@ macro_rules! conformance_tests {
                 invalid_handles, stream_ordering_many_ops, events, host_functions, events_follow_earlier_work, stream_gates,
                 host_addressable_memory, host_register_shared_mapping, host_pin_shared_mapping,
                 stream_memory_ops, stream_value_writes_in_device_memory,
-                sized_copies_read_their_length_late, peer_access,
+                sized_copies_read_their_length_late, slot_steps_move_messages, peer_access,
                 capture_mode_guard, ipc_fd_same_process);
 
             #[test]

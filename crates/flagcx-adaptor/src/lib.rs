@@ -34,10 +34,10 @@ pub mod conformance;
 #[cfg(feature = "conformance")]
 pub mod testing;
 
-pub use adaptor::{DeviceAdaptor, HostFn};
+pub use adaptor::{slot_steps_in_order, DeviceAdaptor, HostFn};
 pub use error::{clone_io_error, AdaptorError, Result};
 pub use raii::{CaptureModeGuard, DeviceBuffer, Event, IpcMapping, PinnedBuffer, Stream};
 pub use types::{
     Capabilities, CaptureMode, DeviceProperties, DevicePtr, EventHandle, GateHandle, IpcFdHandle,
-    IpcMemHandle, StreamHandle, Vendor, WaitCondition, IPC_HANDLE_BYTES,
+    IpcMemHandle, SlotStep, StreamHandle, Vendor, WaitCondition, IPC_HANDLE_BYTES,
 };

@@ -236,6 +236,47 @@ pub struct Capabilities {
     pub sized_copy: bool,
 }
 
+/// One side of a small message through a slot both ends reach, as
+/// [`crate::DeviceAdaptor::stream_slot_steps`] runs it on a stream. Every address is
+/// device-visible (device memory, an IPC mapping, or registered host memory's device alias);
+/// the words are 8-byte aligned, and waits compare as [`WaitCondition::Geq`] does (wrap-safe).
+#[derive(Debug, Clone, Copy)]
+pub enum SlotStep {
+    /// The sending side: wait until the word at `wait.0` reaches `wait.1` (the slot is free;
+    /// `None`: no wait), copy `len` bytes from `src` into the slot, then write each of
+    /// `writes` in order, each visible to the peer before the next (a size word, then the
+    /// status word the receiving side waits for).
+    Put {
+        /// The free-slot wait, if any.
+        wait: Option<(DevicePtr, u64)>,
+        /// The message's bytes, device memory of this adaptor.
+        src: DevicePtr,
+        /// How many bytes the message has (at most the slot's size).
+        len: usize,
+        /// The slot as this process maps it (where a vendor copies into it from the host side).
+        slot_host: *mut u8,
+        /// The slot as the device reaches it.
+        slot: DevicePtr,
+        /// Written after the bytes, in order.
+        writes: [(DevicePtr, u64); 2],
+    },
+    /// The receiving side: wait until the word at `wait.0` reaches `wait.1`, then copy as
+    /// [`crate::DeviceAdaptor::memcpy_sized_async`] does: `n` = the word at `len_at`, read after
+    /// the wait, and `n` bytes from `slot` to `dst` if `n <= cap`, none otherwise.
+    Take {
+        /// The message-is-there wait.
+        wait: (DevicePtr, u64),
+        /// The slot.
+        slot: DevicePtr,
+        /// The word holding the message's length.
+        len_at: DevicePtr,
+        /// Where the bytes go, device memory of this adaptor.
+        dst: DevicePtr,
+        /// At most this many bytes are taken.
+        cap: usize,
+    },
+}
+
 /// The thread's stream-capture mode (CUDA graph capture semantics).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CaptureMode {

@@ -140,6 +140,15 @@ impl Clone for CommError {
 }
 
 impl CommError {
+    /// The same failure for a second operation it fails: vendor errors keep their type and
+    /// code; the rest keep their text as a protocol error.
+    pub(crate) fn duplicate(&self) -> CommError {
+        match self {
+            CommError::Adaptor(e) => CommError::Adaptor(e.clone()),
+            e => CommError::Protocol(e.to_string()),
+        }
+    }
+
     /// True for failures that leave a pair (or the communicator) unusable and that a
     /// watchdog should act on: a lost peer, a timeout, a remote or vendor failure, an OS or
     /// protocol error. A size mismatch, a bad argument or an abort the caller asked for are

@@ -97,25 +97,18 @@ impl<A: DeviceAdaptor> Comm<A> {
                     self.shared.reserved[op.peer][op.dir as usize].load(Ordering::Acquire)
                 })
             });
+            // Stream-ordered messages, per stream in number order: (index in the inbox,
+            // stream), enqueued together below.
+            let mut ordered: Vec<(usize, StreamHandle)> = Vec::new();
             for (mut op, stream) in ops {
                 let d = op.dir as usize;
                 op.index = inbox.next[op.peer][d];
                 inbox.next[op.peer][d] += 1;
-                if let (None, Some(link)) =
-                    (&op.resume, self.streamed_link(op.peer, op.dir, op.bytes))
-                {
-                    // Numbered and enqueued under one lock, so each stream carries its pair's
-                    // messages in number order. SAFETY: `post` checked the buffer; the
-                    // operation (holding it, for safe callers) lives until its event completes.
-                    let r = unsafe {
-                        self.enqueue_streamed(link, op.dir, op.index, op.ptr, op.bytes, stream)
-                    };
-                    op.resume = Some(match r {
-                        Ok(ev) => Resume::Streamed(ev),
-                        Err(e) => Resume::Failed(Box::new(e)),
-                    });
-                }
-                if op.dir == Dir::Send && !matches!(op.resume, Some(Resume::Streamed(_))) {
+                let streamed =
+                    op.resume.is_none() && self.streamed_link(op.peer, op.dir, op.bytes).is_some();
+                if streamed {
+                    ordered.push((inbox.ops.len(), stream));
+                } else if op.dir == Dir::Send {
                     if let Some(link) = self.eager.get(op.peer).and_then(|l| l.as_ref()) {
                         // After every earlier eager message of the pair (published under the
                         // same lock), so the receiver's look at the slot settles which is which.
@@ -124,6 +117,41 @@ impl<A: DeviceAdaptor> Comm<A> {
                 }
                 self.shared.pending[op.peer][d].fetch_add(1, Ordering::AcqRel);
                 inbox.ops.push(op);
+            }
+            // Numbered and enqueued under one lock, so each stream carries its pair's messages
+            // in number order; one call per stream (one kernel on CUDA) for all of a group's.
+            ordered.sort_by_key(|&(i, s)| (s.0, i));
+            for batch in ordered.chunk_by(|a, b| a.1 == b.1) {
+                let stream = batch[0].1;
+                let msgs: Vec<_> = batch
+                    .iter()
+                    .map(|&(i, _)| {
+                        let op = &inbox.ops[i];
+                        let link = self.streamed_link(op.peer, op.dir, op.bytes);
+                        (
+                            link.expect("chosen above"),
+                            op.dir,
+                            op.index,
+                            op.ptr,
+                            op.bytes,
+                        )
+                    })
+                    .collect();
+                // SAFETY: `post` checked the buffers; each operation (holding its buffer, for
+                // safe callers) lives until its event completes.
+                let r = unsafe { self.enqueue_streamed(&msgs, stream) };
+                match r {
+                    Ok(events) => {
+                        for (&(i, _), ev) in batch.iter().zip(events) {
+                            inbox.ops[i].resume = Some(Resume::Streamed(ev));
+                        }
+                    }
+                    Err(e) => {
+                        for &(i, _) in batch {
+                            inbox.ops[i].resume = Some(Resume::Failed(Box::new(e.duplicate())));
+                        }
+                    }
+                }
             }
         }
         self.shared.posted.fetch_add(1, Ordering::Release);

@@ -269,6 +269,20 @@ pub unsafe trait Driver: Send + Sync + Sized + 'static {
         })
     }
 
+    /// Enqueues [`crate::DeviceAdaptor::stream_slot_steps`]'s steps as the vendor's own
+    /// operation (a kernel); `Unsupported` (the default) before anything is enqueued where it
+    /// has none, and the core then enqueues them as separate stream operations.
+    ///
+    /// # Safety
+    /// As for [`crate::DeviceAdaptor::stream_slot_steps`]; the context is current.
+    unsafe fn slot_steps(&self, stream: u64, steps: &[crate::SlotStep]) -> Result<()> {
+        let _ = (stream, steps);
+        Err(crate::AdaptorError::Unsupported {
+            vendor: Self::VENDOR,
+            op: "stream_slot_steps",
+        })
+    }
+
     /// Releases the device (its context) after everything else was released, at teardown.
     ///
     /// # Safety

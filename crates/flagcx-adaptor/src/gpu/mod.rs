@@ -19,8 +19,8 @@ use std::sync::{Arc, Mutex};
 use crate::tracking::{lock, HandleSet, RangeMap};
 use crate::{
     AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceProperties, DevicePtr,
-    EventHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor, WaitCondition,
-    IPC_HANDLE_BYTES,
+    EventHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, SlotStep, StreamHandle, Vendor,
+    WaitCondition, IPC_HANDLE_BYTES,
 };
 
 mod driver;
@@ -834,5 +834,61 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
         }
         // SAFETY: as above, for every address.
         unsafe { d.write_values(s, &raw) }
+    }
+
+    unsafe fn stream_slot_steps(&self, stream: StreamHandle, steps: &[SlotStep]) -> Result<()> {
+        const OP: &str = "stream_slot_steps";
+        if steps.is_empty() {
+            return Ok(());
+        }
+        let caps = self.inner.info.caps;
+        if !(caps.stream_mem_ops_64 && caps.sized_copy) {
+            return Err(AdaptorError::Unsupported {
+                vendor: D::VENDOR,
+                op: OP,
+            });
+        }
+        // Every address before anything is enqueued.
+        for step in steps {
+            let (words, ptrs) = match *step {
+                SlotStep::Put {
+                    wait,
+                    src,
+                    len,
+                    slot,
+                    writes,
+                    ..
+                } => (
+                    [wait.map(|w| w.0), Some(writes[0].0), Some(writes[1].0)],
+                    (len > 0).then_some([src, slot]),
+                ),
+                SlotStep::Take {
+                    wait,
+                    slot,
+                    len_at,
+                    dst,
+                    cap,
+                } => (
+                    [Some(wait.0), Some(len_at), None],
+                    (cap > 0).then_some([slot, dst]),
+                ),
+            };
+            for w in words.into_iter().flatten() {
+                aligned(OP, w, 8)?;
+            }
+            if ptrs.is_some_and(|p| p.iter().any(|p| p.is_null())) {
+                return Err(AdaptorError::invalid(OP, "null pointer"));
+            }
+        }
+        let s = self.stream(stream)?;
+        let d = self.bound()?;
+        // SAFETY: the caller's contract; the context is bound.
+        match unsafe { d.slot_steps(s, steps) } {
+            Err(AdaptorError::Unsupported { .. }) => {
+                // SAFETY: forwarded contract.
+                unsafe { crate::slot_steps_in_order(self, stream, steps) }
+            }
+            r => r,
+        }
     }
 }

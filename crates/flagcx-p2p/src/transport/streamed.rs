@@ -37,7 +37,7 @@
 
 use std::sync::Arc;
 
-use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, StreamHandle, WaitCondition};
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, SlotStep, StreamHandle};
 
 use super::{remote_failure, send_failure, Path, Phase, Progress, Roles, Step};
 use crate::channel::{Channel, Counter, SendStatus, DESC_RING};
@@ -146,65 +146,48 @@ impl StreamLink {
         DevicePtr(base.0 + offset as u64)
     }
 
-    /// Enqueues message `k`'s side on `stream`.
-    ///
-    /// # Safety
-    /// `ptr..ptr+bytes` is device memory of `a` that stays valid until the event completes.
-    unsafe fn enqueue<A: DeviceAdaptor>(
-        &self,
-        a: &A,
-        dir: Dir,
-        k: u64,
-        ptr: DevicePtr,
-        bytes: usize,
-        stream: StreamHandle,
-    ) -> flagcx_adaptor::Result<()> {
+    /// Message `k`'s side in direction `dir`, as one step for
+    /// [`DeviceAdaptor::stream_slot_steps`] (the table in the module docs).
+    pub(crate) fn step(&self, dir: Dir, k: u64, ptr: DevicePtr, bytes: usize) -> SlotStep {
         match dir {
             Dir::Send => {
                 let (ch, base) = (&self.out, self.out_dev);
-                if k >= DESC_RING {
-                    let done = Self::at(base, Channel::counter_offset(Counter::RecvDone));
-                    // SAFETY: a registered, aligned word of the channel head.
-                    unsafe {
-                        a.stream_wait_value64(stream, done, k + 1 - DESC_RING, WaitCondition::Geq)
-                    }?;
-                }
-                if bytes > 0 {
-                    // SAFETY: eager slot `k` holds `send_max >= bytes` bytes of the mapping;
-                    // the caller's contract covers `ptr`.
-                    let slot = unsafe { ch.segment().as_ptr().add(ch.eager_slot_offset(k)) };
-                    // SAFETY: as above.
-                    unsafe { a.memcpy_d2h_async(slot, ptr, bytes, stream) }?;
-                }
-                let writes = [
-                    (Self::at(base, ch.send_size_offset(k)), bytes as u64),
+                let wait = (k >= DESC_RING).then(|| {
                     (
-                        Self::at(base, ch.send_status_offset(k)),
-                        Channel::status_word(SendStatus::Eager, k),
-                    ),
-                ];
-                // SAFETY: registered, aligned words of the channel head.
-                unsafe { a.stream_write_values64(stream, &writes) }?;
+                        Self::at(base, Channel::counter_offset(Counter::RecvDone)),
+                        k + 1 - DESC_RING,
+                    )
+                });
+                let offset = ch.eager_slot_offset(k);
+                SlotStep::Put {
+                    wait,
+                    src: ptr,
+                    len: bytes,
+                    slot_host: {
+                        // SAFETY: eager slot `k` lies within the channel's mapping.
+                        unsafe { ch.segment().as_ptr().add(offset) }
+                    },
+                    slot: Self::at(base, offset),
+                    writes: [
+                        (Self::at(base, ch.send_size_offset(k)), bytes as u64),
+                        (
+                            Self::at(base, ch.send_status_offset(k)),
+                            Channel::status_word(SendStatus::Eager, k),
+                        ),
+                    ],
+                }
             }
             Dir::Recv => {
                 let (ch, base) = (&self.inc, self.inc_dev);
-                let status = Self::at(base, ch.send_status_offset(k));
-                // SAFETY: a registered, aligned word of the channel head.
-                unsafe { a.stream_wait_value64(stream, status, (k + 1) << 8, WaitCondition::Geq) }?;
-                // SAFETY: slot `k` holds `recv_max >= bytes` registered bytes; the size word is
-                // aligned; the caller's contract covers `ptr`.
-                unsafe {
-                    a.memcpy_sized_async(
-                        ptr,
-                        Self::at(base, ch.eager_slot_offset(k)),
-                        Self::at(base, ch.send_size_offset(k)),
-                        bytes,
-                        stream,
-                    )
-                }?;
+                SlotStep::Take {
+                    wait: (Self::at(base, ch.send_status_offset(k)), (k + 1) << 8),
+                    slot: Self::at(base, ch.eager_slot_offset(k)),
+                    len_at: Self::at(base, ch.send_size_offset(k)),
+                    dst: ptr,
+                    cap: bytes,
+                }
             }
         }
-        Ok(())
     }
 
     /// Ends every wait of message `k`'s side that the peer would have satisfied: a receive's
@@ -234,31 +217,46 @@ impl<A: DeviceAdaptor> Comm<A> {
             .filter(|l| l.takes(dir, bytes))
     }
 
-    /// Enqueues message `k` of (`peer`, `dir`) on `stream`; the event that completes with it,
-    /// or the failure (after which no wait of it is left on the stream).
+    /// Enqueues the stream-ordered messages `msgs` — (link, direction, number, buffer, bytes)
+    /// each — on `stream` in one call of [`DeviceAdaptor::stream_slot_steps`] (one kernel on
+    /// CUDA), then records one event per message behind them: the events that complete with
+    /// them, or the failure (after which no wait of theirs is left on the stream).
     ///
     /// # Safety
-    /// `ptr..ptr+bytes` is device memory of this adaptor, valid until the operation finishes.
+    /// Each buffer is device memory of this adaptor, valid until its operation finishes.
     pub(crate) unsafe fn enqueue_streamed(
         &self,
-        link: &StreamLink,
-        dir: Dir,
-        k: u64,
-        ptr: DevicePtr,
-        bytes: usize,
+        msgs: &[(&StreamLink, Dir, u64, DevicePtr, usize)],
         stream: StreamHandle,
-    ) -> Result<EventHandle> {
-        let ev = self.spare_event()?;
-        // SAFETY: forwarded contract.
-        let r = unsafe { link.enqueue(&self.adaptor, dir, k, ptr, bytes, stream) };
-        match r.and_then(|()| self.adaptor.event_record(ev, stream)) {
-            Ok(()) => Ok(ev),
+    ) -> Result<Vec<EventHandle>> {
+        let steps: Vec<SlotStep> = msgs
+            .iter()
+            .map(|&(link, dir, k, ptr, bytes)| link.step(dir, k, ptr, bytes))
+            .collect();
+        let mut events = Vec::with_capacity(msgs.len());
+        // SAFETY: forwarded contract; each link's words and slots are registered and live.
+        let mut r = unsafe { self.adaptor.stream_slot_steps(stream, &steps) }.map_err(Into::into);
+        for _ in msgs {
+            if r.is_err() {
+                break;
+            }
+            r = self.spare_event().and_then(|ev| {
+                events.push(ev);
+                self.adaptor.event_record(ev, stream).map_err(Into::into)
+            });
+        }
+        match r {
+            Ok(()) => Ok(events),
             Err(e) => {
-                // Whatever part went in must not wait for good: the pair is retired by the
-                // engine for this failure, so its words are ours to settle.
-                StreamLink::release_side(&link.out, &link.inc, dir, k);
-                let _ = self.adaptor.event_destroy(ev);
-                Err(e.into())
+                // Whatever part went in must not wait for good: the pairs are retired by the
+                // engine for this failure, so their words are ours to settle.
+                for &(link, dir, k, ..) in msgs {
+                    StreamLink::release_side(&link.out, &link.inc, dir, k);
+                }
+                for ev in events {
+                    let _ = self.adaptor.event_destroy(ev);
+                }
+                Err(e)
             }
         }
     }

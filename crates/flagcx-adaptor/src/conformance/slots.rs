@@ -1,0 +1,161 @@
+//! The conformance case of [`DeviceAdaptor::stream_slot_steps`]: small messages through slots
+//! in registered host memory, as stream-ordered pairs use it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use super::{assert_err, assert_same, filled, SharedMapping};
+use crate::{DeviceAdaptor, DeviceBuffer, DevicePtr, SlotStep, Stream};
+
+/// Slots of 8 KiB after one page of words.
+const SLOT: usize = 8192;
+const SLOTS: usize = 3;
+
+/// A take enqueued before its message waits for it, and a put for its free-slot word, both
+/// released later from other streams or the host; several puts, then several takes, of odd
+/// sizes at odd offsets per call; a message longer than its take's capacity moves nothing and
+/// leaves the buffer as it was; a misaligned word is refused. Vendors without 64-bit stream
+/// memory operations, sized copies or host registration say `Unsupported`.
+pub fn slot_steps_move_messages<A: DeviceAdaptor>(a: &A) {
+    let caps = a.capabilities();
+    let map = SharedMapping::new(4096 + SLOTS * SLOT);
+    let s = Stream::new(a).expect("stream");
+    let s2 = Stream::new(a).expect("stream");
+    let dst = DeviceBuffer::new(a, SLOTS * SLOT + 64).expect("alloc");
+    let src = DeviceBuffer::new(a, SLOTS * SLOT + 64).expect("alloc");
+    if !(caps.stream_mem_ops_64 && caps.sized_copy && caps.host_register) {
+        let take = SlotStep::Take {
+            wait: (src.ptr(), 1),
+            slot: src.ptr(),
+            len_at: src.ptr(),
+            dst: dst.ptr(),
+            cap: 8,
+        };
+        // SAFETY: refused before anything is enqueued (every address is device memory).
+        let e = assert_err("stream_slot_steps", unsafe {
+            a.stream_slot_steps(s.handle(), &[take])
+        });
+        assert!(e.is_unsupported(), "{e}");
+        return;
+    }
+    // SAFETY: `map` outlives the unregister at the end.
+    let base = unsafe { a.host_register(map.ptr, map.len) }.expect("host_register");
+    let at = |off: usize| DevicePtr(base.0 + off as u64);
+    // Per slot: its status word, size word and free-slot word.
+    let word = |slot: usize, w: usize| 64 * slot + 8 * w;
+    let host_word = |off: usize| {
+        // SAFETY: an aligned word of the live mapping.
+        unsafe { &*(map.ptr.add(off) as *const AtomicU64) }
+    };
+    let slot_off = |i: usize| 4096 + i * SLOT;
+    let data = filled(SLOTS * SLOT + 64, 57);
+    src.write(0, &data, &s).expect("write");
+    let put = |i: usize, soff: usize, n: usize, wait: Option<u64>, status: u64| SlotStep::Put {
+        wait: wait.map(|min| (at(word(i, 2)), min)),
+        src: DevicePtr(src.ptr().0 + soff as u64),
+        len: n,
+        slot_host: {
+            // SAFETY: slot `i` lies within the mapping.
+            unsafe { map.ptr.add(slot_off(i)) }
+        },
+        slot: at(slot_off(i)),
+        writes: [(at(word(i, 1)), n as u64), (at(word(i, 0)), status)],
+    };
+    let take = |i: usize, doff: usize, cap: usize, status: u64| SlotStep::Take {
+        wait: (at(word(i, 0)), status),
+        slot: at(slot_off(i)),
+        len_at: at(word(i, 1)),
+        dst: DevicePtr(dst.ptr().0 + doff as u64),
+        cap,
+    };
+    let read = |s: &Stream<A>| {
+        let mut got = vec![0u8; SLOTS * SLOT + 64];
+        dst.read(0, &mut got, s).expect("read");
+        got
+    };
+
+    // 1. The take first; then a put whose free-slot word the host writes last.
+    dst.fill(0xEE, &s).expect("fill");
+    s.synchronize().expect("sync");
+    // SAFETY: every address is in the registered mapping or the live buffers, all
+    // synchronized before they go; the take's capacity and the put's length fit the slot.
+    unsafe { a.stream_slot_steps(s.handle(), &[take(0, 3, SLOT - 16, 0x100)]) }.expect("take");
+    std::thread::sleep(Duration::from_millis(2));
+    assert!(!s.query().expect("query"), "a take ran before its message");
+    // SAFETY: as above.
+    unsafe { a.stream_slot_steps(s2.handle(), &[put(0, 5, 4109, Some(7), 0x100)]) }.expect("put");
+    std::thread::sleep(Duration::from_millis(2));
+    assert!(
+        !s2.query().expect("query"),
+        "a put ran before its slot was free"
+    );
+    assert_eq!(
+        host_word(word(0, 0)).load(Ordering::Acquire),
+        0,
+        "status early"
+    );
+    host_word(word(0, 2)).store(7, Ordering::Release);
+    s2.synchronize().expect("sync");
+    s.synchronize().expect("sync");
+    assert_eq!(
+        host_word(word(0, 1)).load(Ordering::Acquire),
+        4109,
+        "size word"
+    );
+    assert_eq!(
+        host_word(word(0, 0)).load(Ordering::Acquire),
+        0x100,
+        "status word"
+    );
+    let mut want = vec![0xEEu8; SLOTS * SLOT + 64];
+    want[3..3 + 4109].copy_from_slice(&data[5..5 + 4109]);
+    assert_same("a take released by its put", &read(&s), &want);
+
+    // 2. Three puts in one call, three takes in another: words, a ragged tail, bytes only;
+    // the third message is longer than its take's capacity.
+    dst.fill(0x11, &s).expect("fill");
+    s.synchronize().expect("sync");
+    let (status, sizes) = (
+        0x200,
+        [(0usize, 0usize, SLOT), (16, 4096, 777), (1, 9000, 1000)],
+    );
+    let takes: Vec<SlotStep> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &(doff, _, n))| take(i, i * SLOT + doff, if i == 2 { n - 1 } else { n }, status))
+        .collect();
+    // SAFETY: as above.
+    unsafe { a.stream_slot_steps(s.handle(), &takes) }.expect("takes");
+    let puts: Vec<SlotStep> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &(_, soff, n))| put(i, soff, n, None, status))
+        .collect();
+    // SAFETY: as above.
+    unsafe { a.stream_slot_steps(s2.handle(), &puts) }.expect("puts");
+    s2.synchronize().expect("sync");
+    s.synchronize().expect("sync");
+    let mut want = vec![0x11u8; SLOTS * SLOT + 64];
+    for (i, &(doff, soff, n)) in sizes.iter().enumerate().take(2) {
+        want[i * SLOT + doff..i * SLOT + doff + n].copy_from_slice(&data[soff..soff + n]);
+    }
+    assert_same(
+        "three messages, the last too long for its take",
+        &read(&s),
+        &want,
+    );
+
+    // 3. A misaligned word is refused.
+    let mut bad = take(0, 0, 8, 1);
+    if let SlotStep::Take { len_at, .. } = &mut bad {
+        len_at.0 += 4;
+    }
+    // SAFETY: refused before anything is enqueued.
+    assert_err("misaligned length word", unsafe {
+        a.stream_slot_steps(s.handle(), &[bad])
+    });
+    s.synchronize().expect("sync");
+    s2.synchronize().expect("sync");
+    // SAFETY: nothing runs on the mapping any more.
+    unsafe { a.host_unregister(map.ptr) }.expect("host_unregister");
+}
