@@ -27,10 +27,11 @@
 compile_error!("enable at least one vendor feature of `flagcx` (host, cuda, hip, opencl)");
 
 pub use flagcx_adaptor as adaptor;
+pub use flagcx_adaptor::slot_steps_in_order;
 pub use flagcx_adaptor::{
     AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceBuffer, DeviceProperties,
     DevicePtr, Event, EventHandle, HostFn, IpcFdHandle, IpcMapping, IpcMemHandle, PinnedBuffer,
-    Result, Stream, StreamHandle, Vendor, WaitCondition,
+    Result, SlotStep, Stream, StreamHandle, Vendor, WaitCondition,
 };
 
 /// The host vendor (feature `host`).

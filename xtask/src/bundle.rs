@@ -154,6 +154,7 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         ("--example", "pingpong"),
         ("--bin", "flagcx-perf"),
         ("--example", "port_pingpong"),
+        ("--example", "slot_pingpong"),
     ] {
         // OpenCL too (loaded at run time), for trying a CUDA rank next to an OpenCL rank.
         let exe = build_binary(kind, name, &format!("flagcx/{vendor},flagcx/opencl"))?;
@@ -336,6 +337,15 @@ fi
         vec![],
         Some(&format!("{vendor},host")),
     ));
+    // The device's own cost of a stream-ordered message: one process, two streams, one kernel
+    // per step against separate stream operations (every byte of the last echo checked).
+    entries.push(Entry {
+        label: format!("slot ping-pong ({vendor})"),
+        file: "slot-pingpong".into(),
+        env: vec![("FLAGCX_VENDOR".into(), vendor.clone())],
+        args: vec!["\"$here/bin/slot_pingpong\"".into()],
+        placements: false,
+    });
     entries.push(Entry {
         label: format!("port channels ({vendor} kernels)"),
         file: "port".into(),

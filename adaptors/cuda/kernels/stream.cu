@@ -66,8 +66,7 @@ struct SlotSteps {
 // Block `b` runs step `b`. Thread 0 waits, then a fence orders the block's later loads after
 // the word it saw; a put's bytes are fenced (system scope: the peer may be another device or
 // the host) before thread 0 writes the words, and the words are fenced from each other.
-extern "C" __global__ void flagcx_slot_steps(SlotSteps steps) {
-  const SlotStep &st = steps.s[blockIdx.x];
+__device__ static void slot_step(const SlotStep &st) {
   if (threadIdx.x == 0 && st.wait_at != 0) {
     const volatile u64 *w = (const volatile u64 *)st.wait_at;
     while ((long long)(*w - st.wait_min) < 0) {
@@ -92,3 +91,9 @@ extern "C" __global__ void flagcx_slot_steps(SlotSteps steps) {
                  blockDim.x);
   }
 }
+
+extern "C" __global__ void flagcx_slot_steps(SlotSteps steps) { slot_step(steps.s[blockIdx.x]); }
+
+// The same for a call of one step: 80 bytes of parameters instead of 1280 (a launch's
+// parameters travel in the driver's command stream).
+extern "C" __global__ void flagcx_slot_step(SlotStep step) { slot_step(step); }

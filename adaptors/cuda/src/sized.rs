@@ -62,6 +62,8 @@ struct RawSteps([RawStep; MAX_STEPS]);
 pub(crate) struct SizedKernel {
     func: sys::CUfunction,
     steps: sys::CUfunction,
+    /// The one-step form (80 bytes of parameters, not 1280).
+    step: sys::CUfunction,
 }
 
 // SAFETY: module and function handles are driver objects usable from any thread on which
@@ -113,7 +115,14 @@ impl SizedKernel {
                 sys::cuModuleGetFunction(&mut steps, module, c"flagcx_slot_steps".as_ptr())
             })
         });
-        let k = SizedKernel { func, steps };
+        let mut step = std::ptr::null_mut();
+        let got = got.and_then(|()| {
+            // SAFETY: as above.
+            check("cuModuleGetFunction", unsafe {
+                sys::cuModuleGetFunction(&mut step, module, c"flagcx_slot_step".as_ptr())
+            })
+        });
+        let k = SizedKernel { func, steps, step };
         if let Err(e) = got.and_then(|()| k.warm_up()) {
             // SAFETY: loaded above, used by nothing.
             unsafe { sys::cuModuleUnload(module) };
@@ -225,15 +234,21 @@ impl SizedKernel {
                 "between 1 and 16 steps per launch",
             ));
         }
+        let mut one = steps[0];
         let mut raw = RawSteps([RawStep::default(); MAX_STEPS]);
-        raw.0[..steps.len()].copy_from_slice(steps);
-        let mut params: [*mut c_void; 1] = [(&mut raw as *mut RawSteps).cast()];
+        let (func, param): (_, *mut c_void) = if steps.len() == 1 {
+            (self.step, (&mut one as *mut RawStep).cast())
+        } else {
+            raw.0[..steps.len()].copy_from_slice(steps);
+            (self.steps, (&mut raw as *mut RawSteps).cast())
+        };
+        let mut params: [*mut c_void; 1] = [param];
         // SAFETY: one pointer to a value laid out as the kernel's one by-value struct
-        // parameter (sixteen 80-byte steps of u64 fields), alive for the call (the driver
-        // copies it at launch); the memory the steps touch is the caller's contract.
+        // parameter (one 80-byte step of u64 fields, or sixteen), alive for the call (the
+        // driver copies it at launch); the memory the steps touch is the caller's contract.
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
-                self.steps,
+                func,
                 steps.len() as u32,
                 1,
                 1,

@@ -390,20 +390,22 @@ impl<A: DeviceAdaptor> Comm<A> {
         let mut streamed: Vec<Option<StreamLink>> = Vec::with_capacity(nranks);
         for (q, c) in peers.iter().enumerate() {
             streamed.push(match (c, ordered[q]) {
-                (Some(c), true) => match StreamLink::register(&adaptor, &c.out, &c.inc) {
-                    Ok(l) => Some(l),
-                    Err(e) => {
-                        // Undo what setup registered before the channels go.
-                        streamed.iter().flatten().for_each(|l| l.release(&adaptor));
-                        for conn in peers.iter().flatten().filter(|c| c.registered) {
-                            for ch in [&conn.out, &conn.inc] {
-                                // SAFETY: no copy was ever issued on these rings.
-                                let _ = unsafe { adaptor.host_unpin(ch.ring().0) };
+                (Some(c), true) => {
+                    match StreamLink::register(&adaptor, &c.out, &c.inc, c.shares_device) {
+                        Ok(l) => Some(l),
+                        Err(e) => {
+                            // Undo what setup registered before the channels go.
+                            streamed.iter().flatten().for_each(|l| l.release(&adaptor));
+                            for conn in peers.iter().flatten().filter(|c| c.registered) {
+                                for ch in [&conn.out, &conn.inc] {
+                                    // SAFETY: no copy was ever issued on these rings.
+                                    let _ = unsafe { adaptor.host_unpin(ch.ring().0) };
+                                }
                             }
+                            return Err(e);
                         }
-                        return Err(e);
                     }
-                },
+                }
                 _ => None,
             });
         }
