@@ -5,7 +5,10 @@
 //! sized copies ([`flagcx_adaptor::Capabilities::sized_copy`]) — CUDA and the host vendor —
 //! registers the head of both its channels (counters, descriptors, eager slots) with its
 //! runtime, so its streams reach them. Message `k` of a direction (a send of at most the
-//! channel's eager slot, or a receive of at most that) then is, on the caller's stream:
+//! channel's eager slot, or a receive of at most that) then is one step of
+//! [`DeviceAdaptor::stream_slot_steps`] on the caller's stream (a group's messages on one
+//! stream in one call: one kernel on CUDA; separate stream operations where the pair shares a
+//! device, see [`StreamLink`]'s `fused`):
 //!
 //! | side | stream operations |
 //! |---|---|
