@@ -826,6 +826,30 @@ fn streamed(r: &Rank, next: usize, prev: usize) {
         let (out, inc) = (size(me, 1000 + it), size(prev, 1000 + it));
         r.exchange(&[(next, out)], &[(prev, inc)], 50_000 + it);
     }
+    // Groups that post their receive before their send, on every rank and one stream: enqueued
+    // in posting order, each rank's receive would wait for a send queued behind the peer's.
+    let h = r.stream.handle();
+    for it in 0..50u64 {
+        let (out, inc) = (size(me, 5000 + it), size(prev, 5000 + it));
+        let src = r.filled(next, 60_000 + it, out);
+        let dst = r.buffer(inc.max(1));
+        r.stream.synchronize().expect("fill");
+        let (rq, sq) = r
+            .comm
+            .group(|| {
+                // SAFETY: both buffers hold the sizes posted and outlive the waits and the
+                // synchronize below.
+                let rq = unsafe { r.comm.recv_raw(dst.ptr(), inc, prev, h) }?;
+                // SAFETY: as above.
+                let sq = unsafe { r.comm.send_raw(src.ptr(), out, next, h) }?;
+                Ok((rq, sq))
+            })
+            .expect("post");
+        assert_eq!(sq.wait().expect("send"), out);
+        assert_eq!(rq.wait().expect("recv"), inc);
+        r.stream.synchronize().expect("sync");
+        r.check(&dst, prev, 60_000 + it, inc);
+    }
 }
 
 /// Messages posted one by one (no group), as a latency-bound caller does: small ones take the

@@ -14,7 +14,7 @@ use flagcx_adaptor::{
 };
 
 use crate::error::{check, error_name, vendor_error};
-use crate::sized::{RawStep, MAX_STEPS};
+use crate::sized::{raw_step, RawStep, MAX_STEPS};
 
 /// A CUDA context handle. The driver API is thread-safe and a context may be made current on
 /// any thread, so the raw pointer may be shared.
@@ -784,46 +784,5 @@ unsafe impl Driver for CudaDriver {
     unsafe fn close(&self) {
         // SAFETY: retained in `open`, released once at teardown.
         unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.cu_device) };
-    }
-}
-
-/// A step as the kernel reads it (`kernels/stream.cu`).
-fn raw_step(step: &SlotStep) -> RawStep {
-    match *step {
-        SlotStep::Put {
-            wait,
-            src,
-            len,
-            slot,
-            writes,
-            ..
-        } => RawStep {
-            kind: 1,
-            wait_at: wait.map_or(0, |w| w.0 .0),
-            wait_min: wait.map_or(0, |w| w.1),
-            src: src.0,
-            dst: slot.0,
-            len: len as u64,
-            word0: writes[0].0 .0,
-            value0: writes[0].1,
-            word1: writes[1].0 .0,
-            value1: writes[1].1,
-        },
-        SlotStep::Take {
-            wait,
-            slot,
-            len_at,
-            dst,
-            cap,
-        } => RawStep {
-            kind: 2,
-            wait_at: wait.0 .0,
-            wait_min: wait.1,
-            src: slot.0,
-            dst: dst.0,
-            len: cap as u64,
-            word0: len_at.0,
-            ..RawStep::default()
-        },
     }
 }

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use cudarc::driver::sys;
-use flagcx_adaptor::{AdaptorError, Result};
+use flagcx_adaptor::{AdaptorError, Result, SlotStep};
 
 use crate::error::check;
 
@@ -261,5 +261,46 @@ impl SizedKernel {
                 std::ptr::null_mut(),
             )
         })
+    }
+}
+
+/// A step as the kernel reads it (`kernels/stream.cu`).
+pub(crate) fn raw_step(step: &SlotStep) -> RawStep {
+    match *step {
+        SlotStep::Put {
+            wait,
+            src,
+            len,
+            slot,
+            writes,
+            ..
+        } => RawStep {
+            kind: 1,
+            wait_at: wait.map_or(0, |w| w.0 .0),
+            wait_min: wait.map_or(0, |w| w.1),
+            src: src.0,
+            dst: slot.0,
+            len: len as u64,
+            word0: writes[0].0 .0,
+            value0: writes[0].1,
+            word1: writes[1].0 .0,
+            value1: writes[1].1,
+        },
+        SlotStep::Take {
+            wait,
+            slot,
+            len_at,
+            dst,
+            cap,
+        } => RawStep {
+            kind: 2,
+            wait_at: wait.0 .0,
+            wait_min: wait.1,
+            src: slot.0,
+            dst: dst.0,
+            len: cap as u64,
+            word0: len_at.0,
+            ..RawStep::default()
+        },
     }
 }

@@ -362,4 +362,28 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.stream_write_values64(stream, writes) }
     }
+    unsafe fn stream_slot_steps(
+        &self,
+        stream: StreamHandle,
+        steps: &[crate::SlotStep],
+    ) -> Result<()> {
+        // The faults of the operations a call stands for: waits, a put's copy and writes.
+        const OP: &str = "stream_slot_steps";
+        for step in steps {
+            match step {
+                crate::SlotStep::Put { wait, len, .. } => {
+                    if wait.is_some() {
+                        self.check(FaultOp::StreamWait, OP)?;
+                    }
+                    if *len > 0 {
+                        self.check(FaultOp::CopyD2H, OP)?;
+                    }
+                    self.check(FaultOp::StreamWrite, OP)?;
+                }
+                crate::SlotStep::Take { .. } => self.check(FaultOp::StreamWait, OP)?,
+            }
+        }
+        // SAFETY: forwarded contract.
+        unsafe { self.inner.stream_slot_steps(stream, steps) }
+    }
 }

@@ -119,8 +119,9 @@ impl<A: DeviceAdaptor> Comm<A> {
                 inbox.ops.push(op);
             }
             // Numbered and enqueued under one lock, so each stream carries its pair's messages
-            // in number order; one call per stream (one kernel on CUDA) for all of a group's.
-            ordered.sort_by_key(|&(i, s)| (s.0, i));
+            // in number order; one call per stream (one kernel on CUDA) for all of a group's,
+            // its sends first (see `enqueue_streamed`).
+            ordered.sort_by_key(|&(i, s)| (s.0, inbox.ops[i].dir == Dir::Recv, i));
             for batch in ordered.chunk_by(|a, b| a.1 == b.1) {
                 let stream = batch[0].1;
                 let msgs: Vec<_> = batch

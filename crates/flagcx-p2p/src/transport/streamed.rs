@@ -230,8 +230,11 @@ impl<A: DeviceAdaptor> Comm<A> {
 
     /// Enqueues the stream-ordered messages `msgs` — (link, direction, number, buffer, bytes)
     /// each — on `stream` in one call of [`DeviceAdaptor::stream_slot_steps`] (one kernel on
-    /// CUDA; as separate stream operations where a pair shares its device), then records one event per message behind them: the events that complete with
-    /// them, or the failure (after which no wait of theirs is left on the stream).
+    /// CUDA; as separate stream operations where a pair shares its device), then records one
+    /// event per message behind them: the events that complete with them, or the failure
+    /// (after which no wait of theirs is left on the stream). Sends go first in the call: done
+    /// in order, a receive ahead of them would wait for a peer whose receive waits the same
+    /// way (a group that posts its receives first, on both ranks).
     ///
     /// # Safety
     /// Each buffer is device memory of this adaptor, valid until its operation finishes.
