@@ -109,6 +109,7 @@ fn bounce(a: &Adaptor, pages: &HostPages, host_base: DevicePtr) -> Result<(), Er
             },
             slot: at(4096 + d * SLOT),
             writes: [(at(64 * d + 8), n as u64), (at(64 * d), k)],
+            inbox: None,
         }
     };
     let take = |base: DevicePtr, d: usize, dst: DevicePtr, n: usize, k: u64| {
@@ -119,6 +120,7 @@ fn bounce(a: &Adaptor, pages: &HostPages, host_base: DevicePtr) -> Result<(), Er
             len_at: at(64 * d + 8),
             dst,
             cap: n,
+            inbox: None,
         }
     };
     println!(

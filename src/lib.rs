@@ -31,7 +31,7 @@ pub use flagcx_adaptor::slot_steps_in_order;
 pub use flagcx_adaptor::{
     AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceBuffer, DeviceProperties,
     DevicePtr, Event, EventHandle, HostFn, IpcFdHandle, IpcMapping, IpcMemHandle, PinnedBuffer,
-    Result, SlotStep, Stream, StreamHandle, Vendor, WaitCondition,
+    Result, SlotInbox, SlotStep, Stream, StreamHandle, Vendor, WaitCondition,
 };
 
 /// The host vendor (feature `host`).

@@ -44,7 +44,7 @@ extern "C" __global__ void flagcx_sized_copy(unsigned char *dst, const unsigned 
              (u64)gridDim.x * blockDim.x);
 }
 
-// One step, as `flagcx_cuda::sized::RawStep` lays it out (80 bytes).
+// One step, as `flagcx_cuda::sized::RawStep` lays it out (104 bytes).
 struct SlotStep {
   u64 kind;      // 1: put, 2: take
   u64 wait_at;   // the word waited for (0: no wait)
@@ -56,6 +56,9 @@ struct SlotStep {
   u64 value0;
   u64 word1;     // put: the second word written
   u64 value1;
+  u64 inbox;         // the inbox's slot (0: no inbox)
+  u64 inbox_len;     // its length word
+  u64 inbox_status;  // its status word
 };
 
 #define FLAGCX_SLOT_STEPS 16
@@ -66,7 +69,39 @@ struct SlotSteps {
 // Block `b` runs step `b`. Thread 0 waits, then a fence orders the block's later loads after
 // the word it saw; a put's bytes are fenced (system scope: the peer may be another device or
 // the host) before thread 0 writes the words, and the words are fenced from each other.
+//
+// With an inbox (`SlotInbox`: the receiving device's memory), a put writes it after the slot
+// and its words, the same way; a take polls the inbox's status word (local memory: no bus
+// round trip) and every 64th time the slot's (which is how a message is failed or released
+// without its putter), and takes from whichever shows the message first. The slot's words are
+// written first so that the receiving engine, which reads them once the take is done, finds
+// them there.
 __device__ static void slot_step(const SlotStep &st) {
+  __shared__ int from_inbox;
+  if (st.kind == 2) {
+    if (threadIdx.x == 0) {
+      const volatile u64 *slot_word = (const volatile u64 *)st.wait_at;
+      const volatile u64 *inbox_word = (const volatile u64 *)st.inbox_status;
+      int inbox = 0;
+      for (unsigned spins = 0; slot_word != 0; spins++) {
+        if (inbox_word != 0 && (long long)(*inbox_word - st.wait_min) >= 0) {
+          inbox = 1;
+          break;
+        }
+        if ((inbox_word == 0 || spins % 64 == 63) &&
+            (long long)(*slot_word - st.wait_min) >= 0)
+          break;
+      }
+      __threadfence_system();
+      from_inbox = inbox;
+    }
+    __syncthreads();
+    const u64 *len_at = (const u64 *)(from_inbox ? st.inbox_len : st.word0);
+    const unsigned char *src = (const unsigned char *)(from_inbox ? st.inbox : st.src);
+    u64 n = *(volatile const u64 *)len_at;
+    if (n <= st.len) copy_bytes((unsigned char *)st.dst, src, n, threadIdx.x, blockDim.x);
+    return;
+  }
   if (threadIdx.x == 0 && st.wait_at != 0) {
     const volatile u64 *w = (const volatile u64 *)st.wait_at;
     while ((long long)(*w - st.wait_min) < 0) {
@@ -74,26 +109,29 @@ __device__ static void slot_step(const SlotStep &st) {
     __threadfence_system();
   }
   __syncthreads();
-  if (st.kind == 1) {
-    copy_bytes((unsigned char *)st.dst, (const unsigned char *)st.src, st.len, threadIdx.x,
-               blockDim.x);
+  copy_bytes((unsigned char *)st.dst, (const unsigned char *)st.src, st.len, threadIdx.x,
+             blockDim.x);
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *(volatile u64 *)st.word0 = st.value0;
     __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      *(volatile u64 *)st.word0 = st.value0;
-      __threadfence_system();
-      *(volatile u64 *)st.word1 = st.value1;
-    }
-  } else {
-    u64 n = *(volatile const u64 *)st.word0;
-    if (n <= st.len)
-      copy_bytes((unsigned char *)st.dst, (const unsigned char *)st.src, n, threadIdx.x,
-                 blockDim.x);
+    *(volatile u64 *)st.word1 = st.value1;
+  }
+  if (st.inbox == 0) return;
+  copy_bytes((unsigned char *)st.inbox, (const unsigned char *)st.src, st.len, threadIdx.x,
+             blockDim.x);
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *(volatile u64 *)st.inbox_len = st.len;
+    __threadfence_system();
+    *(volatile u64 *)st.inbox_status = st.value1;
   }
 }
 
 extern "C" __global__ void flagcx_slot_steps(SlotSteps steps) { slot_step(steps.s[blockIdx.x]); }
 
-// The same for a call of one step: 80 bytes of parameters instead of 1280 (a launch's
+// The same for a call of one step: 104 bytes of parameters instead of 1664 (a launch's
 // parameters travel in the driver's command stream).
 extern "C" __global__ void flagcx_slot_step(SlotStep step) { slot_step(step); }

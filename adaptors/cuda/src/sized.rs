@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use cudarc::driver::sys;
-use flagcx_adaptor::{AdaptorError, Result, SlotStep};
+use flagcx_adaptor::{AdaptorError, Result, SlotInbox, SlotStep};
 
 use crate::error::check;
 
@@ -51,6 +51,9 @@ pub(crate) struct RawStep {
     pub value0: u64,
     pub word1: u64,
     pub value1: u64,
+    pub inbox: u64,
+    pub inbox_len: u64,
+    pub inbox_status: u64,
 }
 
 /// The kernel's parameter: `FLAGCX_SLOT_STEPS` steps, the unused ones zero.
@@ -62,7 +65,7 @@ struct RawSteps([RawStep; MAX_STEPS]);
 pub(crate) struct SizedKernel {
     func: sys::CUfunction,
     steps: sys::CUfunction,
-    /// The one-step form (80 bytes of parameters, not 1280).
+    /// The one-step form (104 bytes of parameters, not 1664).
     step: sys::CUfunction,
 }
 
@@ -244,7 +247,7 @@ impl SizedKernel {
         };
         let mut params: [*mut c_void; 1] = [param];
         // SAFETY: one pointer to a value laid out as the kernel's one by-value struct
-        // parameter (one 80-byte step of u64 fields, or sixteen), alive for the call (the
+        // parameter (one 104-byte step of u64 fields, or sixteen), alive for the call (the
         // driver copies it at launch); the memory the steps touch is the caller's contract.
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
@@ -266,6 +269,7 @@ impl SizedKernel {
 
 /// A step as the kernel reads it (`kernels/stream.cu`).
 pub(crate) fn raw_step(step: &SlotStep) -> RawStep {
+    let inbox = |i: Option<SlotInbox>| i.map_or((0, 0, 0), |i| (i.slot.0, i.len_at.0, i.status.0));
     match *step {
         SlotStep::Put {
             wait,
@@ -273,34 +277,48 @@ pub(crate) fn raw_step(step: &SlotStep) -> RawStep {
             len,
             slot,
             writes,
+            inbox: i,
             ..
-        } => RawStep {
-            kind: 1,
-            wait_at: wait.map_or(0, |w| w.0 .0),
-            wait_min: wait.map_or(0, |w| w.1),
-            src: src.0,
-            dst: slot.0,
-            len: len as u64,
-            word0: writes[0].0 .0,
-            value0: writes[0].1,
-            word1: writes[1].0 .0,
-            value1: writes[1].1,
-        },
+        } => {
+            let (inbox, inbox_len, inbox_status) = inbox(i);
+            RawStep {
+                kind: 1,
+                wait_at: wait.map_or(0, |w| w.0 .0),
+                wait_min: wait.map_or(0, |w| w.1),
+                src: src.0,
+                dst: slot.0,
+                len: len as u64,
+                word0: writes[0].0 .0,
+                value0: writes[0].1,
+                word1: writes[1].0 .0,
+                value1: writes[1].1,
+                inbox,
+                inbox_len,
+                inbox_status,
+            }
+        }
         SlotStep::Take {
             wait,
             slot,
             len_at,
             dst,
             cap,
-        } => RawStep {
-            kind: 2,
-            wait_at: wait.0 .0,
-            wait_min: wait.1,
-            src: slot.0,
-            dst: dst.0,
-            len: cap as u64,
-            word0: len_at.0,
-            ..RawStep::default()
-        },
+            inbox: i,
+        } => {
+            let (inbox, inbox_len, inbox_status) = inbox(i);
+            RawStep {
+                kind: 2,
+                wait_at: wait.0 .0,
+                wait_min: wait.1,
+                src: slot.0,
+                dst: dst.0,
+                len: cap as u64,
+                word0: len_at.0,
+                inbox,
+                inbox_len,
+                inbox_status,
+                ..RawStep::default()
+            }
+        }
     }
 }

@@ -443,7 +443,9 @@ pub unsafe fn slot_steps_in_order<A: DeviceAdaptor>(
                 len_at,
                 dst,
                 cap,
+                ..
             } => {
+                // The inbox is not used: the put wrote the slot (see `SlotInbox`).
                 // SAFETY: forwarded contract.
                 unsafe {
                     a.stream_wait_value64(stream, wait.0, wait.1, WaitCondition::Geq)?;

@@ -39,5 +39,5 @@ pub use error::{clone_io_error, AdaptorError, Result};
 pub use raii::{CaptureModeGuard, DeviceBuffer, Event, IpcMapping, PinnedBuffer, Stream};
 pub use types::{
     Capabilities, CaptureMode, DeviceProperties, DevicePtr, EventHandle, GateHandle, IpcFdHandle,
-    IpcMemHandle, SlotStep, StreamHandle, Vendor, WaitCondition, IPC_HANDLE_BYTES,
+    IpcMemHandle, SlotInbox, SlotStep, StreamHandle, Vendor, WaitCondition, IPC_HANDLE_BYTES,
 };

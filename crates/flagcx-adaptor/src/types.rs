@@ -259,6 +259,8 @@ pub enum SlotStep {
         slot: DevicePtr,
         /// Written after the bytes, in order.
         writes: [(DevicePtr, u64); 2],
+        /// Where the vendor may put the message a second time, after the writes.
+        inbox: Option<SlotInbox>,
     },
     /// The receiving side: wait until the word at `wait.0` reaches `wait.1`, then copy as
     /// [`crate::DeviceAdaptor::memcpy_sized_async`] does: `n` = the word at `len_at`, read after
@@ -274,7 +276,27 @@ pub enum SlotStep {
         dst: DevicePtr,
         /// At most this many bytes are taken.
         cap: usize,
+        /// Where the vendor may look first for the message (and take it from).
+        inbox: Option<SlotInbox>,
     },
+}
+
+/// A second home for a [`SlotStep`]'s message, in memory its taker polls cheaply (the
+/// receiving device's own memory, which the putting side reaches by IPC over the GPUs' link,
+/// where every poll of host memory would be a bus round trip). A vendor that runs steps as one
+/// kernel puts the bytes there too, after the slot's words, then the length and then the
+/// status word; its takes poll the inbox's status word and, now and then, the slot's, and take
+/// from whichever shows the message first (the slot's words are how a message is failed or
+/// released without its putter). A vendor that runs steps in order ignores inboxes: every put
+/// writes the slot, so every take is answered there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotInbox {
+    /// The inbox's copy of the slot (as large).
+    pub slot: DevicePtr,
+    /// Its length word.
+    pub len_at: DevicePtr,
+    /// Its status word (the put's last value of `writes` lands here too).
+    pub status: DevicePtr,
 }
 
 /// The thread's stream-capture mode (CUDA graph capture semantics).

@@ -135,6 +135,13 @@ pub struct Config {
     /// (the same three choices as [`HostDirect`]; see `docs/architecture.md`). Either rank's
     /// `off` wins.
     pub streamed: HostDirect,
+    /// How this rank enqueues its stream-ordered messages (`FLAGCX_P2P_STREAM_KERNEL=auto|on|off`,
+    /// default auto): `auto` as the vendor's one operation per call (one kernel on CUDA) where
+    /// the pair is on two devices and as separate stream operations where it shares one (two
+    /// processes' spinning kernels take a GPU time slice each); `on` as one operation always
+    /// (for checking that path on one GPU: ~2 ms per message there); `off` never. Only this
+    /// rank's enqueueing changes: the pair's protocol is the same.
+    pub stream_kernel: HostDirect,
     /// Most bytes of host-vendor peers' memory a rank keeps mapped (and registered with its
     /// runtime) for direct copies (`FLAGCX_P2P_HOST_MAP_MAX`, default 16 GiB). Past it, buffers
     /// not yet mapped go through the ring. Mappings last as long as the communicator (a freed
@@ -225,6 +232,7 @@ impl Default for Config {
             spin: None,
             host_direct: HostDirect::Auto,
             streamed: HostDirect::Auto,
+            stream_kernel: HostDirect::Auto,
             host_map_max: DEFAULT_HOST_MAP_MAX,
             host_pin_piece: DEFAULT_HOST_PIN_PIECE,
             eager_max: DEFAULT_EAGER_MAX,
@@ -361,6 +369,15 @@ impl Config {
             ];
             let what = "expected auto, on or off";
             c.streamed = parse_choice("FLAGCX_P2P_STREAM", &v, &choices, what)?;
+        }
+        if let Some(v) = var("FLAGCX_P2P_STREAM_KERNEL") {
+            let choices = [
+                ("auto", HostDirect::Auto),
+                ("on", HostDirect::On),
+                ("off", HostDirect::Off),
+            ];
+            let what = "expected auto, on or off";
+            c.stream_kernel = parse_choice("FLAGCX_P2P_STREAM_KERNEL", &v, &choices, what)?;
         }
         if let Some(v) = var("FLAGCX_P2P_HOST_MAP_MAX") {
             c.host_map_max = parse_size("FLAGCX_P2P_HOST_MAP_MAX", &v)?;

@@ -12,7 +12,7 @@ use flagcx_adaptor::DeviceAdaptor;
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::channel::{Channel, Geometry};
 use crate::comm::Comm;
-use crate::config::{Config, StreamJoin, MAX_EAGER_MAX};
+use crate::config::{Config, HostDirect, StreamJoin, MAX_EAGER_MAX};
 use crate::engine::{Engine, Inbox, Shared, WatermarkWord};
 use crate::error::{CommError, Result};
 use crate::guard::Guard;
@@ -387,27 +387,36 @@ impl<A: DeviceAdaptor> Comm<A> {
         for c in peers.iter_mut().flatten() {
             c.shares_device = infos[rank].shares_device(&infos[c.peer]);
         }
+        let fused = |shares_device: bool| match config.stream_kernel {
+            HostDirect::Auto => !shares_device,
+            HostDirect::On => true,
+            HostDirect::Off => false,
+        };
         let mut streamed: Vec<Option<StreamLink>> = Vec::with_capacity(nranks);
         for (q, c) in peers.iter().enumerate() {
             streamed.push(match (c, ordered[q]) {
                 (Some(c), true) => {
-                    match StreamLink::register(&adaptor, &c.out, &c.inc, c.shares_device) {
+                    match StreamLink::register(&adaptor, &c.out, &c.inc, fused(c.shares_device)) {
                         Ok(l) => Some(l),
                         Err(e) => {
-                            // Undo what setup registered before the channels go.
-                            streamed.iter().flatten().for_each(|l| l.release(&adaptor));
-                            for conn in peers.iter().flatten().filter(|c| c.registered) {
-                                for ch in [&conn.out, &conn.inc] {
-                                    // SAFETY: no copy was ever issued on these rings.
-                                    let _ = unsafe { adaptor.host_unpin(ch.ring().0) };
-                                }
-                            }
+                            undo_streamed(&adaptor, &streamed, &peers);
                             return Err(e);
                         }
                     }
                 }
                 _ => None,
             });
+        }
+        let inboxes: Vec<bool> = (0..nranks)
+            .map(|q| {
+                q != rank
+                    && ordered[q]
+                    && streamed::wants_inbox(&infos[rank], &infos[q], transports[q])
+            })
+            .collect();
+        if let Err(e) = StreamLink::connect_inboxes(&adaptor, &boot, &mut streamed, &inboxes) {
+            undo_streamed(&adaptor, &streamed, &peers);
+            return Err(e);
         }
         let eager = peers
             .iter()
@@ -516,5 +525,20 @@ fn eager_lane(me: &PeerInfo, peer: &PeerInfo, transport: Option<TransportKind>) 
         Some(TransportKind::Staged) => true,
         Some(TransportKind::Ipc) => me.caps.host_addressable && peer.caps.host_addressable,
         _ => false,
+    }
+}
+
+/// Undoes what setup registered for stream-ordered links and rings before the channels go.
+fn undo_streamed<A: DeviceAdaptor>(
+    adaptor: &A,
+    streamed: &[Option<StreamLink>],
+    peers: &[Option<PeerConn>],
+) {
+    streamed.iter().flatten().for_each(|l| l.release(adaptor));
+    for conn in peers.iter().flatten().filter(|c| c.registered) {
+        for ch in [&conn.out, &conn.inc] {
+            // SAFETY: no copy was ever issued on these rings.
+            let _ = unsafe { adaptor.host_unpin(ch.ring().0) };
+        }
     }
 }

@@ -32,6 +32,9 @@ pub enum Tag {
     /// Port channels (device-initiated transfers): a pair's buffers and flag word at creation,
     /// and its goodbye at close.
     Port = 8,
+    /// Stream-ordered pairs on two devices: the IPC handle of the receiving side's inbox (empty
+    /// where it has none).
+    Inbox = 9,
 }
 
 impl Tag {
@@ -46,6 +49,7 @@ impl Tag {
             6 => Tag::Table,
             7 => Tag::NetAddress,
             8 => Tag::Port,
+            9 => Tag::Inbox,
             _ => return None,
         })
     }

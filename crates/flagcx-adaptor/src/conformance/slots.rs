@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::{assert_err, assert_same, filled, SharedMapping};
-use crate::{DeviceAdaptor, DeviceBuffer, DevicePtr, SlotStep, Stream};
+use crate::{DeviceAdaptor, DeviceBuffer, DevicePtr, SlotInbox, SlotStep, Stream};
 
 /// Slots of 8 KiB after one page of words.
 const SLOT: usize = 8192;
@@ -14,7 +14,8 @@ const SLOTS: usize = 3;
 /// A take enqueued before its message waits for it, and a put for its free-slot word, both
 /// released later from other streams or the host; several puts, then several takes, of odd
 /// sizes at odd offsets per call; a message longer than its take's capacity moves nothing and
-/// leaves the buffer as it was; a misaligned word is refused. Vendors without 64-bit stream
+/// leaves the buffer as it was; takes that name an inbox get their message whether the put
+/// wrote the inbox or only the slot; a misaligned word is refused. Vendors without 64-bit stream
 /// memory operations, sized copies or host registration say `Unsupported`.
 pub fn slot_steps_move_messages<A: DeviceAdaptor>(a: &A) {
     let caps = a.capabilities();
@@ -30,6 +31,7 @@ pub fn slot_steps_move_messages<A: DeviceAdaptor>(a: &A) {
             len_at: src.ptr(),
             dst: dst.ptr(),
             cap: 8,
+            inbox: None,
         };
         // SAFETY: refused before anything is enqueued (every address is device memory).
         let e = assert_err("stream_slot_steps", unsafe {
@@ -50,24 +52,29 @@ pub fn slot_steps_move_messages<A: DeviceAdaptor>(a: &A) {
     let slot_off = |i: usize| 4096 + i * SLOT;
     let data = filled(SLOTS * SLOT + 64, 57);
     src.write(0, &data, &s).expect("write");
-    let put = |i: usize, soff: usize, n: usize, wait: Option<u64>, status: u64| SlotStep::Put {
-        wait: wait.map(|min| (at(word(i, 2)), min)),
-        src: DevicePtr(src.ptr().0 + soff as u64),
-        len: n,
-        slot_host: {
-            // SAFETY: slot `i` lies within the mapping.
-            unsafe { map.ptr.add(slot_off(i)) }
-        },
-        slot: at(slot_off(i)),
-        writes: [(at(word(i, 1)), n as u64), (at(word(i, 0)), status)],
-    };
-    let take = |i: usize, doff: usize, cap: usize, status: u64| SlotStep::Take {
+    let put_to =
+        |i: usize, soff: usize, n: usize, wait: Option<u64>, status: u64, inbox| SlotStep::Put {
+            wait: wait.map(|min| (at(word(i, 2)), min)),
+            src: DevicePtr(src.ptr().0 + soff as u64),
+            len: n,
+            slot_host: {
+                // SAFETY: slot `i` lies within the mapping.
+                unsafe { map.ptr.add(slot_off(i)) }
+            },
+            slot: at(slot_off(i)),
+            writes: [(at(word(i, 1)), n as u64), (at(word(i, 0)), status)],
+            inbox,
+        };
+    let put = |i, soff, n, wait, status| put_to(i, soff, n, wait, status, None);
+    let take_from = |i: usize, doff: usize, cap: usize, status: u64, inbox| SlotStep::Take {
         wait: (at(word(i, 0)), status),
         slot: at(slot_off(i)),
         len_at: at(word(i, 1)),
         dst: DevicePtr(dst.ptr().0 + doff as u64),
         cap,
+        inbox,
     };
+    let take = |i, doff, cap, status| take_from(i, doff, cap, status, None);
     let read = |s: &Stream<A>| {
         let mut got = vec![0u8; SLOTS * SLOT + 64];
         dst.read(0, &mut got, s).expect("read");
@@ -145,7 +152,41 @@ pub fn slot_steps_move_messages<A: DeviceAdaptor>(a: &A) {
         &want,
     );
 
-    // 3. A misaligned word is refused.
+    // 3. With inboxes in device memory (slot `i`'s words at 64 i, its copy at 4096 + i SLOT):
+    // a put and a take that both name it; then a take that names it released by a put that
+    // does not (steps in order never write an inbox), through the slot's status word.
+    let inboxes = DeviceBuffer::new(a, 4096 + SLOTS * SLOT).expect("alloc");
+    inboxes.fill(0, &s).expect("fill");
+    let inbox = |i: usize| {
+        let at = |off: usize| DevicePtr(inboxes.ptr().0 + off as u64);
+        Some(SlotInbox {
+            slot: at(4096 + i * SLOT),
+            len_at: at(64 * i + 8),
+            status: at(64 * i),
+        })
+    };
+    dst.fill(0x22, &s).expect("fill");
+    s.synchronize().expect("sync");
+    let (n0, n1) = (4109usize, 777usize);
+    // SAFETY: as above; the inboxes are live device memory, synchronized below.
+    unsafe {
+        a.stream_slot_steps(s.handle(), &[take_from(0, 0, n0, 0x300, inbox(0))])
+            .expect("take");
+        a.stream_slot_steps(s2.handle(), &[put_to(0, 5, n0, None, 0x300, inbox(0))])
+            .expect("put");
+        a.stream_slot_steps(s.handle(), &[take_from(1, SLOT, n1, 0x300, inbox(1))])
+            .expect("take");
+        crate::slot_steps_in_order(a, s2.handle(), &[put_to(1, 9, n1, None, 0x300, inbox(1))])
+            .expect("put in order");
+    }
+    s2.synchronize().expect("sync");
+    s.synchronize().expect("sync");
+    let mut want = vec![0x22u8; SLOTS * SLOT + 64];
+    want[..n0].copy_from_slice(&data[5..5 + n0]);
+    want[SLOT..SLOT + n1].copy_from_slice(&data[9..9 + n1]);
+    assert_same("messages with inboxes", &read(&s), &want);
+
+    // 4. A misaligned word is refused.
     let mut bad = take(0, 0, 8, 1);
     if let SlotStep::Take { len_at, .. } = &mut bad {
         len_at.0 += 4;

@@ -850,17 +850,19 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
         }
         // Every address before anything is enqueued.
         for step in steps {
-            let (words, ptrs) = match *step {
+            let (words, ptrs, inbox) = match *step {
                 SlotStep::Put {
                     wait,
                     src,
                     len,
                     slot,
                     writes,
+                    inbox,
                     ..
                 } => (
                     [wait.map(|w| w.0), Some(writes[0].0), Some(writes[1].0)],
                     (len > 0).then_some([src, slot]),
+                    inbox,
                 ),
                 SlotStep::Take {
                     wait,
@@ -868,15 +870,24 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
                     len_at,
                     dst,
                     cap,
+                    inbox,
                 } => (
                     [Some(wait.0), Some(len_at), None],
                     (cap > 0).then_some([slot, dst]),
+                    inbox,
                 ),
             };
-            for w in words.into_iter().flatten() {
+            let inbox_words = inbox.map(|i| [i.len_at, i.status]);
+            for w in words
+                .into_iter()
+                .flatten()
+                .chain(inbox_words.into_iter().flatten())
+            {
                 aligned(OP, w, 8)?;
             }
-            if ptrs.is_some_and(|p| p.iter().any(|p| p.is_null())) {
+            if ptrs.is_some_and(|p| p.iter().any(|p| p.is_null()))
+                || inbox.is_some_and(|i| i.slot.is_null())
+            {
                 return Err(AdaptorError::invalid(OP, "null pointer"));
             }
         }

@@ -40,7 +40,7 @@
 
 use std::sync::Arc;
 
-use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, SlotStep, StreamHandle};
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, SlotInbox, SlotStep, StreamHandle};
 
 use super::{remote_failure, send_failure, Path, Phase, Progress, Roles, Step};
 use crate::channel::{Channel, Counter, SendStatus, DESC_RING};
@@ -84,6 +84,44 @@ pub(crate) fn allowed(
     pair_ok && wanted && able(me) && able(peer)
 }
 
+/// The bytes between two slots of an inbox whose messages are at most `max` bytes.
+fn inbox_stride(max: usize) -> usize {
+    max.max(1).next_multiple_of(256)
+}
+
+/// How large an inbox for messages of at most `max` bytes is: a 64-byte line of words per
+/// descriptor (status, then length), then one slot per descriptor.
+fn inbox_len(max: usize) -> usize {
+    DESC_RING as usize * (64 + inbox_stride(max))
+}
+
+/// Message `k`'s place in the inbox at `base`.
+fn inbox_at(base: DevicePtr, max: usize, k: u64) -> SlotInbox {
+    let i = (k % DESC_RING) as usize;
+    let at = |off: usize| DevicePtr(base.0 + off as u64);
+    SlotInbox {
+        slot: at(DESC_RING as usize * 64 + i * inbox_stride(max)),
+        len_at: at(64 * i + 8),
+        status: at(64 * i),
+    }
+}
+
+/// Whether the stream-ordered pair of `me` and `peer` gets inboxes (both ranks compute the
+/// same answer): IPC pairs whose devices are not host memory — their takes would
+/// otherwise poll host memory across the bus (`slot_pingpong`: 48 µs per round trip with the
+/// slots there, 15 µs with them in device memory, on one H200).
+pub(crate) fn wants_inbox(
+    me: &PeerInfo,
+    peer: &PeerInfo,
+    transport: Option<TransportKind>,
+) -> bool {
+    // Pairs sharing a device get them too (they enqueue as separate stream operations by
+    // default, which leave inboxes alone, but `FLAGCX_P2P_STREAM_KERNEL=on` is per rank).
+    transport == Some(TransportKind::Ipc)
+        && !me.caps.host_addressable
+        && !peer.caps.host_addressable
+}
+
 /// One pair's stream-ordered link: both channels, as the host and this rank's runtime see them.
 pub(crate) struct StreamLink {
     pub out: Arc<Channel>,
@@ -94,8 +132,13 @@ pub(crate) struct StreamLink {
     /// The largest message each way (the channel's eager slot, at most [`STREAMED_MAX`]).
     pub send_max: usize,
     pub recv_max: usize,
-    /// Whether a call's steps may run as the vendor's one operation (a kernel on CUDA): not
-    /// where both ranks share a device. Two processes on one GPU take turns at it, and a
+    /// This rank's inbox for the pair's messages to it (device memory, see
+    /// [`StreamLink::connect_inboxes`]), and the peer's inbox as mapped here for messages to
+    /// it; `None` where the pair has none.
+    inbox_in: Option<DevicePtr>,
+    inbox_out: Option<DevicePtr>,
+    /// Whether a call's steps may run as the vendor's one operation (a kernel on CUDA): by
+    /// default not where both ranks share a device (`FLAGCX_P2P_STREAM_KERNEL`). Two processes on one GPU take turns at it, and a
     /// kernel that spins for its message holds the GPU for a whole time slice (on one H200,
     /// 2250 µs per 8 B sendrecv, against 180 µs as separate stream operations, which wait
     /// without an SM).
@@ -109,7 +152,7 @@ impl StreamLink {
         a: &A,
         out: &Arc<Channel>,
         inc: &Arc<Channel>,
-        shares_device: bool,
+        fused: bool,
     ) -> Result<Self> {
         out.keep_out_of_descriptors();
         inc.keep_out_of_descriptors();
@@ -132,16 +175,87 @@ impl StreamLink {
             inc_dev,
             send_max: out.geometry().eager.min(STREAMED_MAX),
             recv_max: inc.geometry().eager.min(STREAMED_MAX),
-            fused: !shares_device,
+            fused,
+            inbox_in: None,
+            inbox_out: None,
         })
     }
 
-    /// Undoes [`StreamLink::register`].
+    /// Undoes [`StreamLink::register`] and [`StreamLink::connect_inboxes`].
     pub(crate) fn release<A: DeviceAdaptor>(&self, a: &A) {
+        if let Some(p) = self.inbox_out {
+            // SAFETY: the engine is gone; no stream of this rank puts into it any more.
+            let _ = unsafe { a.ipc_close(p) };
+        }
+        if let Some(p) = self.inbox_in {
+            // SAFETY: as above; our takes are done with it.
+            let _ = unsafe { a.mem_free(p) };
+        }
         for ch in [&self.out, &self.inc] {
             // SAFETY: the engine is gone and released every stream that waited on the words.
             let _ = unsafe { a.host_unregister(ch.segment().as_ptr()) };
         }
+    }
+
+    /// Gives the links of the peers in `wants` (see [`wants_inbox`]) their inboxes: each rank
+    /// allocates one in its device memory for the messages it receives from such a peer,
+    /// zeroed, and sends the peer its IPC handle (an empty frame where it has none); each maps
+    /// the peer's. A side that could not make or map one goes without it (its puts write the
+    /// slot only, its takes wait on the slot's words), so the pair needs no agreement on it.
+    pub(crate) fn connect_inboxes<A: DeviceAdaptor>(
+        a: &A,
+        boot: &crate::bootstrap::Bootstrap,
+        links: &mut [Option<StreamLink>],
+        wants: &[bool],
+    ) -> Result<()> {
+        let peers: Vec<usize> = (0..links.len())
+            .filter(|&q| wants[q] && links[q].is_some())
+            .collect();
+        for &q in &peers {
+            let link = links[q].as_mut().expect("filtered above");
+            let len = inbox_len(link.recv_max);
+            let made = a.mem_alloc(len).and_then(|p| {
+                let zeroed = a.stream_create().and_then(|st| {
+                    // SAFETY: `p` holds `len` bytes, synchronized before use.
+                    let r = unsafe { a.memset_async(p, 0, len, st) }
+                        .and_then(|()| a.stream_synchronize(st));
+                    let _ = a.stream_destroy(st);
+                    r
+                });
+                match zeroed.and_then(|()| a.ipc_get_handle(p)) {
+                    Ok(h) => Ok((p, h)),
+                    Err(e) => {
+                        // SAFETY: allocated above, used by nothing.
+                        let _ = unsafe { a.mem_free(p) };
+                        Err(e)
+                    }
+                }
+            });
+            let wire = match made {
+                Ok((p, h)) => {
+                    link.inbox_in = Some(p);
+                    h.to_wire().to_vec()
+                }
+                Err(e) => {
+                    tracing::debug!(peer = q, "no stream-ordered inbox: {e}");
+                    Vec::new()
+                }
+            };
+            boot.send(q, crate::wire::Tag::Inbox, &wire, &[])?;
+        }
+        for &q in &peers {
+            let (wire, _) = boot.recv(q, crate::wire::Tag::Inbox)?;
+            if wire.is_empty() {
+                continue;
+            }
+            let link = links[q].as_mut().expect("filtered above");
+            match flagcx_adaptor::IpcMemHandle::from_wire(&wire).and_then(|h| a.ipc_open_handle(&h))
+            {
+                Ok(p) => link.inbox_out = Some(p),
+                Err(e) => tracing::debug!(peer = q, "the peer's stream-ordered inbox: {e}"),
+            }
+        }
+        Ok(())
     }
 
     /// Whether a message of `bytes` in direction `dir` takes this path.
@@ -186,6 +300,7 @@ impl StreamLink {
                             Channel::status_word(SendStatus::Eager, k),
                         ),
                     ],
+                    inbox: self.inbox_out.map(|b| inbox_at(b, self.send_max, k)),
                 }
             }
             Dir::Recv => {
@@ -196,6 +311,7 @@ impl StreamLink {
                     len_at: Self::at(base, ch.send_size_offset(k)),
                     dst: ptr,
                     cap: bytes,
+                    inbox: self.inbox_in.map(|b| inbox_at(b, self.recv_max, k)),
                 }
             }
         }
