@@ -4,7 +4,8 @@
 //! the time per round trip is the device's chain of waits, copies and writes alone. Each size
 //! runs as `DeviceAdaptor::stream_slot_steps` runs a call (one kernel per step on CUDA), as
 //! separate stream operations (`slot_steps_in_order`: a wait, a copy and two writes, or a wait
-//! and a sized copy), and (CUDA) with the slots in device memory instead, alternating; every
+//! and a sized copy), and (CUDA) with the slots in device memory instead, or with inboxes in
+//! device memory beside the host slots (as stream-ordered IPC pairs run), alternating; every
 //! byte of the last echo is checked.
 //!
 //! ```sh
@@ -14,7 +15,7 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use flagcx::{Adaptor, DeviceAdaptor, DeviceBuffer, DevicePtr, SlotStep, Stream};
+use flagcx::{Adaptor, DeviceAdaptor, DeviceBuffer, DevicePtr, SlotInbox, SlotStep, Stream};
 
 type Error = Box<dyn std::error::Error>;
 
@@ -86,6 +87,10 @@ enum Mode {
     InOrder,
     /// Slots in device memory, `stream_slot_steps` (CUDA: kernels polling device memory).
     DeviceSlots,
+    /// Slots in host memory with inboxes in device memory, `stream_slot_steps`: what
+    /// stream-ordered IPC pairs do (the put writes the slot, then the inbox; the take polls
+    /// the inbox).
+    Inbox,
 }
 
 fn bounce(a: &Adaptor, pages: &HostPages, host_base: DevicePtr) -> Result<(), Error> {
@@ -96,7 +101,15 @@ fn bounce(a: &Adaptor, pages: &HostPages, host_base: DevicePtr) -> Result<(), Er
     // Only a kernel reaches device-memory slots: the in-order form copies through the host.
     let device_mode = a.vendor() == flagcx::Vendor::Cuda;
     // Direction d: status word at 64 d, size word at 64 d + 8, slot at 4096 + d × SLOT.
-    let put = |base: DevicePtr, d: usize, src: DevicePtr, n: usize, k: u64| {
+    let inbox = |d: usize| {
+        let at = |off: usize| DevicePtr(dev_slots.ptr().0 + off as u64);
+        SlotInbox {
+            slot: at(4096 + d * SLOT),
+            len_at: at(64 * d + 8),
+            status: at(64 * d),
+        }
+    };
+    let put = |base: DevicePtr, ib: bool, d: usize, src: DevicePtr, n: usize, k: u64| {
         let at = |off: usize| DevicePtr(base.0 + off as u64);
         SlotStep::Put {
             wait: None,
@@ -109,10 +122,10 @@ fn bounce(a: &Adaptor, pages: &HostPages, host_base: DevicePtr) -> Result<(), Er
             },
             slot: at(4096 + d * SLOT),
             writes: [(at(64 * d + 8), n as u64), (at(64 * d), k)],
-            inbox: None,
+            inbox: ib.then(|| inbox(d)),
         }
     };
-    let take = |base: DevicePtr, d: usize, dst: DevicePtr, n: usize, k: u64| {
+    let take = |base: DevicePtr, ib: bool, d: usize, dst: DevicePtr, n: usize, k: u64| {
         let at = |off: usize| DevicePtr(base.0 + off as u64);
         SlotStep::Take {
             wait: (at(64 * d), k),
@@ -120,7 +133,7 @@ fn bounce(a: &Adaptor, pages: &HostPages, host_base: DevicePtr) -> Result<(), Er
             len_at: at(64 * d + 8),
             dst,
             cap: n,
-            inbox: None,
+            inbox: ib.then(|| inbox(d)),
         }
     };
     println!(
@@ -129,19 +142,26 @@ fn bounce(a: &Adaptor, pages: &HostPages, host_base: DevicePtr) -> Result<(), Er
         a.device()
     );
     println!(
-        "{:>8} {:>8} {:>22} {:>22} {:>22}",
-        "bytes", "iters", "host slots, one call", "host slots, in order", "device slots, one call"
+        "{:>8} {:>8} {:>22} {:>22} {:>22} {:>22}",
+        "bytes",
+        "iters",
+        "host slots, one call",
+        "host slots, in order",
+        "device slots, one call",
+        "host slots + inbox"
     );
     let iters = 2000u64;
     let mut seq = 0u64;
     for n in [8usize, 512, 4096, SLOT] {
         let data: Vec<u8> = (0..n).map(|i| (i as u8).wrapping_mul(29) ^ 0x5A).collect();
-        let mut best = [(f64::MAX, 0.0); 3];
-        for round in 0..9 {
-            let mode = [Mode::OneCall, Mode::InOrder, Mode::DeviceSlots][round % 3];
-            if mode == Mode::DeviceSlots && !device_mode {
+        let modes = [Mode::OneCall, Mode::InOrder, Mode::DeviceSlots, Mode::Inbox];
+        let mut best = [(f64::MAX, 0.0); 4];
+        for round in 0..3 * modes.len() {
+            let mode = modes[round % modes.len()];
+            if matches!(mode, Mode::DeviceSlots | Mode::Inbox) && !device_mode {
                 continue;
             }
+            let ib = mode == Mode::Inbox;
             let base = match mode {
                 Mode::DeviceSlots => dev_slots.ptr(),
                 _ => host_base,
@@ -166,16 +186,16 @@ fn bounce(a: &Adaptor, pages: &HostPages, host_base: DevicePtr) -> Result<(), Er
             for _ in 0..iters {
                 seq += 1;
                 // Statuses only grow, so each wait is for this round trip's message.
-                enqueue(&ping, put(base, 0, bufs[0].ptr(), n, seq))?;
-                enqueue(&pong, take(base, 0, bufs[1].ptr(), n, seq))?;
-                enqueue(&pong, put(base, 1, bufs[1].ptr(), n, seq))?;
-                enqueue(&ping, take(base, 1, bufs[0].ptr(), n, seq))?;
+                enqueue(&ping, put(base, ib, 0, bufs[0].ptr(), n, seq))?;
+                enqueue(&pong, take(base, ib, 0, bufs[1].ptr(), n, seq))?;
+                enqueue(&pong, put(base, ib, 1, bufs[1].ptr(), n, seq))?;
+                enqueue(&ping, take(base, ib, 1, bufs[0].ptr(), n, seq))?;
             }
             let enq = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
             ping.synchronize()?;
             pong.synchronize()?;
             let us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
-            let i = round % 3;
+            let i = round % modes.len();
             if us < best[i].0 {
                 best[i] = (us, enq);
             }
@@ -190,10 +210,11 @@ fn bounce(a: &Adaptor, pages: &HostPages, host_base: DevicePtr) -> Result<(), Er
             _ => format!("{:.2} ({:.2})", b.0, b.1),
         };
         println!(
-            "{n:>8} {iters:>8} {:>22} {:>22} {:>22}",
+            "{n:>8} {iters:>8} {:>22} {:>22} {:>22} {:>22}",
             cell(best[0]),
             cell(best[1]),
-            cell(best[2])
+            cell(best[2]),
+            cell(best[3])
         );
     }
     Ok(())
