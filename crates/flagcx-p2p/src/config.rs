@@ -361,22 +361,16 @@ impl Config {
                 "expected auto, on or off",
             )?;
         }
+        let choices = [
+            ("auto", HostDirect::Auto),
+            ("on", HostDirect::On),
+            ("off", HostDirect::Off),
+        ];
+        let what = "expected auto, on or off";
         if let Some(v) = var("FLAGCX_P2P_STREAM") {
-            let choices = [
-                ("auto", HostDirect::Auto),
-                ("on", HostDirect::On),
-                ("off", HostDirect::Off),
-            ];
-            let what = "expected auto, on or off";
             c.streamed = parse_choice("FLAGCX_P2P_STREAM", &v, &choices, what)?;
         }
         if let Some(v) = var("FLAGCX_P2P_STREAM_KERNEL") {
-            let choices = [
-                ("auto", HostDirect::Auto),
-                ("on", HostDirect::On),
-                ("off", HostDirect::Off),
-            ];
-            let what = "expected auto, on or off";
             c.stream_kernel = parse_choice("FLAGCX_P2P_STREAM_KERNEL", &v, &choices, what)?;
         }
         if let Some(v) = var("FLAGCX_P2P_HOST_MAP_MAX") {

@@ -243,6 +243,18 @@ fn copier_and_spin_parse_strictly() {
         assert_eq!(HostDirect::from_code(d.code()), Some(d));
     }
     assert_eq!(HostDirect::from_code(3), None);
+    let s = Config::from_lookup(lookup(&[
+        ("FLAGCX_P2P_STREAM", "on"),
+        ("FLAGCX_P2P_STREAM_KERNEL", "off"),
+    ]))
+    .unwrap();
+    assert_eq!(
+        (s.streamed, s.stream_kernel),
+        (HostDirect::On, HostDirect::Off)
+    );
+    assert_eq!(Config::default().stream_kernel, HostDirect::Auto);
+    let e = Config::from_lookup(lookup(&[("FLAGCX_P2P_STREAM_KERNEL", "sometimes")])).unwrap_err();
+    assert!(e.to_string().contains("FLAGCX_P2P_STREAM_KERNEL"), "{e}");
 }
 
 #[test]
