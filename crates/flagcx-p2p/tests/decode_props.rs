@@ -275,9 +275,10 @@ fn tags_round_trip() {
         Tag::Table,
         Tag::NetAddress,
         Tag::Port,
+        Tag::Inbox,
     ] {
         assert_eq!(Tag::from_u32(t as u32), Some(t));
     }
     assert_eq!(Tag::from_u32(0), None);
-    assert_eq!(Tag::from_u32(9), None);
+    assert_eq!(Tag::from_u32(10), None);
 }
