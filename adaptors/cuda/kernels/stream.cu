@@ -66,6 +66,20 @@ struct SlotSteps {
   SlotStep s[FLAGCX_SLOT_STEPS];
 };
 
+// A put's bytes into `dst` by the whole block, fenced, then thread 0's two words, the second
+// (the status word a take waits for) fenced after the first.
+__device__ static void publish(unsigned char *dst, const unsigned char *src, u64 len, u64 word0,
+                               u64 value0, u64 word1, u64 value1) {
+  copy_bytes(dst, src, len, threadIdx.x, blockDim.x);
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *(volatile u64 *)word0 = value0;
+    __threadfence_system();
+    *(volatile u64 *)word1 = value1;
+  }
+}
+
 // Block `b` runs step `b`. Thread 0 waits, then a fence orders the block's later loads after
 // the word it saw; a put's bytes are fenced (system scope: the peer may be another device or
 // the host) before thread 0 writes the words, and the words are fenced from each other.
@@ -109,25 +123,11 @@ __device__ static void slot_step(const SlotStep &st) {
     __threadfence_system();
   }
   __syncthreads();
-  copy_bytes((unsigned char *)st.dst, (const unsigned char *)st.src, st.len, threadIdx.x,
-             blockDim.x);
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    *(volatile u64 *)st.word0 = st.value0;
-    __threadfence_system();
-    *(volatile u64 *)st.word1 = st.value1;
-  }
-  if (st.inbox == 0) return;
-  copy_bytes((unsigned char *)st.inbox, (const unsigned char *)st.src, st.len, threadIdx.x,
-             blockDim.x);
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    *(volatile u64 *)st.inbox_len = st.len;
-    __threadfence_system();
-    *(volatile u64 *)st.inbox_status = st.value1;
-  }
+  publish((unsigned char *)st.dst, (const unsigned char *)st.src, st.len, st.word0, st.value0,
+          st.word1, st.value1);
+  if (st.inbox != 0)
+    publish((unsigned char *)st.inbox, (const unsigned char *)st.src, st.len, st.inbox_len,
+            st.len, st.inbox_status, st.value1);
 }
 
 extern "C" __global__ void flagcx_slot_steps(SlotSteps steps) { slot_step(steps.s[blockIdx.x]); }

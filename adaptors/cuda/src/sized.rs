@@ -152,18 +152,17 @@ impl SizedKernel {
             // copies nothing: n = 0 copies zero bytes, more copies none) and touches no
             // other memory; the stream is synchronized before the word is freed.
             unsafe { self.launch(0, 0, word, 0, stream as u64) }?;
-            // SAFETY: one take with no wait (`wait_at` 0) and a capacity of 0: it reads the
-            // word and copies no byte whatever it holds. Loads the function as the launch
-            // above does.
+            let nothing = RawStep {
+                kind: 2,
+                word0: word,
+                ..RawStep::default()
+            };
+            // SAFETY: takes with no wait (`wait_at` 0) and a capacity of 0: each reads the
+            // word and copies no byte whatever it holds. One step and two load both forms
+            // of the kernel, as the launch above does its own.
             unsafe {
-                self.launch_steps(
-                    &[RawStep {
-                        kind: 2,
-                        word0: word,
-                        ..RawStep::default()
-                    }],
-                    stream as u64,
-                )
+                self.launch_steps(&[nothing], stream as u64)?;
+                self.launch_steps(&[nothing, nothing], stream as u64)
             }?;
             // SAFETY: the stream created above.
             check("cuStreamSynchronize", unsafe {
@@ -237,11 +236,14 @@ impl SizedKernel {
                 "between 1 and 16 steps per launch",
             ));
         }
-        let mut one = steps[0];
-        let mut raw = RawSteps([RawStep::default(); MAX_STEPS]);
-        let (func, param): (_, *mut c_void) = if steps.len() == 1 {
+        // Only the form launched is built (a call of one step is the common case).
+        let mut one;
+        let mut raw;
+        let (func, param): (_, *mut c_void) = if let [step] = steps {
+            one = *step;
             (self.step, (&mut one as *mut RawStep).cast())
         } else {
+            raw = RawSteps([RawStep::default(); MAX_STEPS]);
             raw.0[..steps.len()].copy_from_slice(steps);
             (self.steps, (&mut raw as *mut RawSteps).cast())
         };

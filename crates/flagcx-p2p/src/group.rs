@@ -98,16 +98,17 @@ impl<A: DeviceAdaptor> Comm<A> {
                 })
             });
             // Stream-ordered messages, per stream in number order: (index in the inbox,
-            // stream), enqueued together below.
-            let mut ordered: Vec<(usize, StreamHandle)> = Vec::new();
+            // stream, link), enqueued together below.
+            let mut ordered = Vec::new();
             for (mut op, stream) in ops {
                 let d = op.dir as usize;
                 op.index = inbox.next[op.peer][d];
                 inbox.next[op.peer][d] += 1;
-                let streamed =
-                    op.resume.is_none() && self.streamed_link(op.peer, op.dir, op.bytes).is_some();
-                if streamed {
-                    ordered.push((inbox.ops.len(), stream));
+                let link = self
+                    .streamed_link(op.peer, op.dir, op.bytes)
+                    .filter(|_| op.resume.is_none());
+                if let Some(link) = link {
+                    ordered.push((inbox.ops.len(), stream, link));
                 } else if op.dir == Dir::Send {
                     if let Some(link) = self.eager.get(op.peer).and_then(|l| l.as_ref()) {
                         // After every earlier eager message of the pair (published under the
@@ -121,21 +122,14 @@ impl<A: DeviceAdaptor> Comm<A> {
             // Numbered and enqueued under one lock, so each stream carries its pair's messages
             // in number order; one call per stream (one kernel on CUDA) for all of a group's,
             // its sends first (see `enqueue_streamed`).
-            ordered.sort_by_key(|&(i, s)| (s.0, inbox.ops[i].dir == Dir::Recv, i));
+            ordered.sort_by_key(|&(i, s, _)| (s.0, inbox.ops[i].dir == Dir::Recv, i));
             for batch in ordered.chunk_by(|a, b| a.1 == b.1) {
                 let stream = batch[0].1;
                 let msgs: Vec<_> = batch
                     .iter()
-                    .map(|&(i, _)| {
+                    .map(|&(i, _, link)| {
                         let op = &inbox.ops[i];
-                        let link = self.streamed_link(op.peer, op.dir, op.bytes);
-                        (
-                            link.expect("chosen above"),
-                            op.dir,
-                            op.index,
-                            op.ptr,
-                            op.bytes,
-                        )
+                        (link, op.dir, op.index, op.ptr, op.bytes)
                     })
                     .collect();
                 // SAFETY: `post` checked the buffers; each operation (holding its buffer, for
@@ -143,12 +137,12 @@ impl<A: DeviceAdaptor> Comm<A> {
                 let r = unsafe { self.enqueue_streamed(&msgs, stream) };
                 match r {
                     Ok(events) => {
-                        for (&(i, _), ev) in batch.iter().zip(events) {
+                        for (&(i, ..), ev) in batch.iter().zip(events) {
                             inbox.ops[i].resume = Some(Resume::Streamed(ev));
                         }
                     }
                     Err(e) => {
-                        for &(i, _) in batch {
+                        for &(i, ..) in batch {
                             inbox.ops[i].resume = Some(Resume::Failed(Box::new(e.duplicate())));
                         }
                     }
