@@ -9,7 +9,7 @@
 //! ```
 //!
 //! Prints, for rank 0: the 8 B put-with-signal/wait ping-pong round trip between the two
-//! kernels; the time per trigger until the device sees the proxy took it (which bounds the
+//! kernels, and the same with the 8 bytes carried in the trigger (`put_value_with_signal`); the time per trigger until the device sees the proxy took it (which bounds the
 //! pick-up time from above) and per flush; and the bandwidth of back-to-back 4 MiB puts next
 //! to the same copies issued from the host (the copy engine's ceiling on this placement).
 
@@ -143,7 +143,7 @@ fn run() -> Result<(), Error> {
     let src = DeviceBuffer::new(&a, BIG)?;
     let dst = DeviceBuffer::new(&a, BIG)?;
     let scratch = DeviceBuffer::new(&a, BIG)?;
-    let out = DeviceBuffer::new(&a, 16)?;
+    let out = DeviceBuffer::new(&a, 24)?;
     src.write(0, &pattern(BIG, me as u8), &stream)?;
     dst.fill(0, &stream)?;
     stream.synchronize()?;
@@ -199,7 +199,37 @@ fn run() -> Result<(), Error> {
         return Err(format!("ping-pong: rank {me} got {got:?} from rank {peer}").into());
     }
     let rtt_us = ns as f64 / 1e3 / iters as f64;
-    let signals = u64::from(warm + iters);
+    let mut signals = u64::from(warm + iters);
+    barrier(&comm)?;
+
+    // 1b. The same with 8-byte values carried in the triggers (put_value_with_signal).
+    let (mut first, mut w, mut n, mut seen, mut mine) =
+        ((me == 0) as i32, warm, iters, signals, dst.ptr().0);
+    out.fill(0, &stream)?;
+    launch(
+        &module,
+        c"port_pingpong_value",
+        &stream,
+        &mut [
+            arg(&mut raw),
+            arg(&mut first),
+            arg(&mut w),
+            arg(&mut n),
+            arg(&mut seen),
+            arg(&mut mine),
+            arg(&mut out_ptr),
+        ],
+    )?;
+    stream.synchronize()?;
+    let (ns, _) = read_out()?;
+    let mut wrong = [0u8; 8];
+    out.read(16, &mut wrong, &stream)?;
+    let wrong = u64::from_le_bytes(wrong);
+    if wrong != 0 {
+        return Err(format!("value ping-pong: rank {me} saw {wrong} wrong values").into());
+    }
+    let value_rtt_us = ns as f64 / 1e3 / iters as f64;
+    signals += u64::from(warm + iters);
     barrier(&comm)?;
 
     // 2. Pick-ups and flushes (rank 0 only).
@@ -307,6 +337,7 @@ fn run() -> Result<(), Error> {
             setup.as_secs_f64() * 1e3
         );
         println!("port pingpong 8 B: {rtt_us:.2} us round trip ({iters} rounds, kernel to kernel)");
+        println!("port pingpong 8 B value: {value_rtt_us:.2} us round trip (put_value_with_signal; every value checked)");
         println!("port pick-up: {pickup_us:.2} us per trigger (device write -> proxy -> tail seen by the device)");
         println!("bus echo: {echo_us:.2} us (device write -> a spinning CPU thread -> device; the floor of the line above)");
         println!("port flush: {flush_us:.2} us per flush (trigger -> proxy -> stream write -> flushed word)");

@@ -74,7 +74,7 @@ fn span(r: u64, len: usize) -> (u64, u64) {
 
 /// Alternating turns on one channel: each turn, one side puts a random span with a signal
 /// and waits for the other's acknowledgement; the other checks every byte, then signals.
-/// Every 16 turns the sender also flushes.
+/// Every 16 turns the sender also flushes; every seventh turn puts an 8-byte value instead.
 fn pingpong(me: usize, peer: usize, ch: &PortChannel<Adaptor>, src: &Buf, dst: &Buf, turns: u64) {
     let mut p = port(ch);
     let len = src.mem.len().min(dst.mem.len());
@@ -86,6 +86,25 @@ fn pingpong(me: usize, peer: usize, ch: &PortChannel<Adaptor>, src: &Buf, dst: &
         } else {
             me.max(peer)
         };
+        if t % 7 == 3 {
+            // A value put: the word travels in the trigger, to an aligned offset.
+            let at = ((r >> 20) % (len as u64 / 8)) * 8;
+            let value = splitmix(r ^ 0x7a1e);
+            if sender == me {
+                p.put_value_with_signal((1, at), value).expect("value put");
+                p.wait().expect("acknowledgement");
+            } else {
+                p.wait().expect("signal");
+                let got = &dst.bytes()[at as usize..at as usize + 8];
+                assert_eq!(
+                    got,
+                    value.to_le_bytes(),
+                    "turn {t}: the value at {at} from rank {peer} differs"
+                );
+                p.signal().expect("ack");
+            }
+            continue;
+        }
         if sender == me {
             fill(
                 &mut src.bytes()[off as usize..(off + size) as usize],
@@ -252,9 +271,15 @@ fn port_worker() {
             let ch = comm.port_channel(peer, &[&b.reg], 4).expect("channel");
             let mut p = port(&ch);
             if me == 0 {
-                // Buffer 3 does not exist at the peer.
-                p.put((3, 0), (0, 0), 16)
-                    .expect("the trigger itself is well formed");
+                if std::env::var_os("FLAGCX_P2P_DISABLE").is_some() {
+                    // A value put past the end of the peer's buffer.
+                    p.put_value((0, 4096), 7)
+                        .expect("the trigger itself is well formed");
+                } else {
+                    // Buffer 3 does not exist at the peer.
+                    p.put((3, 0), (0, 0), 16)
+                        .expect("the trigger itself is well formed");
+                }
                 assert_eq!(p.flush(), Err(PortFailure::Failed(PortStatus::BadTrigger)));
                 assert!(matches!(ch.check(), Err(CommError::InvalidArgument(_))));
                 assert!(matches!(ch.close(), Err(CommError::InvalidArgument(_))));
@@ -270,6 +295,8 @@ fn port_worker() {
                 p.flush().expect("a flush after the peer failed");
                 // Too large to encode: refused before it reaches the FIFO.
                 assert_eq!(p.put((0, 0), (0, 0), 1 << 41), Err(PortFailure::OutOfRange));
+                // A value put to an unaligned offset: refused the same way.
+                assert_eq!(p.put_value((0, 4), 1), Err(PortFailure::OutOfRange));
                 ch.close().expect("close (this side did nothing wrong)");
             }
             ok(me, "bad trigger poisoned both sides");

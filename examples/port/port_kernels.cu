@@ -5,6 +5,12 @@
 //   nvcc -ptx -arch=compute_75 -I crates/flagcx-p2p/include \
 //        -o examples/port/port_kernels.ptx examples/port/port_kernels.cu
 //
+// The shipped PTX was built without a GPU or nvcc: NVRTC 12.4 from PyPI
+// (nvidia-cuda-nvrtc-cu12), with -I crates/flagcx-p2p/include and a directory holding a
+// stdint.h of typedefs (NVRTC has none), its .version lowered to 7.0 for older drivers, and
+// checked with `ptxas -arch=sm_90` (adaptors/cuda/kernels/ptx.py does the same for the
+// adaptor's kernels).
+//
 // Every kernel runs one thread and writes out[0] = nanoseconds of its timed part, out[1] = the
 // first failure code (0: none).
 #include <flagcx/device.cuh>
@@ -37,6 +43,37 @@ extern "C" __global__ void port_pingpong(flagcx::PortChannelHandle h, int first,
   }
   out[0] = now_ns() - t0;
   out[1] = r;
+}
+
+// The same ping-pong with put_value_with_signal: round i's value travels in the trigger (no
+// buffer is read) into the peer's buffer 1 at offset 0; each side checks the value it waited
+// for, read from `mine` (its own buffer 1). out[2] = values that were not the expected one.
+__device__ static uint64_t round_value(uint32_t i, int from_first) {
+  return 0x5eed000000000000ull ^ (uint64_t(i) << 1 | uint64_t(from_first ? 0 : 1));
+}
+
+extern "C" __global__ void port_pingpong_value(flagcx::PortChannelHandle h, int first, uint32_t warm,
+                                               uint32_t iters, uint64_t seen, const uint64_t *mine,
+                                               uint64_t *out) {
+  flagcx::PortChannel ch(h);
+  ch.expected = seen;
+  int r = 0;
+  uint64_t t0 = 0, wrong = 0;
+  for (uint32_t i = 0; i < warm + iters && r == 0; ++i) {
+    if (i == warm) t0 = now_ns();
+    if (first) {
+      r = ch.put_value_with_signal(1, 0, round_value(i, 1));
+      if (r == 0) r = ch.wait();
+      if (r == 0 && flagcx::PortChannel::load(uint64_t(mine)) != round_value(i, 0)) ++wrong;
+    } else {
+      r = ch.wait();
+      if (r == 0 && flagcx::PortChannel::load(uint64_t(mine)) != round_value(i, 1)) ++wrong;
+      if (r == 0) r = ch.put_value_with_signal(1, 0, round_value(i, 0));
+    }
+  }
+  out[0] = now_ns() - t0;
+  out[1] = r;
+  out[2] = wrong;
 }
 
 // `n` flushes back to back: each is a trigger the proxy must take and answer through the

@@ -262,6 +262,8 @@ fi
             "crates/flagcx-p2p/include/flagcx/device.cuh",
             "port/flagcx/device.cuh",
         ),
+        ("benches/probes/port_floor.c", "port/port_floor.c"),
+        ("benches/probes/port_floor.cu", "port/port_floor.cu"),
     ] {
         std::fs::copy(root().join(from), out.join(to)).map_err(|e| format!("copy {from}: {e}"))?;
     }
@@ -293,6 +295,25 @@ if [ -x "$nvcc" ]; then
   FLAGCX_RANK=1 FLAGCX_NRANKS=2 FLAGCX_LOCAL_RANK=1 FLAGCX_TEST_ID_FILE=$id "$logs/capi-port-pingpong" & b=$!
   wait $a; ra=$?; wait $b; rb=$?; rm -f "$id"
   [ $ra -eq 0 ] && [ $rb -eq 0 ] || exit 1
+  # The floor of both halves with no flagcx code (benches/probes/port_floor.c): a measurement,
+  # so a failure here is reported, not fatal.
+  if "$nvcc" -ptx -arch=compute_75 -o "$logs/port_floor.ptx" "$here/port/port_floor.cu" &&
+     cc -O2 -I "$(dirname "$nvcc")/../include" -o "$logs/port_floor" "$here/port/port_floor.c" -ldl -lpthread; then
+    "$logs/port_floor" "$logs/port_floor.ptx" 20000 || echo "port floor probe failed (exit $?)"
+  else
+    echo "port floor probe: not built"
+  fi
+fi
+# FLAGCX_PORT_MPS=1: the IPC ping-pongs again under MPS, where both processes' kernels run at
+# once on one GPU (without it they take time slices of milliseconds): the kernel-to-kernel
+# round trip that two GPUs would show, less the link. Starts and stops its own daemon.
+if [ "${FLAGCX_PORT_MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
+  export CUDA_MPS_PIPE_DIRECTORY="$logs/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$logs/mps-log"
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && sleep 1 &&
+    "$here/bin/flagcx-run" -n 2 -- "$here/bin/port_pingpong" $ptx; rc=$?
+  echo quit | nvidia-cuda-mps-control
+  [ $rc -eq 0 ] || exit 1
 fi
 "#,
     )

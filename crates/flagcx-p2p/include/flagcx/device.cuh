@@ -14,6 +14,13 @@
  *   signal()                               add one to the peer's flag once everything earlier
  *                                          in the FIFO has landed
  *   put_with_signal(...)                   both, as one trigger
+ *   put_value(dst, dst_off, value)         write the 8 bytes of `value` into the peer's
+ *                                          buffer `dst` at dst_off (a multiple of 8); the
+ *                                          value travels in the trigger, so no buffer of
+ *                                          this rank is read and, on an IPC pair, the proxy
+ *                                          issues one stream write instead of a copy
+ *   put_value_with_signal(...)             both, as one trigger: the fastest way to hand
+ *                                          the peer a word and wake it
  *   flush()                                return once everything earlier completed (on a
  *                                          staged pair: left this rank's buffers, which may
  *                                          be reused; a signal still follows the data)
@@ -43,6 +50,8 @@ enum : uint64_t {
   kPortSignal = 2,
   kPortPutWithSignal = 3,
   kPortFlush = 4,
+  kPortPutValue = 5,
+  kPortPutValueWithSignal = 6,
 };
 
 /* Return codes of the device calls (also the values of the channel's status word). */
@@ -53,7 +62,8 @@ enum : int {
   FLAGCX_PORT_DEVICE_ERROR = 3, /* the runtime failed a copy or a flag write */
   FLAGCX_PORT_CLOSED = 4,       /* closed, aborted, or poisoned by the application */
   FLAGCX_PORT_POISONED = 5,     /* this rank's flag holds the poison value */
-  FLAGCX_PORT_OUT_OF_RANGE = 6, /* buffer index >= 1024 or size >= 1 TiB: not sent */
+  FLAGCX_PORT_OUT_OF_RANGE = 6, /* buffer index >= 1024, size >= 1 TiB, or a value put's
+                                   offset not a multiple of 8: not sent */
 };
 
 /* The flag value that means "failed". */
@@ -153,6 +163,27 @@ struct PortChannel {
                                  uint64_t size) {
     uint64_t seq;
     return trigger(kPortPutWithSignal, dst, dst_off, src, src_off, size, &seq);
+  }
+
+  /* Writes the 8 bytes of `value` into the peer's buffer dst at dst_off (a multiple of 8). */
+  __device__ int put_value(uint32_t dst, uint64_t dst_off, uint64_t value) {
+    uint64_t seq;
+    if (dst_off % 8 != 0) return FLAGCX_PORT_OUT_OF_RANGE;
+    return trigger_value(kPortPutValue, dst, dst_off, value, &seq);
+  }
+
+  /* put_value, then signal, as one trigger. */
+  __device__ int put_value_with_signal(uint32_t dst, uint64_t dst_off, uint64_t value) {
+    uint64_t seq;
+    if (dst_off % 8 != 0) return FLAGCX_PORT_OUT_OF_RANGE;
+    return trigger_value(kPortPutValueWithSignal, dst, dst_off, value, &seq);
+  }
+
+  /* A value put's trigger: the value where a put has its source offset, size 8. */
+  __device__ int trigger_value(uint64_t op, uint32_t dst, uint64_t dst_off, uint64_t value,
+                               uint64_t *seq) {
+    if (dst >= 1024) return FLAGCX_PORT_OUT_OF_RANGE;
+    return push(value, dst_off, uint64_t(8) | op << 40 | uint64_t(dst) << 54, seq);
   }
 
   /* Returns once everything earlier in the FIFO completed (puts landed at the peer). */

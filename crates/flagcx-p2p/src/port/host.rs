@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::{
-    pack_trigger, PortRaw, PortStatus, OP_FLUSH, OP_PUT, OP_PUT_WITH_SIGNAL, OP_SIGNAL, POISON,
-    TRIGGER_BYTES,
+    pack_trigger, PortRaw, PortStatus, OP_FLUSH, OP_PUT, OP_PUT_VALUE, OP_PUT_VALUE_WITH_SIGNAL,
+    OP_PUT_WITH_SIGNAL, OP_SIGNAL, POISON, TRIGGER_BYTES,
 };
 
 /// Why a device-side call of a port channel failed.
@@ -19,7 +19,8 @@ pub enum PortFailure {
     /// This rank's flag holds the poison value (the peer's proxy failed, or ours).
     #[error("port channel poisoned")]
     Poisoned,
-    /// A field does not fit a trigger (buffer index ≥ 1024 or size ≥ 1 TiB).
+    /// A field does not fit a trigger (buffer index ≥ 1024 or size ≥ 1 TiB), or a value put's
+    /// offset is not a multiple of 8.
     #[error("trigger field out of range")]
     OutOfRange,
     /// Nothing happened within the port's timeout (the ring stayed full, or the awaited
@@ -132,6 +133,27 @@ impl HostPort {
         size: u64,
     ) -> Result<(), PortFailure> {
         self.trigger(OP_PUT_WITH_SIGNAL, dst, src, size).map(drop)
+    }
+
+    /// Asks for the 8 bytes of `value` (little-endian) to be written at (`dst` buffer, offset)
+    /// of the peer; the offset must be a multiple of 8. The value travels in the trigger, so
+    /// no source buffer is read: on an IPC pair of a GPU vendor the proxy writes it with one
+    /// stream operation instead of a copy.
+    pub fn put_value(&self, dst: (usize, u64), value: u64) -> Result<(), PortFailure> {
+        self.value_trigger(OP_PUT_VALUE, dst, value)
+    }
+
+    /// [`Self::put_value`], then [`Self::signal`], in one trigger.
+    pub fn put_value_with_signal(&self, dst: (usize, u64), value: u64) -> Result<(), PortFailure> {
+        self.value_trigger(OP_PUT_VALUE_WITH_SIGNAL, dst, value)
+    }
+
+    fn value_trigger(&self, op: u64, dst: (usize, u64), value: u64) -> Result<(), PortFailure> {
+        if dst.1 % 8 != 0 {
+            return Err(PortFailure::OutOfRange);
+        }
+        let packed = pack_trigger(op, 0, dst.0, 8).ok_or(PortFailure::OutOfRange)?;
+        self.push(value, dst.1, packed).map(drop)
     }
 
     /// Returns once everything earlier in the FIFO completed (puts landed at the peer).

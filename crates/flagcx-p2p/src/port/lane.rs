@@ -185,6 +185,37 @@ impl Lane {
         d: Desc,
     ) -> Result<()> {
         debug_assert!(d.len <= self.slot && k.saturating_sub(self.credit()) < SLOTS as u64);
+        self.describe(k, d);
+        if d.len > 0 {
+            // SAFETY: the slot is free (caller) and `len` fits it; the source is the
+            // caller's.
+            unsafe { a.memcpy_d2h_async(self.slot(k), src, d.len, stream)? };
+        }
+        self.mark(a, stream, k)
+    }
+
+    /// Sender: as [`Self::publish`] for a value put: the value's 8 bytes are stored into the
+    /// free slot from here (nothing in flight touches a slot the receiver credited), so the
+    /// stream only writes the `seq` that makes the chunk valid, in order behind earlier chunks.
+    pub fn publish_value<A: DeviceAdaptor>(
+        &self,
+        a: &A,
+        stream: StreamHandle,
+        k: u64,
+        value: u64,
+        d: Desc,
+    ) -> Result<()> {
+        debug_assert!(d.len == 8 && k.saturating_sub(self.credit()) < SLOTS as u64);
+        let slot = self.slot(k);
+        // SAFETY: slots start at 8192 + i·slot with slot a multiple of 64, so the word is
+        // aligned and inside the mapped segment; the slot is free (the caller checked credit).
+        unsafe { (*(slot as *const AtomicU64)).store(value.to_le(), Ordering::Relaxed) };
+        self.describe(k, d);
+        self.mark(a, stream, k)
+    }
+
+    /// Writes chunk `k`'s descriptor fields (not yet valid).
+    fn describe(&self, k: u64, d: Desc) {
         let off = Self::desc_off(k);
         let mut w1 = d.len as u64 | (d.dst_buffer as u64) << 40;
         if d.signal {
@@ -192,11 +223,11 @@ impl Lane {
         }
         self.word(off).store(d.dst_offset, Ordering::Relaxed);
         self.word(off + 8).store(w1, Ordering::Release);
-        if d.len > 0 {
-            // SAFETY: the slot is free (caller) and `len` fits it; the source is the
-            // caller's.
-            unsafe { a.memcpy_d2h_async(self.slot(k), src, d.len, stream)? };
-        }
+    }
+
+    /// Enqueues the write of chunk `k`'s `seq`, which makes its descriptor valid.
+    fn mark<A: DeviceAdaptor>(&self, a: &A, stream: StreamHandle, k: u64) -> Result<()> {
+        let off = Self::desc_off(k);
         // SAFETY: an aligned word of the registered segment, which stays registered until the
         // channel's streams are synchronized at close.
         unsafe {
@@ -284,6 +315,8 @@ pub(crate) struct StagedLink {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Pending {
     pub src: DevicePtr,
+    /// A value put's value: published from here instead of copied from `src`.
+    pub value: Option<u64>,
     pub dst_buffer: usize,
     pub dst_offset: u64,
     pub left: u64,
@@ -324,6 +357,7 @@ mod tests {
     fn a_put_splits_into_slot_sized_chunks_and_signals_with_the_last() {
         let mut p = Pending {
             src: DevicePtr(1000),
+            value: None,
             dst_buffer: 3,
             dst_offset: 10,
             left: 2 * DEFAULT_SLOT_BYTES as u64 + 5,

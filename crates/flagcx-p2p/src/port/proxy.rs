@@ -25,7 +25,8 @@ use flagcx_adaptor::{DeviceAdaptor, DevicePtr};
 use super::lane::{Pending, SLOTS};
 use super::{
     unpack_trigger, Channel, PortStatus, ACTIVE_WINDOW, FLAG_OFF, FLUSHED_OFF, OP_FLUSH, OP_PUT,
-    OP_PUT_WITH_SIGNAL, OP_SIGNAL, TAIL_OFF, TRIGGERS_OFF, TRIGGER_BYTES,
+    OP_PUT_VALUE, OP_PUT_VALUE_WITH_SIGNAL, OP_PUT_WITH_SIGNAL, OP_SIGNAL, TAIL_OFF, TRIGGERS_OFF,
+    TRIGGER_BYTES,
 };
 use crate::engine::{hung_up, lock};
 use crate::error::{CommError, Result};
@@ -464,6 +465,7 @@ impl<A: DeviceAdaptor> Active<A> {
                     if size > 0 || signal {
                         self.pending = Some(Pending {
                             src,
+                            value: None,
                             dst_buffer: db,
                             dst_offset: w[1],
                             left: size,
@@ -486,9 +488,49 @@ impl<A: DeviceAdaptor> Active<A> {
                     self.signal()?;
                 }
             }
+            OP_PUT_VALUE | OP_PUT_VALUE_WITH_SIGNAL => {
+                let dst = range(&ch.remote, db, w[1], 8, "destination")?;
+                if size != 8 || w[1] % 8 != 0 || dst.0 % 8 != 0 {
+                    return Err((
+                        PortStatus::BadTrigger,
+                        CommError::InvalidArgument(format!(
+                            "port trigger {seq}: a value put of {size} bytes at offset {} of \
+                             buffer {db} (8 bytes at an 8-byte-aligned address)",
+                            w[1]
+                        )),
+                    ));
+                }
+                let signal = op == OP_PUT_VALUE_WITH_SIGNAL;
+                if ch.staged.is_some() {
+                    self.pending = Some(Pending {
+                        src: DevicePtr(0),
+                        value: Some(w[0]),
+                        dst_buffer: db,
+                        dst_offset: w[1],
+                        left: 8,
+                        signal,
+                    });
+                    return Ok(());
+                }
+                if signal {
+                    self.signals += 1;
+                }
+                let writes = [(dst, w[0]), (ch.peer_flag, self.signals)];
+                let n = if signal { 2 } else { 1 };
+                // SAFETY: `dst` was checked against the peer's registered buffer (mapped until
+                // close) and is aligned; the peer's flag is an aligned device word mapped until
+                // close.
+                unsafe {
+                    ch.adaptor
+                        .stream_write_values64(ch.stream, &writes[..n])
+                        .map_err(vendor)?
+                };
+                ch.bytes_put.fetch_add(8, Ordering::Relaxed);
+            }
             OP_SIGNAL if ch.staged.is_some() => {
                 self.pending = Some(Pending {
                     src: DevicePtr(0),
+                    value: None,
                     dst_buffer: 0,
                     dst_offset: 0,
                     left: 0,
@@ -532,11 +574,16 @@ impl<A: DeviceAdaptor> Active<A> {
                 break;
             }
             let (src, d, last) = p.next(link.out.slot_bytes());
-            // SAFETY: the slot is free (checked above); the source range was checked against
-            // our registered buffer, which lives while the channel names it.
-            unsafe {
-                link.out
-                    .publish(&ch.adaptor, ch.stream, self.produced, src, d)
+            match p.value {
+                Some(v) => link
+                    .out
+                    .publish_value(&ch.adaptor, ch.stream, self.produced, v, d),
+                // SAFETY: the slot is free (checked above); the source range was checked
+                // against our registered buffer, which lives while the channel names it.
+                None => unsafe {
+                    link.out
+                        .publish(&ch.adaptor, ch.stream, self.produced, src, d)
+                },
             }
             .map_err(|e| (PortStatus::DeviceError, e))?;
             self.produced += 1;
