@@ -14,6 +14,7 @@ use flagcx_adaptor::{
 };
 
 use crate::error::{check, error_name, vendor_error};
+use crate::probe::{has_symbol, mps_client, probe_stream_mem_ops};
 use crate::sized::{raw_step, RawStep, MAX_STEPS};
 
 /// A CUDA context handle. The driver API is thread-safe and a context may be made current on
@@ -33,23 +34,6 @@ pub struct CudaDriver {
     peers: Mutex<HashMap<usize, sys::CUdevice>>,
     /// The sized-copy kernel, loaded by the process's first open of the device.
     sized: Option<&'static crate::sized::SizedKernel>,
-}
-
-/// Whether the loaded driver exports `name` (cudarc panics when calling a missing symbol).
-fn has_symbol(name: &CStr) -> bool {
-    for lib in [c"libcuda.so.1", c"libcuda.so"] {
-        // SAFETY: RTLD_NOLOAD only returns a handle to an already-loaded library; dlsym reads a
-        // NUL-terminated name; dlclose balances the successful dlopen.
-        unsafe {
-            let h = libc::dlopen(lib.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
-            if !h.is_null() {
-                let found = !libc::dlsym(h, name.as_ptr()).is_null();
-                libc::dlclose(h);
-                return found;
-            }
-        }
-    }
-    false
 }
 
 fn unavailable(reason: impl Into<String>) -> AdaptorError {
@@ -109,52 +93,6 @@ fn vmm_prop(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
 
 /// Tries the `_v2` stream write/wait calls on a mapped host word; the old attribute lies.
 /// Requires the context to be current.
-fn probe_stream_mem_ops() -> (bool, bool) {
-    for name in [
-        c"cuStreamWaitValue32_v2",
-        c"cuStreamWriteValue32_v2",
-        c"cuStreamWaitValue64_v2",
-        c"cuStreamWriteValue64_v2",
-    ] {
-        if !has_symbol(name) {
-            return (false, false);
-        }
-    }
-    let mut host: *mut c_void = std::ptr::null_mut();
-    let mut dev = 0u64;
-    let mut stream: sys::CUstream = std::ptr::null_mut();
-    // SAFETY: every call gets valid out-pointers; the probe only writes to the 16-byte pinned
-    // word it allocated, synchronizes, and frees everything before returning.
-    unsafe {
-        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
-        if sys::cuMemHostAlloc(&mut host, 16, flags) != CUresult::CUDA_SUCCESS {
-            return (false, false);
-        }
-        std::ptr::write_bytes(host as *mut u8, 0, 16);
-        let ok = sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) == CUresult::CUDA_SUCCESS
-            && sys::cuStreamCreate(&mut stream, 1) == CUresult::CUDA_SUCCESS;
-        let mut r32 = false;
-        let mut r64 = false;
-        if ok {
-            let geq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
-            r32 = sys::cuStreamWriteValue32_v2(stream, dev, 0x5a5a, 0) == CUresult::CUDA_SUCCESS
-                && sys::cuStreamWaitValue32_v2(stream, dev, 0x5a5a, geq) == CUresult::CUDA_SUCCESS;
-            r64 = sys::cuStreamWriteValue64_v2(stream, dev + 8, 1 << 40, 0)
-                == CUresult::CUDA_SUCCESS
-                && sys::cuStreamWaitValue64_v2(stream, dev + 8, 1 << 40, geq)
-                    == CUresult::CUDA_SUCCESS;
-            let synced = sys::cuStreamSynchronize(stream) == CUresult::CUDA_SUCCESS;
-            r32 &= synced && std::ptr::read_volatile(host as *const u32) == 0x5a5a;
-            r64 &= synced && std::ptr::read_volatile((host as *const u64).add(1)) == 1 << 40;
-        }
-        if !stream.is_null() {
-            sys::cuStreamDestroy_v2(stream);
-        }
-        sys::cuMemFreeHost(host);
-        (r32, r64)
-    }
-}
-
 /// Runs a boxed host function handed to `cuLaunchHostFunc`.
 unsafe extern "C" fn host_fn_trampoline(user: *mut c_void) {
     // SAFETY: `user` is what `launch_host_func` passed; the driver calls this exactly once.
@@ -243,6 +181,7 @@ unsafe impl Driver for CudaDriver {
             host_addressable: false,
             sized_copy: sized.is_some(),
             host_gates: false,
+            concurrent_processes: mps_client(cu_device),
         };
         let driver = CudaDriver {
             cu_device,

@@ -25,6 +25,7 @@
 mod driver;
 mod error;
 pub mod kernel;
+mod probe;
 mod sized;
 
 pub use driver::CudaDriver;

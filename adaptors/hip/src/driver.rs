@@ -152,6 +152,9 @@ unsafe impl Driver for HipDriver {
             // No kernel for HIP yet (hiprtc or a code object would carry it).
             sized_copy: false,
             host_gates: false,
+            // ROCm has no MPS; processes on one GPU share it through its hardware queues, not
+            // measured here (no AMD GPU).
+            concurrent_processes: false,
         };
         Ok((
             driver,

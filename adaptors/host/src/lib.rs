@@ -277,6 +277,9 @@ impl DeviceAdaptor for HostAdaptor {
             host_gates: false,
             // Bookkeeping only (see `host_pin`).
             host_pin: true,
+            // Ranks are threads of different processes on the same cores; the lower-copier
+            // default of one-device pairs stays (measured on 2 cores against Open MPI).
+            concurrent_processes: false,
         }
     }
 

@@ -234,6 +234,11 @@ pub struct Capabilities {
     /// from memory when it reaches it (a kernel on GPUs), so a receiver can enqueue the copy
     /// of a message whose size it learns only when the message arrives.
     pub sized_copy: bool,
+    /// Work that several processes enqueue on one device runs side by side instead of in
+    /// time slices of the whole device (NVIDIA's MPS). Two ranks sharing such a device may
+    /// each copy their own messages, and a kernel that spins for its peer does not hold the
+    /// device from it.
+    pub concurrent_processes: bool,
 }
 
 /// One side of a small message through a slot both ends reach, as

@@ -34,7 +34,7 @@ pub struct PeerInfo {
 }
 
 /// How many capability bits the peer information carries (`caps_bits`).
-const CAP_BITS: u32 = 12;
+const CAP_BITS: u32 = 13;
 
 fn caps_bits(c: &Capabilities) -> u32 {
     [
@@ -50,6 +50,7 @@ fn caps_bits(c: &Capabilities) -> u32 {
         c.host_pin,
         c.sized_copy,
         c.host_gates,
+        c.concurrent_processes,
     ]
     .iter()
     .enumerate()
@@ -71,6 +72,7 @@ fn bits_caps(b: u32) -> Capabilities {
         host_pin: f(9),
         sized_copy: f(10),
         host_gates: f(11),
+        concurrent_processes: f(12),
     }
 }
 
@@ -174,6 +176,14 @@ impl PeerInfo {
             }
     }
 
+    /// Whether the two ranks share a device that runs one process's work at a time (time
+    /// slices of milliseconds between processes): [`Self::shares_device`], unless both ranks'
+    /// runtimes run several processes' work at once (`Capabilities::concurrent_processes`).
+    pub fn time_slices_with(&self, other: &PeerInfo) -> bool {
+        self.shares_device(other)
+            && !(self.caps.concurrent_processes && other.caps.concurrent_processes)
+    }
+
     fn same_device(&self, other: &PeerInfo) -> bool {
         self.vendor == other.vendor
             && self.host_id == other.host_id
@@ -189,7 +199,12 @@ impl PeerInfo {
 /// it from the same all-gathered facts, so they agree without talking.
 pub fn receiver_copies(sender: &PeerInfo, receiver: &PeerInfo) -> bool {
     let resolve = |c: IpcCopier| match c {
-        IpcCopier::Auto if sender.same_device(receiver) => IpcCopier::Lower,
+        IpcCopier::Auto
+            if sender.same_device(receiver)
+                && !(sender.caps.concurrent_processes && receiver.caps.concurrent_processes) =>
+        {
+            IpcCopier::Lower
+        }
         IpcCopier::Auto => IpcCopier::Sender,
         c => c,
     };
@@ -331,6 +346,27 @@ mod tests {
         assert!(receiver_copies(&d, &c));
         d.device = 3;
         assert!(!receiver_copies(&d, &c));
+    }
+
+    #[test]
+    fn a_device_that_runs_processes_at_once_lets_each_sender_copy() {
+        let (a, mut b) = (info(0, Vendor::Cuda), info(1, Vendor::Cuda));
+        let mut a = a;
+        assert!(a.time_slices_with(&b) && receiver_copies(&b, &a));
+        // Only one side under MPS (cannot happen on one device, but must stay symmetric).
+        a.caps.concurrent_processes = true;
+        assert!(a.time_slices_with(&b) && b.time_slices_with(&a));
+        assert!(receiver_copies(&b, &a) && !receiver_copies(&a, &b));
+        // Both: the pair shares the device without time slices, and each sender copies.
+        b.caps.concurrent_processes = true;
+        assert!(a.shares_device(&b) && !a.time_slices_with(&b) && !b.time_slices_with(&a));
+        assert!(!receiver_copies(&b, &a) && !receiver_copies(&a, &b));
+        // An explicit choice still wins.
+        a.ipc_copier = IpcCopier::Lower;
+        b.ipc_copier = IpcCopier::Lower;
+        assert!(receiver_copies(&b, &a));
+        // The bit travels.
+        assert_eq!(PeerInfo::decode(&b.encode()).unwrap(), b);
     }
 
     #[test]

@@ -384,26 +384,28 @@ impl<A: DeviceAdaptor> Comm<A> {
             })
             .collect();
         let mut peers = connect_channels(&adaptor, &boot, &transports, &roles, &lanes, &config)?;
+        let mut sliced = vec![false; nranks];
         for c in peers.iter_mut().flatten() {
             c.shares_device = infos[rank].shares_device(&infos[c.peer]);
+            sliced[c.peer] = infos[rank].time_slices_with(&infos[c.peer]);
         }
-        let fused = |shares_device: bool| match config.stream_kernel {
-            HostDirect::Auto => !shares_device,
+        // A kernel that spins for its peer holds a time-sliced device from that peer for a
+        // whole slice (2.25 ms per exchange on an H200); under MPS both run at once.
+        let fused = |q: usize| match config.stream_kernel {
+            HostDirect::Auto => !sliced[q],
             HostDirect::On => true,
             HostDirect::Off => false,
         };
         let mut streamed: Vec<Option<StreamLink>> = Vec::with_capacity(nranks);
         for (q, c) in peers.iter().enumerate() {
             streamed.push(match (c, ordered[q]) {
-                (Some(c), true) => {
-                    match StreamLink::register(&adaptor, &c.out, &c.inc, fused(c.shares_device)) {
-                        Ok(l) => Some(l),
-                        Err(e) => {
-                            undo_streamed(&adaptor, &streamed, &peers);
-                            return Err(e);
-                        }
+                (Some(c), true) => match StreamLink::register(&adaptor, &c.out, &c.inc, fused(q)) {
+                    Ok(l) => Some(l),
+                    Err(e) => {
+                        undo_streamed(&adaptor, &streamed, &peers);
+                        return Err(e);
                     }
-                }
+                },
                 _ => None,
             });
         }
