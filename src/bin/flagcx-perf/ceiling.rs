@@ -30,8 +30,14 @@ fn two_devices(comm: &Comm<Adaptor>, a: usize, b: usize) -> bool {
 
 /// Where an IPC pair's two ranks are, as the header and the JSON rows name it.
 pub(crate) fn placement(comm: &Comm<Adaptor>, me: usize, next: usize) -> &'static str {
+    let shared_at_once = || {
+        let (a, b) = (comm.peer_info(me), comm.peer_info(next));
+        a.zip(b).is_some_and(|(a, b)| !a.time_slices_with(b))
+    };
     if two_devices(comm, me, next) {
         "two devices"
+    } else if shared_at_once() {
+        "one device, shared at once (MPS)"
     } else {
         "one device"
     }
