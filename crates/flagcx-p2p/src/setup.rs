@@ -101,6 +101,16 @@ impl Pairing {
             .collect();
         for (q, copier) in copiers.iter().enumerate() {
             if let Some(copier) = copier {
+                if !infos[rank].time_slices_with(&infos[q]) && infos[rank].shares_device(&infos[q])
+                {
+                    tracing::warn!(
+                        rank,
+                        peer = q,
+                        "rank {rank} ↔ rank {q}: FLAGCX_P2P_IPC_COPIER=lower on a GPU shared \
+                         under MPS: on an H200 this stalled within a few hundred calls (the \
+                         copier's proxy blocked in the driver); `auto` has each sender copy"
+                    );
+                }
                 tracing::info!(
                     rank,
                     peer = q,
