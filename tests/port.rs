@@ -80,7 +80,12 @@ fn pingpong(me: usize, peer: usize, ch: &PortChannel<Adaptor>, src: &Buf, dst: &
     let len = src.mem.len().min(dst.mem.len());
     for t in 0..turns {
         let r = splitmix(t ^ ((me.min(peer) as u64) << 48) ^ ((me.max(peer) as u64) << 56));
-        let (off, size) = span(r, len);
+        let (off, size) = if t % 7 == 5 {
+            // Eight aligned bytes: `HostPort` sends them as a value put (the buffer table).
+            (((r >> 20) % (len as u64 / 8)) * 8, 8)
+        } else {
+            span(r, len)
+        };
         let sender = if t % 2 == 0 {
             me.min(peer)
         } else {
@@ -190,6 +195,25 @@ fn port_worker() {
             let ch = comm
                 .port_channel(peer, &[&src.reg, &dst.reg], 3)
                 .expect("channel");
+            // The buffer table device code reads: our two buffers, the peer's two, both
+            // aligned.
+            let table = ch.raw().head - flagcx::p2p::port::HEAD_OFF + flagcx::p2p::port::TABLE_OFF;
+            // SAFETY: host-vendor device words are this process's memory, live while the
+            // channel is; the table has 2 + 2·2 + 2 words.
+            let words: Vec<u64> = (0..8)
+                .map(|i| unsafe { std::ptr::read((table + 8 * i) as *const u64) })
+                .collect();
+            let want = [
+                2,
+                2,
+                src.mem.ptr().0,
+                src.mem.len() as u64,
+                dst.mem.ptr().0,
+                dst.mem.len() as u64,
+                1,
+                1,
+            ];
+            assert_eq!(words, want, "buffer table");
             let t0 = Instant::now();
             pingpong(me, peer, &ch, &src, &dst, 3000);
             let (triggers, bytes) = ch.stats();

@@ -21,6 +21,12 @@
  *                                          issues one stream write instead of a copy
  *   put_value_with_signal(...)             both, as one trigger: the fastest way to hand
  *                                          the peer a word and wake it
+ *
+ * A put (or put_with_signal) of 8 bytes between 8-byte-aligned addresses is sent as a value
+ * put: the calling thread reads the 8 bytes when it triggers (the proxy's copy would read them
+ * later; either is what "the source may not change until a flush" allows), using the table of
+ * registered buffers the channel keeps beside its flag. On an H200 that is 15 us instead of
+ * 27-36 us per 8 B kernel-to-kernel round trip between two processes.
  *   flush()                                return once everything earlier completed (on a
  *                                          staged pair: left this rank's buffers, which may
  *                                          be reused; a signal still follows the data)
@@ -93,16 +99,38 @@ namespace flagcx {
 typedef ::flagcxPortChannelHandle PortChannelHandle;
 static_assert(sizeof(PortChannelHandle) == 56, "PortChannelHandle must match Rust's PortRaw");
 
+/* The buffer table sits this far past `head` in the channel's device words (Rust:
+ * port::TABLE_OFF - port::HEAD_OFF): this rank's buffer count n, the peer's count m, (address,
+ * length) of each of ours, then 1 for each of the peer's buffers a value put may write. */
+static constexpr uint64_t kTableFromHead = 128;
+
 struct PortChannel {
   PortChannelHandle h;
   uint64_t expected; /* signals this object has waited for */
   uint64_t tail;     /* the proxy's tail as last read: no bus read while the ring has room */
-
-  __device__ explicit PortChannel(const PortChannelHandle &handle)
-      : h(handle), expected(0), tail(0) {}
+  uint64_t table;    /* the buffer table's address */
+  uint64_t nlocal;   /* its counts (0 and 0: no puts go as values) */
+  uint64_t nremote;
 
   __device__ static uint64_t load(uint64_t addr) {
     return *reinterpret_cast<volatile uint64_t *>(addr);
+  }
+
+  __device__ explicit PortChannel(const PortChannelHandle &handle)
+      : h(handle), expected(0), tail(0), table(handle.head + kTableFromHead),
+        nlocal(load(table)), nremote(load(table + 8)) {}
+
+  /* Whether a put of `size` bytes from (src, src_off) to (dst, dst_off) can go as a value put;
+   * if so, reads the 8 bytes into *v. */
+  __device__ bool inline_value(uint32_t dst, uint64_t dst_off, uint32_t src, uint64_t src_off,
+                               uint64_t size, uint64_t *v) const {
+    if (size != 8 || ((src_off | dst_off) & 7) != 0 || src >= nlocal || dst >= nremote) return false;
+    uint64_t base = load(table + 16 + 16 * uint64_t(src));
+    uint64_t len = load(table + 24 + 16 * uint64_t(src));
+    uint64_t ok = load(table + 16 + 16 * nlocal + 8 * uint64_t(dst));
+    if (ok == 0 || (base & 7) != 0 || len < 8 || src_off > len - 8) return false;
+    *v = load(base + src_off);
+    return true;
   }
 
   __device__ int status() const {
@@ -148,7 +176,9 @@ struct PortChannel {
 
   /* Copies size bytes from this rank's buffer src (at src_off) to the peer's buffer dst. */
   __device__ int put(uint32_t dst, uint64_t dst_off, uint32_t src, uint64_t src_off, uint64_t size) {
-    uint64_t seq;
+    uint64_t seq, v;
+    if (inline_value(dst, dst_off, src, src_off, size, &v))
+      return trigger_value(kPortPutValue, dst, dst_off, v, &seq);
     return trigger(kPortPut, dst, dst_off, src, src_off, size, &seq);
   }
 
@@ -161,7 +191,9 @@ struct PortChannel {
   /* put, then signal, as one trigger. */
   __device__ int put_with_signal(uint32_t dst, uint64_t dst_off, uint32_t src, uint64_t src_off,
                                  uint64_t size) {
-    uint64_t seq;
+    uint64_t seq, v;
+    if (inline_value(dst, dst_off, src, src_off, size, &v))
+      return trigger_value(kPortPutValueWithSignal, dst, dst_off, v, &seq);
     return trigger(kPortPutWithSignal, dst, dst_off, src, src_off, size, &seq);
   }
 

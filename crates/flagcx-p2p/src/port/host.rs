@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::{
-    pack_trigger, PortRaw, PortStatus, OP_FLUSH, OP_PUT, OP_PUT_VALUE, OP_PUT_VALUE_WITH_SIGNAL,
-    OP_PUT_WITH_SIGNAL, OP_SIGNAL, POISON, TRIGGER_BYTES,
+    pack_trigger, PortRaw, PortStatus, HEAD_OFF, OP_FLUSH, OP_PUT, OP_PUT_VALUE,
+    OP_PUT_VALUE_WITH_SIGNAL, OP_PUT_WITH_SIGNAL, OP_SIGNAL, POISON, TABLE_OFF, TRIGGER_BYTES,
 };
 
 /// Why a device-side call of a port channel failed.
@@ -114,10 +114,39 @@ impl HostPort {
         self.push(src.1, dst.1, packed)
     }
 
+    /// The 8 bytes a put of `size` bytes from `src` to `dst` would copy, read now, where the
+    /// channel's buffer table says the put can travel as a value put (as `device.cuh` does):
+    /// 8 bytes between 8-byte-aligned addresses, inside the source buffer.
+    fn inline_value(&self, dst: (usize, u64), src: (usize, u64), size: u64) -> Option<u64> {
+        if size != 8 || (src.1 | dst.1) % 8 != 0 {
+            return None;
+        }
+        let table = self.raw.head - HEAD_OFF + TABLE_OFF;
+        let at = |i: u64| self.word(table + 8 * i).load(Ordering::Relaxed);
+        let (n, m) = (at(0), at(1));
+        let (s, d) = (src.0 as u64, dst.0 as u64);
+        if s >= n || d >= m {
+            return None;
+        }
+        let (base, len, ok) = (at(2 + 2 * s), at(3 + 2 * s), at(2 + 2 * n + d));
+        if ok == 0 || base % 8 != 0 || len < 8 || src.1 > len - 8 {
+            return None;
+        }
+        // SAFETY: an aligned word inside this rank's registered buffer `src.0` (checked against
+        // its length above), which the channel keeps alive (`new`'s contract); read as the
+        // proxy's copy would read it.
+        let word = unsafe { std::ptr::read_volatile((base + src.1) as *const u64) };
+        Some(u64::from_le(word))
+    }
+
     /// Asks for `size` bytes from (`src` buffer, offset) of this rank to (`dst` buffer,
-    /// offset) of the peer. Returns once the trigger is in the FIFO.
+    /// offset) of the peer. Returns once the trigger is in the FIFO. Eight bytes between
+    /// aligned addresses go as a value put (read now; see [`Self::put_value`]).
     pub fn put(&self, dst: (usize, u64), src: (usize, u64), size: u64) -> Result<(), PortFailure> {
-        self.trigger(OP_PUT, dst, src, size).map(drop)
+        match self.inline_value(dst, src, size) {
+            Some(v) => self.value_trigger(OP_PUT_VALUE, dst, v),
+            None => self.trigger(OP_PUT, dst, src, size).map(drop),
+        }
     }
 
     /// Asks for one signal to the peer after everything earlier in the FIFO.
@@ -132,7 +161,10 @@ impl HostPort {
         src: (usize, u64),
         size: u64,
     ) -> Result<(), PortFailure> {
-        self.trigger(OP_PUT_WITH_SIGNAL, dst, src, size).map(drop)
+        match self.inline_value(dst, src, size) {
+            Some(v) => self.value_trigger(OP_PUT_VALUE_WITH_SIGNAL, dst, v),
+            None => self.trigger(OP_PUT_WITH_SIGNAL, dst, src, size).map(drop),
+        }
     }
 
     /// Asks for the 8 bytes of `value` (little-endian) to be written at (`dst` buffer, offset)

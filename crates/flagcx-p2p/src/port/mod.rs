@@ -48,6 +48,7 @@
 //! | control | 4096 + 32·i | trigger slot `i` of `depth` (below) | device | proxy |
 //! | device | 0 | `flag`: signals received from the peer, [`POISON`] on failure | peer's proxy stream (IPC), this proxy's inbound stream (staged) | device |
 //! | device | 128 | `head`: slots reserved (device atomics) | device | device |
+//! | device | 256 | the buffer table ([`buffer_table`]) | this rank, at creation | device |
 //!
 //! A trigger is four little-endian 64-bit words: `src_offset` (a value put's value),
 //! `dst_offset`, `size | op << 40 | src_buffer << 44 | dst_buffer << 54` (a value put: size 8,
@@ -123,8 +124,16 @@ pub(crate) const STATUS_OFF: u64 = 128;
 pub(crate) const TRIGGERS_OFF: u64 = 4096;
 /// Offsets in the device words.
 pub(crate) const FLAG_OFF: u64 = 0;
-pub(crate) const HEAD_OFF: u64 = 128;
-const DEVICE_WORDS: usize = 256;
+/// Where `head` is in the device words ([`PortRaw::head`] is the words' address plus this).
+pub const HEAD_OFF: u64 = 128;
+/// Where the buffer table starts in the device words (see [`buffer_table`]).
+pub const TABLE_OFF: u64 = 256;
+/// Bytes of the largest buffer table: two counts, (address, length) per buffer of this rank,
+/// one word per buffer of the peer.
+const TABLE_BYTES: usize = 16 + 16 * MAX_BUFFERS + 8 * MAX_BUFFERS;
+const DEVICE_WORDS: usize = TABLE_OFF as usize + TABLE_BYTES;
+// `include/flagcx/device.cuh` finds the table at `head + kTableFromHead` (128).
+const _: () = assert!(TABLE_OFF - HEAD_OFF == 128);
 const PAGE: usize = 4096;
 
 /// Why a channel failed, as written into its `status` word.
@@ -181,6 +190,30 @@ pub struct PortRaw {
 }
 
 const _: () = assert!(std::mem::size_of::<PortRaw>() == 56);
+
+/// The buffer table device code reads at [`TABLE_OFF`] of the device words, as little-endian
+/// words: the number of this rank's buffers `n`, the number of the peer's `m`, then for each of
+/// ours its address and length, then for each of the peer's 1 where an 8-byte value put into
+/// it is possible (its address, as this rank's proxy writes it, is 8-byte aligned; always on a
+/// staged pair) and 0 where not. With it a put of 8 bytes between aligned addresses is sent as
+/// a value put: the device reads the 8 bytes itself, and the proxy writes them with a stream
+/// write instead of a copy.
+pub fn buffer_table(
+    local: &[(DevicePtr, usize)],
+    remote: &[(DevicePtr, usize)],
+    staged: bool,
+) -> Vec<u8> {
+    let mut words = vec![local.len() as u64, remote.len() as u64];
+    for &(p, len) in local {
+        words.extend([p.0, len as u64]);
+    }
+    words.extend(
+        remote
+            .iter()
+            .map(|&(p, _)| u64::from(staged || p.0 % 8 == 0)),
+    );
+    words.iter().flat_map(|w| w.to_le_bytes()).collect()
+}
 
 /// Packs a trigger's third word; `None` when a field does not fit.
 pub fn pack_trigger(op: u64, src_buffer: usize, dst_buffer: usize, size: u64) -> Option<u64> {

@@ -289,6 +289,19 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         r.end()?;
 
+        let local: Vec<(DevicePtr, usize)> = buffers.iter().map(|b| (b.ptr(), b.len())).collect();
+        let table = super::buffer_table(&local, &remote, staged);
+        // SAFETY: the table fits the device words' allocation (at most TABLE_BYTES past
+        // TABLE_OFF); `table` outlives the synchronize that follows.
+        unsafe {
+            a.memcpy_h2d_async(
+                DevicePtr(words.0 + super::TABLE_OFF),
+                table.as_ptr(),
+                table.len(),
+                part.streams[0],
+            )?
+        };
+        a.stream_synchronize(part.streams[0])?;
         let proxy = self
             .ports
             .get_or_init(|| Arc::new(PortProxy::new(self.rank, self.config.timeout)))
@@ -314,7 +327,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             words,
             stream: part.streams[0],
             ctl: part.streams[1],
-            local: buffers.iter().map(|b| (b.ptr(), b.len())).collect(),
+            local,
             remote,
             peer_flag,
             staged: link,
