@@ -304,16 +304,27 @@ if [ -x "$nvcc" ]; then
     echo "port floor probe: not built"
   fi
 fi
-# FLAGCX_PORT_MPS=1: the IPC ping-pongs again under MPS, where both processes' kernels run at
-# once on one GPU (without it they take time slices of milliseconds): the kernel-to-kernel
-# round trip that two GPUs would show, less the link. Starts and stops its own daemon.
+# FLAGCX_PORT_MPS=1 (run.sh sets it): the IPC ping-pongs again under MPS, where both processes'
+# kernels run at once on one GPU (without it they take time slices of milliseconds): the
+# kernel-to-kernel round trip that two GPUs would show, less the link. Starts and stops its own
+# daemon (short socket paths under /tmp); where none can start, says so and goes on.
 if [ "${FLAGCX_PORT_MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/null; then
-  export CUDA_MPS_PIPE_DIRECTORY="$logs/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$logs/mps-log"
+  mps=$(mktemp -d /tmp/flagcx-mps.XXXXXX)
+  export CUDA_MPS_PIPE_DIRECTORY="$mps/pipe" CUDA_MPS_LOG_DIRECTORY="$mps/log"
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d && sleep 1 &&
+  if nvidia-cuda-mps-control -d; then
+    sleep 1
+    echo "under MPS:"
     "$here/bin/flagcx-run" -n 2 -- "$here/bin/port_pingpong" $ptx; rc=$?
-  echo quit | nvidia-cuda-mps-control
-  [ $rc -eq 0 ] || exit 1
+    echo quit | nvidia-cuda-mps-control
+    sleep 1
+    rm -rf "$mps"
+    [ $rc -eq 0 ] || exit 1
+  else
+    echo "MPS: the control daemon did not start here; the ping-pongs under MPS did not run"
+    rm -rf "$mps"
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 fi
 "#,
     )
@@ -370,7 +381,7 @@ fi
     entries.push(Entry {
         label: format!("port channels ({vendor} kernels)"),
         file: "port".into(),
-        env: vec![],
+        env: vec![("FLAGCX_PORT_MPS".into(), "1".into())],
         args: vec!["sh".into(), "\"$here/port.sh\"".into()],
         placements: true,
     });
