@@ -71,9 +71,15 @@ def main(d):
     one_way = pick - echo / 2 if pick is not None and echo is not None else None
     verdict("#23", "trigger pick-up, one way (round trip less half the bus echo), us", one_way, 2.0, higher_better=False)
     verdict("#23", "put_with_signal + wait ping-pong 8 B, round trip, us", num(r"port pingpong 8 B: ([0-9.]+) us"), 15.0, higher_better=False, fmt="{:.1f}")
+    verdict("#23", "put_value_with_signal ping-pong 8 B, round trip, us", num(r"port pingpong 8 B value: ([0-9.]+) us"), 15.0, higher_better=False, fmt="{:.1f}")
     verdict("#23", "4 MiB puts / host-issued copies into the peer", num(r"into the peer [0-9.]+ GB/s; ratio ([0-9.]+) \(medians"), 0.9)
     placement = re.search(r"port: (rank 0 on .*?), (IPC|staged)", log)
     print()
+    # No target of its own: whether the root's local copy is what keeps broadcast below NCCL.
+    out_of_place = {r["bytes"]: r["busbw_gbs"] for r in rows(d, "nccl-broadcast")}
+    for r in rows(d, "bcast-inplace"):
+        if r["bytes"] in out_of_place:
+            print(f"broadcast {r['bytes'] >> 20} MiB: in place {r['busbw_gbs']:.1f} GB/s, out of place {out_of_place[r['bytes']]:.1f}")
     print("port channel placement: " + (placement.group(1) if placement else "unknown"))
     print(f"wrong bytes over every flagcx-perf row: {wrong}")
     w = [max(len(r[i]) for r in out) for i in range(4)]

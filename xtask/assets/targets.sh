@@ -35,6 +35,10 @@ run() {
 for t in sendrecv allgather alltoall broadcast; do
   run nccl-$t env FLAGCX_VENDOR=cuda "$perf" -t $t -b 8 -e 1G -f 4 -n 20 -w 5 -c --vs-nccl
 done
+# Broadcast in place: the root makes no local copy beside its transfer. Out of place it was
+# 0.75-0.91 of NCCL from 16 MiB in the first run, where sendrecv was 1.22-1.25: if this row is
+# at sendrecv's rate, the root's copy into its own buffer is what slows the other.
+run bcast-inplace env FLAGCX_VENDOR=cuda "$perf" -t broadcast --in-place -b 16M -e 1G -f 4 -n 20 -w 5 -c
 # Small messages stream-ordered (FLAGCX_P2P_STREAM=on: no host thread on a message's path),
 # off by default until measured here; the first two-GPU run left the default paths at 25-35
 # us per call below 16 MiB where NCCL took 10-13.
