@@ -211,6 +211,10 @@ impl Lane {
         // aligned and inside the mapped segment; the slot is free (the caller checked credit).
         unsafe { (*(slot as *const AtomicU64)).store(value.to_le(), Ordering::Relaxed) };
         self.describe(k, d);
+        // The receiver's copy engine reads the slot once it sees the `seq` our stream writes
+        // after this call: the value must be out of this CPU's store buffer before the runtime
+        // is told to write it (a full fence, not only the runtime's own doorbell ordering).
+        std::sync::atomic::fence(Ordering::SeqCst);
         self.mark(a, stream, k)
     }
 
