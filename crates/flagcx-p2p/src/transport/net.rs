@@ -308,19 +308,26 @@ impl<A: DeviceAdaptor> Engine<A> {
         let net = &mut *guard;
         net.worker.progress();
         let status = net.failed[p].load(Ordering::Acquire);
-        if status != 0 {
-            return Err(CommError::PeerLost {
-                peer: p,
-                reason: format!(
-                    "the network endpoint to it failed: {}",
-                    net.worker.describe(status as Status)
-                ),
-            });
+        let endpoint_failed = || CommError::PeerLost {
+            peer: p,
+            reason: format!(
+                "the network endpoint to it failed: {}",
+                net.worker.describe(status as Status)
+            ),
+        };
+        let dir = step.op.dir;
+        // A peer that leaves right after its last sends closes its endpoint, and ours may fail
+        // (UCX: "Endpoint timeout") while that message already sits in this worker: a receive
+        // not yet matched still looks for it (`Probe`), and one matched to it finishes.
+        let may_still_arrive = dir == Dir::Recv
+            && (step.matched.is_some()
+                || matches!(step.phase, Phase::Net(NetPhase::Start | NetPhase::Probe)));
+        if status != 0 && !may_still_arrive {
+            return Err(endpoint_failed());
         }
         let Phase::Net(phase) = &mut step.phase else {
             return Err(CommError::Protocol("a net step in another phase".into()));
         };
-        let dir = step.op.dir;
         let (ptr, bytes) = (step.op.ptr, step.op.bytes);
         let tag = match dir {
             Dir::Send => tag(rank, step.index),
@@ -368,7 +375,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                 Ok(Progress::Moved)
             }
             NetPhase::Probe => {
-                let lost = self.peers[p].as_ref().is_some_and(|c| c.lost.is_some());
+                let lost = status != 0 || self.peers[p].as_ref().is_some_and(|c| c.lost.is_some());
                 let found = match net.worker.probe(tag) {
                     None if lost => net
                         .worker
@@ -376,6 +383,9 @@ impl<A: DeviceAdaptor> Engine<A> {
                     m => m,
                 };
                 let Some((msg, len)) = found else {
+                    if status != 0 {
+                        return Err(endpoint_failed());
+                    }
                     if lost || net.stage() {
                         return Ok(Progress::Idle { on_peer: true });
                     }
