@@ -308,21 +308,16 @@ impl<A: DeviceAdaptor> Engine<A> {
         let net = &mut *guard;
         net.worker.progress();
         let status = net.failed[p].load(Ordering::Acquire);
-        let endpoint_failed = || CommError::PeerLost {
-            peer: p,
-            reason: format!(
-                "the network endpoint to it failed: {}",
-                net.worker.describe(status as Status)
-            ),
+        let endpoint_failed = || {
+            let why = net.worker.describe(status as Status);
+            let reason = format!("the network endpoint to it failed: {why}");
+            CommError::PeerLost { peer: p, reason }
         };
         let dir = step.op.dir;
-        // A peer that leaves right after its last sends closes its endpoint, and ours may fail
-        // (UCX: "Endpoint timeout") while that message already sits in this worker: a receive
-        // not yet matched still looks for it (`Probe`), and one matched to it finishes.
-        let may_still_arrive = dir == Dir::Recv
-            && (step.matched.is_some()
-                || matches!(step.phase, Phase::Net(NetPhase::Start | NetPhase::Probe)));
-        if status != 0 && !may_still_arrive {
+        // A peer that leaves right after its last sends closes its endpoint; ours may fail while
+        // that message sits in this worker: an unmatched receive still probes, a matched one ends.
+        let unmatched = matches!(step.phase, Phase::Net(NetPhase::Start | NetPhase::Probe));
+        if status != 0 && !(dir == Dir::Recv && (step.matched.is_some() || unmatched)) {
             return Err(endpoint_failed());
         }
         let Phase::Net(phase) = &mut step.phase else {
@@ -377,9 +372,7 @@ impl<A: DeviceAdaptor> Engine<A> {
             NetPhase::Probe => {
                 let lost = status != 0 || self.peers[p].as_ref().is_some_and(|c| c.lost.is_some());
                 let found = match net.worker.probe(tag) {
-                    None if lost => net
-                        .worker
-                        .probe_within(tag, std::time::Duration::from_millis(200)),
+                    None if lost => net.worker.probe_within(tag, Duration::from_millis(200)),
                     m => m,
                 };
                 let Some((msg, len)) = found else {
