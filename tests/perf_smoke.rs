@@ -250,6 +250,11 @@ fn bad_arguments_exit_2_naming_the_option() {
         ),
         (
             env!("CARGO_BIN_EXE_flagcx-perf"),
+            &["-t", "broadcast", "-N", "2", "-r", "2"][..],
+            "--root",
+        ),
+        (
+            env!("CARGO_BIN_EXE_flagcx-perf"),
             &["--vendor", "nvidia"][..],
             "--vendor",
         ),
@@ -372,6 +377,23 @@ fn collective_tests_run_checked() {
             "{test} in place:\n{t}"
         );
         assert_eq!(rows(&t), 3, "{test} in place:\n{t}");
+    }
+    // Rooted at the last rank (`-r`), out of place and in place: the root's bytes are checked
+    // everywhere, and a gather's or scatter's root keeps its block at its own offset.
+    for test in ["broadcast", "gather", "scatter"] {
+        for place in [None, Some("--in-place")] {
+            let mut args = vec![
+                "-t", test, "-N", "3", "-r", "2", "-b", "3K", "-e", "96K", "-f", "32", "-n", "2",
+                "-w", "1", "-c",
+            ];
+            args.extend(place);
+            let t = perf(&args);
+            assert!(
+                t.contains("# wrong bytes in all: 0"),
+                "{test} -r 2 {place:?}:\n{t}"
+            );
+            assert_eq!(rows(&t), 2, "{test} -r 2 {place:?}:\n{t}");
+        }
     }
 }
 
@@ -532,6 +554,10 @@ fn the_bundles_verdict_table_reads_flagcx_perf_rows() {
             "mixed-cuda-host-broadcast",
             &["-t", "broadcast", "-b", "1M", "-e", "4M", "-f", "4"],
         ),
+        (
+            "bcast-root1-pull",
+            &["-t", "broadcast", "-r", "1", "-b", "16M", "-e", "16M"],
+        ),
     ] {
         let mut a = args.to_vec();
         let f = file(name);
@@ -582,4 +608,9 @@ fn the_bundles_verdict_table_reads_flagcx_perf_rows() {
     ] {
         assert!(line(missing).ends_with("NO DATA"), "{text}");
     }
+    // The broadcast diagnosis prints the rows it has, by size.
+    assert!(
+        line("broadcast 16 MiB, GB/s: root 1 pulled ").len() > 35,
+        "{text}"
+    );
 }

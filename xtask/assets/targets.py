@@ -75,11 +75,19 @@ def main(d):
     verdict("#23", "4 MiB puts / host-issued copies into the peer", num(r"into the peer [0-9.]+ GB/s; ratio ([0-9.]+) \(medians"), 0.9)
     placement = re.search(r"port: (rank 0 on .*?), (IPC|staged)", log)
     print()
-    # No target of its own: whether the root's local copy is what keeps broadcast below NCCL.
-    out_of_place = {r["bytes"]: r["busbw_gbs"] for r in rows(d, "nccl-broadcast")}
-    for r in rows(d, "bcast-inplace"):
-        if r["bytes"] in out_of_place:
-            print(f"broadcast {r['bytes'] >> 20} MiB: in place {r['busbw_gbs']:.1f} GB/s, out of place {out_of_place[r['bytes']]:.1f}")
+    # No target of its own: whether the root's local copy is what keeps broadcast below NCCL
+    # (in place: no local copy; rooted at 1 and pulled: the copies on different GPUs).
+    bcast = [("out of place", "nccl-broadcast"), ("in place", "bcast-inplace"),
+             ("root 1", "bcast-root1"), ("root 1 pulled", "bcast-root1-pull")]
+    by_size = {}
+    for label, name in bcast:
+        for r in rows(d, name):
+            if r["bytes"] >= 16 * MIB:
+                by_size.setdefault(r["bytes"], []).append(f"{label} {r['busbw_gbs']:.1f}")
+                if r.get("nccl_gbs"):
+                    by_size[r["bytes"]].append(f"(NCCL {r['nccl_gbs']:.1f})")
+    for size, cells in sorted(by_size.items()):
+        print(f"broadcast {size >> 20} MiB, GB/s: " + ", ".join(cells))
     print("port channel placement: " + (placement.group(1) if placement else "unknown"))
     print(f"wrong bytes over every flagcx-perf row: {wrong}")
     w = [max(len(r[i]) for r in out) for i in range(4)]

@@ -39,6 +39,12 @@ done
 # 0.75-0.91 of NCCL from 16 MiB in the first run, where sendrecv was 1.22-1.25: if this row is
 # at sendrecv's rate, the root's copy into its own buffer is what slows the other.
 run bcast-inplace env FLAGCX_VENDOR=cuda "$perf" -t broadcast --in-place -b 16M -e 1G -f 4 -n 20 -w 5 -c
+# Out of place again, rooted at rank 1: its proxy pushes with GPU 1's copy engines beside the
+# root's local copy on GPU 1 (as rank 0 did above); then with the lower rank copying both
+# ways, so GPU 0's engines pull the message and GPU 1's do only the local copy. Faster here
+# than the row above: the two copies of one GPU queue behind each other.
+run bcast-root1 env FLAGCX_VENDOR=cuda "$perf" -t broadcast -r 1 -b 16M -e 1G -f 4 -n 20 -w 5 -c --vs-nccl
+run bcast-root1-pull env FLAGCX_P2P_IPC_COPIER=lower FLAGCX_VENDOR=cuda "$perf" -t broadcast -r 1 -b 16M -e 1G -f 4 -n 20 -w 5 -c --vs-nccl
 # Small messages stream-ordered (FLAGCX_P2P_STREAM=on: no host thread on a message's path),
 # off by default until measured here; the first two-GPU run left the default paths at 25-35
 # us per call below 16 MiB where NCCL took 10-13.

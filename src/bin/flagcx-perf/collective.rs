@@ -5,7 +5,8 @@ use flagcx::{Adaptor, Comm, DevicePtr, StreamHandle};
 
 use super::byte;
 
-/// Posts one collective of `size` bytes (root 0) from `send` into `recv`.
+/// Posts one collective of `size` bytes (rooted at `root` where it has a root) from `send`
+/// into `recv`.
 ///
 /// # Safety
 /// Both buffers hold at least `size` bytes and stay valid until the collective finished.
@@ -15,6 +16,7 @@ pub(crate) unsafe fn run_collective(
     send: DevicePtr,
     recv: DevicePtr,
     size: usize,
+    root: usize,
     h: StreamHandle,
 ) -> Result<flagcx::Collective, flagcx::CommError> {
     let n = comm.nranks();
@@ -22,9 +24,9 @@ pub(crate) unsafe fn run_collective(
     // SAFETY: the caller's contract covers every block named below.
     unsafe {
         match test {
-            "broadcast" => comm.broadcast_raw(send, recv, size, 0, h),
-            "gather" => comm.gather_raw(send, recv, block, 0, h),
-            "scatter" => comm.scatter_raw(send, recv, block, 0, h),
+            "broadcast" => comm.broadcast_raw(send, recv, size, root, h),
+            "gather" => comm.gather_raw(send, recv, block, root, h),
+            "scatter" => comm.scatter_raw(send, recv, block, root, h),
             "allgather" => comm.all_gather_raw(send, recv, block, h),
             "alltoall" => comm.all_to_all_raw(send, recv, block, h),
             _ => {
@@ -52,21 +54,28 @@ fn v_count(p: usize, q: usize, n: usize, size: usize) -> usize {
     (size / n) * (x % 100 + 1) as usize / 100
 }
 
-/// Wrong bytes in rank `me`'s receive buffer after one collective of `size` bytes (root 0;
-/// every rank's send buffer holds `byte(rank, size, i)`).
-pub(crate) fn collective_wrong(test: &str, got: &[u8], me: usize, n: usize, size: usize) -> usize {
+/// Wrong bytes in rank `me`'s receive buffer after one collective of `size` bytes (rooted at
+/// `root`; every rank's send buffer holds `byte(rank, size, i)`).
+pub(crate) fn collective_wrong(
+    test: &str,
+    got: &[u8],
+    me: usize,
+    n: usize,
+    size: usize,
+    root: usize,
+) -> usize {
     let block = size / n;
     let mut wrong = 0;
     let mut expect = |at: usize, want: u8| wrong += usize::from(got[at] != want);
     match test {
-        "broadcast" => (0..size).for_each(|i| expect(i, byte(0, size, i))),
-        "gather" if me == 0 => {
+        "broadcast" => (0..size).for_each(|i| expect(i, byte(root, size, i))),
+        "gather" if me == root => {
             for q in 0..n {
                 (0..block).for_each(|i| expect(q * block + i, byte(q, size, i)));
             }
         }
         "gather" => {}
-        "scatter" => (0..block).for_each(|i| expect(i, byte(0, size, me * block + i))),
+        "scatter" => (0..block).for_each(|i| expect(i, byte(root, size, me * block + i))),
         "allgather" => {
             for q in 0..n {
                 (0..block).for_each(|i| expect(q * block + i, byte(q, size, i)));
@@ -93,7 +102,7 @@ pub(crate) fn has_in_place(test: &str) -> bool {
     matches!(test, "broadcast" | "gather" | "scatter" | "allgather")
 }
 
-/// Where rank `me` runs one collective of `size` bytes (root 0) over its buffers `send` and
+/// Where rank `me` runs one collective of `size` bytes (rooted at `root`) over its buffers `send` and
 /// `recv`: `(send, recv)` as passed to it, the in-place forms where `in_place` (the root's
 /// buffers coincide for broadcast, gather and scatter; every rank's block sits in its `recv`
 /// for all-gather), and whether the result lands in `send` (an in-place scatter's root).
@@ -103,25 +112,27 @@ pub(crate) fn placement(
     me: usize,
     n: usize,
     size: usize,
-    send: DevicePtr,
-    recv: DevicePtr,
+    root: usize,
+    (send, recv): (DevicePtr, DevicePtr),
 ) -> (DevicePtr, DevicePtr, bool) {
     let block = (size / n) as u64;
-    match (in_place, test, me) {
-        (true, "broadcast" | "gather", 0) => (recv, recv, false),
-        (true, "scatter", 0) => (send, send, true),
+    match (in_place, test, me == root) {
+        // The root's own block of a gather sits at its rank's offset in `recv`.
+        (true, "broadcast", true) => (recv, recv, false),
+        (true, "gather", true) => (DevicePtr(recv.0 + me as u64 * block), recv, false),
+        (true, "scatter", true) => (send, DevicePtr(send.0 + me as u64 * block), true),
         (true, "allgather", _) => (DevicePtr(recv.0 + me as u64 * block), recv, false),
         _ => (send, recv, false),
     }
 }
 
 /// How many bytes of input rank `me` provides at its send pointer for one collective of
-/// `size` (root 0): the whole buffer at a broadcast's or scatter's root, one block for
-/// gather and all-gather, nothing at the other ranks of a rooted collective.
-pub(crate) fn input_bytes(test: &str, me: usize, n: usize, size: usize) -> usize {
-    match (test, me) {
-        ("broadcast" | "scatter", 0) => size,
-        ("broadcast" | "scatter", _) => 0,
+/// `size` (rooted at `root`): the whole buffer at a broadcast's or scatter's root, one block
+/// for gather and all-gather, nothing at the other ranks of a rooted collective.
+pub(crate) fn input_bytes(test: &str, me: usize, n: usize, size: usize, root: usize) -> usize {
+    match (test, me == root) {
+        ("broadcast" | "scatter", true) => size,
+        ("broadcast" | "scatter", false) => 0,
         ("gather" | "allgather", _) => size / n,
         _ => size,
     }
@@ -134,7 +145,7 @@ mod tests {
     #[test]
     fn in_place_pointers_follow_each_collective_s_rule() {
         let (s, r) = (DevicePtr(1 << 20), DevicePtr(2 << 20));
-        let at = |t: &str, me| placement(t, true, me, 4, 4000, s, r);
+        let at = |t: &str, me| placement(t, true, me, 4, 4000, 0, (s, r));
         assert_eq!(at("broadcast", 0), (r, r, false));
         assert_eq!(
             at("broadcast", 1),
@@ -153,11 +164,19 @@ mod tests {
         );
         assert_eq!(at("allgather", 3), (DevicePtr(r.0 + 3000), r, false));
         assert_eq!(
-            placement("allgather", false, 3, 4, 4000, s, r),
+            placement("allgather", false, 3, 4, 4000, 0, (s, r)),
             (s, r, false)
         );
-        assert_eq!(input_bytes("allgather", 2, 4, 4000), 1000);
-        assert_eq!(input_bytes("broadcast", 1, 4, 4000), 0);
+        assert_eq!(input_bytes("allgather", 2, 4, 4000, 0), 1000);
+        assert_eq!(input_bytes("broadcast", 1, 4, 4000, 0), 0);
+        // Rooted elsewhere: the root's block sits at its rank's offset.
+        let root2 = |t: &str, me| placement(t, true, me, 4, 4000, 2, (s, r));
+        assert_eq!(root2("broadcast", 2), (r, r, false));
+        assert_eq!(root2("broadcast", 0), (s, r, false));
+        assert_eq!(root2("gather", 2), (DevicePtr(r.0 + 2000), r, false));
+        assert_eq!(root2("scatter", 2), (s, DevicePtr(s.0 + 2000), true));
+        assert_eq!(input_bytes("scatter", 2, 4, 4000, 2), 4000);
+        assert_eq!(input_bytes("scatter", 0, 4, 4000, 2), 0);
         assert!(has_in_place("scatter") && !has_in_place("alltoall"));
     }
 }

@@ -54,8 +54,8 @@ type Error = Box<dyn std::error::Error>;
 struct Opts {
     /// Traffic pattern: sendrecv (a ring: each rank sends to the next and receives from the
     /// previous, in one group), pingpong (two ranks, round trips), pairs (every rank
-    /// exchanges with every other at once), or a collective rooted at rank 0 where it has a
-    /// root: broadcast, gather, scatter, allgather, alltoall, alltoallv (seeded random
+    /// exchanges with every other at once), or a collective (rooted at -r where it has a
+    /// root): broadcast, gather, scatter, allgather, alltoall, alltoallv (seeded random
     /// counts). For collectives the size is the whole buffer (nranks blocks), as nccl-tests
     /// count it, and bus bandwidth uses nccl-tests' factors.
     #[arg(short = 't', long = "test", default_value = "sendrecv",
@@ -87,6 +87,9 @@ struct Opts {
     /// nccl-tests times it (sendrecv, pairs, collectives); pingpong always waits per round trip.
     #[arg(long)]
     blocking: bool,
+    /// The root of broadcast, gather and scatter (nccl-tests' -r), for NCCL too.
+    #[arg(short = 'r', long = "root", default_value_t = 0)]
+    root: usize,
     /// Run collectives in place, as nccl-tests' second column: a broadcast's, gather's or
     /// scatter's root passes one buffer for both sides; all-gather ranks find their own block
     /// already in the receive buffer (no local copy). Not for all-to-all, which has no
@@ -189,6 +192,15 @@ fn parse() -> Opts {
             )
             .exit();
     }
+    // Under a launcher the job's size is known only to the ranks, which check it then.
+    if o.root as u64 >= o.nranks && std::env::var_os("FLAGCX_RANK").is_none() {
+        Opts::command()
+            .error(
+                clap::error::ErrorKind::ValueValidation,
+                format!("--root {}: the job has {} ranks", o.root, o.nranks),
+            )
+            .exit();
+    }
     if o.max < o.min {
         Opts::command()
             .error(
@@ -280,6 +292,9 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
     let prev = (me + n - 1) % n;
     if o.test == "pingpong" && n != 2 {
         return Err("pingpong needs exactly two ranks (-N 2)".into());
+    }
+    if o.root >= n {
+        return Err(format!("-r {}: the job has {n} ranks (0..{n})", o.root).into());
     }
     let transports: Vec<TransportKind> = (0..n)
         .filter(|&q| q != me)
@@ -392,8 +407,8 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             me,
             n,
             size,
-            sends[0].ptr(),
-            recvs[0].ptr(),
+            o.root,
+            (sends[0].ptr(), recvs[0].ptr()),
         );
         if o.check {
             let data: Vec<u8> = (0..size).map(|i| byte(me, size, i)).collect();
@@ -403,7 +418,7 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
                 }
             } else {
                 // In place: this rank's input sits inside its receive buffer.
-                let len = collective::input_bytes(&o.test, me, n, size);
+                let len = collective::input_bytes(&o.test, me, n, size, o.root);
                 recvs[0].write((sp.0 - rp.0) as usize, &data[..len], &stream)?;
             }
         }
@@ -460,7 +475,7 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
                 t if is_collective(t) => {
                     // SAFETY: both buffers hold `max >= size` bytes, every block a collective
                     // of `size` names lies inside them, and they outlive the wait.
-                    let c = unsafe { run_collective(&comm, t, sp, rp, size, h) }?;
+                    let c = unsafe { run_collective(&comm, t, sp, rp, size, o.root, h) }?;
                     inflight.push(Pending::Collective(c));
                 }
                 // SAFETY: every buffer holds `max >= size` bytes and outlives each wait. A
@@ -506,10 +521,13 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         let t = start.elapsed().as_secs_f64() / o.iters as f64;
         let mut wrong = 0;
         if o.check && is_collective(&o.test) {
-            let mut got = vec![0u8; size];
+            // The result starts at the receive pointer passed (an in-place scatter's root:
+            // its own block of the send buffer).
             let result = if result_in_send { &sends[0] } else { &recvs[0] };
-            result.read(0, &mut got, &stream)?;
-            wrong += collective_wrong(&o.test, &got, me, n, size);
+            let off = (rp.0 - result.ptr().0) as usize;
+            let mut got = vec![0u8; size];
+            result.read(off, &mut got[..size - off], &stream)?;
+            wrong += collective_wrong(&o.test, &got, me, n, size, o.root);
         } else if o.check {
             for (b, &src) in recvs.iter().zip(&froms) {
                 let mut got = vec![0u8; size];
@@ -546,6 +564,7 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
                     sp,
                     rp,
                     size,
+                    o.root,
                     &stream,
                     o.warmup as usize,
                     o.iters as usize,

@@ -213,6 +213,7 @@ impl Nccl {
         send: DevicePtr,
         recv: DevicePtr,
         size: usize,
+        root: usize,
         stream: &Stream<Adaptor>,
         warmup: usize,
         iters: usize,
@@ -279,7 +280,7 @@ impl Nccl {
                     ),
                     _ => a.check(
                         "ncclBroadcast",
-                        (a.broadcast)(sp, rp, size, INT8, 0, self.comm, s),
+                        (a.broadcast)(sp, rp, size, INT8, root as c_int, self.comm, s),
                     ),
                 }
             }
