@@ -78,7 +78,8 @@ def main(d):
     # No target of its own: whether the root's local copy is what keeps broadcast below NCCL
     # (in place: no local copy; rooted at 1 and pulled: the copies on different GPUs).
     bcast = [("out of place", "nccl-broadcast"), ("in place", "bcast-inplace"),
-             ("root 1", "bcast-root1"), ("root 1 pulled", "bcast-root1-pull")]
+             ("root 1", "bcast-root1"), ("root 1 pulled", "bcast-root1-pull"),
+             ("local copy on the SMs", "bcast-copy-kernel"), ("every copy on the SMs", "copy-kernel-all-broadcast")]
     by_size = {}
     for label, name in bcast:
         for r in rows(d, name):
@@ -88,6 +89,10 @@ def main(d):
                     by_size[r["bytes"]].append(f"(NCCL {r['nccl_gbs']:.1f})")
     for size, cells in sorted(by_size.items()):
         print(f"broadcast {size >> 20} MiB, GB/s: " + ", ".join(cells))
+    # Every copy on the SMs: sendrecv beside NCCL, from 16 MiB (the engines' row is nccl-sendrecv).
+    for r in rows(d, "copy-kernel-all-sendrecv"):
+        if r["bytes"] >= 16 * MIB and r.get("vs_nccl") is not None:
+            print(f"sendrecv {r['bytes'] >> 20} MiB, copies on the SMs: {r['busbw_gbs']:.1f} GB/s, {r['vs_nccl']:.2f} of NCCL")
     print("port channel placement: " + (placement.group(1) if placement else "unknown"))
     print(f"wrong bytes over every flagcx-perf row: {wrong}")
     w = [max(len(r[i]) for r in out) for i in range(4)]

@@ -45,6 +45,12 @@ run bcast-inplace env FLAGCX_VENDOR=cuda "$perf" -t broadcast --in-place -b 16M 
 # than the row above: the two copies of one GPU queue behind each other.
 run bcast-root1 env FLAGCX_VENDOR=cuda "$perf" -t broadcast -r 1 -b 16M -e 1G -f 4 -n 20 -w 5 -c --vs-nccl
 run bcast-root1-pull env FLAGCX_P2P_IPC_COPIER=lower FLAGCX_VENDOR=cuda "$perf" -t broadcast -r 1 -b 16M -e 1G -f 4 -n 20 -w 5 -c --vs-nccl
+# The copies on the SMs instead of the copy engines (FLAGCX_CUDA_COPY_KERNEL): only the
+# root's local copy (local), then every copy, the transfers over NVLink too (all).
+run bcast-copy-kernel env FLAGCX_CUDA_COPY_KERNEL=local FLAGCX_VENDOR=cuda "$perf" -t broadcast -b 16M -e 1G -f 4 -n 20 -w 5 -c --vs-nccl
+for t in sendrecv broadcast; do
+  run copy-kernel-all-$t env FLAGCX_CUDA_COPY_KERNEL=all FLAGCX_VENDOR=cuda "$perf" -t $t -b 1M -e 1G -f 4 -n 20 -w 5 -c --vs-nccl
+done
 # Small messages stream-ordered (FLAGCX_P2P_STREAM=on: no host thread on a message's path),
 # off by default until measured here; the first two-GPU run left the default paths at 25-35
 # us per call below 16 MiB where NCCL took 10-13.

@@ -652,6 +652,11 @@ fi
 for t in allgather alltoall broadcast; do sweep mixed-$t "$perf" -t $t --vendors {vendor},host -b 8 -e 1G -f 8 -n 10 -w 3 -c; done
 # In place (no local copy on the host rank), as nccl-tests' second column.
 for t in allgather broadcast; do sweep mixed-$t-inplace "$perf" -t $t --vendors {vendor},host -b 8 -e 1G -f 8 -n 10 -w 3 -c --in-place; done
+# Device-to-device copies of 1 MiB and more on the SMs instead of the copy engines (CUDA,
+# FLAGCX_CUDA_COPY_KERNEL): every byte checked, beside the same sweeps on the engines.
+for k in off all; do
+  for t in broadcast sendrecv; do FLAGCX_VENDOR={vendor} FLAGCX_CUDA_COPY_KERNEL=$k sweep copy-kernel-$k-$t "$perf" -t $t -b 1M -e 1G -f 4 -n 20 -w 5 -c; done
+done
 "#
     );
     let path = out.join("perf.sh");

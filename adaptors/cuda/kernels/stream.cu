@@ -1,6 +1,8 @@
 // The CUDA adaptor's kernels, launched on callers' streams:
 // - `flagcx_sized_copy`: a copy whose length is read when the stream reaches it
 //   (`DeviceAdaptor::memcpy_sized_async`);
+// - `flagcx_copy`: a device-to-device copy by the SMs instead of a copy engine, where
+//   `FLAGCX_CUDA_COPY_KERNEL` asks for it;
 // - `flagcx_slot_steps`: the sides of small messages through slots both ends reach
 //   (`DeviceAdaptor::stream_slot_steps`): one block per step, each a wait, a copy and writes.
 //
@@ -40,6 +42,13 @@ extern "C" __global__ void flagcx_sized_copy(unsigned char *dst, const unsigned 
                                              const u64 *len_at, u64 cap) {
   u64 n = *(volatile const u64 *)len_at;
   if (n > cap) return;
+  copy_bytes(dst, src, n, (u64)blockIdx.x * blockDim.x + threadIdx.x,
+             (u64)gridDim.x * blockDim.x);
+}
+
+// A plain copy of `n` bytes by the SMs, grid-strided (`FLAGCX_CUDA_COPY_KERNEL`): device
+// memory of this GPU, or of a peer mapped into its address space.
+extern "C" __global__ void flagcx_copy(unsigned char *dst, const unsigned char *src, u64 n) {
   copy_bytes(dst, src, n, (u64)blockIdx.x * blockDim.x + threadIdx.x,
              (u64)gridDim.x * blockDim.x);
 }

@@ -34,6 +34,8 @@ pub struct CudaDriver {
     peers: Mutex<HashMap<usize, sys::CUdevice>>,
     /// The sized-copy kernel, loaded by the process's first open of the device.
     sized: Option<&'static crate::sized::SizedKernel>,
+    /// Device-to-device copies on the SMs (`FLAGCX_CUDA_COPY_KERNEL`), if asked for.
+    copies: Option<crate::sized::KernelCopies>,
 }
 
 fn unavailable(reason: impl Into<String>) -> AdaptorError {
@@ -168,6 +170,14 @@ unsafe impl Driver for CudaDriver {
         // Without it (a driver too old for the PTX) the capability is off and callers keep
         // their other paths.
         let sized = crate::sized::SizedKernel::for_device(cu_device).ok();
+        let copies = match crate::sized::KernelCopies::from_env(sized, cu_device) {
+            Ok(c) => c,
+            Err(e) => {
+                // SAFETY: the retain above, which no handle of ours holds yet.
+                unsafe { sys::cuDevicePrimaryCtxRelease_v2(cu_device) };
+                return Err(e);
+            }
+        };
         let caps = Capabilities {
             ipc_bytes: true,
             ipc_fd: granularity > 0,
@@ -188,6 +198,7 @@ unsafe impl Driver for CudaDriver {
             ctx: Ctx(ctx),
             peers: Mutex::default(),
             sized,
+            copies,
         };
         Ok((
             driver,
@@ -405,10 +416,13 @@ unsafe impl Driver for CudaDriver {
                     "cuMemcpyDtoHAsync",
                     sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, n, s),
                 ),
-                CopyKind::DeviceToDevice => check(
-                    "cuMemcpyDtoDAsync",
-                    sys::cuMemcpyDtoDAsync_v2(dst, src, n, s),
-                ),
+                CopyKind::DeviceToDevice => match &self.copies {
+                    Some(k) if k.try_copy(dst, src, n, stream)? => Ok(()),
+                    _ => check(
+                        "cuMemcpyDtoDAsync",
+                        sys::cuMemcpyDtoDAsync_v2(dst, src, n, s),
+                    ),
+                },
             }
         }
     }

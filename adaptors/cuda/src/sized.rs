@@ -34,6 +34,9 @@ const MAX_GRID: u32 = 32;
 /// loads per thread.
 const STEP_BLOCK: u32 = 512;
 
+/// Threads per block of `flagcx_copy`.
+const COPY_BLOCK: u32 = 512;
+
 /// At most this many steps per launch (`FLAGCX_SLOT_STEPS` in `kernels/stream.cu`).
 pub(crate) const MAX_STEPS: usize = 16;
 
@@ -67,6 +70,8 @@ pub(crate) struct SizedKernel {
     steps: sys::CUfunction,
     /// The one-step form (104 bytes of parameters, not 1664).
     step: sys::CUfunction,
+    /// `flagcx_copy`: a device-to-device copy by the SMs (`FLAGCX_CUDA_COPY_KERNEL`).
+    copy: sys::CUfunction,
 }
 
 // SAFETY: module and function handles are driver objects usable from any thread on which
@@ -125,7 +130,19 @@ impl SizedKernel {
                 sys::cuModuleGetFunction(&mut step, module, c"flagcx_slot_step".as_ptr())
             })
         });
-        let k = SizedKernel { func, steps, step };
+        let mut copy = std::ptr::null_mut();
+        let got = got.and_then(|()| {
+            // SAFETY: as above.
+            check("cuModuleGetFunction", unsafe {
+                sys::cuModuleGetFunction(&mut copy, module, c"flagcx_copy".as_ptr())
+            })
+        });
+        let k = SizedKernel {
+            func,
+            steps,
+            step,
+            copy,
+        };
         if let Err(e) = got.and_then(|()| k.warm_up()) {
             // SAFETY: loaded above, used by nothing.
             unsafe { sys::cuModuleUnload(module) };
@@ -162,7 +179,9 @@ impl SizedKernel {
             // of the kernel, as the launch above does its own.
             unsafe {
                 self.launch_steps(&[nothing], stream as u64)?;
-                self.launch_steps(&[nothing, nothing], stream as u64)
+                self.launch_steps(&[nothing, nothing], stream as u64)?;
+                // SAFETY: a copy of zero bytes touches no memory.
+                self.launch_copy(word, word, 0, 1, stream as u64)
             }?;
             // SAFETY: the stream created above.
             check("cuStreamSynchronize", unsafe {
@@ -269,6 +288,52 @@ impl SizedKernel {
     }
 }
 
+impl SizedKernel {
+    /// Launches `flagcx_copy` of `n` bytes from `src` to `dst` on `stream`, with at most
+    /// `max_grid` blocks of [`COPY_BLOCK`] threads (each round of a block moves 32 KiB: four
+    /// 16-byte loads in flight per thread).
+    ///
+    /// # Safety
+    /// Both ranges are device memory this context can access (its own, or a peer's mapped
+    /// with access enabled), valid until the stream passes the copy; the context is current.
+    pub(crate) unsafe fn launch_copy(
+        &self,
+        dst: u64,
+        src: u64,
+        n: usize,
+        max_grid: u32,
+        stream: u64,
+    ) -> Result<()> {
+        let grid = (n as u64)
+            .div_ceil(COPY_BLOCK as u64 * 64)
+            .clamp(1, max_grid.max(1) as u64) as u32;
+        let (mut d, mut s, mut len) = (dst, src, n as u64);
+        let mut params: [*mut c_void; 3] = [
+            (&mut d as *mut u64).cast(),
+            (&mut s as *mut u64).cast(),
+            (&mut len as *mut u64).cast(),
+        ];
+        // SAFETY: three pointers to u64 values, matching the kernel's three `.u64`
+        // parameters, alive for the call (the driver copies them at launch); the memory the
+        // kernel touches is the caller's contract.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                self.copy,
+                grid,
+                1,
+                1,
+                COPY_BLOCK,
+                1,
+                1,
+                0,
+                stream as sys::CUstream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+}
+
 /// A step as the kernel reads it (`kernels/stream.cu`).
 pub(crate) fn raw_step(step: &SlotStep) -> RawStep {
     let inbox = |i: Option<SlotInbox>| i.map_or((0, 0, 0), |i| (i.slot.0, i.len_at.0, i.status.0));
@@ -322,5 +387,137 @@ pub(crate) fn raw_step(step: &SlotStep) -> RawStep {
                 ..RawStep::default()
             }
         }
+    }
+}
+
+/// The variable that makes device-to-device copies of at least [`COPY_KERNEL_MIN`] bytes run
+/// on the SMs (`flagcx_copy`) instead of a copy engine: `off` (the default), `local` (both
+/// ends in this GPU's memory), `all` (also into or out of a peer's memory mapped here).
+pub(crate) const COPY_KERNEL_ENV: &str = "FLAGCX_CUDA_COPY_KERNEL";
+
+/// Smallest copy [`COPY_KERNEL_ENV`] moves to the SMs; below it a launch gains nothing.
+pub(crate) const COPY_KERNEL_MIN: usize = 1 << 20;
+
+/// [`COPY_KERNEL_ENV`]'s value read: `None` for off (or unset), else whether peer memory too.
+fn copy_kernel_mode(v: Option<&str>) -> Result<Option<bool>> {
+    match v.map(str::trim) {
+        None | Some("" | "off") => Ok(None),
+        Some("local") => Ok(Some(false)),
+        Some("all") => Ok(Some(true)),
+        Some(other) => Err(AdaptorError::invalid(
+            "FLAGCX_CUDA_COPY_KERNEL",
+            format!("{other:?} is not one of off, local, all"),
+        )),
+    }
+}
+
+/// Which device-to-device copies of one device the SMs make (see [`COPY_KERNEL_ENV`]).
+#[derive(Debug)]
+pub(crate) struct KernelCopies {
+    kernel: &'static SizedKernel,
+    device: sys::CUdevice,
+    /// Peer memory too, not only this device's.
+    all: bool,
+    /// Most blocks per copy: two per SM.
+    grid: u32,
+}
+
+impl KernelCopies {
+    /// The policy [`COPY_KERNEL_ENV`] asks for on `device` (`None`: none, or `off`); an
+    /// unknown value is an error, as is asking for it where the kernel could not be loaded.
+    pub(crate) fn from_env(
+        kernel: Option<&'static SizedKernel>,
+        device: sys::CUdevice,
+    ) -> Result<Option<Self>> {
+        let Some(all) = copy_kernel_mode(std::env::var(COPY_KERNEL_ENV).ok().as_deref())? else {
+            return Ok(None);
+        };
+        let kernel = kernel.ok_or_else(|| {
+            AdaptorError::invalid(
+                "FLAGCX_CUDA_COPY_KERNEL",
+                "the adaptor's kernels could not be loaded on this device (driver too old?)",
+            )
+        })?;
+        let mut sms = 0;
+        // SAFETY: a valid out-pointer and device.
+        check("cuDeviceGetAttribute", unsafe {
+            sys::cuDeviceGetAttribute(
+                &mut sms,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                device,
+            )
+        })?;
+        Ok(Some(KernelCopies {
+            kernel,
+            device,
+            all,
+            grid: (sms.max(1) as u32).saturating_mul(2),
+        }))
+    }
+
+    /// Whether a copy of `n` bytes between `dst` and `src` is the kernel's: large enough, and
+    /// under `local` both ends in this device's memory (a pointer the driver cannot place
+    /// stays with the copy engine).
+    fn takes(&self, dst: u64, src: u64, n: usize) -> bool {
+        if n < COPY_KERNEL_MIN {
+            return false;
+        }
+        self.all
+            || [dst, src]
+                .iter()
+                .all(|&p| self.ordinal(p) == Some(self.device))
+    }
+
+    /// The device whose memory `p` is, as the driver reports it.
+    fn ordinal(&self, p: u64) -> Option<sys::CUdevice> {
+        let mut ordinal: i32 = -1;
+        // SAFETY: a valid out-pointer of the attribute's type (int); the driver validates `p`.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ordinal as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                p,
+            )
+        };
+        (r == sys::CUresult::CUDA_SUCCESS).then_some(ordinal)
+    }
+
+    /// Launches the copy on the SMs if it is theirs (`Ok(true)`); `Ok(false)`: the caller
+    /// issues it on a copy engine.
+    ///
+    /// # Safety
+    /// As `DeviceAdaptor::memcpy_d2d_async`; the context is current.
+    pub(crate) unsafe fn try_copy(
+        &self,
+        dst: u64,
+        src: u64,
+        n: usize,
+        stream: u64,
+    ) -> Result<bool> {
+        if !self.takes(dst, src, n) {
+            return Ok(false);
+        }
+        // SAFETY: the caller's contract; memory of this device, or a peer's mapped here (the
+        // copy engine's contract is the same: the context reaches both ranges).
+        unsafe { self.kernel.launch_copy(dst, src, n, self.grid, stream) }?;
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::copy_kernel_mode;
+
+    #[test]
+    fn copy_kernel_values_parse_and_typos_are_refused() {
+        assert_eq!(copy_kernel_mode(None).unwrap(), None);
+        assert_eq!(copy_kernel_mode(Some("off")).unwrap(), None);
+        assert_eq!(copy_kernel_mode(Some(" local")).unwrap(), Some(false));
+        assert_eq!(copy_kernel_mode(Some("all")).unwrap(), Some(true));
+        let e = copy_kernel_mode(Some("locals")).unwrap_err().to_string();
+        assert!(
+            e.contains("FLAGCX_CUDA_COPY_KERNEL") && e.contains("locals"),
+            "{e}"
+        );
     }
 }
