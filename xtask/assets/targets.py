@@ -41,7 +41,7 @@ def main(d):
         verdict("#19", f"{t} busbw / NCCL's, 8 B-1 GiB", worst("nccl-" + t, "vs_nccl"), 1.0)
     verdict("#16", "sendrecv busbw / NCCL's, 8 B-1 GiB", worst("nccl-sendrecv", "vs_nccl"), 1.0)
     # The small sizes again, stream-ordered (FLAGCX_P2P_STREAM=on), beside the default paths'.
-    for issue, t in [("#16", "sendrecv"), ("#19", "alltoall")]:
+    for issue, t in [("#16", "sendrecv"), ("#19", "alltoall"), ("#19", "allgather"), ("#19", "broadcast")]:
         for name, how in [("nccl-", "default paths"), ("stream-", "FLAGCX_P2P_STREAM=on")]:
             verdict(issue, f"{t} busbw / NCCL's, 8 B-2 MiB, {how}", worst(name + t, "vs_nccl", high=2 * MIB), 1.0)
     verdict("#17", "staged CUDA<->CUDA / pinned copy, from 64 MiB", worst("staged-pingpong", "ratio", 64 * MIB), 0.85)

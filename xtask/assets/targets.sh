@@ -54,7 +54,7 @@ done
 # Small messages stream-ordered (FLAGCX_P2P_STREAM=on: no host thread on a message's path),
 # off by default until measured here; the first two-GPU run left the default paths at 25-35
 # us per call below 16 MiB where NCCL took 10-13.
-for t in sendrecv alltoall; do
+for t in sendrecv alltoall allgather broadcast; do
   run stream-$t env FLAGCX_P2P_STREAM=on FLAGCX_VENDOR=cuda "$perf" -t $t -b 8 -e 16M -f 4 -n 20 -w 5 -c --vs-nccl
 done
 # #17: staged CUDA<->CUDA, and a CUDA rank next to an OpenCL rank on the other GPU.
