@@ -75,17 +75,26 @@ struct SlotSteps {
   SlotStep s[FLAGCX_SLOT_STEPS];
 };
 
-// A put's bytes into `dst` by the whole block, fenced, then thread 0's two words, the second
-// (the status word a take waits for) fenced after the first.
-__device__ static void publish(unsigned char *dst, const unsigned char *src, u64 len, u64 word0,
-                               u64 value0, u64 word1, u64 value1) {
-  copy_bytes(dst, src, len, threadIdx.x, blockDim.x);
+// A put's bytes into the slot (and its inbox, if any) by the whole block, fenced, then thread
+// 0's words, each fenced after the one before: the slot's size and status words, then the
+// inbox's. Every read of `src` comes before the slot's status word, so a sender may complete
+// once it sees that word (the engine does, with no event).
+__device__ static void publish(const SlotStep &st) {
+  const unsigned char *src = (const unsigned char *)st.src;
+  copy_bytes((unsigned char *)st.dst, src, st.len, threadIdx.x, blockDim.x);
+  if (st.inbox != 0) copy_bytes((unsigned char *)st.inbox, src, st.len, threadIdx.x, blockDim.x);
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
-    *(volatile u64 *)word0 = value0;
+    *(volatile u64 *)st.word0 = st.value0;
     __threadfence_system();
-    *(volatile u64 *)word1 = value1;
+    *(volatile u64 *)st.word1 = st.value1;
+    if (st.inbox != 0) {
+      __threadfence_system();
+      *(volatile u64 *)st.inbox_len = st.len;
+      __threadfence_system();
+      *(volatile u64 *)st.inbox_status = st.value1;
+    }
   }
 }
 
@@ -93,12 +102,12 @@ __device__ static void publish(unsigned char *dst, const unsigned char *src, u64
 // the word it saw; a put's bytes are fenced (system scope: the peer may be another device or
 // the host) before thread 0 writes the words, and the words are fenced from each other.
 //
-// With an inbox (`SlotInbox`: the receiving device's memory), a put writes it after the slot
-// and its words, the same way; a take polls the inbox's status word (local memory: no bus
-// round trip) and every 64th time the slot's (which is how a message is failed or released
-// without its putter), and takes from whichever shows the message first. The slot's words are
-// written first so that the receiving engine, which reads them once the take is done, finds
-// them there.
+// With an inbox (`SlotInbox`: the receiving device's memory), a put copies the bytes there
+// too, before any word, and writes the inbox's words after the slot's; a take polls the
+// inbox's status word (local memory: no bus round trip) and every 64th time the slot's (which
+// is how a message is failed or released without its putter), and takes from whichever shows
+// the message first. The slot's words are written first so that the receiving engine, which
+// reads them once the take is done, finds them there.
 __device__ static void slot_step(const SlotStep &st) {
   __shared__ int from_inbox;
   if (st.kind == 2) {
@@ -132,11 +141,7 @@ __device__ static void slot_step(const SlotStep &st) {
     __threadfence_system();
   }
   __syncthreads();
-  publish((unsigned char *)st.dst, (const unsigned char *)st.src, st.len, st.word0, st.value0,
-          st.word1, st.value1);
-  if (st.inbox != 0)
-    publish((unsigned char *)st.inbox, (const unsigned char *)st.src, st.len, st.inbox_len,
-            st.len, st.inbox_status, st.value1);
+  publish(st);
 }
 
 extern "C" __global__ void flagcx_slot_steps(SlotSteps steps) { slot_step(steps.s[blockIdx.x]); }

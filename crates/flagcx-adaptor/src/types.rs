@@ -250,7 +250,8 @@ pub enum SlotStep {
     /// The sending side: wait until the word at `wait.0` reaches `wait.1` (the slot is free;
     /// `None`: no wait), copy `len` bytes from `src` into the slot, then write each of
     /// `writes` in order, each visible to the peer before the next (a size word, then the
-    /// status word the receiving side waits for).
+    /// status word the receiving side waits for). Once the last write is visible the put
+    /// reads `src` no more (an inbox's copy included), so a sender may complete on that word.
     Put {
         /// The free-slot wait, if any.
         wait: Option<(DevicePtr, u64)>,
@@ -264,7 +265,8 @@ pub enum SlotStep {
         slot: DevicePtr,
         /// Written after the bytes, in order.
         writes: [(DevicePtr, u64); 2],
-        /// Where the vendor may put the message a second time, after the writes.
+        /// Where the vendor may put the message a second time: its bytes before the writes,
+        /// its words after them.
         inbox: Option<SlotInbox>,
     },
     /// The receiving side: wait until the word at `wait.0` reaches `wait.1`, then copy as
@@ -289,8 +291,8 @@ pub enum SlotStep {
 /// A second home for a [`SlotStep`]'s message, in memory its taker polls cheaply (the
 /// receiving device's own memory, which the putting side reaches by IPC over the GPUs' link,
 /// where every poll of host memory would be a bus round trip). A vendor that runs steps as one
-/// kernel puts the bytes there too, after the slot's words, then the length and then the
-/// status word; its takes poll the inbox's status word and, now and then, the slot's, and take
+/// kernel copies the bytes there too before the slot's words (every read of the source comes
+/// before the slot's status word), and writes the length and then the status word after them; its takes poll the inbox's status word and, now and then, the slot's, and take
 /// from whichever shows the message first (the slot's words are how a message is failed or
 /// released without its putter). A vendor that runs steps in order ignores inboxes: every put
 /// writes the slot, so every take is answered there.

@@ -507,6 +507,16 @@ impl Channel {
         self.eager_word(i).load(Ordering::Acquire) >> 8 == i + 1
     }
 
+    /// Sender: whether a stream-ordered put wrote send descriptor `i`'s status word (after its
+    /// last read of the source: [`flagcx_adaptor::SlotStep::Put`]) — or a later message of
+    /// the same descriptor slot did, which waited until message `i` was received. A word the
+    /// receiver wrote to fail message `i` does not count.
+    pub fn put_landed(&self, i: u64) -> bool {
+        let word = self.eager_word(i).load(Ordering::Acquire);
+        let n = word >> 8;
+        n > i + 1 || (n == i + 1 && word & 0xFF == SendStatus::Eager.word())
+    }
+
     /// Receiver, for a pair that is lost or retired: publishes send descriptor `i` as failed
     /// with a size no receive takes, which releases a stream waiting for it (see
     /// `transport::streamed`) and makes its sized copy copy nothing.
@@ -646,6 +656,29 @@ mod tests {
     /// larger status word (so a stream can wait with `Geq`), `published` tells this message
     /// from the slot's last one, and a poisoned descriptor reads as a failed send of a size
     /// no receive takes.
+    #[test]
+    fn a_put_has_landed_once_its_slot_names_it_or_a_later_message() {
+        let geo = Geometry {
+            slots: 0,
+            chunk: 0,
+            split: 0,
+            eager: 64,
+        };
+        let ch = Channel::create(geo).unwrap();
+        ch.keep_out_of_descriptors();
+        assert!(!ch.put_landed(3));
+        // SAFETY: 8 readable bytes; the test owns indices 3, 67 and 131.
+        unsafe { ch.post_eager(3, [1u8; 8].as_ptr(), 8) };
+        assert!(ch.put_landed(3) && !ch.put_landed(67));
+        // Message 67 reuses slot 3 only after message 3 was received: 3 stays landed.
+        // SAFETY: as above.
+        unsafe { ch.post_eager(67, [2u8; 8].as_ptr(), 8) };
+        assert!(ch.put_landed(3) && ch.put_landed(67) && !ch.put_landed(131));
+        // The receiver failing message 131 is not its put.
+        ch.poison_send_desc(131);
+        assert!(ch.published(131) && !ch.put_landed(131) && ch.put_landed(67));
+    }
+
     #[test]
     fn status_words_grow_per_slot_and_poison_reads_as_a_failed_send() {
         let geo = Geometry {

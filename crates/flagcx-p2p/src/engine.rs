@@ -432,7 +432,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         // A posting thread's copy the operation still held (it failed or timed out first).
         match op.resume {
             Some(Resume::Pushed(ev) | Resume::Pulled { ev, .. }) => self.caller_copy_over(ev),
-            Some(Resume::Streamed(ev)) => recycle_event(&self.adaptor, &self.shared, ev),
+            Some(Resume::Streamed(Some(ev))) => recycle_event(&self.adaptor, &self.shared, ev),
             _ => {}
         }
         // Before the request completes: a caller that waited for it may post the next message

@@ -194,8 +194,8 @@ pub(crate) enum Resume {
     /// A pair on two hosts: its UCX request (a send, or a probed receive) is under way.
     Net(crate::ucx::NetReq),
     /// Stream-ordered (`transport::streamed`): enqueued on the caller's stream at submission;
-    /// the event completes behind it.
-    Streamed(EventHandle),
+    /// a receive's event completes behind it (a send needs none: its status word tells).
+    Streamed(Option<EventHandle>),
 }
 
 /// Where a posting thread handed an IPC operation to the proxy: the index of its counter in

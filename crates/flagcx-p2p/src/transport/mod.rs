@@ -184,8 +184,12 @@ pub(crate) enum Phase {
     /// Net (a pair on two hosts), either side.
     Net(net::NetPhase),
     /// Stream-ordered ([`streamed`]), either side: the caller's stream carries the message;
-    /// `ev` completes behind it. A receive announces itself first.
-    Streamed { ev: EventHandle, announced: bool },
+    /// a receive's `ev` completes behind it (a send has none: it is done once its status word
+    /// landed). A receive announces itself first.
+    Streamed {
+        ev: Option<EventHandle>,
+        announced: bool,
+    },
 }
 
 impl Phase {

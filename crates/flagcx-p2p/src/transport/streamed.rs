@@ -347,8 +347,10 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// Enqueues the stream-ordered messages `msgs` — (link, direction, number, buffer, bytes)
     /// each — on `stream` in one call of [`DeviceAdaptor::stream_slot_steps`] (one kernel on
     /// CUDA; as separate stream operations where a pair shares its device), then records one
-    /// event per message behind them: the events that complete with them, or the failure
-    /// (after which no wait of theirs is left on the stream). Sends go first in the call: done
+    /// event per receive behind them: the events that complete with them (`None` for sends,
+    /// which complete on their status word: one driver call fewer to enqueue, and one event
+    /// fewer for the engine to query), or the failure (after which no wait of theirs is left
+    /// on the stream). Sends go first in the call: done
     /// in order, a receive ahead of them would wait for a peer whose receive waits the same
     /// way (a group that posts its receives first, on both ranks).
     ///
@@ -358,7 +360,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         &self,
         msgs: &[(&StreamLink, Dir, u64, DevicePtr, usize)],
         stream: StreamHandle,
-    ) -> Result<Vec<EventHandle>> {
+    ) -> Result<Vec<Option<EventHandle>>> {
         let steps: Vec<SlotStep> = msgs
             .iter()
             .map(|&(link, dir, k, ptr, bytes)| link.step(dir, k, ptr, bytes))
@@ -373,12 +375,16 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
         }
         .map_err(Into::into);
-        for _ in msgs {
+        for m in msgs {
             if r.is_err() {
                 break;
             }
+            if m.1 == Dir::Send {
+                events.push(None);
+                continue;
+            }
             r = self.spare_event().and_then(|ev| {
-                events.push(ev);
+                events.push(Some(ev));
                 self.adaptor.event_record(ev, stream).map_err(Into::into)
             });
         }
@@ -390,7 +396,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                 for &(link, dir, k, ..) in msgs {
                     StreamLink::release_side(&link.out, &link.inc, dir, k);
                 }
-                for ev in events {
+                for ev in events.into_iter().flatten() {
                     let _ = self.adaptor.event_destroy(ev);
                 }
                 Err(e)
@@ -414,7 +420,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                 if fault > k {
                     return Err(remote_failure(p, fault));
                 }
-                if !self.adaptor.event_query(*ev)? {
+                if !conn.out.put_landed(k) {
                     let on_peer = !conn.out.window_open(k);
                     return Ok(Progress::Idle { on_peer });
                 }
@@ -441,7 +447,12 @@ impl<A: DeviceAdaptor> Engine<A> {
                 if fault > k {
                     return Err(remote_failure(p, fault));
                 }
-                if !self.adaptor.event_query(*ev)? {
+                let Some(ev) = *ev else {
+                    return Err(CommError::Protocol(
+                        "a stream-ordered receive without its event".into(),
+                    ));
+                };
+                if !self.adaptor.event_query(ev)? {
                     // Once the message is in its slot only our own stream is left: a peer
                     // that was done with it and went away does not fail it.
                     let on_peer = !conn.inc.published(k);
@@ -480,8 +491,13 @@ impl<A: DeviceAdaptor> Engine<A> {
             return;
         };
         StreamLink::release_side(&conn.out, &conn.inc, op.dir, op.index);
+        // A send has passed once its status word landed (its source read for the last time).
+        let passed = || match ev {
+            Some(ev) => self.adaptor.event_query(*ev).unwrap_or(true),
+            None => conn.out.put_landed(op.index),
+        };
         let t0 = std::time::Instant::now();
-        while !self.adaptor.event_query(*ev).unwrap_or(true) {
+        while !passed() {
             if t0.elapsed() > RELEASE_WAIT {
                 tracing::warn!(
                     peer = op.peer,
