@@ -388,7 +388,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                 (Some(Resume::Published), Dir::Recv, ..) => Phase::AwaitSendDesc,
                 (Some(Resume::Failed(_)), ..) => unreachable!("finished above"),
                 (Some(Resume::Streamed(ev)), dir, ..) => Phase::Streamed {
-                    ev: *ev,
+                    ev: ev.as_deref().copied(),
                     announced: dir == Dir::Send,
                 },
                 (Some(Resume::Net(_)), ..) => {
@@ -432,7 +432,12 @@ impl<A: DeviceAdaptor> Engine<A> {
         // A posting thread's copy the operation still held (it failed or timed out first).
         match op.resume {
             Some(Resume::Pushed(ev) | Resume::Pulled { ev, .. }) => self.caller_copy_over(ev),
-            Some(Resume::Streamed(Some(ev))) => recycle_event(&self.adaptor, &self.shared, ev),
+            Some(Resume::Streamed(Some(ev))) => {
+                // The last receive of its call to finish returns the shared event.
+                if let Some(ev) = std::sync::Arc::into_inner(ev) {
+                    recycle_event(&self.adaptor, &self.shared, ev)
+                }
+            }
             _ => {}
         }
         // Before the request completes: a caller that waited for it may post the next message

@@ -194,8 +194,9 @@ pub(crate) enum Resume {
     /// A pair on two hosts: its UCX request (a send, or a probed receive) is under way.
     Net(crate::ucx::NetReq),
     /// Stream-ordered (`transport::streamed`): enqueued on the caller's stream at submission;
-    /// a receive's event completes behind it (a send needs none: its status word tells).
-    Streamed(Option<EventHandle>),
+    /// a receive's event completes behind it (a send needs none: its status word tells). The
+    /// receives enqueued in one call share one event; the last to finish recycles it.
+    Streamed(Option<std::sync::Arc<EventHandle>>),
 }
 
 /// Where a posting thread handed an IPC operation to the proxy: the index of its counter in

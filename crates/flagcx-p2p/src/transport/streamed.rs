@@ -347,10 +347,9 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// Enqueues the stream-ordered messages `msgs` — (link, direction, number, buffer, bytes)
     /// each — on `stream` in one call of [`DeviceAdaptor::stream_slot_steps`] (one kernel on
     /// CUDA; as separate stream operations where a pair shares its device), then records one
-    /// event per receive behind them: the events that complete with them (`None` for sends,
-    /// which complete on their status word: one driver call fewer to enqueue, and one event
-    /// fewer for the engine to query), or the failure (after which no wait of theirs is left
-    /// on the stream). Sends go first in the call: done
+    /// event behind them, shared by the call's receives (`None` for sends, which complete on
+    /// their status word: driver calls the posting thread does not make and the engine does
+    /// not poll), or the failure (after which no wait of theirs is left on the stream). Sends go first in the call: done
     /// in order, a receive ahead of them would wait for a peer whose receive waits the same
     /// way (a group that posts its receives first, on both ranks).
     ///
@@ -360,12 +359,11 @@ impl<A: DeviceAdaptor> Comm<A> {
         &self,
         msgs: &[(&StreamLink, Dir, u64, DevicePtr, usize)],
         stream: StreamHandle,
-    ) -> Result<Vec<Option<EventHandle>>> {
+    ) -> Result<Vec<Option<Arc<EventHandle>>>> {
         let steps: Vec<SlotStep> = msgs
             .iter()
             .map(|&(link, dir, k, ptr, bytes)| link.step(dir, k, ptr, bytes))
             .collect();
-        let mut events = Vec::with_capacity(msgs.len());
         let a = &self.adaptor;
         // SAFETY: forwarded contract; each link's words and slots are registered and live.
         let mut r = unsafe {
@@ -375,29 +373,26 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
         }
         .map_err(Into::into);
-        for m in msgs {
-            if r.is_err() {
-                break;
-            }
-            if m.1 == Dir::Send {
-                events.push(None);
-                continue;
-            }
+        let mut shared = None;
+        if r.is_ok() && msgs.iter().any(|m| m.1 == Dir::Recv) {
             r = self.spare_event().and_then(|ev| {
-                events.push(Some(ev));
+                shared = Some(Arc::new(ev));
                 self.adaptor.event_record(ev, stream).map_err(Into::into)
             });
         }
         match r {
-            Ok(()) => Ok(events),
+            Ok(()) => Ok(msgs
+                .iter()
+                .map(|m| shared.clone().filter(|_| m.1 == Dir::Recv))
+                .collect()),
             Err(e) => {
                 // Whatever part went in must not wait for good: the pairs are retired by the
                 // engine for this failure, so their words are ours to settle.
                 for &(link, dir, k, ..) in msgs {
                     StreamLink::release_side(&link.out, &link.inc, dir, k);
                 }
-                for ev in events.into_iter().flatten() {
-                    let _ = self.adaptor.event_destroy(ev);
+                if let Some(ev) = shared {
+                    let _ = self.adaptor.event_destroy(*ev);
                 }
                 Err(e)
             }
@@ -493,7 +488,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         StreamLink::release_side(&conn.out, &conn.inc, op.dir, op.index);
         // A send has passed once its status word landed (its source read for the last time).
         let passed = || match ev {
-            Some(ev) => self.adaptor.event_query(*ev).unwrap_or(true),
+            Some(ev) => self.adaptor.event_query(**ev).unwrap_or(true),
             None => conn.out.put_landed(op.index),
         };
         let t0 = std::time::Instant::now();
