@@ -134,6 +134,8 @@ fn bounce(a: &Adaptor, pages: &HostPages, host_base: DevicePtr) -> Result<(), Er
             dst,
             cap: n,
             inbox: ib.then(|| inbox(d)),
+            // As the library's takes: a word written after the copy, which its engine polls.
+            done: Some((at(64 * d + 24), k)),
         }
     };
     println!(

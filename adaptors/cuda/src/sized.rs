@@ -57,6 +57,8 @@ pub(crate) struct RawStep {
     pub inbox: u64,
     pub inbox_len: u64,
     pub inbox_status: u64,
+    pub done_at: u64,
+    pub done_value: u64,
 }
 
 /// The kernel's parameter: `FLAGCX_SLOT_STEPS` steps, the unused ones zero.
@@ -68,7 +70,7 @@ struct RawSteps([RawStep; MAX_STEPS]);
 pub(crate) struct SizedKernel {
     func: sys::CUfunction,
     steps: sys::CUfunction,
-    /// The one-step form (104 bytes of parameters, not 1664).
+    /// The one-step form (120 bytes of parameters, not 1920).
     step: sys::CUfunction,
     /// `flagcx_copy`: a device-to-device copy by the SMs (`FLAGCX_CUDA_COPY_KERNEL`).
     copy: sys::CUfunction,
@@ -268,7 +270,7 @@ impl SizedKernel {
         };
         let mut params: [*mut c_void; 1] = [param];
         // SAFETY: one pointer to a value laid out as the kernel's one by-value struct
-        // parameter (one 104-byte step of u64 fields, or sixteen), alive for the call (the
+        // parameter (one 120-byte step of u64 fields, or sixteen), alive for the call (the
         // driver copies it at launch); the memory the steps touch is the caller's contract.
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
@@ -362,6 +364,7 @@ pub(crate) fn raw_step(step: &SlotStep) -> RawStep {
                 inbox,
                 inbox_len,
                 inbox_status,
+                ..RawStep::default()
             }
         }
         SlotStep::Take {
@@ -371,6 +374,7 @@ pub(crate) fn raw_step(step: &SlotStep) -> RawStep {
             dst,
             cap,
             inbox: i,
+            done,
         } => {
             let (inbox, inbox_len, inbox_status) = inbox(i);
             RawStep {
@@ -384,6 +388,8 @@ pub(crate) fn raw_step(step: &SlotStep) -> RawStep {
                 inbox,
                 inbox_len,
                 inbox_status,
+                done_at: done.map_or(0, |d| d.0 .0),
+                done_value: done.map_or(0, |d| d.1),
                 ..RawStep::default()
             }
         }

@@ -443,6 +443,7 @@ pub unsafe fn slot_steps_in_order<A: DeviceAdaptor>(
                 len_at,
                 dst,
                 cap,
+                done,
                 ..
             } => {
                 // The inbox is not used: the put wrote the slot (see `SlotInbox`).
@@ -450,6 +451,9 @@ pub unsafe fn slot_steps_in_order<A: DeviceAdaptor>(
                 unsafe {
                     a.stream_wait_value64(stream, wait.0, wait.1, WaitCondition::Geq)?;
                     a.memcpy_sized_async(dst, slot, len_at, cap, stream)?;
+                    if let Some((at, value)) = done {
+                        a.stream_write_value64(stream, at, value)?;
+                    }
                 }
             }
         }

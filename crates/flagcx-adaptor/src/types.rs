@@ -271,7 +271,8 @@ pub enum SlotStep {
     },
     /// The receiving side: wait until the word at `wait.0` reaches `wait.1`, then copy as
     /// [`crate::DeviceAdaptor::memcpy_sized_async`] does: `n` = the word at `len_at`, read after
-    /// the wait, and `n` bytes from `slot` to `dst` if `n <= cap`, none otherwise.
+    /// the wait, and `n` bytes from `slot` to `dst` if `n <= cap`, none otherwise; then write
+    /// `done`, if any, visible only after the copied bytes (so a taker may complete on it).
     Take {
         /// The message-is-there wait.
         wait: (DevicePtr, u64),
@@ -285,6 +286,8 @@ pub enum SlotStep {
         cap: usize,
         /// Where the vendor may look first for the message (and take it from).
         inbox: Option<SlotInbox>,
+        /// Written after the copy (also after copying nothing): word and value.
+        done: Option<(DevicePtr, u64)>,
     },
 }
 

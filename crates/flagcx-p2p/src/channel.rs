@@ -41,6 +41,8 @@ const DESC_BYTES: usize = 256;
 /// its first two lines, all that is read or written of one; the rest of a send descriptor
 /// carries only eager data.
 const RECV_DESC_BYTES: usize = 128;
+// A receive descriptor's taken word lies past what the sender reads, inside the descriptor.
+const _: () = assert!(RECV_DESC_BYTES + 8 <= DESC_BYTES);
 const SEND_DESC_BYTES: usize = 128;
 /// Eager messages up to this size travel inside their descriptor, after the 16-byte head
 /// (size, status): the lines the receiver fetches follow the status word it polled, instead of
@@ -281,6 +283,23 @@ impl Channel {
     /// Offset of send descriptor `i`'s size word.
     pub fn send_size_offset(&self, i: u64) -> usize {
         desc_offset(self.geo.send_descs(), i)
+    }
+
+    /// Offset of receive descriptor `i`'s taken word (past the bytes the sender reads): a
+    /// stream-ordered take writes `i + 1` there once the message is in the receive buffer.
+    pub fn recv_taken_offset(&self, i: u64) -> usize {
+        desc_offset(self.geo.recv_descs(), i) + RECV_DESC_BYTES
+    }
+
+    /// Receiver: whether the stream-ordered take of message `i` (or of a later message of
+    /// the same descriptor slot, which cannot come before it) wrote its taken word.
+    pub fn taken(&self, i: u64) -> bool {
+        let at = self
+            .desc_ptr(self.geo.recv_descs(), i)
+            .wrapping_add(RECV_DESC_BYTES);
+        // SAFETY: bytes 128..136 of a 256-byte descriptor, 8-byte aligned in the mapping, which
+        // outlives `self`; the device writes it, so it is read atomically.
+        unsafe { &*(at as *const AtomicU64) }.load(Ordering::Acquire) > i
     }
 
     /// Offset of send descriptor `i`'s status word, which names the status and `i + 1`.
@@ -677,6 +696,39 @@ mod tests {
         // The receiver failing message 131 is not its put.
         ch.poison_send_desc(131);
         assert!(ch.published(131) && !ch.put_landed(131) && ch.put_landed(67));
+    }
+
+    #[test]
+    fn a_take_s_word_sits_past_the_receive_descriptor_and_survives_its_rewrite() {
+        let geo = Geometry {
+            slots: 0,
+            chunk: 0,
+            split: 0,
+            eager: 64,
+        };
+        let ch = Channel::create(geo).unwrap();
+        let word = |i: u64| {
+            // SAFETY: the taken word is an aligned u64 inside the live mapping.
+            unsafe { &*(ch.segment().as_ptr().add(ch.recv_taken_offset(i)) as *const AtomicU64) }
+        };
+        assert!(!ch.taken(5));
+        let d = RecvDesc {
+            size: u64::MAX,
+            handle: None,
+            offset: u64::MAX,
+            chunks: true,
+        };
+        ch.write_recv_desc(5, &d);
+        assert!(!ch.taken(5), "announcing a receive is not taking it");
+        word(5).store(6, Ordering::Release);
+        ch.write_recv_desc(69, &d);
+        assert!(
+            ch.taken(5) && !ch.taken(69),
+            "the receive descriptor's rewrite kept it"
+        );
+        word(69).store(70, Ordering::Release);
+        assert!(ch.taken(5) && ch.taken(69) && !ch.taken(133));
+        assert_eq!(ch.read_recv_desc(5).unwrap().size, u64::MAX);
     }
 
     #[test]

@@ -387,8 +387,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                 (Some(Resume::Published), Dir::Send, ..) => Phase::AwaitVerdict,
                 (Some(Resume::Published), Dir::Recv, ..) => Phase::AwaitSendDesc,
                 (Some(Resume::Failed(_)), ..) => unreachable!("finished above"),
-                (Some(Resume::Streamed(ev)), dir, ..) => Phase::Streamed {
-                    ev: ev.as_deref().copied(),
+                (Some(Resume::Streamed), dir, ..) => Phase::Streamed {
                     announced: dir == Dir::Send,
                 },
                 (Some(Resume::Net(_)), ..) => {
@@ -430,15 +429,8 @@ impl<A: DeviceAdaptor> Engine<A> {
             recycle_event(&self.adaptor, &self.shared, start);
         }
         // A posting thread's copy the operation still held (it failed or timed out first).
-        match op.resume {
-            Some(Resume::Pushed(ev) | Resume::Pulled { ev, .. }) => self.caller_copy_over(ev),
-            Some(Resume::Streamed(Some(ev))) => {
-                // The last receive of its call to finish returns the shared event.
-                if let Some(ev) = std::sync::Arc::into_inner(ev) {
-                    recycle_event(&self.adaptor, &self.shared, ev)
-                }
-            }
-            _ => {}
+        if let Some(Resume::Pushed(ev) | Resume::Pulled { ev, .. }) = op.resume {
+            self.caller_copy_over(ev);
         }
         // Before the request completes: a caller that waited for it may post the next message
         // eagerly, which needs this one to be off the books.

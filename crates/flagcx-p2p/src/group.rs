@@ -136,9 +136,9 @@ impl<A: DeviceAdaptor> Comm<A> {
                 // safe callers) lives until its event completes.
                 let r = unsafe { self.enqueue_streamed(&msgs, stream) };
                 match r {
-                    Ok(events) => {
-                        for (&(i, ..), ev) in batch.iter().zip(events) {
-                            inbox.ops[i].resume = Some(Resume::Streamed(ev));
+                    Ok(()) => {
+                        for &(i, ..) in batch {
+                            inbox.ops[i].resume = Some(Resume::Streamed);
                         }
                     }
                     Err(e) => {

@@ -193,10 +193,9 @@ pub(crate) enum Resume {
     Failed(Box<CommError>),
     /// A pair on two hosts: its UCX request (a send, or a probed receive) is under way.
     Net(crate::ucx::NetReq),
-    /// Stream-ordered (`transport::streamed`): enqueued on the caller's stream at submission;
-    /// a receive's event completes behind it (a send needs none: its status word tells). The
-    /// receives enqueued in one call share one event; the last to finish recycles it.
-    Streamed(Option<std::sync::Arc<EventHandle>>),
+    /// Stream-ordered (`transport::streamed`): enqueued on the caller's stream at submission,
+    /// which writes a word when it is done with it (no event).
+    Streamed,
 }
 
 /// Where a posting thread handed an IPC operation to the proxy: the index of its counter in
@@ -233,7 +232,7 @@ impl Resume {
     /// The counter of a hand-over that resumes at `r`.
     pub fn handoff(r: &Option<Resume>) -> Handoff {
         match r {
-            None | Some(Resume::Streamed(_)) => Handoff::Fresh,
+            None | Some(Resume::Streamed) => Handoff::Fresh,
             Some(Resume::Pushed(_)) => Handoff::Pushed,
             Some(Resume::Pulled { .. }) => Handoff::Pulled,
             Some(Resume::Published | Resume::Net(_)) => Handoff::Published,

@@ -14,8 +14,9 @@ const SLOTS: usize = 3;
 /// A take enqueued before its message waits for it, and a put for its free-slot word, both
 /// released later from other streams or the host; several puts, then several takes, of odd
 /// sizes at odd offsets per call; a message longer than its take's capacity moves nothing and
-/// leaves the buffer as it was; takes that name an inbox get their message whether the put
-/// wrote the inbox or only the slot; a misaligned word is refused. Vendors without 64-bit stream
+/// leaves the buffer as it was (and still writes its done word); takes that name an inbox get
+/// their message whether the put wrote the inbox or only the slot; a misaligned word is
+/// refused. Vendors without 64-bit stream
 /// memory operations, sized copies or host registration say `Unsupported`.
 pub fn slot_steps_move_messages<A: DeviceAdaptor>(a: &A) {
     let caps = a.capabilities();
@@ -32,6 +33,7 @@ pub fn slot_steps_move_messages<A: DeviceAdaptor>(a: &A) {
             dst: dst.ptr(),
             cap: 8,
             inbox: None,
+            done: None,
         };
         // SAFETY: refused before anything is enqueued (every address is device memory).
         let e = assert_err("stream_slot_steps", unsafe {
@@ -43,7 +45,7 @@ pub fn slot_steps_move_messages<A: DeviceAdaptor>(a: &A) {
     // SAFETY: `map` outlives the unregister at the end.
     let base = unsafe { a.host_register(map.ptr, map.len) }.expect("host_register");
     let at = |off: usize| DevicePtr(base.0 + off as u64);
-    // Per slot: its status word, size word and free-slot word.
+    // Per slot: its status word, size word, free-slot word and done word.
     let word = |slot: usize, w: usize| 64 * slot + 8 * w;
     let host_word = |off: usize| {
         // SAFETY: an aligned word of the live mapping.
@@ -73,6 +75,8 @@ pub fn slot_steps_move_messages<A: DeviceAdaptor>(a: &A) {
         dst: DevicePtr(dst.ptr().0 + doff as u64),
         cap,
         inbox,
+        // What a taker completes on: one more than the status it waited for.
+        done: Some((at(word(i, 3)), status + 1)),
     };
     let take = |i, doff, cap, status| take_from(i, doff, cap, status, None);
     let read = |s: &Stream<A>| {
@@ -101,6 +105,11 @@ pub fn slot_steps_move_messages<A: DeviceAdaptor>(a: &A) {
         0,
         "status early"
     );
+    assert_eq!(
+        host_word(word(0, 3)).load(Ordering::Acquire),
+        0,
+        "a take wrote its done word before its message came"
+    );
     host_word(word(0, 2)).store(7, Ordering::Release);
     s2.synchronize().expect("sync");
     s.synchronize().expect("sync");
@@ -117,6 +126,11 @@ pub fn slot_steps_move_messages<A: DeviceAdaptor>(a: &A) {
     let mut want = vec![0xEEu8; SLOTS * SLOT + 64];
     want[3..3 + 4109].copy_from_slice(&data[5..5 + 4109]);
     assert_same("a take released by its put", &read(&s), &want);
+    assert_eq!(
+        host_word(word(0, 3)).load(Ordering::Acquire),
+        0x101,
+        "done word"
+    );
 
     // 2. Three puts in one call, three takes in another: words, a ragged tail, bytes only;
     // the third message is longer than its take's capacity.
@@ -151,6 +165,13 @@ pub fn slot_steps_move_messages<A: DeviceAdaptor>(a: &A) {
         &read(&s),
         &want,
     );
+    for i in 0..SLOTS {
+        assert_eq!(
+            host_word(word(i, 3)).load(Ordering::Acquire),
+            0x201,
+            "done word of take {i} (the last one copied nothing)"
+        );
+    }
 
     // 3. With inboxes in device memory (slot `i`'s words at 64 i, its copy at 4096 + i SLOT):
     // a put and a take that both name it; then a take that names it released by a put that

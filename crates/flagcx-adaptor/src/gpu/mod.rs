@@ -871,8 +871,9 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
                     dst,
                     cap,
                     inbox,
+                    done,
                 } => (
-                    [Some(wait.0), Some(len_at), None],
+                    [Some(wait.0), Some(len_at), done.map(|d| d.0)],
                     (cap > 0).then_some([slot, dst]),
                     inbox,
                 ),

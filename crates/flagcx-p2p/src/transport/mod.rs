@@ -183,13 +183,10 @@ pub(crate) enum Phase {
     },
     /// Net (a pair on two hosts), either side.
     Net(net::NetPhase),
-    /// Stream-ordered ([`streamed`]), either side: the caller's stream carries the message;
-    /// a receive's `ev` completes behind it (a send has none: it is done once its status word
-    /// landed). A receive announces itself first.
-    Streamed {
-        ev: Option<EventHandle>,
-        announced: bool,
-    },
+    /// Stream-ordered ([`streamed`]), either side: the caller's stream carries the message,
+    /// and writes the word that says it is done (a send's status word, a receive's taken
+    /// word). A receive announces itself first.
+    Streamed { announced: bool },
 }
 
 impl Phase {

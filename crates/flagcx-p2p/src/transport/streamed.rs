@@ -13,12 +13,13 @@
 //! | side | stream operations |
 //! |---|---|
 //! | send | wait until `recv_done ≥ k − 63` (slot `k mod 64` free; skipped for the first 64) → copy the bytes into eager slot `k` → write the size word, then the status word `EAGER \| (k + 1) << 8` of send descriptor `k` |
-//! | receive | wait until that status word `≥ (k + 1) << 8` → sized copy of at most the buffer's size out of slot `k`, its length read from the size word when the stream gets there |
+//! | receive | wait until that status word `≥ (k + 1) << 8` → sized copy of at most the buffer's size out of slot `k`, its length read from the size word when the stream gets there → write `k + 1` into receive descriptor `k`'s taken word |
 //!
 //! The engine only follows: it announces the receive (so a larger send through the handshake
 //! sees the receive's size and answers with a mismatch, whose status word — every status word
 //! carries `k + 1` — releases the receiving stream, and whose size makes the sized copy copy
-//! nothing), and once the event recorded behind a message completes it publishes `send_posted`
+//! nothing), and once the stream's word says a message is done (a send's status word, written
+//! after the last read of its source; a receive's taken word) it publishes `send_posted`
 //! (sender) or reads the descriptor for the result and frees the slot with `recv_done`
 //! (receiver). Credits therefore return through the receiver's engine, off the path of any
 //! one message: a sender's stream waits only once 64 messages are unread.
@@ -40,7 +41,7 @@
 
 use std::sync::Arc;
 
-use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, SlotInbox, SlotStep, StreamHandle};
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, SlotInbox, SlotStep, StreamHandle};
 
 use super::{remote_failure, send_failure, Path, Phase, Progress, Roles, Step};
 use crate::channel::{Channel, Counter, SendStatus, DESC_RING};
@@ -312,6 +313,7 @@ impl StreamLink {
                     dst: ptr,
                     cap: bytes,
                     inbox: self.inbox_in.map(|b| inbox_at(b, self.recv_max, k)),
+                    done: Some((Self::at(base, ch.recv_taken_offset(k)), k + 1)),
                 }
             }
         }
@@ -346,10 +348,10 @@ impl<A: DeviceAdaptor> Comm<A> {
 
     /// Enqueues the stream-ordered messages `msgs` — (link, direction, number, buffer, bytes)
     /// each — on `stream` in one call of [`DeviceAdaptor::stream_slot_steps`] (one kernel on
-    /// CUDA; as separate stream operations where a pair shares its device), then records one
-    /// event behind them, shared by the call's receives (`None` for sends, which complete on
-    /// their status word: driver calls the posting thread does not make and the engine does
-    /// not poll), or the failure (after which no wait of theirs is left on the stream). Sends go first in the call: done
+    /// CUDA; as separate stream operations where a pair shares its device), or fails (after
+    /// which no wait of theirs is left on the stream). No event is recorded: a send is done
+    /// once its status word landed, a receive once its taken word did — the posting thread
+    /// makes one call, and the engine follows with loads of host memory, no driver calls. Sends go first in the call: done
     /// in order, a receive ahead of them would wait for a peer whose receive waits the same
     /// way (a group that posts its receives first, on both ranks).
     ///
@@ -359,42 +361,28 @@ impl<A: DeviceAdaptor> Comm<A> {
         &self,
         msgs: &[(&StreamLink, Dir, u64, DevicePtr, usize)],
         stream: StreamHandle,
-    ) -> Result<Vec<Option<Arc<EventHandle>>>> {
+    ) -> Result<()> {
         let steps: Vec<SlotStep> = msgs
             .iter()
             .map(|&(link, dir, k, ptr, bytes)| link.step(dir, k, ptr, bytes))
             .collect();
         let a = &self.adaptor;
         // SAFETY: forwarded contract; each link's words and slots are registered and live.
-        let mut r = unsafe {
+        let r = unsafe {
             match msgs.iter().all(|m| m.0.fused) {
                 true => a.stream_slot_steps(stream, &steps),
                 false => flagcx_adaptor::slot_steps_in_order(a, stream, &steps),
             }
-        }
-        .map_err(Into::into);
-        let mut shared = None;
-        if r.is_ok() && msgs.iter().any(|m| m.1 == Dir::Recv) {
-            r = self.spare_event().and_then(|ev| {
-                shared = Some(Arc::new(ev));
-                self.adaptor.event_record(ev, stream).map_err(Into::into)
-            });
-        }
+        };
         match r {
-            Ok(()) => Ok(msgs
-                .iter()
-                .map(|m| shared.clone().filter(|_| m.1 == Dir::Recv))
-                .collect()),
+            Ok(()) => Ok(()),
             Err(e) => {
                 // Whatever part went in must not wait for good: the pairs are retired by the
                 // engine for this failure, so their words are ours to settle.
                 for &(link, dir, k, ..) in msgs {
                     StreamLink::release_side(&link.out, &link.inc, dir, k);
                 }
-                if let Some(ev) = shared {
-                    let _ = self.adaptor.event_destroy(*ev);
-                }
-                Err(e)
+                Err(e.into())
             }
         }
     }
@@ -404,7 +392,7 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// One pass over a stream-ordered step (see the module docs).
     pub(crate) fn progress_streamed(&mut self, p: usize, step: &mut Step) -> Result<Progress> {
         let conn = self.peers[p].as_mut().expect("checked by caller");
-        let Phase::Streamed { ev, announced } = &mut step.phase else {
+        let Phase::Streamed { announced } = &mut step.phase else {
             unreachable!("only stream-ordered steps")
         };
         let (k, bytes) = (step.index, step.op.bytes);
@@ -442,12 +430,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                 if fault > k {
                     return Err(remote_failure(p, fault));
                 }
-                let Some(ev) = *ev else {
-                    return Err(CommError::Protocol(
-                        "a stream-ordered receive without its event".into(),
-                    ));
-                };
-                if !self.adaptor.event_query(ev)? {
+                if !conn.inc.taken(k) {
                     // Once the message is in its slot only our own stream is left: a peer
                     // that was done with it and went away does not fail it.
                     let on_peer = !conn.inc.published(k);
@@ -482,14 +465,15 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// after that keeps the buffer: the operation forgets it rather than free it under a copy.
     pub(crate) fn release_streamed(&self, op: &mut Op) {
         let conn = self.peers.get(op.peer).and_then(|c| c.as_ref());
-        let (Some(Resume::Streamed(ev)), Some(conn)) = (&op.resume, conn) else {
+        let (Some(Resume::Streamed), Some(conn)) = (&op.resume, conn) else {
             return;
         };
         StreamLink::release_side(&conn.out, &conn.inc, op.dir, op.index);
-        // A send has passed once its status word landed (its source read for the last time).
-        let passed = || match ev {
-            Some(ev) => self.adaptor.event_query(**ev).unwrap_or(true),
-            None => conn.out.put_landed(op.index),
+        // The stream passed a send once its status word landed (its source read for the last
+        // time), a receive once its taken word did (its copy done, or skipped).
+        let passed = || match op.dir {
+            Dir::Send => conn.out.put_landed(op.index),
+            Dir::Recv => conn.inc.taken(op.index),
         };
         let t0 = std::time::Instant::now();
         while !passed() {
