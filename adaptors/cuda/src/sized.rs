@@ -512,7 +512,22 @@ impl KernelCopies {
 
 #[cfg(test)]
 mod tests {
-    use super::copy_kernel_mode;
+    use super::{copy_kernel_mode, RawStep, RawSteps, PTX};
+
+    #[test]
+    fn the_shipped_ptx_takes_the_steps_as_rust_lays_them_out() {
+        let one = format!(
+            "flagcx_slot_step_param_0[{}]",
+            std::mem::size_of::<RawStep>()
+        );
+        let all = format!(
+            "flagcx_slot_steps_param_0[{}]",
+            std::mem::size_of::<RawSteps>()
+        );
+        assert!(PTX.contains(&one), "stream.ptx does not declare {one}");
+        assert!(PTX.contains(&all), "stream.ptx does not declare {all}");
+        assert!(PTX.contains(".entry flagcx_copy("));
+    }
 
     #[test]
     fn copy_kernel_values_parse_and_typos_are_refused() {
