@@ -331,8 +331,9 @@ fi
     .map_err(|e| e.to_string())?;
     write_perf_script(&out, &vendor)?;
     // The open issues' one-rank-per-GPU targets in one call on a two-GPU node, with a verdict
-    // table (`targets.py`, standard-library Python: the GPU hosts have no Rust).
-    for f in ["targets.sh", "targets.py"] {
+    // table (`targets.py`, standard-library Python: the GPU hosts have no Rust); and
+    // `queues.sh`, whether stream joins can hold up copies that share their hardware queue.
+    for f in ["targets.sh", "targets.py", "queues.sh"] {
         std::fs::copy(root().join("xtask/assets").join(f), out.join(f))
             .map_err(|e| format!("copy {f}: {e}"))?;
     }

@@ -1,0 +1,52 @@
+#!/bin/sh
+# Copied into the GPU bundle by `cargo xtask bundle`: whether a caller's stream that waits on a
+# word (a join: `FLAGCX_STREAM_JOIN=memop`) can hold up copies enqueued after it on another
+# stream when both land in one hardware queue. CUDA gives a process CUDA_DEVICE_MAX_CONNECTIONS
+# queues (8 by default); with 1, every stream of the process shares one. A join waits for a word
+# the engine writes once the proxy's copy completed: if that copy queues behind the wait, neither
+# moves. The hypothesis behind the lower copier stopping under MPS (2026-12-04, docs/
+# performance.md): there, clients share the server's queues. Every run has a 5 s operation
+# timeout and a 90 s limit, so a stall shows as a failure, not a stuck call. One GPU suffices.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+logs=${FLAGCX_BUNDLE_LOGS:-$here/logs}/queues
+mkdir -p "$logs"
+perf="$here/bin/flagcx-perf"
+# try NAME COMMAND...: one line, "completed" or why not.
+try() {
+  name=$1; shift
+  printf '%-34s ' "$name"
+  if timeout 90 env FLAGCX_TIMEOUT_MS=5000 "$@" > "$logs/$name.log" 2>&1; then
+    echo "completed ($(grep -c '^ *[0-9]' "$logs/$name.log") sizes; $(grep -m1 'wrong bytes in all' "$logs/$name.log"))"
+  else
+    rc=$?
+    why=$(grep -m1 -iE 'timed out|no progress|error' "$logs/$name.log")
+    [ -n "$why" ] || why=$(tail -n 1 "$logs/$name.log")
+    echo "FAILED (exit $rc): $(echo "$why" | cut -c1-160)"
+  fi
+}
+export FLAGCX_VENDOR=cuda
+# Every operation through the proxy (no posting-thread copies on the caller's stream), each
+# iteration enqueued behind the last, so streams are busy at posting and join.
+for c in 8 1; do
+  try "proxy, $c queue(s)" env CUDA_DEVICE_MAX_CONNECTIONS=$c FLAGCX_P2P_IPC_CALLER=off \
+    "$perf" -t sendrecv --transport ipc -b 4K -e 4M -f 32 -n 50 -w 5 -c
+done
+# Under MPS: the lower copier, forced, with the default queues and with 32 per client.
+if command -v nvidia-cuda-mps-control >/dev/null; then
+  mps=$(mktemp -d /tmp/flagcx-mps.XXXXXX)
+  export CUDA_MPS_PIPE_DIRECTORY="$mps/pipe" CUDA_MPS_LOG_DIRECTORY="$mps/log"
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    sleep 1
+    for c in 8 32; do
+      try "MPS, lower copier, $c queues" env CUDA_DEVICE_MAX_CONNECTIONS=$c FLAGCX_P2P_IPC_COPIER=lower \
+        "$perf" -t sendrecv -b 8 -e 4K -f 8 -n 300 -w 10 --blocking -c
+    done
+    echo quit | nvidia-cuda-mps-control
+    sleep 1
+  else
+    echo "MPS: the control daemon did not start here; its rows did not run"
+  fi
+  rm -rf "$mps"
+fi
