@@ -2,6 +2,17 @@
 use super::*;
 use flagcx_adaptor::Vendor;
 
+/// A channel with 64-byte eager slots and no staging ring.
+fn eager_only() -> Channel {
+    let geo = Geometry {
+        slots: 0,
+        chunk: 0,
+        split: 0,
+        eager: 64,
+    };
+    Channel::create(geo).unwrap()
+}
+
 #[test]
 fn descriptors_round_trip_through_two_mappings() {
     let geo = Geometry {
@@ -94,13 +105,7 @@ fn an_unknown_send_status_is_a_protocol_error() {
 /// no receive takes.
 #[test]
 fn a_put_has_landed_once_its_slot_names_it_or_a_later_message() {
-    let geo = Geometry {
-        slots: 0,
-        chunk: 0,
-        split: 0,
-        eager: 64,
-    };
-    let ch = Channel::create(geo).unwrap();
+    let ch = eager_only();
     ch.keep_out_of_descriptors();
     assert!(!ch.put_landed(3));
     // SAFETY: 8 readable bytes; the test owns indices 3, 67 and 131.
@@ -117,13 +122,7 @@ fn a_put_has_landed_once_its_slot_names_it_or_a_later_message() {
 
 #[test]
 fn a_take_s_word_sits_past_the_receive_descriptor_and_survives_its_rewrite() {
-    let geo = Geometry {
-        slots: 0,
-        chunk: 0,
-        split: 0,
-        eager: 64,
-    };
-    let ch = Channel::create(geo).unwrap();
+    let ch = eager_only();
     let word = |i: u64| {
         // SAFETY: the taken word is an aligned u64 inside the live mapping.
         unsafe { &*(ch.segment().as_ptr().add(ch.recv_taken_offset(i)) as *const AtomicU64) }
@@ -150,13 +149,7 @@ fn a_take_s_word_sits_past_the_receive_descriptor_and_survives_its_rewrite() {
 
 #[test]
 fn status_words_grow_per_slot_and_poison_reads_as_a_failed_send() {
-    let geo = Geometry {
-        slots: 0,
-        chunk: 0,
-        split: 0,
-        eager: 64,
-    };
-    let ch = Channel::create(geo).unwrap();
+    let ch = eager_only();
     ch.keep_out_of_descriptors();
     let mut last = 0;
     for i in [3u64, 67, 131] {
