@@ -78,9 +78,11 @@ struct SlotSteps {
 };
 
 // A put's bytes into the slot (and its inbox, if any) by the whole block, fenced, then thread
-// 0's words, each fenced after the one before: the slot's size and status words, then the
-// inbox's. Every read of `src` comes before the slot's status word, so a sender may complete
-// once it sees that word (the engine does, with no event).
+// 0's words, each fenced after the one before: the inbox's length and status words first (the
+// take polls them: two fences sooner than behind the slot's), then the slot's size and status
+// words. Every read of `src` comes before any word, so a sender may complete once it sees the
+// slot's status word (the engine does, with no event); the receiving engine reads the slot's
+// words only once they are there (`published`), even where the take already finished.
 __device__ static void publish(const SlotStep &st) {
   const unsigned char *src = (const unsigned char *)st.src;
   copy_bytes((unsigned char *)st.dst, src, st.len, threadIdx.x, blockDim.x);
@@ -88,15 +90,15 @@ __device__ static void publish(const SlotStep &st) {
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
-    *(volatile u64 *)st.word0 = st.value0;
-    __threadfence_system();
-    *(volatile u64 *)st.word1 = st.value1;
     if (st.inbox != 0) {
-      __threadfence_system();
       *(volatile u64 *)st.inbox_len = st.len;
       __threadfence_system();
       *(volatile u64 *)st.inbox_status = st.value1;
+      __threadfence_system();
     }
+    *(volatile u64 *)st.word0 = st.value0;
+    __threadfence_system();
+    *(volatile u64 *)st.word1 = st.value1;
   }
 }
 
@@ -105,11 +107,10 @@ __device__ static void publish(const SlotStep &st) {
 // the host) before thread 0 writes the words, and the words are fenced from each other.
 //
 // With an inbox (`SlotInbox`: the receiving device's memory), a put copies the bytes there
-// too, before any word, and writes the inbox's words after the slot's; a take polls the
+// too, before any word, and writes the inbox's words before the slot's; a take polls the
 // inbox's status word (local memory: no bus round trip) and every 64th time the slot's (which
 // is how a message is failed or released without its putter), and takes from whichever shows
-// the message first. The slot's words are written first so that the receiving engine, which
-// reads them once the take is done, finds them there.
+// the message first.
 __device__ static void slot_step(const SlotStep &st) {
   __shared__ int from_inbox;
   if (st.kind == 2) {

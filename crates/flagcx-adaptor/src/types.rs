@@ -265,8 +265,8 @@ pub enum SlotStep {
         slot: DevicePtr,
         /// Written after the bytes, in order.
         writes: [(DevicePtr, u64); 2],
-        /// Where the vendor may put the message a second time: its bytes before the writes,
-        /// its words after them.
+        /// Where the vendor may put the message a second time: its bytes and then its words
+        /// before the writes.
         inbox: Option<SlotInbox>,
     },
     /// The receiving side: wait until the word at `wait.0` reaches `wait.1`, then copy as
@@ -294,8 +294,9 @@ pub enum SlotStep {
 /// A second home for a [`SlotStep`]'s message, in memory its taker polls cheaply (the
 /// receiving device's own memory, which the putting side reaches by IPC over the GPUs' link,
 /// where every poll of host memory would be a bus round trip). A vendor that runs steps as one
-/// kernel copies the bytes there too before the slot's words (every read of the source comes
-/// before the slot's status word), and writes the length and then the status word after them; its takes poll the inbox's status word and, now and then, the slot's, and take
+/// kernel copies the bytes there too before any word (every read of the source comes before
+/// the slot's status word), and writes the inbox's length and then status word before the
+/// slot's words (so a take from the inbox may finish before the slot's words land); its takes poll the inbox's status word and, now and then, the slot's, and take
 /// from whichever shows the message first (the slot's words are how a message is failed or
 /// released without its putter). A vendor that runs steps in order ignores inboxes: every put
 /// writes the slot, so every take is answered there.

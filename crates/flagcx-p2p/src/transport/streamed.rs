@@ -430,11 +430,15 @@ impl<A: DeviceAdaptor> Engine<A> {
                 if fault > k {
                     return Err(remote_failure(p, fault));
                 }
-                if !conn.inc.taken(k) {
+                // A take from the inbox may finish before the slot's words it follows land (the
+                // putter writes the inbox's first): the descriptor is read once both did.
+                let published = conn.inc.published(k);
+                if !(published && conn.inc.taken(k)) {
                     // Once the message is in its slot only our own stream is left: a peer
                     // that was done with it and went away does not fail it.
-                    let on_peer = !conn.inc.published(k);
-                    return Ok(Progress::Idle { on_peer });
+                    return Ok(Progress::Idle {
+                        on_peer: !published,
+                    });
                 }
                 let sd = conn.inc.read_send_desc(k)?;
                 let size = sd.size as usize;
