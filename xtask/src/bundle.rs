@@ -316,6 +316,14 @@ if [ "${FLAGCX_PORT_MPS:-0}" = 1 ] && command -v nvidia-cuda-mps-control >/dev/n
     sleep 1
     echo "under MPS:"
     "$here/bin/flagcx-run" -n 2 -- "$here/bin/port_pingpong" $ptx; rc=$?
+    # Stream-ordered messages as one kernel per call (inboxes, taken words), every byte
+    # checked: on one GPU only MPS lets both processes' kernels run at once.
+    for t in sendrecv alltoall; do
+      echo "stream-ordered $t under MPS, one kernel per call:"
+      FLAGCX_VENDOR=cuda FLAGCX_P2P_STREAM=on FLAGCX_P2P_STREAM_KERNEL=on FLAGCX_P2P_IPC_COPIER=sender FLAGCX_TIMEOUT_MS=10000 \
+        "$here/bin/flagcx-perf" -t $t -b 8 -e 32K -f 8 -n 200 -w 20 -c > "$logs/mps-stream-$t.log" 2>&1 || rc=1
+      grep -vE '^(progress|# [a-z])' "$logs/mps-stream-$t.log" | tail -n 8
+    done
     echo quit | nvidia-cuda-mps-control
     sleep 1
     rm -rf "$mps"
