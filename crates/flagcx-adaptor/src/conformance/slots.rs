@@ -216,6 +216,17 @@ pub fn slot_steps_move_messages<A: DeviceAdaptor>(a: &A) {
     assert_err("misaligned length word", unsafe {
         a.stream_slot_steps(s.handle(), &[bad])
     });
+    // A null done word is refused too (its wait is already met, so a vendor that finds out
+    // only at the write leaves nothing waiting).
+    let mut null_done = take(0, 0, 8, 0x100);
+    if let SlotStep::Take { done, .. } = &mut null_done {
+        *done = Some((DevicePtr::NULL, 1));
+    }
+    // SAFETY: as above; the wait is met (slot 0's status is 0x300 since step 3), and its
+    // message is longer than the take's 8 bytes: nothing is copied.
+    assert_err("null done word", unsafe {
+        a.stream_slot_steps(s.handle(), &[null_done])
+    });
     s.synchronize().expect("sync");
     s2.synchronize().expect("sync");
     // SAFETY: nothing runs on the mapping any more.

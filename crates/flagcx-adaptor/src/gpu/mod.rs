@@ -885,6 +885,10 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
                 .chain(inbox_words.into_iter().flatten())
             {
                 aligned(OP, w, 8)?;
+                if w.is_null() {
+                    // A kernel would write or poll address 0 (a done word of 0 reads as none).
+                    return Err(AdaptorError::invalid(OP, "null word"));
+                }
             }
             if ptrs.is_some_and(|p| p.iter().any(|p| p.is_null()))
                 || inbox.is_some_and(|i| i.slot.is_null())

@@ -351,9 +351,10 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// CUDA; as separate stream operations where a pair shares its device), or fails (after
     /// which no wait of theirs is left on the stream). No event is recorded: a send is done
     /// once its status word landed, a receive once its taken word did — the posting thread
-    /// makes one call, and the engine follows with loads of host memory, no driver calls. Sends go first in the call: done
-    /// in order, a receive ahead of them would wait for a peer whose receive waits the same
-    /// way (a group that posts its receives first, on both ranks).
+    /// makes one call, and the engine follows with loads of host memory, no driver calls.
+    /// Sends go first in the call: done in order, a receive ahead of them would wait for a
+    /// peer whose receive waits the same way (a group that posts its receives first, on both
+    /// ranks).
     ///
     /// # Safety
     /// Each buffer is device memory of this adaptor, valid until its operation finishes.
