@@ -132,30 +132,38 @@ unsafe fn copy_on(pool: Option<&rayon::ThreadPool>, dst: u64, src: u64, n: usize
 }
 
 /// Sets the size from which host-vendor copies use streaming stores: a byte count (`512K`,
-/// `16M`, `1G` suffixes allowed; `0`: every copy) or `off`. Unset: half the last-level cache
-/// (16 MiB where the machine does not report it).
+/// `16M`, `1G` suffixes allowed; `0`: every copy) or `off`. Unset: 64 KiB below 8 cores, else
+/// half the last-level cache (16 MiB where the machine does not report it).
 pub const STREAMING_MIN_ENV: &str = "FLAGCX_HOST_COPY_NT_MIN";
 
 /// Copies of at least this many bytes (between disjoint ranges) use streaming stores:
-/// `FLAGCX_HOST_COPY_NT_MIN` if it parses, else half the last-level cache (16 MiB where the
-/// machine does not say) — a copy that size moves as much as the cache holds, so its
-/// destination would not stay there anyway. Below it a large cache pays off even where a
-/// probe of repeated copies says otherwise: on the H200 host (300 MiB of L3 reported), 8
-/// threads copied 64 MiB at 50.5 GB/s plain and 63.6 streaming, yet a host ping-pong of
-/// 32–64 MiB (whose next copy reads what the last one wrote) ran at 32–57 GB/s plain and
-/// 37–43 streaming; at 128–256 MiB streaming won (35–43 against 24–38).
+/// `FLAGCX_HOST_COPY_NT_MIN` if it parses; else from 64 KiB below 8 cores, and from half the
+/// last-level cache (16 MiB where the machine does not say) with more — a copy that size
+/// moves as much as the cache holds, so its destination would not stay there anyway. Below it
+/// a large cache pays off even where a probe of repeated copies says otherwise: on the H200
+/// host (16 cores, 300 MiB of L3 reported), 8 threads copied 64 MiB at 50.5 GB/s plain and
+/// 63.6 streaming, yet a host ping-pong of 32–64 MiB (whose next copy reads what the last one
+/// wrote) ran at 32–57 GB/s plain and 37–43 streaming; at 128–256 MiB streaming won (35–43
+/// against 24–38). On the 2-core development VM (32 MiB of L3 reported as shared by both
+/// cores) the other process's reads of a plain copy's destination were what cost: host
+/// ping-pong round trips of 128 KiB / 512 KiB / 2 MiB / 8 MiB took 24–78 / 71–270 / 164–1054 /
+/// 1124–3497 µs plain and 15–16 / 42–43 / 179–190 / 741–816 streaming from 64 KiB, four
+/// alternating rounds; four ranks' all-to-all of 4 / 16 MiB 372–390 / 3520–4181 µs against
+/// 260–270 / 1950–2013 (below 64 KiB streaming stores lost: 8 and 32 KiB round trips 17–21 and
+/// 44–59 µs plain, 21–22 and 57–62 streaming).
 fn streaming_min() -> usize {
     static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *MIN.get_or_init(|| {
         streaming_min_from(
             std::env::var(STREAMING_MIN_ENV).ok().as_deref(),
             last_level_cache(),
+            flagcx_adaptor::spin::cores_from_env(),
         )
     })
 }
 
-/// [`streaming_min`] for a variable's value and a last-level cache size.
-fn streaming_min_from(env: Option<&str>, llc: Option<usize>) -> usize {
+/// [`streaming_min`] for a variable's value, a last-level cache size and a core count.
+fn streaming_min_from(env: Option<&str>, llc: Option<usize>, cores: usize) -> usize {
     if let Some(v) = env.map(str::trim) {
         if v.eq_ignore_ascii_case("off") {
             return usize::MAX;
@@ -163,6 +171,9 @@ fn streaming_min_from(env: Option<&str>, llc: Option<usize>) -> usize {
         if let Some(n) = parse_size(v) {
             return n;
         }
+    }
+    if cores < 8 {
+        return 64 << 10;
     }
     llc.map_or(16 << 20, |c| c / 2)
 }
@@ -342,16 +353,22 @@ mod tests {
     }
 
     #[test]
-    fn the_streaming_threshold_is_half_the_cache_unless_the_variable_says() {
-        assert_eq!(streaming_min_from(None, Some(32 << 20)), 16 << 20);
-        assert_eq!(streaming_min_from(None, None), 16 << 20);
-        assert_eq!(streaming_min_from(Some("off"), Some(32 << 20)), usize::MAX);
-        assert_eq!(streaming_min_from(Some(" OFF "), None), usize::MAX);
-        assert_eq!(streaming_min_from(Some("0"), Some(32 << 20)), 0);
-        assert_eq!(streaming_min_from(Some("512K"), None), 512 << 10);
-        assert_eq!(streaming_min_from(Some("4m"), None), 4 << 20);
-        assert_eq!(streaming_min_from(Some("1G"), None), 1 << 30);
-        assert_eq!(streaming_min_from(Some("lots"), Some(8 << 20)), 4 << 20);
+    fn the_streaming_threshold_follows_cores_and_cache_unless_the_variable_says() {
+        assert_eq!(streaming_min_from(None, Some(32 << 20), 16), 16 << 20);
+        assert_eq!(streaming_min_from(None, None, 8), 16 << 20);
+        assert_eq!(streaming_min_from(None, Some(32 << 20), 2), 64 << 10);
+        assert_eq!(streaming_min_from(None, None, 7), 64 << 10);
+        assert_eq!(
+            streaming_min_from(Some("off"), Some(32 << 20), 2),
+            usize::MAX
+        );
+        assert_eq!(streaming_min_from(Some(" OFF "), None, 16), usize::MAX);
+        assert_eq!(streaming_min_from(Some("0"), Some(32 << 20), 16), 0);
+        assert_eq!(streaming_min_from(Some("512K"), None, 2), 512 << 10);
+        assert_eq!(streaming_min_from(Some("4m"), None, 16), 4 << 20);
+        assert_eq!(streaming_min_from(Some("1G"), None, 16), 1 << 30);
+        assert_eq!(streaming_min_from(Some("lots"), Some(8 << 20), 16), 4 << 20);
+        assert_eq!(streaming_min_from(Some("lots"), Some(8 << 20), 2), 64 << 10);
         assert_eq!(super::parse_size("32768K"), Some(32 << 20));
         assert_eq!(super::parse_size(""), None);
     }
