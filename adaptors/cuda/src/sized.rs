@@ -461,11 +461,12 @@ impl KernelCopies {
         }))
     }
 
-    /// Whether a copy of `n` bytes between `dst` and `src` is the kernel's: large enough, and
-    /// under `local` both ends in this device's memory (a pointer the driver cannot place
-    /// stays with the copy engine).
+    /// Whether a copy of `n` bytes between `dst` and `src` is the kernel's: large enough, both
+    /// ends 16-byte aligned (the kernel moves misaligned ranges a byte at a time), and under
+    /// `local` both in this device's memory (a pointer the driver cannot place stays with the
+    /// copy engine).
     fn takes(&self, dst: u64, src: u64, n: usize) -> bool {
-        if n < COPY_KERNEL_MIN {
+        if n < COPY_KERNEL_MIN || (dst | src) % 16 != 0 {
             return false;
         }
         self.all
