@@ -93,8 +93,6 @@ fn vmm_prop(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
     prop
 }
 
-/// Tries the `_v2` stream write/wait calls on a mapped host word; the old attribute lies.
-/// Requires the context to be current.
 /// Runs a boxed host function handed to `cuLaunchHostFunc`.
 unsafe extern "C" fn host_fn_trampoline(user: *mut c_void) {
     // SAFETY: `user` is what `launch_host_func` passed; the driver calls this exactly once.

@@ -42,6 +42,9 @@ pub(crate) fn mps_client(dev: sys::CUdevice) -> bool {
     r == CUresult::CUDA_SUCCESS && supported == 1
 }
 
+/// Whether 32- and 64-bit stream memory operations work, tried with the `_v2` write and wait
+/// calls on a mapped host word (the old attribute says no where they do). Requires the context
+/// to be current.
 pub(crate) fn probe_stream_mem_ops() -> (bool, bool) {
     for name in [
         c"cuStreamWaitValue32_v2",
