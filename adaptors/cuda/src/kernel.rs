@@ -82,23 +82,9 @@ impl Module {
             ));
         }
         self.adaptor.driver()?;
-        // SAFETY: the caller's contract for `params`; the stream handle is the driver's
-        // CUstream (the adaptor's handles are the native values).
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                f.func,
-                grid,
-                1,
-                1,
-                block,
-                1,
-                1,
-                0,
-                stream.0 as sys::CUstream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+        // SAFETY: the caller's contract for `params`; the adaptor's stream handles are the
+        // driver's CUstream values, and `driver()` made the module's context current.
+        unsafe { crate::sized::launch_1d(f.func, grid, block, stream.0, params) }
     }
 }
 

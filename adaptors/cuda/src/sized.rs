@@ -226,21 +226,7 @@ impl SizedKernel {
         // SAFETY: four pointers to u64 values, matching the kernel's four `.u64` parameters,
         // alive for the call (the driver copies them at launch); the memory the kernel touches
         // is the caller's contract.
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                self.func,
-                grid,
-                1,
-                1,
-                BLOCK,
-                1,
-                1,
-                0,
-                stream as sys::CUstream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+        unsafe { launch_1d(self.func, grid, BLOCK, stream, &mut params) }
     }
 }
 
@@ -272,21 +258,7 @@ impl SizedKernel {
         // SAFETY: one pointer to a value laid out as the kernel's one by-value struct
         // parameter (one 120-byte step of u64 fields, or sixteen), alive for the call (the
         // driver copies it at launch); the memory the steps touch is the caller's contract.
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                func,
-                steps.len() as u32,
-                1,
-                1,
-                STEP_BLOCK,
-                1,
-                1,
-                0,
-                stream as sys::CUstream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+        unsafe { launch_1d(func, steps.len() as u32, STEP_BLOCK, stream, &mut params) }
     }
 }
 
@@ -318,22 +290,40 @@ impl SizedKernel {
         // SAFETY: three pointers to u64 values, matching the kernel's three `.u64`
         // parameters, alive for the call (the driver copies them at launch); the memory the
         // kernel touches is the caller's contract.
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                self.copy,
-                grid,
-                1,
-                1,
-                COPY_BLOCK,
-                1,
-                1,
-                0,
-                stream as sys::CUstream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+        unsafe { launch_1d(self.copy, grid, COPY_BLOCK, stream, &mut params) }
     }
+}
+
+/// `cuLaunchKernel` of `func` as a 1-D grid of `grid` blocks of `block` threads on `stream`,
+/// without dynamic shared memory.
+///
+/// # Safety
+/// `params` holds one pointer per kernel parameter, each to a value of exactly the type the
+/// kernel declares, alive for the call (the driver copies them at launch); whatever the kernel
+/// touches stays valid until it completes; `func`'s context is current.
+pub(crate) unsafe fn launch_1d(
+    func: sys::CUfunction,
+    grid: u32,
+    block: u32,
+    stream: u64,
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    // SAFETY: the caller's contract; the stream handle is the driver's CUstream.
+    check("cuLaunchKernel", unsafe {
+        sys::cuLaunchKernel(
+            func,
+            grid,
+            1,
+            1,
+            block,
+            1,
+            1,
+            0,
+            stream as sys::CUstream,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    })
 }
 
 /// A step as the kernel reads it (`kernels/stream.cu`).
