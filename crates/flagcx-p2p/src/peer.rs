@@ -180,8 +180,12 @@ impl PeerInfo {
     /// slices of milliseconds between processes): [`Self::shares_device`], unless both ranks'
     /// runtimes run several processes' work at once (`Capabilities::concurrent_processes`).
     pub fn time_slices_with(&self, other: &PeerInfo) -> bool {
-        self.shares_device(other)
-            && !(self.caps.concurrent_processes && other.caps.concurrent_processes)
+        self.shares_device(other) && !self.runs_at_once_with(other)
+    }
+
+    /// Whether both ranks' runtimes run several processes' work on one device at once.
+    fn runs_at_once_with(&self, other: &PeerInfo) -> bool {
+        self.caps.concurrent_processes && other.caps.concurrent_processes
     }
 
     fn same_device(&self, other: &PeerInfo) -> bool {
@@ -199,10 +203,7 @@ impl PeerInfo {
 /// it from the same all-gathered facts, so they agree without talking.
 pub fn receiver_copies(sender: &PeerInfo, receiver: &PeerInfo) -> bool {
     let resolve = |c: IpcCopier| match c {
-        IpcCopier::Auto
-            if sender.same_device(receiver)
-                && !(sender.caps.concurrent_processes && receiver.caps.concurrent_processes) =>
-        {
+        IpcCopier::Auto if sender.same_device(receiver) && !sender.runs_at_once_with(receiver) => {
             IpcCopier::Lower
         }
         IpcCopier::Auto => IpcCopier::Sender,
