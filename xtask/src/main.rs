@@ -417,8 +417,9 @@ fn fuzz(secs: u64) -> Result {
 /// Criterion benches of the pieces, a host-vendor `flagcx-perf` ping-pong sweep and, with
 /// `--vs-mpi`, our Open MPI programs on the same machine in the same run.
 ///
-/// The comparison alternates: three rounds of (ours, Open MPI's), each row the median of the
-/// three with their range, in Open MPI's traffic pattern (each all-to-all waited for before
+/// The comparison alternates: three rounds, each running every segment of sizes (the small
+/// sizes, then each large one) by us and right after by Open MPI; each row gives both sides'
+/// medians with their ranges and the median of the rounds' ratios, in Open MPI's traffic pattern (each all-to-all waited for before
 /// the next; ping-pongs wait per round trip anyway). A small VM swings both sides by 2–3×
 /// between sittings (an 8 B Open MPI round trip took 0.20 µs in one and 0.70 µs a few minutes
 /// later on the 2-core machine), so only numbers taken side by side compare.
@@ -504,7 +505,30 @@ fn bench(vs_mpi: bool) -> Result {
                 .arg(root().join(format!("benches/mpi/{source}.c"))),
         )?;
     }
-    type Tests<'a> = [(&'a str, Vec<&'a [&'a str]>, &'a str, &'a str, [&'a str; 2]); 2];
+    // Each test's sizes in segments, each segment run by us and then at once by Open MPI's
+    // program over the same sizes: the two sides of a row are measured seconds apart, not a
+    // whole sweep apart (this VM's speed changes between minutes; see the doc comment).
+    let segment = |args: &[&str]| -> (String, String) {
+        let flag = |f: &str| {
+            args.iter()
+                .position(|a| *a == f)
+                .map(|i| args[i + 1])
+                .unwrap_or_default()
+        };
+        let bytes = |v: &str| -> String {
+            let (num, unit) = v.split_at(v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len()));
+            let n: u64 = num.parse().unwrap_or(0);
+            let shift = match unit {
+                "K" => 10,
+                "M" => 20,
+                "G" => 30,
+                _ => 0,
+            };
+            (n << shift).to_string()
+        };
+        (bytes(flag("-b")), bytes(flag("-e")))
+    };
+    type Tests<'a> = [(&'a str, Vec<&'a [&'a str]>, &'a str, &'a str); 2];
     let tests: Tests = [
         (
             "ping-pong",
@@ -513,7 +537,6 @@ fn bench(vs_mpi: bool) -> Result {
                 .collect(),
             "pingpong",
             "2",
-            ["8", "268435456"],
         ),
         (
             "all-to-all, 4 ranks",
@@ -522,57 +545,55 @@ fn bench(vs_mpi: bool) -> Result {
                 .collect(),
             "alltoall",
             "4",
-            ["1024", "268435456"],
         ),
     ];
-    // (test, bytes) -> (ours, theirs), one time in µs per round.
-    let mut rows: std::collections::BTreeMap<(usize, u64), (Vec<f64>, Vec<f64>)> =
-        Default::default();
+    // (test, bytes) -> per round (ours, theirs), one time in µs each.
+    type Rows = std::collections::BTreeMap<(usize, u64), Vec<(f64, f64)>>;
+    let mut rows: Rows = Default::default();
     const ROUNDS: usize = 3;
     for round in 1..=ROUNDS {
-        for (t, (name, sweeps, source, ranks, mpi_args)) in tests.iter().enumerate() {
-            let mut ours = String::new();
+        for (t, (name, sweeps, source, ranks)) in tests.iter().enumerate() {
             for args in sweeps {
-                ours += &capture(
+                let ours = capture(
                     &format!("round {round}/{ROUNDS}: flagcx-perf, host-vendor {name}"),
                     Command::new(&perf)
                         .args(*args)
                         .arg("--json")
                         .env("FLAGCX_VENDOR", "host"),
                 )?;
-            }
-            let mut mpirun = Command::new("mpirun");
-            // Open MPI refuses to run as root unless told to; CI runs as root.
-            if std::env::var("USER").map(|u| u == "root").unwrap_or(true) {
-                mpirun.arg("--allow-run-as-root");
-            }
-            let theirs = capture(
-                &format!("round {round}/{ROUNDS}: Open MPI {name} (shared-memory transport)"),
-                mpirun
-                    .args(["--oversubscribe", "-n", ranks])
-                    .arg(root().join(format!("target/mpi-{source}")))
-                    .args(mpi_args),
-            )?;
-            // Our JSON rows and MPI's table rows (bytes, time in µs, …), joined on bytes.
-            let mpi: std::collections::HashMap<u64, f64> = theirs
-                .lines()
-                .filter(|l| !l.starts_with('#'))
-                .filter_map(|l| {
-                    let mut c = l.split_whitespace();
-                    Some((c.next()?.parse().ok()?, c.next()?.parse().ok()?))
-                })
-                .collect();
-            for v in ours
-                .lines()
-                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            {
-                let (Some(bytes), Some(us)) = (v["bytes"].as_u64(), v["time_us"].as_f64()) else {
-                    continue;
-                };
-                if let Some(&m) = mpi.get(&bytes) {
-                    let row = rows.entry((t, bytes)).or_default();
-                    row.0.push(us);
-                    row.1.push(m);
+                let (lo, hi) = segment(args);
+                let mut mpirun = Command::new("mpirun");
+                // Open MPI refuses to run as root unless told to; CI runs as root.
+                if std::env::var("USER").map(|u| u == "root").unwrap_or(true) {
+                    mpirun.arg("--allow-run-as-root");
+                }
+                let theirs = capture(
+                    &format!("round {round}/{ROUNDS}: Open MPI {name} (shared-memory transport)"),
+                    mpirun
+                        .args(["--oversubscribe", "-n", ranks])
+                        .arg(root().join(format!("target/mpi-{source}")))
+                        .args([&lo, &hi]),
+                )?;
+                // Our JSON rows and MPI's table rows (bytes, time in µs, …), joined on bytes.
+                let mpi: std::collections::HashMap<u64, f64> = theirs
+                    .lines()
+                    .filter(|l| !l.starts_with('#'))
+                    .filter_map(|l| {
+                        let mut c = l.split_whitespace();
+                        Some((c.next()?.parse().ok()?, c.next()?.parse().ok()?))
+                    })
+                    .collect();
+                for v in ours
+                    .lines()
+                    .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                {
+                    let (Some(bytes), Some(us)) = (v["bytes"].as_u64(), v["time_us"].as_f64())
+                    else {
+                        continue;
+                    };
+                    if let Some(&m) = mpi.get(&bytes) {
+                        rows.entry((t, bytes)).or_default().push((us, m));
+                    }
                 }
             }
         }
@@ -587,19 +608,27 @@ fn bench(vs_mpi: bool) -> Result {
         let hi = v.iter().copied().fold(0.0, f64::max);
         format!("{lo:.2}-{hi:.2}")
     };
-    println!("# same run, medians of {ROUNDS} alternating rounds (range in brackets); times in µs");
     println!(
-        "  {:<22} {:>11} {:>10} {:>21} {:>10} {:>21} {:>9}",
-        "test", "bytes", "flagcx", "", "mpi", "", "mpi/ours"
+        "# same run, medians of {ROUNDS} alternating rounds (range in brackets); times in µs; \
+         mpi/ours is the median of each round's ratio (the two sides of a round run seconds apart)"
     );
-    for ((t, bytes), (ours, theirs)) in rows {
-        let (o, m) = (median(&ours), median(&theirs));
+    println!(
+        "  {:<22} {:>11} {:>10} {:>21} {:>10} {:>21} {:>9} {:>13}",
+        "test", "bytes", "flagcx", "", "mpi", "", "mpi/ours", ""
+    );
+    for ((t, bytes), pairs) in rows {
+        let ours: Vec<f64> = pairs.iter().map(|p| p.0).collect();
+        let theirs: Vec<f64> = pairs.iter().map(|p| p.1).collect();
+        let ratios: Vec<f64> = pairs.iter().map(|(o, m)| m / o).collect();
         println!(
-            "  {:<22} {bytes:>11} {o:>10.2} {:>21} {m:>10.2} {:>21} {:>9.2}",
+            "  {:<22} {bytes:>11} {:>10.2} {:>21} {:>10.2} {:>21} {:>9.2} {:>13}",
             tests[t].0,
+            median(&ours),
             format!("[{}]", range(&ours)),
+            median(&theirs),
             format!("[{}]", range(&theirs)),
-            m / o
+            median(&ratios),
+            format!("[{}]", range(&ratios)),
         );
     }
     println!("# mpi/ours above 1: flagcx-rs is faster (time ratio; for bandwidth the same number)");
