@@ -33,7 +33,8 @@ use flagcx_adaptor::{
 };
 
 use memory::{registry, RangeKind};
-use stream::{EventState, HostStream, Op};
+pub use stream::QUEUES_ENV;
+use stream::{EventState, HostStream, Op, SharedQueue};
 
 /// Environment variable: how many host devices to present (default [`DEFAULT_DEVICES`]).
 pub const DEVICES_ENV: &str = "FLAGCX_HOST_DEVICES";
@@ -61,6 +62,8 @@ struct Inner {
     total_memory: u64,
     streams: Mutex<HandleMap<Arc<HostStream>>>,
     events: Mutex<HandleMap<Arc<EventState>>>,
+    /// [`QUEUES_ENV`]'s shared queues, taken in turn by new streams (none: a worker each).
+    queues: (Vec<SharedQueue>, AtomicU64),
 }
 
 impl Drop for Inner {
@@ -71,6 +74,10 @@ impl Drop for Inner {
             .unwrap_or_else(|e| e.into_inner())
             .drain()
             .collect();
+        // All closed first: on a shared queue one stream's ops may wait behind another's.
+        for (_, s) in &streams {
+            s.close(true);
+        }
         for (_, s) in streams {
             s.join(true);
         }
@@ -109,6 +116,10 @@ impl HostAdaptor {
     /// Opens host device `device` of `count` presented devices.
     pub fn with_devices(device: usize, count: usize) -> Result<Self> {
         AdaptorError::check_device(VENDOR, device, count)?;
+        let queues = SharedQueue::from_env(device).map_err(|source| AdaptorError::Os {
+            op: "spawn shared queue worker",
+            source,
+        })?;
         Ok(HostAdaptor {
             inner: Arc::new(Inner {
                 device,
@@ -116,6 +127,7 @@ impl HostAdaptor {
                 total_memory: memory::physical_memory(),
                 streams: Mutex::default(),
                 events: Mutex::default(),
+                queues: (queues, AtomicU64::new(0)),
             }),
         })
     }
@@ -486,11 +498,11 @@ impl DeviceAdaptor for HostAdaptor {
 
     fn stream_create(&self) -> Result<StreamHandle> {
         let id = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
-        let s = HostStream::spawn(format!("flagcx-host-stream-{id:x}")).map_err(|source| {
-            AdaptorError::Os {
-                op: "spawn stream worker",
-                source,
-            }
+        let (queues, turn) = &self.inner.queues;
+        let name = format!("flagcx-host-stream-{id:x}");
+        let s = HostStream::create(name, queues, turn).map_err(|source| AdaptorError::Os {
+            op: "spawn stream worker",
+            source,
         })?;
         self.inner
             .streams

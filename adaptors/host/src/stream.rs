@@ -77,10 +77,18 @@ struct ProgressInner {
     fault: Option<String>,
 }
 
-/// The worker's next op, `None` once the stream is closed. With spinning enabled
+/// An op on its way to a worker, with the stream it belongs to (a shared queue's worker runs
+/// several streams' ops).
+pub(crate) struct Job {
+    op: Op,
+    progress: Arc<Progress>,
+    stop: Arc<AtomicBool>,
+}
+
+/// The worker's next op, `None` once every sender of its queue is gone. With spinning enabled
 /// ([`wait_spin`]) an idle worker polls its queue that long before it sleeps, so a stream fed
 /// op after op (a staged transfer's chunk copies) does not pay a wake-up per op.
-fn next_op(rx: &Receiver<Op>) -> Option<Op> {
+fn next_op(rx: &Receiver<Job>) -> Option<Job> {
     let spin = wait_spin();
     let t0 = Instant::now();
     loop {
@@ -97,39 +105,104 @@ fn next_op(rx: &Receiver<Op>) -> Option<Op> {
 
 /// A live stream: its queue, its counters and its worker.
 pub(crate) struct HostStream {
-    tx: Mutex<Option<Sender<Op>>>,
+    tx: Mutex<Option<Sender<Job>>>,
     progress: Arc<Progress>,
     shutdown: Arc<AtomicBool>,
+    /// The stream's own worker (`None` once joined, or on a shared queue).
     worker: Mutex<Option<JoinHandle<()>>>,
+    /// Its ops run on a [`SharedQueue`].
+    shared: bool,
+}
+
+/// Environment variable: how many work queues this process's streams of one host device share
+/// (`0` or unset: a worker per stream). As `CUDA_DEVICE_MAX_CONNECTIONS` does for a CUDA
+/// context's streams, streams take the queues in turn, and a queue runs its ops in the order
+/// they were enqueued, whichever stream they belong to: an op waiting for a value holds up every
+/// later op of its queue. For reproducing on the CPU what a GPU's shared hardware queues do
+/// (`docs/performance.md`, "one hardware queue stalls the proxy").
+pub const QUEUES_ENV: &str = "FLAGCX_HOST_QUEUES";
+
+/// One worker thread running, in order, the ops of every stream placed on it.
+pub(crate) struct SharedQueue {
+    tx: Sender<Job>,
+}
+
+impl SharedQueue {
+    /// The shared queues [`QUEUES_ENV`] asks for on host device `device` (`0`, unset or not a
+    /// number: none).
+    pub fn from_env(device: usize) -> std::io::Result<Vec<Self>> {
+        let n = std::env::var(QUEUES_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        (0..n)
+            .map(|q| Self::spawn(format!("flagcx-host-queue-{device}.{q}")))
+            .collect()
+    }
+
+    /// Starts the queue's worker; it exits once the queue and every stream on it are gone.
+    fn spawn(name: String) -> std::io::Result<Self> {
+        let (tx, rx) = channel::<Job>();
+        std::thread::Builder::new()
+            .name(name)
+            .spawn(move || work(rx))?;
+        Ok(SharedQueue { tx })
+    }
+}
+
+/// A worker's loop: runs each job's op and counts it done on the job's stream.
+fn work(rx: Receiver<Job>) {
+    // Keep back-off naps short (default timer slack is 50 µs).
+    // SAFETY: prctl on the calling thread with plain integer arguments.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
+    while let Some(Job { op, progress, stop }) = next_op(&rx) {
+        let fault = run(op, &stop);
+        let mut st = progress.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.completed += 1;
+        progress.outstanding.fetch_sub(1, Ordering::Release);
+        if st.fault.is_none() {
+            st.fault = fault;
+        }
+        progress.cv.notify_all();
+    }
 }
 
 impl HostStream {
-    pub fn spawn(name: String) -> std::io::Result<Self> {
-        let (tx, rx) = channel::<Op>();
-        let progress = Arc::new(Progress::default());
-        let shutdown = Arc::new(AtomicBool::new(false));
-        let (p, stop) = (progress.clone(), shutdown.clone());
-        let worker = std::thread::Builder::new().name(name).spawn(move || {
-            // Keep back-off naps short (default timer slack is 50 µs).
-            // SAFETY: prctl on the calling thread with plain integer arguments.
-            unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
-            while let Some(op) = next_op(&rx) {
-                let fault = run(op, &stop);
-                let mut st = p.state.lock().unwrap_or_else(|e| e.into_inner());
-                st.completed += 1;
-                p.outstanding.fetch_sub(1, Ordering::Release);
-                if st.fault.is_none() {
-                    st.fault = fault;
-                }
-                p.cv.notify_all();
-            }
-        })?;
+    /// A stream with a worker of its own.
+    fn spawn(name: String) -> std::io::Result<Self> {
+        let (tx, rx) = channel::<Job>();
+        let worker = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || work(rx))?;
         Ok(HostStream {
             tx: Mutex::new(Some(tx)),
-            progress,
-            shutdown,
+            progress: Arc::default(),
+            shutdown: Arc::default(),
             worker: Mutex::new(Some(worker)),
+            shared: false,
         })
+    }
+
+    /// A new stream: on the next of `queues` in turn (`turn` counts the streams placed), or
+    /// with a worker of its own where there are none.
+    pub fn create(name: String, queues: &[SharedQueue], turn: &AtomicU64) -> std::io::Result<Self> {
+        match queues.len() {
+            0 => Self::spawn(name),
+            n => Ok(Self::on_queue(
+                &queues[turn.fetch_add(1, Ordering::Relaxed) as usize % n],
+            )),
+        }
+    }
+
+    /// A stream whose ops run on `queue`, in order with its other streams' ops.
+    fn on_queue(queue: &SharedQueue) -> Self {
+        HostStream {
+            tx: Mutex::new(Some(queue.tx.clone())),
+            progress: Arc::default(),
+            shutdown: Arc::default(),
+            worker: Mutex::new(None),
+            shared: true,
+        }
     }
 
     /// Enqueues an op. Returns false if the stream is shutting down.
@@ -148,7 +221,8 @@ impl HostStream {
             .state
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        if st.completed == st.submitted && inline_ok(&op, inline_max()) {
+        // On a shared queue the stream being idle says nothing about the ops ahead in the queue.
+        if st.completed == st.submitted && inline_ok(&op, inline_max()) && !self.shared {
             // Runs under the progress lock: the worker is idle (its queue is empty) and will
             // not look at this op.
             let fault = run(op, &self.shutdown);
@@ -160,7 +234,12 @@ impl HostStream {
         st.submitted += 1;
         self.progress.outstanding.fetch_add(1, Ordering::Relaxed);
         drop(st);
-        if tx.send(op).is_err() {
+        let job = Job {
+            op,
+            progress: self.progress.clone(),
+            stop: self.shutdown.clone(),
+        };
+        if tx.send(job).is_err() {
             let mut st = self
                 .progress
                 .state
@@ -202,13 +281,18 @@ impl HostStream {
         self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
     }
 
-    /// Closes and joins the worker.
+    /// Closes and joins the worker (on a shared queue: waits until the stream's ops ran).
     pub fn join(&self, abandon: bool) {
         self.close(abandon);
-        if let Some(h) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            if h.thread().id() != std::thread::current().id() {
+        match self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(h) if h.thread().id() != std::thread::current().id() => {
                 let _ = h.join();
             }
+            Some(_) => {}
+            None if self.shared => {
+                self.synchronize();
+            }
+            None => {}
         }
     }
 }
@@ -477,7 +561,10 @@ impl EventState {
 
 #[cfg(test)]
 mod tests {
-    use super::{inline_max_from, inline_ok, HostStream, Op, INLINE_SMALL};
+    use super::{inline_max_from, inline_ok, HostStream, Op, SharedQueue, INLINE_SMALL};
+    use flagcx_adaptor::WaitCondition;
+    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+    use std::time::Duration;
 
     #[test]
     fn copies_run_inline_at_any_size_only_with_fewer_than_two_cores_per_rank() {
@@ -539,5 +626,53 @@ mod tests {
         assert_eq!(s.synchronize(), None);
         assert!(dst == src, "the copy's bytes differ");
         s.join(false);
+    }
+
+    /// Stream `a` waits for a word, then stream `b` copies: whether `b`'s copy ran while `a`
+    /// still waited. Both streams are on `queues` in turn (none: a worker each).
+    fn copy_runs_beside_a_wait(queues: &[SharedQueue]) -> bool {
+        let turn = AtomicU64::new(0);
+        let a = HostStream::create("flagcx-host-test-a".into(), queues, &turn).expect("a");
+        let b = HostStream::create("flagcx-host-test-b".into(), queues, &turn).expect("b");
+        let word = Box::new(AtomicU32::new(0));
+        let src = vec![7u8; 4096];
+        let mut dst = vec![0u8; 4096];
+        assert!(a.push(Op::WaitValue {
+            addr: &*word as *const AtomicU32 as u64,
+            value: 1,
+            wide: false,
+            cond: WaitCondition::Geq,
+        }));
+        assert!(b.push(Op::Copy {
+            dst: dst.as_mut_ptr() as u64,
+            src: src.as_ptr() as u64,
+            n: src.len(),
+        }));
+        let t0 = std::time::Instant::now();
+        while !b.idle() && t0.elapsed() < Duration::from_millis(200) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let ran = b.idle();
+        assert!(!a.idle(), "the wait passed before its word was written");
+        word.store(1, Ordering::Release);
+        super::ring_doorbell();
+        assert_eq!(a.synchronize(), None);
+        assert_eq!(b.synchronize(), None);
+        assert!(dst == src, "the copy's bytes differ");
+        a.join(false);
+        b.join(false);
+        ran
+    }
+
+    #[test]
+    fn streams_sharing_one_queue_run_in_enqueue_order_and_a_wait_holds_the_rest() {
+        assert!(copy_runs_beside_a_wait(&[]), "own workers: the copy waited");
+        let one = [SharedQueue::spawn("flagcx-host-test-q".into()).expect("a queue")];
+        assert!(!copy_runs_beside_a_wait(&one), "one queue: the copy passed the wait");
+        let two = [
+            SharedQueue::spawn("flagcx-host-test-q0".into()).expect("a queue"),
+            SharedQueue::spawn("flagcx-host-test-q1".into()).expect("a queue"),
+        ];
+        assert!(copy_runs_beside_a_wait(&two), "two queues: the copy waited");
     }
 }
