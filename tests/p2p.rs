@@ -218,6 +218,14 @@ fn rank_worker() {
                 r.exchange(&others, &others, 100 + i as u64);
             }
         }
+        "shared_queue" => {
+            let expect = std::env::var("FLAGCX_TEST_EXPECT_SHARED_QUEUE").as_deref() == Ok("1");
+            assert_eq!(
+                r.comm.streams_share_queue(),
+                expect,
+                "rank {me}: whether setup found the streams sharing one work queue"
+            );
+        }
         "enqueued" => enqueued(&r),
         "early_sends" => early_sends(&r),
         "rejoin" => rejoin(&r),
@@ -1845,6 +1853,23 @@ fn net_host_killed() {
 #[test]
 fn ring_2_ranks() {
     job(2, &vendors("FLAGCX_P2P_TEST_VENDORS"), "ring", &[]);
+}
+
+/// Setup finds streams sharing one work queue (the host vendor's `FLAGCX_HOST_QUEUES=1`, as
+/// `CUDA_DEVICE_MAX_CONNECTIONS=1` on CUDA), where a join would hold up the proxy's copies, and
+/// not where each stream has its own worker or the queues are several.
+#[test]
+fn setup_sees_streams_sharing_one_queue() {
+    let expect = |queues: &str, shared: &str| {
+        let env = [
+            ("FLAGCX_HOST_QUEUES", queues),
+            ("FLAGCX_TEST_EXPECT_SHARED_QUEUE", shared),
+        ];
+        job(2, "host", "shared_queue", &env);
+    };
+    expect("1", "1");
+    expect("0", "0");
+    expect("8", "0");
 }
 
 /// The lower rank of each IPC pair copies both ways (it pulls what the higher rank sends).

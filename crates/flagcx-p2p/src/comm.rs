@@ -84,6 +84,8 @@ pub struct Comm<A: DeviceAdaptor> {
     /// Beside it, the operation that last join waits for, and its gate.
     pub(crate) joined: Mutex<HandleMap<crate::join::Joined>>,
     pub(crate) page: WatermarkPage,
+    /// See [`Comm::streams_share_queue`].
+    pub(crate) streams_share_queue: bool,
     pub(crate) config: Config,
     pub(crate) _boot: Arc<Bootstrap>,
     /// The network side, where a peer is on another host (shared with the engine).
@@ -179,6 +181,16 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// Bytes this rank's finished operations moved, by path.
     pub fn stats(&self) -> PathStats {
         self.shared.stats()
+    }
+
+    /// Whether setup found this process's streams sharing one work queue, where a stream's
+    /// wait holds up later work of every other stream (CUDA with `CUDA_DEVICE_MAX_CONNECTIONS=1`,
+    /// the host vendor with `FLAGCX_HOST_QUEUES=1`), checked where callers' streams may wait for
+    /// copies of this rank's proxy (IPC or staged pairs, memory-wait joins). Then an operation
+    /// the proxy copies while its caller's stream waits for it stalls, and setup logs a warning
+    /// saying so (docs/performance.md, "one hardware queue stalls the proxy").
+    pub fn streams_share_queue(&self) -> bool {
+        self.streams_share_queue
     }
 
     /// The configuration in force.

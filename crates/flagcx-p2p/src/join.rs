@@ -106,6 +106,90 @@ impl WatermarkPage {
     }
 }
 
+/// How long [`waits_hold_other_streams`] gives the second stream's memset: far more than an
+/// idle runtime needs to run 4 KiB (microseconds), short enough not to slow setup down where
+/// the queues are shared (the only case that waits it out).
+const SHARED_QUEUE_PROBE: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Whether a stream's memory wait holds up work that another stream of this process enqueues
+/// after it: true where the runtime runs all of a process's streams through one work queue
+/// (`CUDA_DEVICE_MAX_CONNECTIONS=1`; the host vendor's `FLAGCX_HOST_QUEUES=1`). There a join
+/// enqueued before the proxy's copy that completes it stalls both (docs/performance.md, "one
+/// hardware queue stalls the proxy"). Found out by doing it on two fresh streams: the first
+/// waits on a word of the watermark page (a line of its own, not the watermark), the second
+/// sets 4 KiB of device memory, and the host lets the first go once the second finished or
+/// [`SHARED_QUEUE_PROBE`] passed. Two consecutive streams land on different queues where
+/// there are several, so this sees one shared queue, not two streams that happen to share one
+/// of many.
+pub(crate) fn waits_hold_other_streams<A: DeviceAdaptor>(
+    adaptor: &A,
+    page: &WatermarkPage,
+) -> Result<bool> {
+    const OFFSET: usize = 64;
+    let Some(device) = page.device else {
+        return Ok(false);
+    };
+    let word = page.host.wrapping_add(OFFSET).cast::<u32>();
+    let a = adaptor.stream_create()?;
+    let cleanup = |b: Option<StreamHandle>, buf: Option<DevicePtr>| {
+        if let Some(b) = b {
+            let _ = adaptor.stream_synchronize(b);
+            let _ = adaptor.stream_destroy(b);
+        }
+        let _ = adaptor.stream_synchronize(a);
+        let _ = adaptor.stream_destroy(a);
+        if let Some(buf) = buf {
+            // SAFETY: both streams are idle; nothing else has the buffer.
+            let _ = unsafe { adaptor.mem_free(buf) };
+        }
+    };
+    let b = match adaptor.stream_create() {
+        Ok(b) => b,
+        Err(e) => {
+            cleanup(None, None);
+            return Err(e.into());
+        }
+    };
+    let buf = match adaptor.mem_alloc(4096) {
+        Ok(buf) => buf,
+        Err(e) => {
+            cleanup(Some(b), None);
+            return Err(e.into());
+        }
+    };
+    // SAFETY: `word` is in our mapped page (offset 64 of 4096), 4-byte aligned; it starts at 0.
+    unsafe { adaptor.host_write_value32(word, 0) };
+    let run = || -> Result<bool> {
+        // SAFETY: the page is registered (`device`) and stays so until `release`, after the
+        // host has written the word and `cleanup` synchronized the stream; the buffer is ours
+        // and 4096 bytes long.
+        unsafe {
+            adaptor.stream_wait_value32(
+                a,
+                DevicePtr(device.0 + OFFSET as u64),
+                1,
+                WaitCondition::Geq,
+            )?;
+            adaptor.memset_async(buf, 0, 4096, b)?;
+        }
+        let t0 = Instant::now();
+        loop {
+            if adaptor.stream_query(b)? {
+                return Ok(false);
+            }
+            if t0.elapsed() >= SHARED_QUEUE_PROBE {
+                return Ok(true);
+            }
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+    };
+    let held = run();
+    // SAFETY: as above.
+    unsafe { adaptor.host_write_value32(word, 1) };
+    cleanup(Some(b), Some(buf));
+    held
+}
+
 impl<A: DeviceAdaptor> Comm<A> {
     /// An event of the API side's pool (`Shared::spare_events`), or a new one.
     pub(crate) fn spare_event(&self) -> Result<EventHandle> {

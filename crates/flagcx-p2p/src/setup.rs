@@ -345,6 +345,21 @@ impl<A: DeviceAdaptor> Comm<A> {
             copiers,
         } = Pairing::choose(rank, &infos);
         let page = WatermarkPage::new(&adaptor)?;
+        let streams_share_queue = proxy_joins(&transports, config.join)
+            && crate::join::waits_hold_other_streams(&adaptor, &page).unwrap_or_else(|e| {
+                tracing::debug!("could not tell whether streams share a work queue: {e}");
+                false
+            });
+        if streams_share_queue {
+            tracing::warn!(
+                "rank {rank}: this process's streams share one work queue (CUDA: \
+                 CUDA_DEVICE_MAX_CONNECTIONS=1): a caller's stream that waits for an operation \
+                 the proxy copies holds that copy up, and both stall (until FLAGCX_TIMEOUT_MS, \
+                 if set). Messages the posting thread moves itself (outside groups, the peer \
+                 already posted) and stream-ordered ones (FLAGCX_P2P_STREAM=on, up to the eager \
+                 slot) are not affected; give the process more queues (CUDA's default of 8 ran)"
+            );
+        }
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox {
                 ops: Vec::new(),
@@ -522,6 +537,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             group_scratch: Mutex::default(),
             joined: Mutex::new(HandleMap::default()),
             page,
+            streams_share_queue,
             config,
             _boot: boot,
             net,
@@ -529,6 +545,15 @@ impl<A: DeviceAdaptor> Comm<A> {
             bounce: Default::default(),
         })
     }
+}
+
+/// Whether callers' streams may wait, with a stream memory operation, for copies this rank's
+/// proxy issues: pairs through IPC or a staging ring, and joins by memory waits.
+fn proxy_joins(transports: &[Option<TransportKind>], join: StreamJoin) -> bool {
+    matches!(join, StreamJoin::Auto | StreamJoin::MemOp)
+        && transports
+            .iter()
+            .any(|t| matches!(t, Some(TransportKind::Ipc | TransportKind::Staged)))
 }
 
 /// Whether the pair of `me` and `peer` (joined by `transport`) gets eager slots.
