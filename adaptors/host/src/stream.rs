@@ -668,7 +668,10 @@ mod tests {
     fn streams_sharing_one_queue_run_in_enqueue_order_and_a_wait_holds_the_rest() {
         assert!(copy_runs_beside_a_wait(&[]), "own workers: the copy waited");
         let one = [SharedQueue::spawn("flagcx-host-test-q".into()).expect("a queue")];
-        assert!(!copy_runs_beside_a_wait(&one), "one queue: the copy passed the wait");
+        assert!(
+            !copy_runs_beside_a_wait(&one),
+            "one queue: the copy passed the wait"
+        );
         let two = [
             SharedQueue::spawn("flagcx-host-test-q0".into()).expect("a queue"),
             SharedQueue::spawn("flagcx-host-test-q1".into()).expect("a queue"),
