@@ -1153,9 +1153,13 @@ fn fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
 /// Rank 0's first stream memory wait fails ([`failed_stream_join_fails_the_communicator`]).
 fn join_fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
     use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor};
-    let after = if me == 0 { 0 } else { usize::MAX >> 1 };
-    let a = FaultyAdaptor::new(adaptor, FaultOp::StreamWait, after);
+    let a = FaultyAdaptor::new(adaptor, FaultOp::StreamWait, usize::MAX >> 1);
     let comm = Comm::from_env(a.clone()).expect("comm");
+    // Armed once the communicator is up: setup's own stream waits (whether the streams share a
+    // work queue, `Comm::streams_share_queue`) are not the join this case fails.
+    if me == 0 {
+        a.arm(0);
+    }
     let stream = Stream::new(&a).expect("stream");
     let n = 4 << 20;
     let buf = Arc::new(DeviceBuffer::new(&a, n).expect("alloc"));
