@@ -37,6 +37,10 @@ FN(cuMemcpyDtoDAsync_v2, CUdeviceptr, CUdeviceptr, size_t, CUstream);
 FN(cuEventCreate, CUevent *, unsigned);
 FN(cuEventRecord, CUevent, CUstream);
 FN(cuEventQuery, CUevent);
+FN(cuMemsetD8_v2, CUdeviceptr, unsigned char, size_t);
+FN(cuMemcpyDtoH_v2, void *, CUdeviceptr, size_t);
+FN(cuStreamWaitEvent, CUstream, CUevent, unsigned);
+FN(cuStreamSynchronize, CUstream);
 
 #define CK(call)                                                                    \
   do {                                                                              \
@@ -94,6 +98,7 @@ int main(void) {
   LOAD(cuStreamCreateWithPriority) LOAD(cuStreamDestroy_v2) LOAD(cuMemAlloc_v2) LOAD(cuMemHostAlloc)
   LOAD(cuMemHostGetDevicePointer_v2) LOAD(cuStreamWaitValue32_v2) LOAD(cuMemcpyDtoDAsync_v2)
   LOAD(cuEventCreate) LOAD(cuEventRecord) LOAD(cuEventQuery)
+  LOAD(cuMemsetD8_v2) LOAD(cuMemcpyDtoH_v2) LOAD(cuStreamWaitEvent) LOAD(cuStreamSynchronize)
   CUdevice dev;
   CUcontext second;
   void *host;
@@ -129,5 +134,28 @@ int main(void) {
   trial("A at the greatest, B at the default priority", 0, hi, lo, primary, dst, src);
   trial("B in a second context of the device", 0, lo, lo, second, dst2, src2);
   trial("B in a second context, greatest priority", 0, lo, hi, second, dst2, src2);
+  /* Can a second context's stream copy between the primary context's allocations, after an
+   * event of a primary stream? (What moving the proxy's copies there would need.) */
+  {
+    static unsigned char out[4 << 20];
+    CUstream p, q;
+    CUevent ready;
+    CK(p_cuCtxSetCurrent(primary));
+    CK(p_cuMemsetD8_v2(src, 0x5a, 4 << 20));
+    CK(p_cuMemsetD8_v2(dst, 0, 4 << 20));
+    CK(p_cuStreamCreateWithPriority(&p, CU_STREAM_NON_BLOCKING, lo));
+    CK(p_cuEventCreate(&ready, CU_EVENT_DISABLE_TIMING));
+    CK(p_cuEventRecord(ready, p));
+    CK(p_cuCtxSetCurrent(second));
+    CK(p_cuStreamCreateWithPriority(&q, CU_STREAM_NON_BLOCKING, lo));
+    CUresult w = p_cuStreamWaitEvent(q, ready, 0);
+    CUresult c = p_cuMemcpyDtoDAsync_v2(dst, src, 4 << 20, q);
+    CUresult y = p_cuStreamSynchronize(q);
+    CK(p_cuCtxSetCurrent(primary));
+    CK(p_cuMemcpyDtoH_v2(out, dst, 4 << 20));
+    size_t bad = 0;
+    for (size_t i = 0; i < sizeof out; i++) bad += out[i] != 0x5a;
+    printf("second context copies the primary's buffers after its event: wait %d, copy %d, sync %d, %zu wrong bytes\n", w, c, y, bad);
+  }
   return 0;
 }
