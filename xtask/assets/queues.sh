@@ -25,6 +25,18 @@ try() {
     echo "FAILED (exit $rc): $(echo "$why" | cut -c1-160)"
   fi
 }
+# The same without flagcx code (benches/probes/queue_join.c): which streams a wait holds up,
+# by queue count, stream count, priority and context. A measurement: a failure to build it is
+# reported, not fatal.
+cuda_inc=$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")/../include
+if cc -O2 -I "$cuda_inc" -o "$logs/queue_join" "$here/queue_join.c" -ldl 2> "$logs/queue_join.build"; then
+  for c in 1 8; do
+    CUDA_DEVICE_MAX_CONNECTIONS=$c timeout 60 "$logs/queue_join" > "$logs/queue_join-$c.log" 2>&1
+    echo "queue_join, $c queue(s): $(grep -c ' ran ' "$logs/queue_join-$c.log") variants ran beside the wait, $(grep -c ' HELD ' "$logs/queue_join-$c.log") held; $(grep -m1 -E 'second context copies|skipped' "$logs/queue_join-$c.log" | sed 's/.*after its event: //')"
+  done
+else
+  echo "queue_join: not built ($(head -n 1 "$logs/queue_join.build"))"
+fi
 export FLAGCX_VENDOR=cuda
 # Every operation through the proxy (no posting-thread copies on the caller's stream), each
 # iteration enqueued behind the last, so streams are busy at posting and join.
