@@ -514,6 +514,22 @@ fn ipc_pairs_name_their_placement_and_measure_against_the_peer() {
     assert!(one.contains("# wrong bytes in all: 0"), "{one}");
 }
 
+/// Where the streams share one work queue (the host vendor's `FLAGCX_HOST_QUEUES=1`, as
+/// `CUDA_DEVICE_MAX_CONNECTIONS=1`), the header says operations the proxy copies stall; eager
+/// sizes (no proxy copy) still run checked. Not said with a worker per stream.
+#[test]
+fn the_header_warns_where_streams_share_one_queue() {
+    let args = [
+        "-t", "sendrecv", "-b", "8", "-e", "64", "-f", "8", "-n", "3", "-w", "1", "-c",
+    ];
+    let warning = "# warning: this process's streams share one work queue";
+    let shared = perf_env(&args, &[("FLAGCX_HOST_QUEUES", "1")]);
+    assert!(shared.contains(warning), "{shared}");
+    assert!(shared.contains("# wrong bytes in all: 0"), "{shared}");
+    let own = perf_env(&args, &[("FLAGCX_HOST_QUEUES", "0")]);
+    assert!(!own.contains(warning), "{own}");
+}
+
 /// The GPU bundle's verdict table (`xtask/assets/targets.py`) reads what flagcx-perf writes:
 /// fed real rows of a host-vendor run under the names `targets.sh` gives them, it must print a
 /// number for the targets those rows cover and "NO DATA" for the rest, not fail on a renamed

@@ -353,6 +353,13 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             Some(Err(why)) => println!("# vs NCCL: n/a: {why}"),
             None => {}
         }
+        if comm.streams_share_queue() {
+            println!(
+                "# warning: this process's streams share one work queue (CUDA: \
+                 CUDA_DEVICE_MAX_CONNECTIONS=1): operations the proxy copies stall behind their \
+                 callers' stream joins (README, \"Environment\")"
+            );
+        }
         print!(
             "# {:>12} {:>11} {:>10} {:>10} {:>7} {:>11} {:>10} {:>7} {:>7}",
             "bytes", "time_us", "algbw", "busbw", "wrong", "ceil_us", "ceil_bw", "ratio", "path"
