@@ -9,6 +9,14 @@ fn perf(args: &[&str]) -> String {
 
 /// flagcx-perf with `args` and the extra environment `env`; its output, having succeeded.
 fn perf_env(args: &[&str], env: &[(&str, &str)]) -> String {
+    let (ok, text) = perf_run(args, env);
+    assert!(ok, "flagcx-perf {args:?} failed:\n{text}");
+    text
+}
+
+/// flagcx-perf with `args` and the extra environment `env` on the host vendor: whether it
+/// succeeded, and its stdout then stderr.
+fn perf_run(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_flagcx-perf"))
         .args(args)
         .env("FLAGCX_VENDOR", "host")
@@ -21,8 +29,7 @@ fn perf_env(args: &[&str], env: &[(&str, &str)]) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(out.status.success(), "flagcx-perf {args:?} failed:\n{text}");
-    text
+    (out.status.success(), text)
 }
 
 /// Table rows: rank 0's lines that start with a size.
@@ -525,22 +532,11 @@ fn the_header_warns_where_streams_share_one_queue() {
         "-t", "sendrecv", "-b", "8", "-e", "64", "-f", "8", "-n", "3", "-w", "1", "-c",
     ];
     let warning = "# warning: this process's streams share one work queue";
-    let out = Command::new(env!("CARGO_BIN_EXE_flagcx-perf"))
-        .args(args)
-        .env("FLAGCX_VENDOR", "host")
-        .env_remove("FLAGCX_RANK")
-        .env("FLAGCX_HOST_QUEUES", "1")
-        .env("FLAGCX_TIMEOUT_MS", "2000")
-        .output()
-        .expect("run flagcx-perf");
-    let shared = format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let queue = [("FLAGCX_HOST_QUEUES", "1"), ("FLAGCX_TIMEOUT_MS", "2000")];
+    let (ok, shared) = perf_run(&args, &queue);
     assert!(shared.contains(warning), "{shared}");
     assert!(
-        out.status.success() || shared.contains("timed out"),
+        ok || shared.contains("timed out"),
         "neither finished nor timed out:\n{shared}"
     );
     let own = perf_env(&args, &[("FLAGCX_HOST_QUEUES", "0")]);
