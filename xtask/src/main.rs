@@ -419,8 +419,8 @@ fn fuzz(secs: u64) -> Result {
 ///
 /// The comparison alternates: three rounds, each running every segment of sizes (the small
 /// sizes, then each large one) by us and right after by Open MPI; each row gives both sides'
-/// medians with their ranges and the median of the rounds' ratios, in Open MPI's traffic pattern (each all-to-all waited for before
-/// the next; ping-pongs wait per round trip anyway). A small VM swings both sides by 2–3×
+/// medians with their ranges and the median of the rounds' ratios, in Open MPI's traffic
+/// pattern (each all-to-all waited for before the next; ping-pongs wait per round trip anyway). A small VM swings both sides by 2–3×
 /// between sittings (an 8 B Open MPI round trip took 0.20 µs in one and 0.70 µs a few minutes
 /// later on the 2-core machine), so only numbers taken side by side compare.
 fn bench(vs_mpi: bool) -> Result {
@@ -438,7 +438,7 @@ fn bench(vs_mpi: bool) -> Result {
     // a 1 MiB all-to-all measured mostly the first calls after a sweep's setup (184-394 us,
     // against 155-219 for a hundred), so the large sizes run one per sweep.
     let pingpong_small = [
-        "-t", "pingpong", "-b", "8", "-e", "512K", "-f", "4", "-n", "1000", "-w", "50",
+        "-t", "pingpong", "-b", "8", "-e", "524288", "-f", "4", "-n", "1000", "-w", "50",
     ];
     // Our all-to-alls are waited for one by one (`--blocking`), as `MPI_Alltoall` returns
     // with the call done: the same traffic pattern. Enqueued back to back (nccl-tests'
@@ -460,9 +460,10 @@ fn bench(vs_mpi: bool) -> Result {
         .collect();
     // All-to-all of 4 ranks (whole buffers, 4 blocks): 1 KiB .. 256 KiB, many calls (a
     // mixture-of-experts layer's token exchange is this small), then 1 MiB .. 256 MiB.
-    let alltoall_small: Vec<&str> = "-t alltoall -N 4 -b 1K -e 256K -f 4 -n 1000 -w 50 --blocking"
-        .split_whitespace()
-        .collect();
+    let alltoall_small: Vec<&str> =
+        "-t alltoall -N 4 -b 1024 -e 262144 -f 4 -n 1000 -w 50 --blocking"
+            .split_whitespace()
+            .collect();
     let alltoall_large: Vec<Vec<String>> = (0..5)
         .map(|i| 1u64 << 20 << (2 * i))
         .map(|b| {
@@ -508,25 +509,14 @@ fn bench(vs_mpi: bool) -> Result {
     // Each test's sizes in segments, each segment run by us and then at once by Open MPI's
     // program over the same sizes: the two sides of a row are measured seconds apart, not a
     // whole sweep apart (this VM's speed changes between minutes; see the doc comment).
-    let segment = |args: &[&str]| -> (String, String) {
-        let flag = |f: &str| {
+    // Every sweep gives its sizes in bytes, so they pass to Open MPI's program as they are.
+    let segment = |args: &[&str]| -> [String; 2] {
+        ["-b", "-e"].map(|f| {
             args.iter()
                 .position(|a| *a == f)
-                .map(|i| args[i + 1])
+                .map(|i| args[i + 1].to_string())
                 .unwrap_or_default()
-        };
-        let bytes = |v: &str| -> String {
-            let (num, unit) = v.split_at(v.find(|c: char| !c.is_ascii_digit()).unwrap_or(v.len()));
-            let n: u64 = num.parse().unwrap_or(0);
-            let shift = match unit {
-                "K" => 10,
-                "M" => 20,
-                "G" => 30,
-                _ => 0,
-            };
-            (n << shift).to_string()
-        };
-        (bytes(flag("-b")), bytes(flag("-e")))
+        })
     };
     type Tests<'a> = [(&'a str, Vec<&'a [&'a str]>, &'a str, &'a str); 2];
     let tests: Tests = [
@@ -561,7 +551,7 @@ fn bench(vs_mpi: bool) -> Result {
                         .arg("--json")
                         .env("FLAGCX_VENDOR", "host"),
                 )?;
-                let (lo, hi) = segment(args);
+                let [lo, hi] = segment(args);
                 let mut mpirun = Command::new("mpirun");
                 // Open MPI refuses to run as root unless told to; CI runs as root.
                 if std::env::var("USER").map(|u| u == "root").unwrap_or(true) {
