@@ -218,6 +218,7 @@ fn rank_worker() {
                 r.exchange(&others, &others, 100 + i as u64);
             }
         }
+        "late_copy" => late_copy(&r),
         "shared_queue" => {
             let expect = std::env::var("FLAGCX_TEST_EXPECT_SHARED_QUEUE").as_deref() == Ok("1");
             assert_eq!(
@@ -761,6 +762,80 @@ fn early_sends(r: &Rank) {
         }
     }
     r.finish_message_run(reqs, &buf, LEN);
+}
+
+/// Late copies (two ranks): whether the pair copies late is what the parent expects
+/// (`FLAGCX_TEST_EXPECT_LATE`); where it does, 200 sends posted while the receiver sleeps
+/// (past the 64 descriptor slots, so the sender's posts wait for the receiver's side to
+/// finish the first ones) all arrive, then 300 grouped exchanges both ways of random sizes
+/// (0 to 256 KiB, seeded, each side's own), on two streams in turn, every byte checked.
+fn late_copy(r: &Rank) {
+    let me = r.comm.rank();
+    let peer = 1 - me;
+    let expect = std::env::var("FLAGCX_TEST_EXPECT_LATE").as_deref() == Ok("1");
+    assert_eq!(r.comm.copies_late(peer), expect, "rank {me}: copies late");
+    if !expect {
+        println!("late copy: rank {me}: not taken, as expected");
+        return;
+    }
+    const N: usize = 200;
+    const LEN: usize = 24;
+    let h = r.stream.handle();
+    let buf = r.message_run(N, LEN);
+    if me == 1 {
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
+    let t0 = std::time::Instant::now();
+    let reqs: Vec<_> = (0..N)
+        .map(|i| {
+            let p = flagcx::DevicePtr(buf.ptr().0 + (i * LEN) as u64);
+            // SAFETY: message `i` lies inside `buf`, which outlives every wait below.
+            unsafe {
+                match me {
+                    0 => r.comm.send_raw(p, LEN, peer, h),
+                    _ => r.comm.recv_raw(p, LEN, peer, h),
+                }
+            }
+            .expect("post")
+        })
+        .collect();
+    if me == 0 {
+        let posting = t0.elapsed();
+        assert!(
+            posting >= std::time::Duration::from_millis(250),
+            "{N} sends posted in {posting:?} while the receiver slept 500 ms: past 64 a post \
+             must wait for the receiver's side"
+        );
+    }
+    r.finish_message_run(reqs, &buf, LEN);
+    println!("late copy: rank {me}: {N} early messages checked");
+    let other = Stream::new(&r.adaptor).expect("stream");
+    let size = |src: usize, i: u64| (splitmix((src as u64) << 32 ^ i) % (256 << 10)) as usize;
+    for i in 0..300u64 {
+        let (to, from, tag) = (size(me, i), size(peer, i), 50_000 + i);
+        if i % 2 == 0 {
+            r.exchange(&[(peer, to)], &[(peer, from)], tag);
+            continue;
+        }
+        let (src, dst) = (r.filled(peer, tag, to), r.buffer(from));
+        let oh = other.handle();
+        // SAFETY: both buffers hold their sizes and outlive the waits and the synchronize.
+        let (s, q) = r
+            .comm
+            .group(|| unsafe {
+                Ok((
+                    r.comm.send_raw(src.ptr(), to, peer, oh)?,
+                    r.comm.recv_raw(dst.ptr(), from, peer, oh)?,
+                ))
+            })
+            .expect("post on the second stream");
+        assert_eq!(s.wait().expect("send"), to);
+        assert_eq!(q.wait().expect("recv"), from);
+        other.synchronize().expect("sync");
+        r.check(&dst, peer, tag, from);
+    }
+    assert!(r.comm.stats().ipc_bytes > 0, "nothing went through IPC");
+    println!("late copy: rank {me}: 300 random exchanges checked");
 }
 
 /// Zero-byte messages through the raw API.
@@ -1884,6 +1959,47 @@ fn lower_rank_copies_both_ways() {
     job(4, &v, "random", &small_random);
     job(2, &v, "bidir", LOWER_COPIER);
     job(2, &v, "mismatch", LOWER_COPIER);
+}
+
+/// Where a process's streams share one work queue (`FLAGCX_HOST_QUEUES=1`, as
+/// `CUDA_DEVICE_MAX_CONNECTIONS=1` on CUDA) IPC pairs copy late by default: the second to post
+/// copies on its own stream, so no stream waits behind its own process's work. Rings, all
+/// pairs, random sizes, both directions, size mismatches, zero bytes, collectives, a request
+/// outliving its communicator and posts far ahead of the peer all run there (on the proxy path
+/// the same runs stall: `the_header_warns_where_streams_share_one_queue`), and with
+/// `FLAGCX_P2P_LATE_COPY=on` on private queues; by default and with `off` the pairs do not.
+#[test]
+fn late_copies_where_streams_share_one_queue() {
+    let one = [
+        ("FLAGCX_HOST_QUEUES", "1"),
+        ("FLAGCX_TEST_EXPECT_LATE", "1"),
+        ("FLAGCX_TEST_MAX", "4194304"),
+        ("FLAGCX_TIMEOUT_MS", "60000"),
+    ];
+    for (n, scenario) in [
+        (2, "late_copy"),
+        (2, "ring"),
+        (4, "pairs"),
+        (4, "random"),
+        (2, "bidir"),
+        (2, "mismatch"),
+        (3, "collectives"),
+        (2, "use_after_drop"),
+    ] {
+        job(n, "host", scenario, &one);
+    }
+    let on = [
+        ("FLAGCX_P2P_LATE_COPY", "on"),
+        ("FLAGCX_TEST_EXPECT_LATE", "1"),
+    ];
+    job(2, "host", "late_copy", &on);
+    job(2, "host", "late_copy", &[("FLAGCX_TEST_EXPECT_LATE", "0")]);
+    let off = [
+        ("FLAGCX_HOST_QUEUES", "1"),
+        ("FLAGCX_P2P_LATE_COPY", "off"),
+        ("FLAGCX_TEST_EXPECT_LATE", "0"),
+    ];
+    job(2, "host", "late_copy", &off);
 }
 
 /// Each sender pushes (the default between ranks on different devices; on one GPU `auto` picks

@@ -522,25 +522,48 @@ fn ipc_pairs_name_their_placement_and_measure_against_the_peer() {
 }
 
 /// Where the streams share one work queue (the host vendor's `FLAGCX_HOST_QUEUES=1`, as
-/// `CUDA_DEVICE_MAX_CONNECTIONS=1`), the header says operations the proxy copies stall. The
-/// run itself may stall (a late peer sends a message through the proxy), so it runs under a
-/// short operation timeout: it either finishes or fails naming the timeout, never hangs. Not
-/// said with a worker per stream.
+/// `CUDA_DEVICE_MAX_CONNECTIONS=1`), the pairs copy late by default: the header says so, and the
+/// sweep (through proxy hand-overs on the other path: `FLAGCX_P2P_IPC_CALLER=off`) finishes
+/// with every byte right. With late copies off the header warns that proxy copies stall, and
+/// the run, under a short operation timeout, either finishes or fails naming the timeout,
+/// never hangs. Neither is said with a worker per stream.
 #[test]
 fn the_header_warns_where_streams_share_one_queue() {
     let args = [
-        "-t", "sendrecv", "-b", "8", "-e", "64", "-f", "8", "-n", "3", "-w", "1", "-c",
+        "-t", "sendrecv", "-b", "8", "-e", "256K", "-f", "32", "-n", "3", "-w", "1", "-c",
     ];
     let warning = "# warning: this process's streams share one work queue";
-    let queue = [("FLAGCX_HOST_QUEUES", "1"), ("FLAGCX_TIMEOUT_MS", "2000")];
-    let (ok, shared) = perf_run(&args, &queue);
+    let note = "# note: this process's streams share one work queue";
+    let late = "late copies: the second to post copies";
+    let queue = [
+        ("FLAGCX_HOST_QUEUES", "1"),
+        ("FLAGCX_TIMEOUT_MS", "5000"),
+        ("FLAGCX_P2P_IPC_CALLER", "off"),
+    ];
+    let (ok, text) = perf_run(&args, &queue);
+    assert!(ok, "{text}");
+    assert!(text.contains(note) && text.contains(late), "{text}");
+    assert!(!text.contains(warning), "{text}");
+    assert!(text.contains("# wrong bytes in all: 0"), "{text}");
+    assert_eq!(rows(&text), 4, "{text}");
+    let off = [
+        ("FLAGCX_HOST_QUEUES", "1"),
+        ("FLAGCX_TIMEOUT_MS", "2000"),
+        ("FLAGCX_P2P_LATE_COPY", "off"),
+    ];
+    let off_args = [
+        "-t", "sendrecv", "-b", "8", "-e", "64", "-f", "8", "-n", "3", "-w", "1", "-c",
+    ];
+    let (ok, shared) = perf_run(&off_args, &off);
     assert!(shared.contains(warning), "{shared}");
+    assert!(!shared.contains(late), "{shared}");
     assert!(
         ok || shared.contains("timed out"),
         "neither finished nor timed out:\n{shared}"
     );
-    let own = perf_env(&args, &[("FLAGCX_HOST_QUEUES", "0")]);
-    assert!(!own.contains(warning), "{own}");
+    let own = perf_env(&off_args, &[("FLAGCX_HOST_QUEUES", "0")]);
+    assert!(!own.contains(warning) && !own.contains(note), "{own}");
+    assert!(!own.contains(late), "{own}");
 }
 
 /// The GPU bundle's verdict table (`xtask/assets/targets.py`) reads what flagcx-perf writes:

@@ -1436,6 +1436,39 @@ fn killed_peer_releases_a_stream_waiting_for_its_message() {
     }
 }
 
+/// Late copies (IPC pairs whose streams share one work queue, `FLAGCX_HOST_QUEUES=1`): a
+/// killed peer fails the survivor's pending operations with `PeerLost` (the words its streams
+/// wait on are written by its engine); a stopped one times out; a copy that fails to enqueue
+/// fails the copier with the vendor's error and the peer with `RemoteFailure` (the sender
+/// posts 200 ms late, so it copies).
+#[test]
+fn late_copies_fail_cleanly() {
+    if !vendor_can(|c| c.stream_mem_ops_64 && c.host_register && (c.ipc_bytes || c.ipc_fd)) {
+        let why = "late copies need IPC handles, 64-bit stream memory operations and registration";
+        flagcx_adaptor::conformance::report_skip_reason("reliability::late_copies", &vendor(), why);
+        return;
+    }
+    let late = [("FLAGCX_HOST_QUEUES", "1"), ("FLAGCX_P2P_LATE_COPY", "on")];
+    let (r0, r1) = pair("peer_killed", &late);
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&r1.status),
+        Some(libc::SIGKILL),
+        "rank 1 was supposed to die by SIGKILL:\n{}",
+        text(&r1)
+    );
+    assert_survived(&r0, "late copies: survivor of a SIGKILLed peer");
+    stalled_peer(
+        "group, late copies",
+        &[late[0], late[1], ("FLAGCX_TEST_STALL_PATH", "ipc")],
+    );
+    fault_pair_with(
+        "d2d",
+        "0",
+        false,
+        &[late[0], late[1], ("FLAGCX_TEST_SEND_DELAY_MS", "200")],
+    );
+}
+
 #[test]
 fn killed_peer_is_found_once_the_eager_slots_are_full() {
     if skip_unless_vendor() {

@@ -41,8 +41,9 @@ const DESC_BYTES: usize = 256;
 /// its first two lines, all that is read or written of one; the rest of a send descriptor
 /// carries only eager data.
 const RECV_DESC_BYTES: usize = 128;
-// A receive descriptor's taken word lies past what the sender reads, inside the descriptor.
-const _: () = assert!(RECV_DESC_BYTES + 8 <= DESC_BYTES);
+// A receive descriptor's taken word lies past what the sender reads, inside the descriptor,
+// and the late-copy words after it.
+const _: () = assert!(RECV_DESC_BYTES + 8 + 8 * LateWord::COUNT <= DESC_BYTES);
 const SEND_DESC_BYTES: usize = 128;
 /// Eager messages up to this size travel inside their descriptor, after the 16-byte head
 /// (size, status): the lines the receiver fetches follow the status word it polled, instead of
@@ -116,6 +117,37 @@ pub enum Counter {
     /// eagerly: it then hands its receive to its proxy at once (which announces it: a pushing
     /// sender waits for that) instead of waiting out its budget.
     Handshake = 512,
+    /// Late-copy pairs (`transport::late`): the last message either side claimed first, as
+    /// `(i + 1) << 1 | sender`; compare-and-swapped by both posting threads.
+    Claim = 576,
+}
+
+/// The words a late-copy message (`transport::late`) keeps in its receive descriptor, past
+/// the taken word: no eager payload ever lands there, and each use of a descriptor slot stores
+/// larger values than the one before (message `i + 64` after `i`), so streams wait with `Geq`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LateWord {
+    /// `i + 1` once the earlier side's stream reached message `i` (its buffer may be copied).
+    Ready = 0,
+    /// `(i + 1) << 8 | status` once the later side's stream copied message `i` (status: a
+    /// [`SendStatus`]; `Ok`, `SizeMismatch` or `SenderFailed`).
+    Done = 1,
+    /// The sender's byte count for message `i`, stored by the later side's posting thread
+    /// before its stream writes `Done`.
+    SendBytes = 2,
+    /// The receive buffer's byte count for message `i`, likewise.
+    RecvBytes = 3,
+    /// `i + 1` once the earlier side's stream passed its wait for `Done` (its last use of the
+    /// pair's words for message `i`). Only that stream writes it.
+    Passed = 4,
+    /// `i + 1` once the later side's stream wrote `Done` (or its posting thread settled the
+    /// message). Only that side writes it: a `Done` the other side's engine forces to release
+    /// its own stream says nothing about this side's copy.
+    Copied = 5,
+}
+
+impl LateWord {
+    const COUNT: usize = 6;
 }
 
 /// The value of a fault counter ([`Counter::SendFault`], [`Counter::RecvFault`]) whose side
@@ -289,6 +321,39 @@ impl Channel {
     /// stream-ordered take writes `i + 1` there once the message is in the receive buffer.
     pub fn recv_taken_offset(&self, i: u64) -> usize {
         desc_offset(self.geo.recv_descs(), i) + RECV_DESC_BYTES
+    }
+
+    /// Offset of late-copy word `w` of message `i` (in its receive descriptor).
+    pub fn late_offset(&self, i: u64, w: LateWord) -> usize {
+        self.recv_taken_offset(i) + 8 + 8 * w as usize
+    }
+
+    /// Late-copy word `w` of message `i`, as an atomic (streams of both ranks write some).
+    pub fn late_word(&self, i: u64, w: LateWord) -> &AtomicU64 {
+        // SAFETY: `late_offset` lies inside receive descriptor `i % 64` (asserted above), 8-byte
+        // aligned in the page-aligned mapping, which outlives `self`.
+        unsafe { &*(self.seg.as_ptr().add(self.late_offset(i, w)) as *const AtomicU64) }
+    }
+
+    /// Late-copy pairs: claims message `i` for this side (`sender`: the sending side) after it
+    /// published its descriptor. True when this side came first (its stream then waits for the
+    /// peer's copy); false when the peer's claim of `i`, or of a later message, is there (this
+    /// side then copies, with the peer's descriptor, published before that claim). Each side
+    /// claims its messages once each, in order, so a claim of `i` or later by the peer means it
+    /// posted `i` before this side did.
+    pub fn claim(&self, i: u64, sender: bool) -> bool {
+        let mine = (i + 1) << 1 | sender as u64;
+        let word = self.counter(Counter::Claim);
+        let mut seen = word.load(Ordering::Acquire);
+        loop {
+            if seen >> 1 > i {
+                return false;
+            }
+            match word.compare_exchange(seen, mine, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return true,
+                Err(now) => seen = now,
+            }
+        }
     }
 
     /// Receiver: whether the stream-ordered take of message `i` (or of a later message of

@@ -67,6 +67,12 @@ pub struct Comm<A: DeviceAdaptor> {
     pub(crate) caller: Vec<Option<CallerLink>>,
     /// Per peer whose small messages go stream-ordered (`transport::streamed`).
     pub(crate) streamed: Vec<Option<StreamLink>>,
+    /// Per IPC peer whose messages are copied late (`transport::late`): both channels'
+    /// registered heads.
+    pub(crate) late: Vec<Option<StreamLink>>,
+    /// Held while late-copy operations are numbered, claimed and enqueued, so their claims go
+    /// in number order (their posts may wait for a descriptor slot: not under the inbox lock).
+    pub(crate) late_order: Mutex<()>,
     pub(crate) shared: Arc<Shared>,
     pub(crate) proxy: Option<JoinHandle<()>>,
     /// What a waiter runs instead of sleeping where this rank's copies are CPU copies.
@@ -188,9 +194,17 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// the host vendor with `FLAGCX_HOST_QUEUES=1`), checked where callers' streams may wait for
     /// copies of this rank's proxy (IPC or staged pairs, memory-wait joins). Then an operation
     /// the proxy copies while its caller's stream waits for it stalls, and setup logs a warning
-    /// saying so (docs/performance.md, "one hardware queue stalls the proxy").
+    /// saying so (docs/performance.md, "one hardware queue stalls the proxy"), unless the
+    /// pairs copy late ([`Comm::copies_late`]), which nothing stalls.
     pub fn streams_share_queue(&self) -> bool {
         self.streams_share_queue
+    }
+
+    /// Whether messages with `peer` are copied late: by the stream of whichever rank posts
+    /// second, with no proxy copy and no join (`FLAGCX_P2P_LATE_COPY`; by default where a rank
+    /// of the pair found its streams sharing one work queue).
+    pub fn copies_late(&self, peer: usize) -> bool {
+        self.late_link(peer).is_some()
     }
 
     /// The configuration in force.
@@ -346,7 +360,8 @@ impl<A: DeviceAdaptor> Comm<A> {
         // is not in a group: eager slots, or (IPC) moving the operation itself.
         // A stream-ordered message is enqueued on the stream at submission: no start event,
         // no posting-thread path.
-        let ordered = self.streamed_link(peer, dir, bytes).is_some();
+        let ordered =
+            self.streamed_link(peer, dir, bytes).is_some() || self.late_link(peer).is_some();
         let ungrouped = lock(&self.group).is_none();
         let link = self.eager.get(peer).and_then(|l| l.as_ref());
         let eager = ungrouped && link.is_some();
@@ -577,6 +592,12 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
         lock(&self.bounce).release(&self.adaptor);
         for l in self.streamed.iter().flatten() {
             l.release(&self.adaptor);
+        }
+        // A stream may still reach a late pair's words (`Engine::release_late`): kept then.
+        if !self.shared.late_kept.load(Ordering::Acquire) {
+            for l in self.late.iter().flatten() {
+                l.release(&self.adaptor);
+            }
         }
     }
 }

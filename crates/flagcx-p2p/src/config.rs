@@ -142,6 +142,14 @@ pub struct Config {
     /// (for checking that path on one GPU: ~2 ms per message there); `off` never. Only this
     /// rank's enqueueing changes: the pair's protocol is the same.
     pub stream_kernel: HostDirect,
+    /// Late copies on IPC pairs (`FLAGCX_P2P_LATE_COPY=auto|on|off`, default auto): every
+    /// message of the pair is copied by the stream of whichever rank posts it second, behind a
+    /// wait for the first one's stream, which waits for that copy — no proxy copy and no join,
+    /// so nothing waits behind work of its own process (see `transport::late`). `auto` takes it
+    /// where either rank found its streams sharing one work queue
+    /// ([`crate::Comm::streams_share_queue`]); `on` wherever both ranks' runtimes can (64-bit
+    /// stream memory operations, host registration). Either rank's `off` wins.
+    pub late_copy: HostDirect,
     /// Most bytes of host-vendor peers' memory a rank keeps mapped (and registered with its
     /// runtime) for direct copies (`FLAGCX_P2P_HOST_MAP_MAX`, default 16 GiB). Past it, buffers
     /// not yet mapped go through the ring. Mappings last as long as the communicator (a freed
@@ -233,6 +241,7 @@ impl Default for Config {
             host_direct: HostDirect::Auto,
             streamed: HostDirect::Auto,
             stream_kernel: HostDirect::Auto,
+            late_copy: HostDirect::Auto,
             host_map_max: DEFAULT_HOST_MAP_MAX,
             host_pin_piece: DEFAULT_HOST_PIN_PIECE,
             eager_max: DEFAULT_EAGER_MAX,
@@ -372,6 +381,9 @@ impl Config {
         }
         if let Some(v) = var("FLAGCX_P2P_STREAM_KERNEL") {
             c.stream_kernel = parse_choice("FLAGCX_P2P_STREAM_KERNEL", &v, &choices, what)?;
+        }
+        if let Some(v) = var("FLAGCX_P2P_LATE_COPY") {
+            c.late_copy = parse_choice("FLAGCX_P2P_LATE_COPY", &v, &choices, what)?;
         }
         if let Some(v) = var("FLAGCX_P2P_HOST_MAP_MAX") {
             c.host_map_max = parse_size("FLAGCX_P2P_HOST_MAP_MAX", &v)?;

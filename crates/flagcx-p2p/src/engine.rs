@@ -104,6 +104,9 @@ pub(crate) struct Shared {
     /// What `helped_us` counts from.
     pub epoch: Instant,
     pub verdict: Arc<crate::guard::Verdict>,
+    /// A released late copy's stream did not pass it in time: the pair's words stay mapped
+    /// and registered for good (see `Engine::release_late`).
+    pub late_kept: AtomicBool,
 }
 
 /// The word of the communicator's watermark page that callers' streams wait on.
@@ -390,6 +393,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                 (Some(Resume::Streamed), dir, ..) => Phase::Streamed {
                     announced: dir == Dir::Send,
                 },
+                (Some(Resume::Late { second, .. }), ..) => Phase::Late { second: *second },
                 (Some(Resume::Net(_)), ..) => {
                     unreachable!("only pairs on two hosts get a UCX request (try_caller_net)")
                 }
@@ -507,6 +511,9 @@ impl<A: DeviceAdaptor> Engine<A> {
                 let r = match (step.path, dir) {
                     _ if matches!(step.phase, Phase::Streamed { .. }) => {
                         self.progress_streamed(p, &mut step)
+                    }
+                    _ if matches!(step.phase, Phase::Late { .. }) => {
+                        self.progress_late(p, &mut step.op)
                     }
                     (Path::Net, _) => self.progress_net(p, &mut step),
                     (_, Dir::Send) => self.progress_send(p, &mut step),
@@ -684,6 +691,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         }
         left.extend(std::mem::take(&mut lock(&self.shared.inbox).ops));
         // No caller's stream may wait for good on a message that will never come.
+        left.iter().for_each(|op| self.unblock_late(op));
         left.iter_mut().for_each(|op| self.release_streamed(op));
         let _ = self.adaptor.stream_synchronize(self.send_stream);
         let _ = self.adaptor.stream_synchronize(self.recv_stream);

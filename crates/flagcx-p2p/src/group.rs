@@ -82,13 +82,23 @@ impl<A: DeviceAdaptor> Comm<A> {
             if op.seq == 0 {
                 op.seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
             }
-            // A stream-ordered message is on its stream already: nothing to join.
-            if op.resume.is_some() || self.streamed_link(op.peer, op.dir, op.bytes).is_none() {
+            // A stream-ordered or late-copy message is on its stream already: nothing to join.
+            let on_stream = op.resume.is_none()
+                && (self.streamed_link(op.peer, op.dir, op.bytes).is_some()
+                    || self.late_link(op.peer).is_some());
+            if !on_stream {
                 let e = last.entry(s.0).or_insert((0, true));
                 e.0 = e.0.max(op.seq);
                 e.1 &= op.start.is_none();
             }
         }
+        // Late-copy messages are numbered here and claimed after the inbox lock (a claim may
+        // wait for the peer), under their own lock so that claims go in number order.
+        let late_order = ops
+            .iter()
+            .any(|(op, _)| op.resume.is_none() && self.late_link(op.peer).is_some())
+            .then(|| lock(&self.late_order));
+        let mut late = Vec::new();
         {
             // Behind a message a posting thread is moving itself, the pair's next ones wait
             // until it is done or handed over (well under a millisecond: its spin time).
@@ -104,6 +114,10 @@ impl<A: DeviceAdaptor> Comm<A> {
                 let d = op.dir as usize;
                 op.index = inbox.next[op.peer][d];
                 inbox.next[op.peer][d] += 1;
+                if op.resume.is_none() && self.late_link(op.peer).is_some() {
+                    late.push((op, stream));
+                    continue;
+                }
                 let link = self
                     .streamed_link(op.peer, op.dir, op.bytes)
                     .filter(|_| op.resume.is_none());
@@ -149,6 +163,15 @@ impl<A: DeviceAdaptor> Comm<A> {
                 }
             }
         }
+        if !late.is_empty() {
+            self.enqueue_late(&mut late);
+            let mut inbox = lock(&self.shared.inbox);
+            for (op, _) in late {
+                self.shared.pending[op.peer][op.dir as usize].fetch_add(1, Ordering::AcqRel);
+                inbox.ops.push(op);
+            }
+        }
+        drop(late_order);
         self.shared.posted.fetch_add(1, Ordering::Release);
         self.shared.wake_for_work();
         let between = before_join();

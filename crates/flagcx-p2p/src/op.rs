@@ -196,6 +196,10 @@ pub(crate) enum Resume {
     /// Stream-ordered (`transport::streamed`): enqueued on the caller's stream at submission,
     /// which writes a word when it is done with it (no event).
     Streamed,
+    /// Late copy (`transport::late`): claimed and enqueued at submission. `second`: this side
+    /// posted second (its stream copies, or its posting thread settled a size mismatch);
+    /// `counted`: its copy holds a count in `IpcCache::caller_copies` (cleared once returned).
+    Late { second: bool, counted: bool },
 }
 
 /// Where a posting thread handed an IPC operation to the proxy: the index of its counter in
@@ -232,7 +236,7 @@ impl Resume {
     /// The counter of a hand-over that resumes at `r`.
     pub fn handoff(r: &Option<Resume>) -> Handoff {
         match r {
-            None | Some(Resume::Streamed) => Handoff::Fresh,
+            None | Some(Resume::Streamed | Resume::Late { .. }) => Handoff::Fresh,
             Some(Resume::Pushed(_)) => Handoff::Pushed,
             Some(Resume::Pulled { .. }) => Handoff::Pulled,
             Some(Resume::Published | Resume::Net(_)) => Handoff::Published,

@@ -31,6 +31,11 @@ pub struct PeerInfo {
     pub host_direct: HostDirect,
     /// Its `FLAGCX_P2P_STREAM` setting.
     pub streamed: HostDirect,
+    /// Its `FLAGCX_P2P_LATE_COPY` setting.
+    pub late_copy: HostDirect,
+    /// Whether its streams share one work queue (see `join::waits_hold_other_streams`); set
+    /// by setup before the all-gather.
+    pub shares_queue: bool,
 }
 
 /// How many capability bits the peer information carries (`caps_bits`).
@@ -94,6 +99,8 @@ impl PeerInfo {
             ipc_copier: config.ipc_copier,
             host_direct: config.host_direct,
             streamed: config.streamed,
+            late_copy: config.late_copy,
+            shares_queue: false,
         })
     }
 
@@ -111,6 +118,8 @@ impl PeerInfo {
             .u8(self.ipc_copier.code())
             .u8(self.host_direct.code())
             .u8(self.streamed.code())
+            .u8(self.late_copy.code())
+            .u8(self.shares_queue as u8)
             .finish()
     }
 
@@ -149,6 +158,15 @@ impl PeerInfo {
         let streamed = HostDirect::from_code(code).ok_or_else(|| {
             CommError::Protocol(format!("peer info: unknown stream-order code {code}"))
         })?;
+        let code = r.u8()?;
+        let late_copy = HostDirect::from_code(code).ok_or_else(|| {
+            CommError::Protocol(format!("peer info: unknown late-copy code {code}"))
+        })?;
+        let shares_queue = match r.u8()? {
+            0 => false,
+            1 => true,
+            x => return Err(CommError::Protocol(format!("peer info: flag {x}"))),
+        };
         r.end()?;
         Ok(PeerInfo {
             rank,
@@ -162,6 +180,8 @@ impl PeerInfo {
             ipc_copier,
             host_direct,
             streamed,
+            late_copy,
+            shares_queue,
         })
     }
 
@@ -295,6 +315,8 @@ mod tests {
             ipc_copier: IpcCopier::Auto,
             host_direct: HostDirect::Auto,
             streamed: HostDirect::Auto,
+            late_copy: HostDirect::Off,
+            shares_queue: true,
         }
     }
 
@@ -319,7 +341,7 @@ mod tests {
         p.host_id = String::new();
         p.pci_bus_id = None;
         let mut b = p.encode();
-        let caps_at = b.len() - 7;
+        let caps_at = b.len() - 9;
         b[caps_at + 1] |= 0x04; // bit 10 (bit 9 is host_pin)
         assert!(PeerInfo::decode(&b).is_err());
     }

@@ -21,6 +21,7 @@ use crate::peer::{choose_transport, direct_copier, receiver_copies, PeerInfo, Tr
 use crate::shm::ShmSegment;
 use crate::transport::eager::{EagerLink, STAGED_EAGER_MAX};
 use crate::transport::ipc::{CallerLink, IpcCache};
+use crate::transport::late;
 use crate::transport::net::NetState;
 use crate::transport::streamed::{self, StreamLink};
 use crate::transport::{PeerConn, Roles};
@@ -324,7 +325,18 @@ impl<A: DeviceAdaptor> Comm<A> {
             id,
             config.bootstrap_timeout,
         )?);
-        let me = PeerInfo::local(rank, &adaptor, &config)?;
+        let mut me = PeerInfo::local(rank, &adaptor, &config)?;
+        // Checked before the all-gather, so that each pair knows whether either rank's streams
+        // share one work queue (then, by default, it copies late: `transport::late`).
+        let page = WatermarkPage::new(&adaptor)?;
+        me.shares_queue = nranks > 1
+            && matches!(config.join, StreamJoin::Auto | StreamJoin::MemOp)
+            && caps.stream_mem_ops
+            && caps.host_register
+            && crate::join::waits_hold_other_streams(&adaptor, &page).unwrap_or_else(|e| {
+                tracing::debug!("could not tell whether streams share a work queue: {e}");
+                false
+            });
         let infos = boot
             .all_gather(Tag::PeerInfo, &me.encode())?
             .iter()
@@ -344,20 +356,23 @@ impl<A: DeviceAdaptor> Comm<A> {
             roles,
             copiers,
         } = Pairing::choose(rank, &infos);
-        let page = WatermarkPage::new(&adaptor)?;
-        let streams_share_queue = proxy_joins(&transports, config.join)
-            && crate::join::waits_hold_other_streams(&adaptor, &page).unwrap_or_else(|e| {
-                tracing::debug!("could not tell whether streams share a work queue: {e}");
-                false
-            });
-        if streams_share_queue {
+        let late: Vec<bool> = (0..nranks)
+            .map(|q| q != rank && late::allowed(&infos[rank], &infos[q], transports[q]))
+            .collect();
+        // Pairs that copy late wait on nothing of their own process: only the others can stall.
+        let exposed: Vec<Option<TransportKind>> = (0..nranks)
+            .map(|q| transports[q].filter(|_| !late[q]))
+            .collect();
+        let streams_share_queue = me.shares_queue && proxy_joins(&transports, config.join);
+        if me.shares_queue && proxy_joins(&exposed, config.join) {
             tracing::warn!(
                 "rank {rank}: this process's streams share one work queue (CUDA: \
                  CUDA_DEVICE_MAX_CONNECTIONS=1): a caller's stream that waits for an operation \
                  the proxy copies holds that copy up, and both stall (until FLAGCX_TIMEOUT_MS, \
                  if set). Messages the posting thread moves itself (outside groups, the peer \
-                 already posted) and stream-ordered ones (FLAGCX_P2P_STREAM=on, up to the eager \
-                 slot) are not affected; give the process more queues (CUDA's default of 8 ran)"
+                 already posted), stream-ordered ones (FLAGCX_P2P_STREAM=on, up to the eager \
+                 slot) and IPC pairs that copy late (FLAGCX_P2P_LATE_COPY, by default here) are \
+                 not affected; give the process more queues (CUDA's default of 8 ran)"
             );
         }
         let shared = Arc::new(Shared {
@@ -392,6 +407,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             waiter_moves: Default::default(),
             epoch: std::time::Instant::now(),
             verdict: Default::default(),
+            late_kept: AtomicBool::new(false),
         });
         // Eager slots: small messages through shared host memory, copied by the CPU where a
         // rank's device memory is host addressable and by its runtime (a blocking copy on the
@@ -400,12 +416,16 @@ impl<A: DeviceAdaptor> Comm<A> {
         // Stream-ordered pairs carry their small messages in the eager slots too.
         let ordered: Vec<bool> = (0..nranks)
             .map(|q| {
-                q != rank && streamed::allowed(&infos[rank], &infos[q], transports[q], &roles[q])
+                q != rank
+                    && !late[q]
+                    && streamed::allowed(&infos[rank], &infos[q], transports[q], &roles[q])
             })
             .collect();
         let lanes: Vec<bool> = (0..nranks)
             .map(|q| {
-                q != rank && (ordered[q] || eager_lane(&infos[rank], &infos[q], transports[q]))
+                q != rank
+                    && !late[q]
+                    && (ordered[q] || eager_lane(&infos[rank], &infos[q], transports[q]))
             })
             .collect();
         let mut peers = connect_channels(&adaptor, &boot, &transports, &roles, &lanes, &config)?;
@@ -428,6 +448,23 @@ impl<A: DeviceAdaptor> Comm<A> {
                     Ok(l) => Some(l),
                     Err(e) => {
                         undo_streamed(&adaptor, &streamed, &peers);
+                        return Err(e);
+                    }
+                },
+                _ => None,
+            });
+        }
+        let mut late_links: Vec<Option<StreamLink>> = Vec::with_capacity(nranks);
+        for (q, c) in peers.iter().enumerate() {
+            late_links.push(match (c, late[q]) {
+                (Some(c), true) => match StreamLink::register(&adaptor, &c.out, &c.inc, false) {
+                    Ok(l) => Some(l),
+                    Err(e) => {
+                        undo_streamed(&adaptor, &streamed, &peers);
+                        late_links
+                            .iter()
+                            .flatten()
+                            .for_each(|l| l.release(&adaptor));
                         return Err(e);
                     }
                 },
@@ -475,7 +512,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             .iter()
             .map(|c| {
                 let c = c.as_ref()?;
-                let ipc = c.transport == TransportKind::Ipc && !ordered[c.peer];
+                let ipc = c.transport == TransportKind::Ipc && !ordered[c.peer] && !late[c.peer];
                 (config.ipc_caller && ipc).then(|| CallerLink {
                     out: c.out.clone(),
                     inc: c.inc.clone(),
@@ -528,6 +565,8 @@ impl<A: DeviceAdaptor> Comm<A> {
             eager,
             caller,
             streamed,
+            late: late_links,
+            late_order: Mutex::new(()),
             shared,
             proxy: Some(handle),
             help,

@@ -29,6 +29,7 @@ fn peer_info() -> impl Strategy<Value = PeerInfo> {
         any::<u32>(),
         any::<[bool; 13]>(),
         (any::<bool>(), 0u8..3, 0u8..3, 0u8..3),
+        (0u8..3, any::<bool>()),
     )
         .prop_map(
             |(
@@ -40,6 +41,7 @@ fn peer_info() -> impl Strategy<Value = PeerInfo> {
                 pid,
                 c,
                 (p2p_disable, copier, direct, streamed),
+                (late, shares_queue),
             )| {
                 PeerInfo {
                     rank,
@@ -67,6 +69,8 @@ fn peer_info() -> impl Strategy<Value = PeerInfo> {
                     ipc_copier: IpcCopier::from_code(copier).expect("0..3 are codes"),
                     host_direct: HostDirect::from_code(direct).expect("0..3 are codes"),
                     streamed: HostDirect::from_code(streamed).expect("0..3 are codes"),
+                    late_copy: HostDirect::from_code(late).expect("0..3 are codes"),
+                    shares_queue,
                 }
             },
         )

@@ -325,6 +325,9 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
     if me == 0 && !o.json {
         let info = comm.peer_info(next).expect("peer");
         let copier = match (comm.ipc_copier(next), comm.direct_copier(next)) {
+            _ if comm.copies_late(next) => {
+                format!(" ({place}; late copies: the second to post copies)")
+            }
             (Some(r), _) => format!(" ({place}; rank {r} copies both ways)"),
             (None, _) if kind == TransportKind::Ipc => format!(" ({place}; each sender copies)"),
             (None, Some(r)) => format!(" (direct: rank {r} copies into/out of host buffers)"),
@@ -353,12 +356,8 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             Some(Err(why)) => println!("# vs NCCL: n/a: {why}"),
             None => {}
         }
-        if comm.streams_share_queue() {
-            println!(
-                "# warning: this process's streams share one work queue (CUDA: \
-                 CUDA_DEVICE_MAX_CONNECTIONS=1): operations the proxy copies stall behind their \
-                 callers' stream joins (README, \"Environment\")"
-            );
+        if let Some(line) = ceiling::queue_note(&comm, me) {
+            println!("{line}");
         }
         print!(
             "# {:>12} {:>11} {:>10} {:>10} {:>7} {:>11} {:>10} {:>7} {:>7}",

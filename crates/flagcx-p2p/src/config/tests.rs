@@ -253,6 +253,11 @@ fn copier_and_spin_parse_strictly() {
         (HostDirect::On, HostDirect::Off)
     );
     assert_eq!(Config::default().stream_kernel, HostDirect::Auto);
+    assert_eq!(Config::default().late_copy, HostDirect::Auto);
+    let l = Config::from_lookup(lookup(&[("FLAGCX_P2P_LATE_COPY", "on")])).unwrap();
+    assert_eq!(l.late_copy, HostDirect::On);
+    let e = Config::from_lookup(lookup(&[("FLAGCX_P2P_LATE_COPY", "yes")])).unwrap_err();
+    assert!(e.to_string().contains("FLAGCX_P2P_LATE_COPY"), "{e}");
     let e = Config::from_lookup(lookup(&[("FLAGCX_P2P_STREAM_KERNEL", "sometimes")])).unwrap_err();
     assert!(e.to_string().contains("FLAGCX_P2P_STREAM_KERNEL"), "{e}");
 }

@@ -232,6 +232,10 @@ impl<A: DeviceAdaptor> Engine<A> {
     }
 
     pub(crate) fn flush_ipc_cache(&mut self) {
+        // A late copy that did not pass its release may still copy through a mapping.
+        if self.shared.late_kept.load(Ordering::Acquire) {
+            return;
+        }
         let _ = self.adaptor.stream_synchronize(self.send_stream);
         let _ = self.adaptor.stream_synchronize(self.recv_stream);
         for (_, (base, _)) in lock(&self.shared.ipc).map.drain() {

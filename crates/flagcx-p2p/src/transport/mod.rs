@@ -11,6 +11,7 @@
 //! | [`direct`] | a staged pair with a host-vendor rank: one copy straight into or out of its mapped buffer ([`hostmap`]) | — | `Engine::direct_push`/`direct_pull` |
 //! | [`eager`] | host-addressable and staged pairs: small messages through the channel's eager slots, copied by the CPU or by a blocking runtime copy via a bounce buffer | `Comm::try_eager` | `Engine::take_eager` |
 //! | [`streamed`] | pairs of CUDA or host-vendor ranks (`FLAGCX_P2P_STREAM=on`): small messages as stream operations on the callers' streams — wait for a free slot, copy in, write the status word; wait for it, sized copy out | `Comm::enqueue_streamed` (at submission) | `Engine::progress_streamed`: announces receives, publishes `send_posted` / `recv_done` behind the streams |
+//! | [`late`] | IPC pairs where a process's streams share one work queue (`FLAGCX_P2P_LATE_COPY`): each message is claimed by both posting threads; the first's stream marks its place and waits, the second's waits for that mark, copies and writes `Done` | `Comm::enqueue_late` (at submission) | `Engine::progress_late`: follows `Done`, publishes what finished |
 //! | [`net`] | pairs on different hosts: one UCX tagged message per message, staged through pinned host memory where device memory is not host addressable | — | `Engine::progress_net` |
 //!
 //! Which transport a pair uses is chosen once at setup ([`crate::peer::choose_transport`]);
@@ -20,6 +21,7 @@ pub(crate) mod direct;
 pub(crate) mod eager;
 pub(crate) mod hostmap;
 pub(crate) mod ipc;
+pub(crate) mod late;
 pub(crate) mod net;
 pub(crate) mod rendezvous;
 pub(crate) mod staged;
@@ -187,6 +189,9 @@ pub(crate) enum Phase {
     /// and writes the word that says it is done (a send's status word, a receive's taken
     /// word). A receive announces itself first.
     Streamed { announced: bool },
+    /// Late copy ([`late`]), either side: the streams carry the message; `second`: this side
+    /// posted second (its stream copies it).
+    Late { second: bool },
 }
 
 impl Phase {
@@ -210,6 +215,13 @@ impl Phase {
             Phase::Streamed { .. } => {
                 "waiting for the caller's stream to pass the stream-ordered message (the peer's \
                  side of it, or a free slot)"
+                    .into()
+            }
+            Phase::Late { second: false } => {
+                "waiting for the peer to post the message and its stream to copy it".into()
+            }
+            Phase::Late { second: true } => {
+                "waiting for the peer's stream to reach the message, then for this rank's copy"
                     .into()
             }
         }

@@ -150,7 +150,9 @@ impl<A: DeviceAdaptor> Engine<A> {
             Phase::Announce | Phase::AwaitSendDesc | Phase::AwaitOffer | Phase::Pulling { .. } => {
                 unreachable!("receive phases")
             }
-            Phase::Streamed { .. } => unreachable!("the engine hands these to `streamed`"),
+            Phase::Streamed { .. } | Phase::Late { .. } => {
+                unreachable!("the engine hands these to `streamed` and `late`")
+            }
         }
     }
 
@@ -286,7 +288,9 @@ impl<A: DeviceAdaptor> Engine<A> {
             Phase::AwaitRecvDesc | Phase::Copying(_) | Phase::Offer | Phase::AwaitVerdict => {
                 unreachable!("send phases")
             }
-            Phase::Streamed { .. } => unreachable!("the engine hands these to `streamed`"),
+            Phase::Streamed { .. } | Phase::Late { .. } => {
+                unreachable!("the engine hands these to `streamed` and `late`")
+            }
         }
     }
 }

@@ -259,6 +259,23 @@ impl StreamLink {
         Ok(())
     }
 
+    /// The channel carrying messages of `dir` (this rank's sends: `out`).
+    pub(crate) fn channel(&self, dir: Dir) -> &Channel {
+        match dir {
+            Dir::Send => &self.out,
+            Dir::Recv => &self.inc,
+        }
+    }
+
+    /// Late-copy word `w` of message `k` in direction `dir`, as this rank's streams reach it.
+    pub(crate) fn device_word(&self, dir: Dir, k: u64, w: crate::channel::LateWord) -> DevicePtr {
+        let base = match dir {
+            Dir::Send => self.out_dev,
+            Dir::Recv => self.inc_dev,
+        };
+        Self::at(base, self.channel(dir).late_offset(k, w))
+    }
+
     /// Whether a message of `bytes` in direction `dir` takes this path.
     pub(crate) fn takes(&self, dir: Dir, bytes: usize) -> bool {
         bytes
@@ -463,12 +480,14 @@ impl<A: DeviceAdaptor> Engine<A> {
         }
     }
 
-    /// Before a stream-ordered operation is failed without its peer (lost, timed out, torn
+    /// Before a stream-ordered (or late-copy) operation is failed without its peer (lost, timed out, torn
     /// down): releases the waits its stream may still be in, and lets the stream pass the
     /// operation — its copy touches the caller's buffer, which the operation may be keeping
     /// alive — for up to [`RELEASE_WAIT`]. A stream still held by earlier work of the caller's
     /// after that keeps the buffer: the operation forgets it rather than free it under a copy.
     pub(crate) fn release_streamed(&self, op: &mut Op) {
+        // Late copies' streams wait on words of the same pair's descriptors.
+        self.release_late(op);
         let conn = self.peers.get(op.peer).and_then(|c| c.as_ref());
         let (Some(Resume::Streamed), Some(conn)) = (&op.resume, conn) else {
             return;

@@ -1,0 +1,493 @@
+//! Late copies: IPC pairs whose every message is copied by the stream of the rank that posts
+//! it second, so no stream ever waits for work its own process has yet to enqueue.
+//!
+//! On the proxy path a caller's stream waits (a join) for a copy the proxy issues once the
+//! peer posts. Where a process's streams share one work queue (CUDA with
+//! `CUDA_DEVICE_MAX_CONNECTIONS=1`, the host vendor with `FLAGCX_HOST_QUEUES=1`) that copy
+//! queues behind the join and neither moves. Here each side of message `k` publishes its
+//! descriptor and claims the message ([`Channel::claim`]); the first to claim only marks its
+//! stream's place and waits, the second has both descriptors and copies:
+//!
+//! | side | posting thread | stream |
+//! |---|---|---|
+//! | first | descriptor (size, IPC handle, offset), claim | write `Ready = k + 1` … wait until `Done ≥ (k + 1) << 8`, write `Passed = k + 1` |
+//! | second | descriptor, claim, read the first's descriptor, store both byte counts | wait until `Ready ≥ k + 1` → the one copy (push or pull) → write `Done = (k + 1) << 8 \| status`, `Copied = k + 1` |
+//!
+//! Every wait is on the other process's stream, which wrote (or will write) that word ahead
+//! of any wait of its own in the same call: a call's streams take all their `Ready` writes
+//! first, then their copies, then their waits for `Done`, so two ranks' groups never wait on
+//! each other in a circle. The words live in message `k`'s receive descriptor
+//! ([`LateWord`]), registered with both runtimes; a size mismatch is settled by the second
+//! side's posting thread (it writes `Done` with the status at once, and nothing is copied).
+//!
+//! The engine only follows: a message is done on either side once the word only its own stream
+//! writes last landed (`Passed`, `Copied`); then each side's
+//! engine publishes that it finished `k` (the sender in `send_posted`, the receiver in
+//! `recv_posted`). A side posts message `k` only once both engines finished `k − 64`, so a
+//! descriptor slot, and its words, are never reused early; past 64 messages ahead of its peer
+//! in one direction, a post waits (for the peer, its loss, an abort or `FLAGCX_TIMEOUT_MS`).
+//! Where the peer is lost or the pair retired, each engine writes the one word its own stream
+//! waits on (`Done` for the first side, `Ready` for the second), so no stream hangs and no
+//! side takes the other's release for its own completion.
+//!
+//! `FLAGCX_P2P_LATE_COPY`: `auto` (the default) takes this path where a rank of the pair found
+//! its streams sharing one queue at setup; such a pair has no eager slots, stream-ordered
+//! messages or posting-thread copies (every message of it must take the same path on both
+//! sides).
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, StreamHandle, WaitCondition};
+
+use super::{export, remote_failure};
+use crate::channel::{Channel, Counter, LateWord, RecvDesc, SendDesc, SendStatus, DESC_RING};
+use crate::comm::Comm;
+use crate::config::HostDirect;
+use crate::engine::{lock, Dir, Engine, Op};
+use crate::error::{CommError, Result};
+use crate::op::Resume;
+use crate::peer::{PeerInfo, TransportKind};
+use crate::transport::streamed::StreamLink;
+use crate::transport::Progress;
+
+/// How long a release waits for this rank's stream to finish a copy it let go.
+const RELEASE_WAIT: Duration = Duration::from_millis(100);
+
+/// Whether the pair of `me` and `peer` copies late (both ranks compute the same answer from
+/// the all-gathered peer information).
+pub(crate) fn allowed(me: &PeerInfo, peer: &PeerInfo, transport: Option<TransportKind>) -> bool {
+    let able = |x: &PeerInfo| x.caps.stream_mem_ops_64 && x.caps.host_register;
+    let wanted = match (me.late_copy, peer.late_copy) {
+        (HostDirect::Off, _) | (_, HostDirect::Off) => false,
+        (HostDirect::On, _) | (_, HostDirect::On) => true,
+        _ => me.shares_queue || peer.shares_queue,
+    };
+    transport == Some(TransportKind::Ipc) && wanted && able(me) && able(peer)
+}
+
+/// The counter through which a side publishes that its engine finished a message.
+fn finished_counter(sender: bool) -> Counter {
+    match sender {
+        true => Counter::SendPosted,
+        false => Counter::RecvPosted,
+    }
+}
+
+/// The status and `k + 1` a `Done` word carries.
+fn done_word(k: u64, status: SendStatus) -> u64 {
+    (k + 1) << 8 | status.word()
+}
+
+/// What one message's side does on its stream, decided by its claim.
+enum Part {
+    /// It claimed first: write `Ready`, later wait for `Done`.
+    First,
+    /// It claimed second: wait for the first's `Ready`, copy `n` bytes, write `Done`.
+    Second {
+        src: DevicePtr,
+        dst: DevicePtr,
+        n: usize,
+    },
+    /// Settled by the posting thread (a size mismatch): nothing on the stream.
+    Settled,
+}
+
+impl<A: DeviceAdaptor> Comm<A> {
+    /// The late-copy link with `peer`, if the pair copies late.
+    pub(crate) fn late_link(&self, peer: usize) -> Option<&StreamLink> {
+        self.late.get(peer).and_then(|l| l.as_ref())
+    }
+
+    /// Claims and enqueues the late-copy operations `ops` (numbered, in number order per pair
+    /// and direction), setting each one's resume: [`Resume::Late`], or [`Resume::Failed`] where
+    /// its side could not be enqueued (then no stream waits on it). The caller holds
+    /// `Shared::late` so that claims go in number order.
+    pub(crate) fn enqueue_late(&self, ops: &mut [(Op, StreamHandle)]) {
+        let mut parts = Vec::with_capacity(ops.len());
+        for (op, _) in ops.iter_mut() {
+            match self.claim_late(op) {
+                Ok(part) => parts.push(Some(part)),
+                Err(e) => {
+                    op.resume = Some(Resume::Failed(Box::new(e)));
+                    parts.push(None);
+                }
+            }
+        }
+        let mut streams: Vec<StreamHandle> = ops.iter().map(|(_, s)| *s).collect();
+        streams.sort_unstable_by_key(|s| s.0);
+        streams.dedup();
+        for stream in streams {
+            let mine: Vec<usize> = (0..ops.len())
+                .filter(|&i| ops[i].1 == stream && parts[i].is_some())
+                .collect();
+            // SAFETY: `post` checked the buffers, which their operations keep alive until the
+            // engine saw their `Done`; the words are registered for the pair's lifetime.
+            let r = unsafe { self.enqueue_late_stream(ops, &parts, &mine, stream) };
+            if let Err(e) = r {
+                for &i in &mine {
+                    let (op, _) = &mut ops[i];
+                    self.settle_late(op, matches!(parts[i], Some(Part::Second { .. })));
+                    op.resume = Some(Resume::Failed(Box::new(e.duplicate())));
+                }
+            }
+        }
+    }
+
+    /// One operation's claim: waits for its descriptor slot, publishes its descriptor, claims
+    /// the message and, second, reads the peer's and decides the copy.
+    fn claim_late(&self, op: &mut Op) -> Result<Part> {
+        let link = self.late_link(op.peer).ok_or_else(|| {
+            CommError::Protocol(format!("no late-copy link with rank {}", op.peer))
+        })?;
+        let (sender, k, bytes) = (op.dir == Dir::Send, op.index, op.bytes);
+        let ch = link.channel(op.dir);
+        self.late_window(ch, k, sender, op.peer)?;
+        let (handle, offset) = match bytes {
+            0 => (None, 0),
+            _ => match export(&self.adaptor, op.ptr, TransportKind::Ipc)? {
+                Some((h, o)) => (Some(h), o),
+                None => (None, 0),
+            },
+        };
+        match sender {
+            true => ch.write_send_desc(
+                k,
+                &SendDesc {
+                    size: bytes as u64,
+                    status: SendStatus::Ok,
+                    handle,
+                    offset,
+                },
+            ),
+            false => ch.write_recv_desc(
+                k,
+                &RecvDesc {
+                    size: bytes as u64,
+                    handle,
+                    offset,
+                    chunks: false,
+                },
+            ),
+        }
+        if ch.claim(k, sender) {
+            op.resume = Some(Resume::Late {
+                second: false,
+                counted: false,
+            });
+            return Ok(Part::First);
+        }
+        // Second: the peer's descriptor was published before its claim, which we saw.
+        let (send, recv, theirs) = match sender {
+            true => {
+                let d = ch.read_recv_desc(k)?;
+                (bytes, d.size as usize, (d.handle, d.offset))
+            }
+            false => {
+                let d = ch.read_send_desc(k)?;
+                (d.size as usize, bytes, (d.handle, d.offset))
+            }
+        };
+        ch.late_word(k, LateWord::SendBytes)
+            .store(send as u64, Ordering::Relaxed);
+        ch.late_word(k, LateWord::RecvBytes)
+            .store(recv as u64, Ordering::Relaxed);
+        if send > recv {
+            let done = done_word(k, SendStatus::SizeMismatch);
+            ch.late_word(k, LateWord::Done)
+                .store(done, Ordering::Release);
+            ch.late_word(k, LateWord::Copied)
+                .store(k + 1, Ordering::Release);
+            op.resume = Some(Resume::Late {
+                second: true,
+                counted: false,
+            });
+            return Ok(Part::Settled);
+        }
+        let peer_buf = match send {
+            0 => DevicePtr(0),
+            _ => {
+                let mut cache = lock(&self.shared.ipc);
+                // On failure the first side learns it from `Done` (its stream passes).
+                let base = cache.open(&self.adaptor, theirs.0).inspect_err(|_| {
+                    let done = done_word(k, SendStatus::SenderFailed);
+                    ch.late_word(k, LateWord::Done)
+                        .store(done, Ordering::Release);
+                })?;
+                // Counted under the cache's lock: no mapping closes while the copy may run.
+                cache.caller_copies += 1;
+                DevicePtr(base.0 + theirs.1)
+            }
+        };
+        op.resume = Some(Resume::Late {
+            second: true,
+            counted: send > 0,
+        });
+        let (src, dst) = match sender {
+            true => (op.ptr, peer_buf),
+            false => (peer_buf, op.ptr),
+        };
+        Ok(Part::Second { src, dst, n: send })
+    }
+
+    /// Waits until descriptor slot `k` (and its words) may be written: both engines finished
+    /// message `k − 64`. Ends early, with an error, if the peer is lost, the communicator is
+    /// aborted or the operation timeout passes.
+    fn late_window(&self, ch: &Channel, k: u64, sender: bool, peer: usize) -> Result<()> {
+        let open = || {
+            ch.load(finished_counter(sender)) + DESC_RING > k
+                && ch.load(finished_counter(!sender)) + DESC_RING > k
+        };
+        let t0 = Instant::now();
+        while !open() {
+            if self.is_aborted() {
+                return Err(CommError::Aborted);
+            }
+            if self.shared.lost[peer].load(Ordering::Acquire) {
+                return Err(CommError::PeerLost {
+                    peer,
+                    reason: "the pair was retired while a late-copy post waited for its slot"
+                        .into(),
+                });
+            }
+            if let Some(t) = self.config.timeout.filter(|t| t0.elapsed() > *t) {
+                return Err(CommError::Timeout {
+                    ms: t.as_millis() as u64,
+                    peer: Some(peer),
+                    what: format!(
+                        "a post to rank {peer} waited for message {} of the pair to finish \
+                         (more than {DESC_RING} messages ahead of the peer)",
+                        k - DESC_RING
+                    ),
+                });
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        Ok(())
+    }
+
+    /// Enqueues the parts `mine` (indices into `ops`) on `stream`: every `Ready` write, then
+    /// every copy, then every wait for `Done`.
+    ///
+    /// # Safety
+    /// Each buffer is device memory of this adaptor (or, for a second side's copy, the peer's
+    /// mapped allocation), valid until its operation's `Done` lands.
+    unsafe fn enqueue_late_stream(
+        &self,
+        ops: &[(Op, StreamHandle)],
+        parts: &[Option<Part>],
+        mine: &[usize],
+        stream: StreamHandle,
+    ) -> Result<()> {
+        let a = &self.adaptor;
+        let word = |i: usize, w: LateWord| {
+            let op = &ops[i].0;
+            let link = self.late_link(op.peer).expect("claimed through it");
+            link.device_word(op.dir, op.index, w)
+        };
+        for &i in mine {
+            if let Some(Part::First) = parts[i] {
+                let k = ops[i].0.index;
+                // SAFETY: a registered word of the pair's channel.
+                unsafe { a.stream_write_value64(stream, word(i, LateWord::Ready), k + 1) }?;
+            }
+        }
+        for &i in mine {
+            if let Some(Part::Second { src, dst, n }) = parts[i] {
+                let k = ops[i].0.index;
+                // SAFETY: registered words; `src` and `dst` hold `n` bytes (the forwarded
+                // contract, and the peer's descriptor for its side, kept until `Done`).
+                unsafe {
+                    a.stream_wait_value64(
+                        stream,
+                        word(i, LateWord::Ready),
+                        k + 1,
+                        WaitCondition::Geq,
+                    )?;
+                    if n > 0 {
+                        a.memcpy_d2d_async(dst, src, n, stream)?;
+                    }
+                    a.stream_write_values64(
+                        stream,
+                        &[
+                            (word(i, LateWord::Done), done_word(k, SendStatus::Ok)),
+                            (word(i, LateWord::Copied), k + 1),
+                        ],
+                    )?;
+                }
+            }
+        }
+        for &i in mine {
+            if let Some(Part::First) = parts[i] {
+                let k = ops[i].0.index;
+                // SAFETY: registered words of the pair's channel.
+                unsafe {
+                    a.stream_wait_value64(
+                        stream,
+                        word(i, LateWord::Done),
+                        done_word(k, SendStatus::Ok),
+                        WaitCondition::Geq,
+                    )?;
+                    a.stream_write_value64(stream, word(i, LateWord::Passed), k + 1)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// After a failure to enqueue `op`'s side: writes the word its own stream may wait on, so
+    /// that it does not for good (the operation fails and retires the pair, whose peer then
+    /// writes its own). What part of it went in is left to its stream: its copy, if any, keeps
+    /// the mapping's count.
+    fn settle_late(&self, op: &Op, second: bool) {
+        if let Some(link) = self.late_link(op.peer) {
+            release_own(link.channel(op.dir), op.index, second);
+        }
+    }
+}
+
+/// Ends the one wait this side's stream makes for message `k` (each word only moves forward):
+/// the second side's for `Ready` (its copy then runs), the first side's for `Done` (as failed).
+fn release_own(ch: &Channel, k: u64, second: bool) {
+    match second {
+        true => ch
+            .late_word(k, LateWord::Ready)
+            .fetch_max(k + 1, Ordering::AcqRel),
+        false => ch
+            .late_word(k, LateWord::Done)
+            .fetch_max(done_word(k, SendStatus::SenderFailed), Ordering::AcqRel),
+    };
+}
+
+impl<A: DeviceAdaptor> Engine<A> {
+    /// One pass over a late-copy step (see the module docs).
+    pub(crate) fn progress_late(&mut self, p: usize, op: &mut Op) -> Result<Progress> {
+        let Some(Resume::Late { second, counted }) = op.resume else {
+            unreachable!("only late-copy steps")
+        };
+        let conn = self.peers[p].as_mut().expect("checked by caller");
+        let (k, sender) = (op.index, op.dir == Dir::Send);
+        let ch = match op.dir {
+            Dir::Send => &conn.out,
+            Dir::Recv => &conn.inc,
+        };
+        let word = |w: LateWord| ch.late_word(k, w).load(Ordering::Acquire);
+        // The last word this side's stream writes for the message.
+        let last = word(match second {
+            true => LateWord::Copied,
+            false => LateWord::Passed,
+        });
+        if last <= k {
+            let fault = ch.load(match sender {
+                true => Counter::RecvFault,
+                false => Counter::SendFault,
+            });
+            // Once the peer's word this side's stream waits for landed, only our stream is left.
+            let on_peer = match second {
+                true => word(LateWord::Ready) <= k,
+                false => word(LateWord::Done) >> 8 <= k,
+            };
+            if fault > k && on_peer {
+                return Err(remote_failure(p, fault));
+            }
+            return Ok(Progress::Idle { on_peer });
+        }
+        let done = word(LateWord::Done);
+        let send = word(LateWord::SendBytes) as usize;
+        let recv = word(LateWord::RecvBytes) as usize;
+        let r = match SendStatus::from_word(done & 0xFF)? {
+            SendStatus::Ok => Ok(send),
+            SendStatus::SizeMismatch => Err(CommError::SizeMismatch {
+                peer: p,
+                send_bytes: send,
+                recv_bytes: recv,
+            }),
+            // Released here because the pair is gone (its words were written for it).
+            _ if conn.lost.is_some() => Err(CommError::PeerLost {
+                peer: p,
+                reason: conn.lost.clone().unwrap_or_default(),
+            }),
+            _ => Err(CommError::RemoteFailure {
+                peer: p,
+                reason: "its side of the message could not be enqueued".into(),
+            }),
+        };
+        if counted {
+            lock(&self.shared.ipc).caller_copies -= 1;
+            op.resume = Some(Resume::Late {
+                second,
+                counted: false,
+            });
+        }
+        ch.store(finished_counter(sender), k + 1);
+        Ok(Progress::Done(r))
+    }
+
+    /// Ends the wait of `op`'s stream on the peer's word, if it is a late copy (first, for
+    /// every operation being failed at once, before [`Engine::release_late`] waits for each:
+    /// streams sharing one queue may pass one only after another's release).
+    pub(crate) fn unblock_late(&self, op: &Op) {
+        let Some(Resume::Late { second, .. }) = op.resume else {
+            return;
+        };
+        if let Some(conn) = self.peers.get(op.peer).and_then(|c| c.as_ref()) {
+            let ch = match op.dir {
+                Dir::Send => &conn.out,
+                Dir::Recv => &conn.inc,
+            };
+            release_own(ch, op.index, second);
+        }
+    }
+
+    /// Before a late-copy operation is failed without its peer (lost, timed out, torn down):
+    /// ends its stream's wait (and those of the pair's other pending operations) and lets the
+    /// stream pass the message (up to [`RELEASE_WAIT`]): its copy may use the caller's buffer
+    /// and the peer's mapping, and its last write is to the pair's words, which go with the
+    /// communicator. A stream still held by other work after that keeps all three for good.
+    pub(crate) fn release_late(&self, op: &mut Op) {
+        let Some(Resume::Late { second, counted }) = op.resume else {
+            return;
+        };
+        let Some(conn) = self.peers.get(op.peer).and_then(|c| c.as_ref()) else {
+            return;
+        };
+        // The pair is done for: every stream waiting on it is let go first, since where
+        // streams share one queue this one may pass only after another does.
+        for s in conn.sends.iter().chain(&conn.recvs) {
+            self.unblock_late(&s.op);
+        }
+        self.unblock_late(op);
+        let ch = match op.dir {
+            Dir::Send => &conn.out,
+            Dir::Recv => &conn.inc,
+        };
+        let k = op.index;
+        op.resume = Some(Resume::Late {
+            second,
+            counted: false,
+        });
+        let last = match second {
+            true => LateWord::Copied,
+            false => LateWord::Passed,
+        };
+        let t0 = Instant::now();
+        while ch.late_word(k, last).load(Ordering::Acquire) <= k {
+            if t0.elapsed() > RELEASE_WAIT {
+                tracing::warn!(
+                    peer = op.peer,
+                    "a released late copy's stream has not passed it; its buffer, the peer \
+                     mapping it copies through and the pair's words are kept for good"
+                );
+                std::mem::forget(op.keep.take());
+                // The words stay mapped (these references are never dropped) and registered.
+                std::mem::forget((conn.out.clone(), conn.inc.clone()));
+                self.shared.late_kept.store(true, Ordering::Release);
+                return;
+            }
+            std::thread::yield_now();
+        }
+        if counted {
+            lock(&self.shared.ipc).caller_copies -= 1;
+        }
+    }
+}
