@@ -87,13 +87,15 @@ fn protocol_message<T: std::fmt::Debug>(r: Result<T, CommError>) -> Result<Strin
 }
 
 /// Byte offsets of `PeerInfo::encode`'s fixed fields from the end: the capability bits, the
-/// staged flag, the copier code, the host-direct code and the stream-order code close the
-/// frame.
-const CAPS_FROM_END: usize = 8;
-const P2P_FROM_END: usize = 4;
-const COPIER_FROM_END: usize = 3;
-const DIRECT_FROM_END: usize = 2;
-const STREAMED_FROM_END: usize = 1;
+/// staged flag, the copier code, the host-direct code, the stream-order code, the late-copy
+/// code and the shared-queue flag close the frame.
+const CAPS_FROM_END: usize = 10;
+const P2P_FROM_END: usize = 6;
+const COPIER_FROM_END: usize = 5;
+const DIRECT_FROM_END: usize = 4;
+const STREAMED_FROM_END: usize = 3;
+const LATE_FROM_END: usize = 2;
+const SHARES_QUEUE_FROM_END: usize = 1;
 /// The vendor code follows the rank.
 const VENDOR_AT: usize = 4;
 
@@ -128,7 +130,7 @@ proptest! {
 
     /// A valid frame with one field made invalid is refused, with that field named.
     #[test]
-    fn peer_info_names_the_one_bad_field(info in peer_info(), field in 0usize..7, junk in any::<u8>()) {
+    fn peer_info_names_the_one_bad_field(info in peer_info(), field in 0usize..9, junk in any::<u8>()) {
         let mut b = info.encode();
         let n = b.len();
         let expected = match field {
@@ -162,6 +164,16 @@ proptest! {
                 let x = junk.max(3);
                 b[n - STREAMED_FROM_END] = x;
                 format!("peer info: unknown stream-order code {x}")
+            }
+            6 => {
+                let x = junk.max(3);
+                b[n - LATE_FROM_END] = x;
+                format!("peer info: unknown late-copy code {x}")
+            }
+            7 => {
+                let x = junk.max(2);
+                b[n - SHARES_QUEUE_FROM_END] = x;
+                format!("peer info: flag {x}")
             }
             _ => {
                 b.push(junk);
