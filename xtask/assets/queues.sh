@@ -39,10 +39,31 @@ else
 fi
 export FLAGCX_VENDOR=cuda
 # Every operation through the proxy (no posting-thread copies on the caller's stream), each
-# iteration enqueued behind the last, so streams are busy at posting and join.
+# iteration enqueued behind the last, so streams are busy at posting and join. With one queue
+# the pair copies late by default (the header says so) and must complete; with late copies off
+# it stalls (the row says FAILED, bounded by the timeout).
 for c in 8 1; do
   try "proxy, $c queue(s)" env CUDA_DEVICE_MAX_CONNECTIONS=$c FLAGCX_P2P_IPC_CALLER=off \
     "$perf" -t sendrecv --transport ipc -b 4K -e 4M -f 32 -n 50 -w 5 -c
+done
+try "1 queue, late copies off (stalls)" env CUDA_DEVICE_MAX_CONNECTIONS=1 FLAGCX_P2P_LATE_COPY=off \
+  FLAGCX_P2P_IPC_CALLER=off "$perf" -t sendrecv --transport ipc -b 4K -e 4M -f 32 -n 50 -w 5 -c
+# Everyday traffic with one queue (late copies) against the default eight (the table in
+# docs/performance.md, "Late copies"), every byte checked; the logs hold the rows.
+for c in 8 1; do
+  for t in sendrecv pingpong alltoall; do
+    try "$t, $c queue(s)" env CUDA_DEVICE_MAX_CONNECTIONS=$c \
+      "$perf" -t $t -b 8 -e 64M -f 8 -n 50 -w 5 -c
+  done
+done
+echo "µs per call at 8 B / 4 KiB / 256 KiB / 16 MiB / 64 MiB:"
+for t in sendrecv pingpong alltoall; do
+  for c in 8 1; do
+    f="$logs/$t, $c queue(s).log"
+    [ -f "$f" ] || continue
+    printf '  %-10s %s queue(s): %s\n' "$t" "$c" \
+      "$(awk '$1 ~ /^(8|4096|262144|16777216|67108864)$/ { printf "%s ", $2 }' "$f")"
+  done
 done
 # Under MPS: the lower copier, forced, with the default queues and with 32 per client.
 if command -v nvidia-cuda-mps-control >/dev/null; then
