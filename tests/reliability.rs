@@ -93,6 +93,16 @@ fn assert_survived(o: &Output, what: &str) {
     }
 }
 
+/// That `o`'s process (`who`) died by SIGKILL, as its scenario meant it to.
+fn assert_sigkilled(o: &Output, who: &str) {
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&o.status),
+        Some(libc::SIGKILL),
+        "{who} was supposed to die by SIGKILL:\n{}",
+        text(o)
+    );
+}
+
 fn is_root() -> bool {
     // SAFETY: getuid has no preconditions.
     unsafe { libc::getuid() == 0 }
@@ -1393,12 +1403,7 @@ fn killed_peer_fails_pending_and_future_ops_with_peer_lost() {
         return;
     }
     let (r0, r1) = pair("peer_killed", &[]);
-    assert_eq!(
-        std::os::unix::process::ExitStatusExt::signal(&r1.status),
-        Some(libc::SIGKILL),
-        "rank 1 was supposed to die by SIGKILL:\n{}",
-        text(&r1)
-    );
+    assert_sigkilled(&r1, "rank 1");
     assert_survived(&r0, "survivor of a SIGKILLed peer");
     let line = String::from_utf8_lossy(&r0.stdout).to_string();
     let ms: u128 = line
@@ -1424,12 +1429,7 @@ fn killed_peer_releases_a_stream_waiting_for_its_message() {
         return;
     }
     let (r0, r1) = pair("peer_killed", &[("FLAGCX_P2P_STREAM", "on")]);
-    assert_eq!(
-        std::os::unix::process::ExitStatusExt::signal(&r1.status),
-        Some(libc::SIGKILL),
-        "rank 1 was supposed to die by SIGKILL:\n{}",
-        text(&r1)
-    );
+    assert_sigkilled(&r1, "rank 1");
     assert_survived(&r0, "stream-ordered survivor of a SIGKILLed peer");
     if vendor() == "host" {
         assert!(text(&r0).contains("(stream-ordered)"), "{}", text(&r0));
@@ -1450,12 +1450,7 @@ fn late_copies_fail_cleanly() {
     }
     let late = [("FLAGCX_HOST_QUEUES", "1"), ("FLAGCX_P2P_LATE_COPY", "on")];
     let (r0, r1) = pair("peer_killed", &late);
-    assert_eq!(
-        std::os::unix::process::ExitStatusExt::signal(&r1.status),
-        Some(libc::SIGKILL),
-        "rank 1 was supposed to die by SIGKILL:\n{}",
-        text(&r1)
-    );
+    assert_sigkilled(&r1, "rank 1");
     assert_survived(&r0, "late copies: survivor of a SIGKILLed peer");
     stalled_peer(
         "group, late copies",
@@ -1475,12 +1470,7 @@ fn killed_peer_is_found_once_the_eager_slots_are_full() {
         return;
     }
     let (r0, r1) = pair("peer_killed_eager", &[]);
-    assert_eq!(
-        std::os::unix::process::ExitStatusExt::signal(&r1.status),
-        Some(libc::SIGKILL),
-        "rank 1 was supposed to die by SIGKILL:\n{}",
-        text(&r1)
-    );
+    assert_sigkilled(&r1, "rank 1");
     assert_survived(&r0, "eager sender to a SIGKILLed peer");
 }
 
