@@ -44,6 +44,9 @@ def main(d):
     for issue, t in [("#16", "sendrecv"), ("#19", "alltoall"), ("#19", "allgather"), ("#19", "broadcast")]:
         for name, how in [("nccl-", "default paths"), ("stream-", "FLAGCX_P2P_STREAM=on")]:
             verdict(issue, f"{t} busbw / NCCL's, 8 B-2 MiB, {how}", worst(name + t, "vs_nccl", high=2 * MIB), 1.0)
+    # Late copies (FLAGCX_P2P_LATE_COPY=on) over the whole range.
+    for issue, t in [("#16", "sendrecv"), ("#19", "alltoall"), ("#19", "allgather")]:
+        verdict(issue, f"{t} busbw / NCCL's, 8 B-1 GiB, FLAGCX_P2P_LATE_COPY=on", worst("late-" + t, "vs_nccl"), 1.0)
     verdict("#17", "staged CUDA<->CUDA / pinned copy, from 64 MiB", worst("staged-pingpong", "ratio", 64 * MIB), 0.85)
     verdict("#17", "CUDA<->OpenCL / slower pinned copy, from 8 MiB", worst("ocl-pingpong", "ratio", 8 * MIB), 0.85)
     verdict("#17", "CUDA<->OpenCL 8 B sendrecv, us", worst("ocl-small", "time_us", pick=max), 60.0, higher_better=False, fmt="{:.1f}")

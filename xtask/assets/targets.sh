@@ -57,6 +57,12 @@ done
 for t in sendrecv alltoall allgather broadcast; do
   run stream-$t env FLAGCX_P2P_STREAM=on FLAGCX_VENDOR=cuda "$perf" -t $t -b 8 -e 16M -f 4 -n 20 -w 5 -c --vs-nccl
 done
+# Late copies (FLAGCX_P2P_LATE_COPY=on; by default only where streams share one queue): the
+# second rank to post copies on its stream, one device copy at every size, no host thread and no
+# event on a message's path. Measured on the host vendor only so far.
+for t in sendrecv alltoall allgather; do
+  run late-$t env FLAGCX_P2P_LATE_COPY=on FLAGCX_VENDOR=cuda "$perf" -t $t -b 8 -e 1G -f 8 -n 20 -w 5 -c --vs-nccl
+done
 # #17: staged CUDA<->CUDA, and a CUDA rank next to an OpenCL rank on the other GPU.
 run staged-pingpong env FLAGCX_VENDOR=cuda "$perf" -t pingpong --transport staged -b 64M -e 1G -f 2 -n 10 -w 3 -c
 run ocl-pingpong "$perf" -t pingpong --vendors cuda,opencl -b 8M -e 1G -f 2 -n 10 -w 3 -c

@@ -102,7 +102,7 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// Claims and enqueues the late-copy operations `ops` (numbered, in number order per pair
     /// and direction), setting each one's resume: [`Resume::Late`], or [`Resume::Failed`] where
     /// its side could not be enqueued (then no stream waits on it). The caller holds
-    /// `Shared::late` so that claims go in number order.
+    /// `Comm::late_order` so that claims go in number order.
     pub(crate) fn enqueue_late(&self, ops: &mut [(Op, StreamHandle)]) {
         let mut parts = Vec::with_capacity(ops.len());
         for (op, _) in ops.iter_mut() {
