@@ -328,15 +328,11 @@ impl<A: DeviceAdaptor> Comm<A> {
         let mut me = PeerInfo::local(rank, &adaptor, &config)?;
         // Checked before the all-gather, so that each pair knows whether either rank's streams
         // share one work queue (then, by default, it copies late: `transport::late`).
-        let page = WatermarkPage::new(&adaptor)?;
         me.shares_queue = nranks > 1
             && matches!(config.join, StreamJoin::Auto | StreamJoin::MemOp)
             && caps.stream_mem_ops
             && caps.host_register
-            && crate::join::waits_hold_other_streams(&adaptor, &page).unwrap_or_else(|e| {
-                tracing::debug!("could not tell whether streams share a work queue: {e}");
-                false
-            });
+            && shares_queue(&adaptor);
         let infos = boot
             .all_gather(Tag::PeerInfo, &me.encode())?
             .iter()
@@ -356,6 +352,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             roles,
             copiers,
         } = Pairing::choose(rank, &infos);
+        let page = WatermarkPage::new(&adaptor)?;
         let late: Vec<bool> = (0..nranks)
             .map(|q| q != rank && late::allowed(&infos[rank], &infos[q], transports[q]))
             .collect();
@@ -461,10 +458,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                     Ok(l) => Some(l),
                     Err(e) => {
                         undo_streamed(&adaptor, &streamed, &peers);
-                        late_links
-                            .iter()
-                            .flatten()
-                            .for_each(|l| l.release(&adaptor));
+                        undo_links(&adaptor, &late_links);
                         return Err(e);
                     }
                 },
@@ -480,6 +474,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             .collect();
         if let Err(e) = StreamLink::connect_inboxes(&adaptor, &boot, &mut streamed, &inboxes) {
             undo_streamed(&adaptor, &streamed, &peers);
+            undo_links(&adaptor, &late_links);
             return Err(e);
         }
         let eager = peers
@@ -602,6 +597,25 @@ fn eager_lane(me: &PeerInfo, peer: &PeerInfo, transport: Option<TransportKind>) 
         Some(TransportKind::Ipc) => me.caps.host_addressable && peer.caps.host_addressable,
         _ => false,
     }
+}
+
+/// Whether this process's streams share one work queue (`join::waits_hold_other_streams`), on
+/// a watermark page of its own (setup's comes after the all-gather).
+fn shares_queue<A: DeviceAdaptor>(adaptor: &A) -> bool {
+    let probe = WatermarkPage::new(adaptor).and_then(|mut page| {
+        let r = crate::join::waits_hold_other_streams(adaptor, &page);
+        page.release(adaptor);
+        r
+    });
+    probe.unwrap_or_else(|e| {
+        tracing::debug!("could not tell whether streams share a work queue: {e}");
+        false
+    })
+}
+
+/// Releases the registrations of late-copy links made before a later setup step failed.
+fn undo_links<A: DeviceAdaptor>(adaptor: &A, links: &[Option<StreamLink>]) {
+    links.iter().flatten().for_each(|l| l.release(adaptor));
 }
 
 /// Undoes what setup registered for stream-ordered links and rings before the channels go.
