@@ -235,3 +235,81 @@ fn eager_slots_carry_messages_beside_the_ring() {
     let e = unsafe { rx.take_eager(0, &forged, got.as_mut_ptr()) }.unwrap_err();
     assert!(matches!(e, CommError::Protocol(_)), "{e}");
 }
+
+/// Late copies' claims (`Channel::claim`): two threads, each on its own mapping, claim 20 000
+/// messages in order, one ahead of the other by a random amount at times; for every message
+/// exactly one side comes first, and a side that found the peer's claim of a later message is
+/// second for every message in between.
+#[test]
+fn every_late_claim_has_exactly_one_first_side() {
+    let geo = Geometry {
+        slots: 0,
+        chunk: 0,
+        split: 0,
+        eager: 0,
+    };
+    let rx = Channel::create(geo).unwrap();
+    let seg = ShmSegment::open(rx.segment().fd().try_clone_to_owned().unwrap(), geo.len()).unwrap();
+    let tx = Channel::open(seg, geo).unwrap();
+    const N: u64 = 20_000;
+    let run = |ch: &Channel, sender: bool, seed: u64| {
+        let mut x = seed;
+        (0..N)
+            .map(|i| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                if x >> 60 == 0 {
+                    // Now and then one side runs ahead while the other pauses.
+                    std::thread::yield_now();
+                }
+                ch.claim(i, sender)
+            })
+            .collect::<Vec<bool>>()
+    };
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| run(&tx, true, 1));
+        let b = s.spawn(|| run(&rx, false, 2));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    for i in 0..N as usize {
+        assert!(a[i] ^ b[i], "message {i}: sender first {}, receiver first {}", a[i], b[i]);
+    }
+    // Both sides came first at times (the threads interleave).
+    assert!(a.iter().any(|&f| f) && b.iter().any(|&f| f));
+    // The word holds the last first claim: message N − 1's, by whichever side it was.
+    let last = (N << 1) | a[N as usize - 1] as u64;
+    assert_eq!(tx.load(Counter::Claim), last);
+}
+
+/// Late-copy words sit past the taken word in the receive descriptor, each on its own 8 bytes,
+/// and survive the descriptor's rewrite (the peer's fields and the words never overlap).
+#[test]
+fn late_words_sit_past_the_taken_word_and_survive_a_descriptor_rewrite() {
+    let ch = eager_only();
+    let words = [
+        LateWord::Ready,
+        LateWord::Done,
+        LateWord::SendBytes,
+        LateWord::RecvBytes,
+        LateWord::Passed,
+        LateWord::Copied,
+    ];
+    for i in [0u64, 5, 63, 64, 130] {
+        let offsets: Vec<usize> = words.iter().map(|&w| ch.late_offset(i, w)).collect();
+        assert_eq!(offsets[0], ch.recv_taken_offset(i) + 8);
+        assert!(offsets.windows(2).all(|w| w[1] == w[0] + 8));
+        for (n, &w) in words.iter().enumerate() {
+            ch.late_word(i, w).store(1000 + n as u64, Ordering::Relaxed);
+        }
+        let d = RecvDesc {
+            size: 1 << 40,
+            handle: None,
+            offset: 77,
+            chunks: true,
+        };
+        ch.write_recv_desc(i, &d);
+        assert_eq!(ch.read_recv_desc(i).unwrap(), d);
+        for (n, &w) in words.iter().enumerate() {
+            assert_eq!(ch.late_word(i, w).load(Ordering::Relaxed), 1000 + n as u64);
+        }
+    }
+}
