@@ -256,7 +256,9 @@ fn every_late_claim_has_exactly_one_first_side() {
         let mut x = seed;
         (0..N)
             .map(|i| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 if x >> 60 == 0 {
                     // Now and then one side runs ahead while the other pauses.
                     std::thread::yield_now();
@@ -271,7 +273,12 @@ fn every_late_claim_has_exactly_one_first_side() {
         (a.join().unwrap(), b.join().unwrap())
     });
     for i in 0..N as usize {
-        assert!(a[i] ^ b[i], "message {i}: sender first {}, receiver first {}", a[i], b[i]);
+        assert!(
+            a[i] ^ b[i],
+            "message {i}: sender first {}, receiver first {}",
+            a[i],
+            b[i]
+        );
     }
     // Both sides came first at times (the threads interleave).
     assert!(a.iter().any(|&f| f) && b.iter().any(|&f| f));
