@@ -1961,20 +1961,35 @@ fn lower_rank_copies_both_ways() {
     job(2, &v, "mismatch", LOWER_COPIER);
 }
 
-/// Where a process's streams share one work queue (`FLAGCX_HOST_QUEUES=1`, as
+/// Where a process's streams share one work queue (`FLAGCX_HOST_QUEUES=1` on the host vendor,
 /// `CUDA_DEVICE_MAX_CONNECTIONS=1` on CUDA) IPC pairs copy late by default: the second to post
 /// copies on its own stream, so no stream waits behind its own process's work. Rings, all
 /// pairs, random sizes, both directions, size mismatches, zero bytes, collectives, a request
 /// outliving its communicator and posts far ahead of the peer all run there (on the proxy path
 /// the same runs stall: `the_header_warns_where_streams_share_one_queue`), and with
 /// `FLAGCX_P2P_LATE_COPY=on` on private queues; by default and with `off` the pairs do not.
+/// Runs on `FLAGCX_P2P_TEST_VENDORS` (the GPU bundle: CUDA); skipped where the vendor cannot.
 #[test]
 fn late_copies_where_streams_share_one_queue() {
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    let unable = v.split(',').any(|x| {
+        let vendor: flagcx::Vendor = x.parse().expect("vendor name");
+        Adaptor::open(vendor, 0).is_ok_and(|a| {
+            let c = a.capabilities();
+            !(c.stream_mem_ops_64 && c.host_register && (c.ipc_bytes || c.ipc_fd))
+        })
+    });
+    if unable {
+        let why = "late copies need IPC handles, 64-bit stream memory operations and registration";
+        flagcx_adaptor::conformance::report_skip_reason("p2p::late_copies", &v, why);
+        return;
+    }
     let one = [
         ("FLAGCX_HOST_QUEUES", "1"),
+        ("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
         ("FLAGCX_TEST_EXPECT_LATE", "1"),
         ("FLAGCX_TEST_MAX", "4194304"),
-        ("FLAGCX_TIMEOUT_MS", "60000"),
+        ("FLAGCX_TIMEOUT_MS", "20000"),
     ];
     for (n, scenario) in [
         (2, "late_copy"),
@@ -1986,20 +2001,21 @@ fn late_copies_where_streams_share_one_queue() {
         (3, "collectives"),
         (2, "use_after_drop"),
     ] {
-        job(n, "host", scenario, &one);
+        job(n, &v, scenario, &one);
     }
     let on = [
         ("FLAGCX_P2P_LATE_COPY", "on"),
         ("FLAGCX_TEST_EXPECT_LATE", "1"),
     ];
-    job(2, "host", "late_copy", &on);
-    job(2, "host", "late_copy", &[("FLAGCX_TEST_EXPECT_LATE", "0")]);
+    job(2, &v, "late_copy", &on);
+    job(2, &v, "late_copy", &[("FLAGCX_TEST_EXPECT_LATE", "0")]);
     let off = [
         ("FLAGCX_HOST_QUEUES", "1"),
+        ("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
         ("FLAGCX_P2P_LATE_COPY", "off"),
         ("FLAGCX_TEST_EXPECT_LATE", "0"),
     ];
-    job(2, "host", "late_copy", &off);
+    job(2, &v, "late_copy", &off);
 }
 
 /// Each sender pushes (the default between ranks on different devices; on one GPU `auto` picks

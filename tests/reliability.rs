@@ -1448,19 +1448,29 @@ fn late_copies_fail_cleanly() {
         flagcx_adaptor::conformance::report_skip_reason("reliability::late_copies", &vendor(), why);
         return;
     }
-    let late = [("FLAGCX_HOST_QUEUES", "1"), ("FLAGCX_P2P_LATE_COPY", "on")];
+    // One work queue per process on either vendor; late copies forced in case the check differs.
+    let late = [
+        ("FLAGCX_HOST_QUEUES", "1"),
+        ("FLAGCX_P2P_LATE_COPY", "on"),
+        ("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
+    ];
     let (r0, r1) = pair("peer_killed", &late);
     assert_sigkilled(&r1, "rank 1");
     assert_survived(&r0, "late copies: survivor of a SIGKILLed peer");
     stalled_peer(
         "group, late copies",
-        &[late[0], late[1], ("FLAGCX_TEST_STALL_PATH", "ipc")],
+        &[late[0], late[1], late[2], ("FLAGCX_TEST_STALL_PATH", "ipc")],
     );
     fault_pair_with(
         "d2d",
         "0",
         false,
-        &[late[0], late[1], ("FLAGCX_TEST_SEND_DELAY_MS", "200")],
+        &[
+            late[0],
+            late[1],
+            late[2],
+            ("FLAGCX_TEST_SEND_DELAY_MS", "200"),
+        ],
     );
 }
 
