@@ -83,6 +83,8 @@ pub(crate) struct Job {
     op: Op,
     progress: Arc<Progress>,
     stop: Arc<AtomicBool>,
+    /// A shared queue's count of jobs sent and not yet run (`None` for a stream's own worker).
+    queued: Option<Arc<Mutex<u64>>>,
 }
 
 /// The worker's next op, `None` once every sender of its queue is gone. With spinning enabled
@@ -110,8 +112,8 @@ pub(crate) struct HostStream {
     shutdown: Arc<AtomicBool>,
     /// The stream's own worker (`None` once joined, or on a shared queue).
     worker: Mutex<Option<JoinHandle<()>>>,
-    /// Its ops run on a [`SharedQueue`].
-    shared: bool,
+    /// Its ops run on a [`SharedQueue`], whose count of queued jobs this is.
+    shared: Option<Arc<Mutex<u64>>>,
 }
 
 /// Environment variable: how many work queues this process's streams of one host device share
@@ -125,6 +127,9 @@ pub const QUEUES_ENV: &str = "FLAGCX_HOST_QUEUES";
 /// One worker thread running, in order, the ops of every stream placed on it.
 pub(crate) struct SharedQueue {
     tx: Sender<Job>,
+    /// Jobs sent to the worker and not yet run: while it is 0, a push may run a cheap op inline
+    /// under this lock, as on a stream of its own (nothing of any stream is ahead of it).
+    queued: Arc<Mutex<u64>>,
 }
 
 impl SharedQueue {
@@ -146,7 +151,10 @@ impl SharedQueue {
         std::thread::Builder::new()
             .name(name)
             .spawn(move || work(rx))?;
-        Ok(SharedQueue { tx })
+        Ok(SharedQueue {
+            tx,
+            queued: Arc::default(),
+        })
     }
 }
 
@@ -155,8 +163,17 @@ fn work(rx: Receiver<Job>) {
     // Keep back-off naps short (default timer slack is 50 µs).
     // SAFETY: prctl on the calling thread with plain integer arguments.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
-    while let Some(Job { op, progress, stop }) = next_op(&rx) {
+    while let Some(Job {
+        op,
+        progress,
+        stop,
+        queued,
+    }) = next_op(&rx)
+    {
         let fault = run(op, &stop);
+        if let Some(q) = queued {
+            *q.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+        }
         let mut st = progress.state.lock().unwrap_or_else(|e| e.into_inner());
         st.completed += 1;
         progress.outstanding.fetch_sub(1, Ordering::Release);
@@ -179,7 +196,7 @@ impl HostStream {
             progress: Arc::default(),
             shutdown: Arc::default(),
             worker: Mutex::new(Some(worker)),
-            shared: false,
+            shared: None,
         })
     }
 
@@ -201,7 +218,7 @@ impl HostStream {
             progress: Arc::default(),
             shutdown: Arc::default(),
             worker: Mutex::new(None),
-            shared: true,
+            shared: Some(queue.queued.clone()),
         }
     }
 
@@ -221,15 +238,26 @@ impl HostStream {
             .state
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        // On a shared queue the stream being idle says nothing about the ops ahead in the queue.
-        if st.completed == st.submitted && inline_ok(&op, inline_max()) && !self.shared {
-            // Runs under the progress lock: the worker is idle (its queue is empty) and will
-            // not look at this op.
+        // On a shared queue the stream being idle says nothing about the ops ahead in the
+        // queue: the queue must be empty too, and stays so while its lock is held.
+        let queued = self
+            .shared
+            .as_ref()
+            .map(|q| q.lock().unwrap_or_else(|e| e.into_inner()));
+        let queue_idle = queued.as_ref().map_or(true, |n| **n == 0);
+        if st.completed == st.submitted && queue_idle && inline_ok(&op, inline_max()) {
+            // Runs under the progress lock (and the queue's): the worker is idle (its queue is
+            // empty) and will not look at this op.
             let fault = run(op, &self.shutdown);
             if st.fault.is_none() {
                 st.fault = fault;
             }
             return true;
+        }
+        // Counted before the job is sent (the worker counts it down once run).
+        let mut queued = queued;
+        if let Some(n) = queued.as_mut() {
+            **n += 1;
         }
         st.submitted += 1;
         self.progress.outstanding.fetch_add(1, Ordering::Relaxed);
@@ -238,8 +266,14 @@ impl HostStream {
             op,
             progress: self.progress.clone(),
             stop: self.shutdown.clone(),
+            queued: self.shared.clone(),
         };
-        if tx.send(job).is_err() {
+        let sent = tx.send(job);
+        if let (Some(n), true) = (queued.as_mut(), sent.is_err()) {
+            **n -= 1;
+        }
+        drop(queued);
+        if sent.is_err() {
             let mut st = self
                 .progress
                 .state
@@ -289,7 +323,7 @@ impl HostStream {
                 let _ = h.join();
             }
             Some(_) => {}
-            None if self.shared => {
+            None if self.shared.is_some() => {
                 self.synchronize();
             }
             None => {}
