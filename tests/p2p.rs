@@ -219,6 +219,7 @@ fn rank_worker() {
             }
         }
         "late_copy" => late_copy(&r),
+        "late_window_timeout" => late_window_timeout(&r),
         "shared_queue" => {
             let expect = std::env::var("FLAGCX_TEST_EXPECT_SHARED_QUEUE").as_deref() == Ok("1");
             assert_eq!(
@@ -836,6 +837,57 @@ fn late_copy(r: &Rank) {
     }
     assert!(r.comm.stats().ipc_bytes > 0, "nothing went through IPC");
     println!("late copy: rank {me}: 300 random exchanges checked");
+}
+
+/// A late-copy post more than 64 messages ahead of a peer that does not post ends with
+/// `FLAGCX_TIMEOUT_MS` (300 ms here) instead of waiting for good: rank 0 posts 80 sends while
+/// rank 1 sleeps 1.5 s; every one of rank 0's requests fails (the 65th with the timeout, the
+/// rest with it or the retired pair), and rank 1's receives, posted late, fail too.
+fn late_window_timeout(r: &Rank) {
+    const N: usize = 80;
+    const LEN: usize = 24;
+    let me = r.comm.rank();
+    let peer = 1 - me;
+    assert!(r.comm.copies_late(peer), "rank {me}: the pair copies late");
+    let h = r.stream.handle();
+    let buf = r.message_run(N, LEN);
+    if me == 1 {
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+    }
+    let t0 = std::time::Instant::now();
+    let reqs: Vec<_> = (0..N)
+        .map(|i| {
+            let p = flagcx::DevicePtr(buf.ptr().0 + (i * LEN) as u64);
+            // SAFETY: message `i` lies inside `buf`, which outlives every wait below.
+            unsafe {
+                match me {
+                    0 => r.comm.send_raw(p, LEN, peer, h),
+                    _ => r.comm.recv_raw(p, LEN, peer, h),
+                }
+            }
+        })
+        .collect();
+    let posting = t0.elapsed();
+    let mut timeouts = 0;
+    for (i, q) in reqs.into_iter().enumerate() {
+        let out = q.and_then(|q| q.wait_timeout(std::time::Duration::from_secs(10)));
+        match out {
+            Err(CommError::Timeout { .. }) => timeouts += 1,
+            Err(CommError::PeerLost { .. } | CommError::RemoteFailure { .. }) => {}
+            other => panic!("rank {me}: message {i}: expected a failure, got {other:?}"),
+        }
+    }
+    if me == 0 {
+        assert!(timeouts > 0, "no operation named the timeout");
+        assert!(
+            posting < std::time::Duration::from_secs(5),
+            "posting took {posting:?}: the window's wait did not end with the timeout"
+        );
+    }
+    r.stream
+        .synchronize()
+        .expect("the stream passed every released message");
+    println!("late window: rank {me}: {N} posts failed ({timeouts} timeouts) in {posting:?}");
 }
 
 /// Zero-byte messages through the raw API.
@@ -2016,6 +2068,13 @@ fn late_copies_where_streams_share_one_queue() {
         ("FLAGCX_TEST_EXPECT_LATE", "0"),
     ];
     job(2, &v, "late_copy", &off);
+    let short = [
+        ("FLAGCX_HOST_QUEUES", "1"),
+        ("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
+        ("FLAGCX_P2P_LATE_COPY", "on"),
+        ("FLAGCX_TIMEOUT_MS", "300"),
+    ];
+    job(2, &v, "late_window_timeout", &short);
 }
 
 /// Each sender pushes (the default between ranks on different devices; on one GPU `auto` picks

@@ -143,6 +143,15 @@ impl<A: DeviceAdaptor> Comm<A> {
         let (sender, k, bytes) = (op.dir == Dir::Send, op.index, op.bytes);
         let ch = link.channel(op.dir);
         self.late_window(ch, k, sender, op.peer)?;
+        // A peer that retired the pair (or failed this message) may be gone with its
+        // allocations: its descriptor is not to be opened.
+        let fault = ch.load(match sender {
+            true => Counter::RecvFault,
+            false => Counter::SendFault,
+        });
+        if fault > k {
+            return Err(remote_failure(op.peer, fault));
+        }
         let (handle, offset) = match bytes {
             0 => (None, 0),
             _ => match export(&self.adaptor, op.ptr, TransportKind::Ipc)? {
