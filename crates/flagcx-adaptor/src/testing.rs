@@ -34,6 +34,9 @@ pub enum FaultOp {
     /// `stream_wait_value32/64`: a stream memory wait fails to enqueue (how callers' streams
     /// join operations on vendors that have them).
     StreamWait,
+    /// `ipc_open_handle`, failing as CUDA's does where this process maps the memory already
+    /// (`CUDA_ERROR_ALREADY_MAPPED`: a peer reused memory of an allocation it freed).
+    IpcOpenMapped,
 }
 
 impl std::str::FromStr for FaultOp {
@@ -47,11 +50,12 @@ impl std::str::FromStr for FaultOp {
             "event_query" => Ok(FaultOp::EventQuery),
             "stream_write" => Ok(FaultOp::StreamWrite),
             "stream_wait" => Ok(FaultOp::StreamWait),
+            "ipc_open_mapped" => Ok(FaultOp::IpcOpenMapped),
             _ => Err(AdaptorError::invalid(
                 "FaultOp",
                 format!(
-                    "{s:?}: expected h2d, d2h, d2d, register, event_query, stream_write or \
-                     stream_wait"
+                    "{s:?}: expected h2d, d2h, d2d, register, event_query, stream_write, \
+                     stream_wait or ipc_open_mapped"
                 ),
             )),
         }
@@ -112,7 +116,11 @@ impl<A: DeviceAdaptor> FaultyAdaptor<A> {
                 vendor: self.inner.vendor(),
                 op: name,
                 code: INJECTED_CODE,
-                name: "INJECTED_FAULT".into(),
+                name: match op {
+                    FaultOp::IpcOpenMapped => "CUDA_ERROR_ALREADY_MAPPED",
+                    _ => "INJECTED_FAULT",
+                }
+                .into(),
             });
         }
         Ok(())
@@ -274,6 +282,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         self.inner.ipc_get_handle(ptr)
     }
     fn ipc_open_handle(&self, handle: &IpcMemHandle) -> Result<DevicePtr> {
+        self.check(FaultOp::IpcOpenMapped, "ipc_open_handle")?;
         self.inner.ipc_open_handle(handle)
     }
     fn ipc_export_fd(&self, ptr: DevicePtr) -> Result<IpcFdHandle> {

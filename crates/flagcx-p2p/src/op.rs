@@ -198,8 +198,12 @@ pub(crate) enum Resume {
     Streamed,
     /// Late copy (`transport::late`): claimed and enqueued at submission. `second`: this side
     /// posted second (its stream copies, or its posting thread settled a size mismatch);
-    /// `counted`: its copy holds a count in `IpcCache::caller_copies` (cleared once returned).
-    Late { second: bool, counted: bool },
+    /// `mapping`: the peer's allocation its copy goes through, counted busy in the IPC cache
+    /// (`IpcCache::open_busy`) until the copy is done (taken once returned).
+    Late {
+        second: bool,
+        mapping: Option<Box<flagcx_adaptor::IpcMemHandle>>,
+    },
 }
 
 /// Where a posting thread handed an IPC operation to the proxy: the index of its counter in

@@ -42,6 +42,18 @@ pub(crate) struct IpcCache {
     pub opens: u64,
     /// Mappings closed while running (trimming past the bound), for [`crate::Comm::stats`].
     pub closes: u64,
+    /// Late copies (`transport::late`) in flight through each mapping: those are never closed
+    /// when a stale mapping must go (see [`IpcCache::open_busy`]).
+    busy: HashMap<[u8; IpcMemHandle::WIRE_LEN], u32>,
+}
+
+/// Whether `e` is the runtime refusing to map memory this process has mapped already (CUDA's
+/// `CUDA_ERROR_ALREADY_MAPPED`, HIP's `hipErrorAlreadyMapped`): a peer freed an allocation we
+/// keep mapped and reused its memory for the one behind the new handle.
+fn already_mapped(e: &CommError) -> bool {
+    matches!(e, CommError::Adaptor(flagcx_adaptor::AdaptorError::Vendor { name, .. })
+        if name.to_ascii_lowercase().contains("already_mapped")
+            || name.to_ascii_lowercase().contains("alreadymapped"))
 }
 
 impl IpcCache {
@@ -69,6 +81,57 @@ impl IpcCache {
         self.opens += 1;
         self.map.insert(key, (b, self.uses));
         Ok(b)
+    }
+
+    /// [`IpcCache::open`] for a late copy, counted busy until [`IpcCache::done_busy`]. Where the
+    /// runtime says the memory is mapped already and `all_tracked` (every copy through this
+    /// cache is a counted late copy), the mappings no copy is using are closed — the stale one
+    /// among them belonged to an allocation the peer freed, which it could only do once our
+    /// copies through it were done — and the open is tried once more.
+    pub fn open_busy<A: DeviceAdaptor>(
+        &mut self,
+        adaptor: &A,
+        handle: Option<IpcMemHandle>,
+        all_tracked: bool,
+    ) -> Result<DevicePtr> {
+        let b = match self.open(adaptor, handle) {
+            Err(e) if all_tracked && already_mapped(&e) => {
+                let idle: Vec<_> = self
+                    .map
+                    .keys()
+                    .filter(|k| self.busy.get(*k).map_or(true, |n| *n == 0))
+                    .copied()
+                    .collect();
+                tracing::debug!(n = idle.len(), "{e}: closing the idle IPC mappings, once");
+                for key in idle {
+                    if let Some((base, _)) = self.map.remove(&key) {
+                        // SAFETY: no late copy uses it (`busy`), and every copy through this
+                        // cache is one (`all_tracked`).
+                        let _ = unsafe { adaptor.ipc_close(base) };
+                        self.closes += 1;
+                    }
+                }
+                self.open(adaptor, handle)?
+            }
+            r => r?,
+        };
+        if let Some(h) = handle {
+            *self.busy.entry(h.to_wire()).or_default() += 1;
+        }
+        self.caller_copies += 1;
+        Ok(b)
+    }
+
+    /// Ends a late copy counted by [`IpcCache::open_busy`] through `handle`'s mapping.
+    pub fn done_busy(&mut self, handle: &IpcMemHandle) {
+        let key = handle.to_wire();
+        if let Some(n) = self.busy.get_mut(&key) {
+            *n -= 1;
+            if *n == 0 {
+                self.busy.remove(&key);
+            }
+        }
+        self.caller_copies -= 1;
     }
 }
 
@@ -619,6 +682,50 @@ mod tests {
         let budget = Duration::from_millis(20);
         assert_eq!(poll_for(spin, || budget, || None::<()>), None);
         assert!(t0.elapsed() >= budget, "gave up early: {:?}", t0.elapsed());
+    }
+
+    /// A late copy's open that the runtime refuses as mapped already closes the mappings no
+    /// copy is using and succeeds on its second try; a busy mapping stays; where not every copy
+    /// is counted (`all_tracked` false) nothing is closed and the error is the caller's.
+    #[test]
+    fn an_already_mapped_open_closes_the_idle_mappings_once() {
+        use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor};
+        let host = flagcx_host::HostAdaptor::open(0).expect("host adaptor");
+        let a = FaultyAdaptor::new(host, FaultOp::IpcOpenMapped, usize::MAX >> 2);
+        let handle = |n: usize| {
+            let p = a.mem_alloc(n).expect("alloc");
+            Some(a.ipc_get_handle(p).expect("handle"))
+        };
+        let (h1, h2, h3, h4) = (handle(64), handle(128), handle(256), handle(512));
+        let mut c = IpcCache::default();
+        c.open_busy(&a, h1, true).expect("first open");
+        c.done_busy(&h1.unwrap());
+        c.open_busy(&a, h2, true).expect("second open");
+        assert_eq!((c.map.len(), c.caller_copies), (2, 1));
+        // h1 idle, h2 busy: the refused open of h3 closes h1 only, then maps h3.
+        a.arm(0);
+        c.open_busy(&a, h3, true)
+            .expect("open after closing the idle mappings");
+        assert!(a.fired());
+        assert_eq!(c.closes, 1);
+        assert!(
+            c.map.contains_key(&h2.unwrap().to_wire()),
+            "the busy mapping stays"
+        );
+        assert!(
+            !c.map.contains_key(&h1.unwrap().to_wire()),
+            "the idle one went"
+        );
+        assert_eq!(c.caller_copies, 2);
+        // Not every copy counted: the refusal is returned, nothing closed.
+        a.arm(0);
+        let e = c.open_busy(&a, h4, false).unwrap_err();
+        assert!(already_mapped(&e), "{e}");
+        assert_eq!((c.closes, c.map.len()), (1, 2));
+        c.done_busy(&h2.unwrap());
+        c.done_busy(&h3.unwrap());
+        assert_eq!(c.caller_copies, 0);
+        assert!(c.busy.is_empty());
     }
 
     #[test]

@@ -99,6 +99,13 @@ impl<A: DeviceAdaptor> Comm<A> {
         self.late.get(peer).and_then(|l| l.as_ref())
     }
 
+    /// Whether every IPC pair of this rank copies late, so every copy through the IPC cache is
+    /// a counted late copy (see `IpcCache::open_busy`).
+    fn ipc_only_late(&self) -> bool {
+        (0..self.nranks)
+            .all(|q| self.transports[q] != Some(TransportKind::Ipc) || self.late_link(q).is_some())
+    }
+
     /// Claims and enqueues the late-copy operations `ops` (numbered, in number order per pair
     /// and direction), setting each one's resume: [`Resume::Late`], or [`Resume::Failed`] where
     /// its side could not be enqueued (then no stream waits on it). The caller holds
@@ -182,7 +189,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         if ch.claim(k, sender) {
             op.resume = Some(Resume::Late {
                 second: false,
-                counted: false,
+                mapping: None,
             });
             return Ok(Part::First);
         }
@@ -209,28 +216,28 @@ impl<A: DeviceAdaptor> Comm<A> {
                 .store(k + 1, Ordering::Release);
             op.resume = Some(Resume::Late {
                 second: true,
-                counted: false,
+                mapping: None,
             });
             return Ok(Part::Settled);
         }
         let peer_buf = match send {
             0 => DevicePtr(0),
             _ => {
-                let mut cache = lock(&self.shared.ipc);
-                // On failure the first side learns it from `Done` (its stream passes).
-                let base = cache.open(&self.adaptor, theirs.0).inspect_err(|_| {
+                // Counted busy under the cache's lock: no mapping closes while the copy may
+                // run. On failure the first side learns it from `Done` (its stream passes).
+                let all_late = self.ipc_only_late();
+                let opened = lock(&self.shared.ipc).open_busy(&self.adaptor, theirs.0, all_late);
+                let base = opened.inspect_err(|_| {
                     let done = done_word(k, SendStatus::SenderFailed);
                     ch.late_word(k, LateWord::Done)
                         .store(done, Ordering::Release);
                 })?;
-                // Counted under the cache's lock: no mapping closes while the copy may run.
-                cache.caller_copies += 1;
                 DevicePtr(base.0 + theirs.1)
             }
         };
         op.resume = Some(Resume::Late {
             second: true,
-            counted: send > 0,
+            mapping: theirs.0.filter(|_| send > 0).map(Box::new),
         });
         let (src, dst) = match sender {
             true => (op.ptr, peer_buf),
@@ -371,7 +378,7 @@ fn release_own(ch: &Channel, k: u64, second: bool) {
 impl<A: DeviceAdaptor> Engine<A> {
     /// One pass over a late-copy step (see the module docs).
     pub(crate) fn progress_late(&mut self, p: usize, op: &mut Op) -> Result<Progress> {
-        let Some(Resume::Late { second, counted }) = op.resume else {
+        let Some(Resume::Late { second, .. }) = op.resume else {
             unreachable!("only late-copy steps")
         };
         let conn = self.peers[p].as_mut().expect("checked by caller");
@@ -421,12 +428,10 @@ impl<A: DeviceAdaptor> Engine<A> {
                 reason: "its side of the message could not be enqueued".into(),
             }),
         };
-        if counted {
-            lock(&self.shared.ipc).caller_copies -= 1;
-            op.resume = Some(Resume::Late {
-                second,
-                counted: false,
-            });
+        if let Some(Resume::Late { mapping, .. }) = op.resume.as_mut() {
+            if let Some(h) = mapping.take() {
+                lock(&self.shared.ipc).done_busy(&h);
+            }
         }
         ch.store(finished_counter(sender), k + 1);
         Ok(Progress::Done(r))
@@ -454,7 +459,7 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// and the peer's mapping, and its last write is to the pair's words, which go with the
     /// communicator. A stream still held by other work after that keeps all three for good.
     pub(crate) fn release_late(&self, op: &mut Op) {
-        let Some(Resume::Late { second, counted }) = op.resume else {
+        let Some(Resume::Late { second, .. }) = op.resume else {
             return;
         };
         let Some(conn) = self.peers.get(op.peer).and_then(|c| c.as_ref()) else {
@@ -471,10 +476,10 @@ impl<A: DeviceAdaptor> Engine<A> {
             Dir::Recv => &conn.inc,
         };
         let k = op.index;
-        op.resume = Some(Resume::Late {
-            second,
-            counted: false,
-        });
+        let mapping = match op.resume.as_mut() {
+            Some(Resume::Late { mapping, .. }) => mapping.take(),
+            _ => None,
+        };
         let last = match second {
             true => LateWord::Copied,
             false => LateWord::Passed,
@@ -495,8 +500,8 @@ impl<A: DeviceAdaptor> Engine<A> {
             }
             std::thread::yield_now();
         }
-        if counted {
-            lock(&self.shared.ipc).caller_copies -= 1;
+        if let Some(h) = mapping {
+            lock(&self.shared.ipc).done_busy(&h);
         }
     }
 }
