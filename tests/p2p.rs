@@ -201,6 +201,9 @@ fn rank_worker() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(64 << 20);
+    if let Ok(v) = std::env::var("FLAGCX_TEST_EXPECT_POSTS_WAIT") {
+        assert_eq!(r.comm.posts_wait(), v == "1", "rank {me}: posts wait");
+    }
     match scenario.as_str() {
         "collectives" => collectives(&r, big),
         "ring" => {
@@ -2075,6 +2078,66 @@ fn late_copies_where_streams_share_one_queue() {
         ("FLAGCX_TIMEOUT_MS", "300"),
     ];
     job(2, &v, "late_window_timeout", &short);
+}
+
+/// Where this process's streams share one work queue, pairs that do not copy late (staged
+/// pairs; IPC pairs with late copies off, through the proxy) wait in their posts for what the
+/// proxy copies, where a stream join would stall it: every exchange finishes, every byte
+/// checked, groups, collectives and mismatched sizes included (a receive nobody sends, as in
+/// `use_after_drop`, waits in its post there until the peer is lost or the timeout).
+/// Vendors whose streams cannot wait on memory never join by a wait: they run the same jobs
+/// without waiting posts.
+#[test]
+fn posts_wait_where_streams_share_one_queue() {
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    let waits = v.split(',').all(|x| {
+        let vendor: flagcx::Vendor = x.parse().expect("vendor name");
+        Adaptor::open(vendor, 0).is_ok_and(|a| {
+            let c = a.capabilities();
+            c.stream_mem_ops && c.host_register
+        })
+    });
+    let expect = if waits { "1" } else { "0" };
+    let staged = [
+        ("FLAGCX_HOST_QUEUES", "1"),
+        ("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
+        ("FLAGCX_P2P_DISABLE", "1"),
+        ("FLAGCX_TEST_EXPECT_POSTS_WAIT", expect),
+        ("FLAGCX_TEST_MAX", "4194304"),
+        ("FLAGCX_TIMEOUT_MS", "20000"),
+    ];
+    for (n, scenario) in [
+        (2, "ring"),
+        (4, "pairs"),
+        (4, "random"),
+        (2, "bidir"),
+        (2, "mismatch"),
+        (3, "collectives"),
+    ] {
+        job(n, &v, scenario, &staged);
+    }
+    let ipc_off = [
+        ("FLAGCX_HOST_QUEUES", "1"),
+        ("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
+        ("FLAGCX_P2P_LATE_COPY", "off"),
+        ("FLAGCX_P2P_IPC_CALLER", "off"),
+        ("FLAGCX_TEST_EXPECT_POSTS_WAIT", expect),
+        ("FLAGCX_TEST_MAX", "4194304"),
+        ("FLAGCX_TIMEOUT_MS", "20000"),
+    ];
+    job(2, &v, "ring", &ipc_off);
+    job(4, &v, "random", &ipc_off);
+    // Late copies, the default with one queue where every pair is IPC: no post waits.
+    job(
+        2,
+        &v,
+        "ring",
+        &[
+            ("FLAGCX_HOST_QUEUES", "1"),
+            ("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
+            ("FLAGCX_TEST_EXPECT_POSTS_WAIT", "0"),
+        ],
+    );
 }
 
 /// Each sender pushes (the default between ranks on different devices; on one GPU `auto` picks

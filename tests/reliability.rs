@@ -320,6 +320,9 @@ fn reliability_worker() {
     match scenario.as_str() {
         "peer_killed" | "early_close" => {
             let comm = Comm::from_env(adaptor.clone()).expect("comm");
+            if let Ok(v) = std::env::var("FLAGCX_TEST_EXPECT_POSTS_WAIT") {
+                assert_eq!(comm.posts_wait(), v == "1", "rank {me}: posts wait");
+            }
             let stream = Stream::new(&adaptor).expect("stream");
             rendezvous(&comm, peer, &stream);
             if me == 1 {
@@ -1471,6 +1474,35 @@ fn late_copies_fail_cleanly() {
             late[2],
             ("FLAGCX_TEST_SEND_DELAY_MS", "200"),
         ],
+    );
+}
+
+/// Where posts wait for what the proxy copies (one work queue per process, staged pairs:
+/// `Comm::posts_wait`), a SIGKILLed peer ends the waiting post and fails its operations with
+/// `PeerLost`, and a stopped one ends it with `Timeout`: the post returns, nothing hangs.
+#[test]
+fn waiting_posts_fail_cleanly() {
+    if skip_unless_vendor() {
+        return;
+    }
+    // Vendors without stream memory waits on registered memory never join streams by a wait,
+    // so their posts do not wait: the same failures still end cleanly.
+    let waits = vendor_can(|c| c.stream_mem_ops && c.host_register);
+    let one = [
+        ("FLAGCX_HOST_QUEUES", "1"),
+        ("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
+        ("FLAGCX_P2P_DISABLE", "1"),
+        (
+            "FLAGCX_TEST_EXPECT_POSTS_WAIT",
+            if waits { "1" } else { "0" },
+        ),
+    ];
+    let (r0, r1) = pair("peer_killed", &one);
+    assert_sigkilled(&r1, "rank 1");
+    assert_survived(&r0, "posts that wait: survivor of a SIGKILLed peer");
+    stalled_peer(
+        "group, staged, posts that wait",
+        &[one[0], one[1], one[2], ("FLAGCX_TEST_STALL_PATH", "staged")],
     );
 }
 

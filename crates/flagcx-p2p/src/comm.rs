@@ -92,6 +92,8 @@ pub struct Comm<A: DeviceAdaptor> {
     pub(crate) page: WatermarkPage,
     /// See [`Comm::streams_share_queue`].
     pub(crate) streams_share_queue: bool,
+    /// See [`Comm::posts_wait`].
+    pub(crate) posts_wait: bool,
     pub(crate) config: Config,
     pub(crate) _boot: Arc<Bootstrap>,
     /// The network side, where a peer is on another host (shared with the engine).
@@ -192,12 +194,28 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// Whether setup found this process's streams sharing one work queue, where a stream's
     /// wait holds up later work of every other stream (CUDA with `CUDA_DEVICE_MAX_CONNECTIONS=1`,
     /// the host vendor with `FLAGCX_HOST_QUEUES=1`), checked where callers' streams may wait for
-    /// copies of this rank's proxy (IPC or staged pairs, memory-wait joins). Then an operation
-    /// the proxy copies while its caller's stream waits for it stalls, and setup logs a warning
-    /// saying so (docs/performance.md, "one hardware queue stalls the proxy"), unless the
-    /// pairs copy late ([`Comm::copies_late`]), which nothing stalls.
+    /// copies of this rank's proxy (IPC or staged pairs, memory-wait joins). There an
+    /// operation the proxy copies while its caller's stream waits for it would stall
+    /// (docs/performance.md, "one hardware queue stalls the proxy"): IPC pairs copy late
+    /// ([`Comm::copies_late`]), which nothing stalls, and the other pairs' posts wait for
+    /// their operations ([`Comm::posts_wait`]).
     pub fn streams_share_queue(&self) -> bool {
         self.streams_share_queue
+    }
+
+    /// Whether a call that posts operations the proxy copies for returns only once they
+    /// finished, as a blocking MPI call does, instead of making the caller's stream wait for
+    /// them: where this process's streams share one work queue
+    /// ([`Comm::streams_share_queue`]) and some pair does not copy late (staged and direct
+    /// pairs, IPC pairs with `FLAGCX_P2P_LATE_COPY=off`), since that stream's wait would hold
+    /// the proxy's copy up behind it in the queue. Such a wait ends as [`crate::Request::wait`]
+    /// does: the operation's result (taken later by its request), the peer's loss,
+    /// `FLAGCX_TIMEOUT_MS` or an abort. Operations that copy late, stream-ordered ones and
+    /// those a posting thread moves itself are enqueued and return as everywhere else. Sends
+    /// and receives that depend on each other across ranks belong in one group then (as with
+    /// NCCL, whose kernels would block the one queue the same way).
+    pub fn posts_wait(&self) -> bool {
+        self.posts_wait
     }
 
     /// Whether messages with `peer` are copied late: by the stream of whichever rank posts

@@ -78,6 +78,8 @@ impl<A: DeviceAdaptor> Comm<A> {
         // Per stream: the last operation to join, and whether none waits for a start event
         // there (then a closed gate may be held for longer, see `join_stream`).
         let mut last: BTreeMap<u64, (u64, bool)> = BTreeMap::new();
+        // Where posts wait (`Comm::posts_wait`), the operations to wait for instead.
+        let mut settle = Vec::new();
         for (op, s) in &mut ops {
             if op.seq == 0 {
                 op.seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
@@ -86,7 +88,9 @@ impl<A: DeviceAdaptor> Comm<A> {
             let on_stream = op.resume.is_none()
                 && (self.streamed_link(op.peer, op.dir, op.bytes).is_some()
                     || self.late_link(op.peer).is_some());
-            if !on_stream {
+            if !on_stream && self.posts_wait {
+                settle.push(op.slot.clone());
+            } else if !on_stream {
                 let e = last.entry(s.0).or_insert((0, true));
                 e.0 = e.0.max(op.seq);
                 e.1 &= op.start.is_none();
@@ -177,6 +181,14 @@ impl<A: DeviceAdaptor> Comm<A> {
         let between = before_join();
         for (stream, (seq, extend)) in last {
             self.join_stream(StreamHandle(stream), seq, extend)?;
+        }
+        // Their results stay in the slots for the requests; a slot settled by a verdict
+        // (abort, stall guard) leaves the rest to their requests too.
+        let spin = self.config.spin.unwrap_or_default();
+        for slot in settle {
+            if !slot.settle(None, spin) || !slot.is_done() {
+                break;
+            }
         }
         between
     }

@@ -90,13 +90,26 @@ impl Slot {
         self.is_done() || self.verdict.as_ref().is_some_and(|v| v.given())
     }
 
-    /// Waits for the result, up to `timeout` if given, spinning for up to `spin` first.
+    /// Waits for the result, up to `timeout` if given, spinning for up to `spin` first; takes
+    /// it (`None`: the timeout passed).
     pub fn wait(&self, timeout: Option<Duration>, spin: Duration) -> Option<Result<usize>> {
+        if !self.settle(timeout, spin) {
+            return None;
+        }
+        if let Some(r) = lock(&self.result).take() {
+            return Some(r);
+        }
+        self.verdict.as_ref().and_then(|v| v.get()).map(Err)
+    }
+
+    /// Waits until the result is in or a verdict was given, up to `timeout` if given,
+    /// spinning for up to `spin` first, without taking the result (a posting thread waits so
+    /// for the operations it hands over where they must finish before its call returns:
+    /// `Comm::posts_wait`); whether it settled.
+    pub fn settle(&self, timeout: Option<Duration>, spin: Duration) -> bool {
         if self.is_done() {
             // Finished already (an eager operation of a group): no clock, no spin.
-            if let Some(r) = lock(&self.result).take() {
-                return Some(r);
-            }
+            return true;
         }
         let t0 = Instant::now();
         let spin = timeout.map_or(spin, |t| spin.min(t));
@@ -127,17 +140,17 @@ impl Slot {
         }
         let mut g = lock(&self.result);
         loop {
-            if let Some(r) = g.take() {
-                return Some(r);
-            }
-            if let Some(e) = self.verdict.as_ref().and_then(|v| v.get()) {
-                return Some(Err(e));
+            if g.is_some() || self.verdict.as_ref().is_some_and(|v| v.given()) {
+                return true;
             }
             // Sleeps in short turns where a verdict may come: its giver does not know this
             // slot, and the engine that does may be blocked.
             let turn = self.verdict.as_ref().map(|_| VERDICT_POLL);
             let left = match deadline {
-                Some(d) => Some(d.checked_duration_since(Instant::now())?),
+                Some(d) => match d.checked_duration_since(Instant::now()) {
+                    Some(left) => Some(left),
+                    None => return false,
+                },
                 None => None,
             };
             g = match left.into_iter().chain(turn).min() {

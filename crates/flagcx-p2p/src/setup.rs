@@ -361,15 +361,19 @@ impl<A: DeviceAdaptor> Comm<A> {
             .map(|q| transports[q].filter(|_| !late[q]))
             .collect();
         let streams_share_queue = me.shares_queue && proxy_joins(&transports, config.join);
-        if me.shares_queue && proxy_joins(&exposed, config.join) {
+        // Where the pairs that do not copy late join streams to their proxy's copies, those
+        // copies would queue behind the joins: their posts wait for them instead.
+        let posts_wait = me.shares_queue && proxy_joins(&exposed, config.join);
+        if posts_wait {
             tracing::warn!(
                 "rank {rank}: this process's streams share one work queue (CUDA: \
-                 CUDA_DEVICE_MAX_CONNECTIONS=1): a caller's stream that waits for an operation \
-                 the proxy copies holds that copy up, and both stall (until FLAGCX_TIMEOUT_MS, \
-                 if set). Messages the posting thread moves itself (outside groups, the peer \
-                 already posted), stream-ordered ones (FLAGCX_P2P_STREAM=on, up to the eager \
-                 slot) and IPC pairs that copy late (FLAGCX_P2P_LATE_COPY, by default here) are \
-                 not affected; give the process more queues (CUDA's default of 8 ran)"
+                 CUDA_DEVICE_MAX_CONNECTIONS=1), where a caller's stream waiting for a copy of \
+                 the proxy would hold that copy up: operations of pairs the proxy copies for \
+                 (staged, direct, IPC with FLAGCX_P2P_LATE_COPY=off) finish before the call \
+                 that posts them returns, as blocking MPI calls do, so sends and receives that \
+                 depend on each other across ranks belong in one group. IPC pairs that copy \
+                 late (by default here) and stream-ordered messages are not affected; more \
+                 queues (CUDA's default of 8) keep every post enqueue-and-return"
             );
         }
         let shared = Arc::new(Shared {
@@ -572,6 +576,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             joined: Mutex::new(HandleMap::default()),
             page,
             streams_share_queue,
+            posts_wait,
             config,
             _boot: boot,
             net,

@@ -28,23 +28,21 @@ fn two_devices(comm: &Comm<Adaptor>, a: usize, b: usize) -> bool {
     matches!((comm.peer_info(a), comm.peer_info(b)), (Some(x), Some(y)) if !x.shares_device(y))
 }
 
-/// The header's line where this process's streams share one work queue: a note where every
-/// pair copies late (nothing stalls), else a warning that proxy copies stall.
-pub(crate) fn queue_note(comm: &Comm<Adaptor>, me: usize) -> Option<&'static str> {
-    let all_late = (0..comm.nranks())
-        .filter(|&q| q != me)
-        .all(|q| comm.copies_late(q));
-    match (comm.streams_share_queue(), all_late) {
+/// The header's line where this process's streams share one work queue: that every pair
+/// copies late (nothing waits), or that posts of the other pairs' operations wait for them
+/// (`Comm::posts_wait`), which the times below include.
+pub(crate) fn queue_note(comm: &Comm<Adaptor>) -> Option<&'static str> {
+    match (comm.streams_share_queue(), comm.posts_wait()) {
         (false, _) => None,
-        (true, true) => Some(
+        (true, false) => Some(
             "# note: this process's streams share one work queue (CUDA: \
              CUDA_DEVICE_MAX_CONNECTIONS=1); every pair copies late, which no stream of this \
              process waits behind (README, \"Environment\")",
         ),
-        (true, false) => Some(
-            "# warning: this process's streams share one work queue (CUDA: \
-             CUDA_DEVICE_MAX_CONNECTIONS=1): operations the proxy copies stall behind their \
-             callers' stream joins (README, \"Environment\")",
+        (true, true) => Some(
+            "# note: this process's streams share one work queue (CUDA: \
+             CUDA_DEVICE_MAX_CONNECTIONS=1); posts of operations the proxy copies return once \
+             those finished, pairs that copy late enqueue and return (README, \"Environment\")",
         ),
     }
 }

@@ -356,7 +356,7 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             Some(Err(why)) => println!("# vs NCCL: n/a: {why}"),
             None => {}
         }
-        if let Some(line) = ceiling::queue_note(&comm, me) {
+        if let Some(line) = ceiling::queue_note(&comm) {
             println!("{line}");
         }
         print!(
