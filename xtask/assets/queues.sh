@@ -41,13 +41,22 @@ export FLAGCX_VENDOR=cuda
 # Every operation through the proxy (no posting-thread copies on the caller's stream), each
 # iteration enqueued behind the last, so streams are busy at posting and join. With one queue
 # the pair copies late by default (the header says so) and must complete; with late copies off
-# it stalls (the row says FAILED, bounded by the timeout).
+# (and for staged and CUDA+host pairs, which cannot copy late) the posts wait for what the
+# proxy copies instead of a stream join, and must complete too (before `Comm::posts_wait` they stalled).
 for c in 8 1; do
   try "proxy, $c queue(s)" env CUDA_DEVICE_MAX_CONNECTIONS=$c FLAGCX_P2P_IPC_CALLER=off \
     "$perf" -t sendrecv --transport ipc -b 4K -e 4M -f 32 -n 50 -w 5 -c
 done
-try "1 queue, late copies off (stalls)" env CUDA_DEVICE_MAX_CONNECTIONS=1 FLAGCX_P2P_LATE_COPY=off \
+try "1 queue, late off (posts wait)" env CUDA_DEVICE_MAX_CONNECTIONS=1 FLAGCX_P2P_LATE_COPY=off \
   FLAGCX_P2P_IPC_CALLER=off "$perf" -t sendrecv --transport ipc -b 4K -e 4M -f 32 -n 50 -w 5 -c
+for c in 8 1; do
+  for t in sendrecv pingpong; do
+    try "staged $t, $c queue(s)" env CUDA_DEVICE_MAX_CONNECTIONS=$c FLAGCX_P2P_DISABLE=1 \
+      "$perf" -t $t -b 8 -e 64M -f 8 -n 30 -w 5 -c
+    try "cuda+host $t, $c queue(s)" env CUDA_DEVICE_MAX_CONNECTIONS=$c \
+      "$perf" -t $t --vendors cuda,host -b 8 -e 64M -f 8 -n 30 -w 5 -c
+  done
+done
 # Everyday traffic with one queue (late copies) against the default eight (the table in
 # docs/performance.md, "Late copies"), every byte checked; the logs hold the rows.
 for c in 8 1; do
@@ -56,8 +65,8 @@ for c in 8 1; do
       "$perf" -t $t -b 8 -e 64M -f 8 -n 50 -w 5 -c
   done
 done
-echo "µs per call at 8 B / 4 KiB / 256 KiB / 16 MiB / 64 MiB:"
-for t in sendrecv pingpong alltoall; do
+echo "µs per call at 8 B / 4 KiB / 256 KiB / 16 MiB:"
+for t in sendrecv pingpong alltoall "staged sendrecv" "staged pingpong" "cuda+host sendrecv" "cuda+host pingpong"; do
   for c in 8 1; do
     f="$logs/$t, $c queue(s).log"
     [ -f "$f" ] || continue
