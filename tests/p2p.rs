@@ -2127,6 +2127,23 @@ fn posts_wait_where_streams_share_one_queue() {
     ];
     job(2, &v, "ring", &ipc_off);
     job(4, &v, "random", &ipc_off);
+    // The direct path (forced between host ranks, as `direct_path_between_host_ranks` does):
+    // the lower rank's proxy copies both ways through the mapped buffers.
+    if v == "host" {
+        let direct = [
+            ("FLAGCX_HOST_QUEUES", "1"),
+            ("FLAGCX_P2P_DISABLE", "1"),
+            ("FLAGCX_P2P_HOST_DIRECT", "on"),
+            ("FLAGCX_TIMEOUT_MS", "20000"),
+            ("FLAGCX_TEST_EXPECT_POSTS_WAIT", "1"),
+            ("FLAGCX_TEST_MAX", "8388608"),
+        ];
+        let mut reuse = direct.to_vec();
+        reuse.push(("FLAGCX_TEST_EXPECT_DIRECT", "1"));
+        job(2, "host", "reuse", &reuse);
+        job(2, "host", "bidir", &direct);
+        job(4, "host", "random", &direct);
+    }
     // Late copies, the default with one queue where every pair is IPC: no post waits.
     job(
         2,
