@@ -143,6 +143,10 @@ int main(void) {
     CK(p_cuCtxSetCurrent(primary));
     CK(p_cuMemsetD8_v2(src, 0x5a, 4 << 20));
     CK(p_cuMemsetD8_v2(dst, 0, 4 << 20));
+    /* The memsets run on the legacy stream, which the non-blocking stream below does not wait
+     * for: without this the copy could read `src` before it was set (4 MiB "wrong" on one H200
+     * with 8 queues, 2026-12-05). */
+    CK(p_cuCtxSynchronize());
     CK(p_cuStreamCreateWithPriority(&p, CU_STREAM_NON_BLOCKING, lo));
     CK(p_cuEventCreate(&ready, CU_EVENT_DISABLE_TIMING));
     CK(p_cuEventRecord(ready, p));
