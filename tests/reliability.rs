@@ -618,13 +618,17 @@ fn reliability_worker() {
             }
             let buf = Arc::new(DeviceBuffer::new(&adaptor, 1 << 20).expect("alloc"));
             let t = Instant::now();
-            let r = comm.recv(&buf, peer, &stream).expect("post");
+            // The watchdog starts before the post: where posts wait for their operations
+            // (`Comm::posts_wait`), the abort is what ends this one.
             if scenario == "abort" {
                 let c = comm.clone();
                 std::thread::spawn(move || {
                     std::thread::sleep(Duration::from_millis(200));
                     c.abort();
                 });
+            }
+            let r = comm.recv(&buf, peer, &stream).expect("post");
+            if scenario == "abort" {
                 match r.wait_timeout(Duration::from_secs(10)) {
                     Err(CommError::Aborted) => {}
                     other => panic!("expected Aborted, got {other:?}"),
@@ -1479,7 +1483,8 @@ fn late_copies_fail_cleanly() {
 
 /// Where posts wait for what the proxy copies (one work queue per process, staged pairs:
 /// `Comm::posts_wait`), a SIGKILLed peer ends the waiting post and fails its operations with
-/// `PeerLost`, and a stopped one ends it with `Timeout`: the post returns, nothing hangs.
+/// `PeerLost`, a stopped one and a receive nobody sends end it with `Timeout`, and another
+/// thread's abort ends it with `Aborted`: the post returns, nothing hangs.
 #[test]
 fn waiting_posts_fail_cleanly() {
     if skip_unless_vendor() {
@@ -1500,6 +1505,16 @@ fn waiting_posts_fail_cleanly() {
     let (r0, r1) = pair("peer_killed", &one);
     assert_sigkilled(&r1, "rank 1");
     assert_survived(&r0, "posts that wait: survivor of a SIGKILLed peer");
+    // A receive nobody sends: another thread's abort ends the waiting post, and the peer's
+    // waiting post ends with the abort's news; an operation timeout ends it where none aborts.
+    let (r0, r1) = pair("abort", &one);
+    assert_survived(&r0, "posts that wait: abort");
+    assert_survived(&r1, "posts that wait: the aborted rank's peer");
+    let mut timeout = one.to_vec();
+    timeout.push(("FLAGCX_TIMEOUT_MS", "300"));
+    let (r0, r1) = pair("timeout", &timeout);
+    assert_survived(&r0, "posts that wait: timeout");
+    assert!(r1.status.success(), "{}", text(&r1));
     stalled_peer(
         "group, staged, posts that wait",
         &[one[0], one[1], one[2], ("FLAGCX_TEST_STALL_PATH", "staged")],
