@@ -2016,12 +2016,23 @@ fn lower_rank_copies_both_ways() {
     job(2, &v, "mismatch", LOWER_COPIER);
 }
 
+/// The jobs every one-work-queue setting runs (ranks, scenario): rings, all pairs, random sizes,
+/// both directions at once, mismatched sizes and every collective.
+const ONE_QUEUE_JOBS: [(usize, &str); 6] = [
+    (2, "ring"),
+    (4, "pairs"),
+    (4, "random"),
+    (2, "bidir"),
+    (2, "mismatch"),
+    (3, "collectives"),
+];
+
 /// Where a process's streams share one work queue (`FLAGCX_HOST_QUEUES=1` on the host vendor,
 /// `CUDA_DEVICE_MAX_CONNECTIONS=1` on CUDA) IPC pairs copy late by default: the second to post
 /// copies on its own stream, so no stream waits behind its own process's work. Rings, all
 /// pairs, random sizes, both directions, size mismatches, zero bytes, collectives, a request
-/// outliving its communicator and posts far ahead of the peer all run there (on the proxy path
-/// the same runs stall: `the_header_warns_where_streams_share_one_queue`), and with
+/// outliving its communicator and posts far ahead of the peer all run there (with late copies off
+/// the posts wait instead: `posts_wait_where_streams_share_one_queue`), and with
 /// `FLAGCX_P2P_LATE_COPY=on` on private queues; by default and with `off` the pairs do not.
 /// Runs on `FLAGCX_P2P_TEST_VENDORS` (the GPU bundle: CUDA); skipped where the vendor cannot.
 #[test]
@@ -2046,16 +2057,8 @@ fn late_copies_where_streams_share_one_queue() {
         ("FLAGCX_TEST_MAX", "4194304"),
         ("FLAGCX_TIMEOUT_MS", "20000"),
     ];
-    for (n, scenario) in [
-        (2, "late_copy"),
-        (2, "ring"),
-        (4, "pairs"),
-        (4, "random"),
-        (2, "bidir"),
-        (2, "mismatch"),
-        (3, "collectives"),
-        (2, "use_after_drop"),
-    ] {
+    let late_only = [(2, "late_copy"), (2, "use_after_drop")];
+    for &(n, scenario) in ONE_QUEUE_JOBS.iter().chain(&late_only) {
         job(n, &v, scenario, &one);
     }
     let on = [
@@ -2106,14 +2109,7 @@ fn posts_wait_where_streams_share_one_queue() {
         ("FLAGCX_TEST_MAX", "4194304"),
         ("FLAGCX_TIMEOUT_MS", "20000"),
     ];
-    for (n, scenario) in [
-        (2, "ring"),
-        (4, "pairs"),
-        (4, "random"),
-        (2, "bidir"),
-        (2, "mismatch"),
-        (3, "collectives"),
-    ] {
+    for (n, scenario) in ONE_QUEUE_JOBS {
         job(n, &v, scenario, &staged);
     }
     let ipc_off = [
