@@ -132,12 +132,14 @@ unsafe fn copy_on(pool: Option<&rayon::ThreadPool>, dst: u64, src: u64, n: usize
 }
 
 /// Sets the size from which host-vendor copies use streaming stores: a byte count (`512K`,
-/// `16M`, `1G` suffixes allowed; `0`: every copy) or `off`. Unset: 64 KiB below 8 cores, else
-/// half the last-level cache (16 MiB where the machine does not report it).
+/// `16M`, `1G` suffixes allowed; `0`: every copy) or `off`. Unset: below 8 cores 64 KiB, or a
+/// thirty-second of the last-level cache where it holds 64 MiB or more; else half the
+/// last-level cache (16 MiB where the machine does not report it).
 pub const STREAMING_MIN_ENV: &str = "FLAGCX_HOST_COPY_NT_MIN";
 
 /// Copies of at least this many bytes (between disjoint ranges) use streaming stores:
-/// `FLAGCX_HOST_COPY_NT_MIN` if it parses; else from 64 KiB below 8 cores, and from half the
+/// `FLAGCX_HOST_COPY_NT_MIN` if it parses; else from 64 KiB below 8 cores (from a thirty-second
+/// of a last-level cache of 64 MiB or more: [`SMALL_HOST_LARGE_LLC`]), and from half the
 /// last-level cache (16 MiB where the machine does not say) with more — a copy that size
 /// moves as much as the cache holds, so its destination would not stay there anyway. Below it
 /// a large cache pays off even where a probe of repeated copies says otherwise: on the H200
@@ -172,11 +174,23 @@ fn streaming_min_from(env: Option<&str>, llc: Option<usize>, cores: usize) -> us
             return n;
         }
     }
-    if cores < 8 {
-        return 64 << 10;
+    match (cores < 8, llc) {
+        (true, Some(c)) if c >= SMALL_HOST_LARGE_LLC => c / 32,
+        (true, _) => 64 << 10,
+        (false, c) => c.map_or(16 << 20, |c| c / 2),
     }
-    llc.map_or(16 << 20, |c| c / 2)
 }
+
+/// From this much last-level cache, a host with fewer than 8 cores keeps plain copies up to a
+/// thirty-second of it (15 MiB of a 480 MiB cache) instead of streaming from 64 KiB. Measured
+/// on two 2-core VMs: with 32 MiB reported, streaming from 64 KiB won (the figures at
+/// [`streaming_min`]); with 480 MiB (2026-12-05, two alternating rounds, µs) host ping-pong
+/// round trips of 128 KiB / 512 KiB / 2 MiB / 8 MiB took 26–29 / 59–66 / 293–296 / 1326–1331
+/// plain and 45–49 / 144–155 / 468–478 / 1767–1833 streaming (Open MPI in the same sitting
+/// 38 / 136 / 425 / 1635), while from 32 MiB streaming won or tied (32 MiB 7138–7428 against
+/// 7563–7660 plain), and four ranks' all-to-all of 64 MiB (16 MiB blocks) took 18309–19455
+/// streaming against 23068–26601 plain. The boundary lies somewhere between the two caches.
+const SMALL_HOST_LARGE_LLC: usize = 64 << 20;
 
 /// A byte count with an optional K/M/G suffix (powers of two).
 pub(crate) fn parse_size(v: &str) -> Option<usize> {
@@ -358,6 +372,11 @@ mod tests {
         assert_eq!(streaming_min_from(None, None, 8), 16 << 20);
         assert_eq!(streaming_min_from(None, Some(32 << 20), 2), 64 << 10);
         assert_eq!(streaming_min_from(None, None, 7), 64 << 10);
+        // A small host with a large cache keeps plain copies to a thirty-second of it.
+        assert_eq!(streaming_min_from(None, Some(480 << 20), 2), 15 << 20);
+        assert_eq!(streaming_min_from(None, Some(64 << 20), 7), 2 << 20);
+        assert_eq!(streaming_min_from(None, Some(63 << 20), 2), 64 << 10);
+        assert_eq!(streaming_min_from(None, Some(480 << 20), 16), 240 << 20);
         assert_eq!(
             streaming_min_from(Some("off"), Some(32 << 20), 2),
             usize::MAX
