@@ -207,7 +207,8 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// finished, as a blocking MPI call does, instead of making the caller's stream wait for
     /// them: where this process's streams share one work queue
     /// ([`Comm::streams_share_queue`]) and some pair does not copy late (staged and direct
-    /// pairs, IPC pairs with `FLAGCX_P2P_LATE_COPY=off`), since that stream's wait would hold
+    /// pairs, network pairs of a rank whose device memory the proxy stages through host
+    /// memory, IPC pairs with `FLAGCX_P2P_LATE_COPY=off`), since that stream's wait would hold
     /// the proxy's copy up behind it in the queue. Such a wait ends as [`crate::Request::wait`]
     /// does: the operation's result (taken later by its request), the peer's loss,
     /// `FLAGCX_TIMEOUT_MS` or an abort. Operations that copy late, stream-ordered ones and

@@ -360,18 +360,21 @@ impl<A: DeviceAdaptor> Comm<A> {
         let exposed: Vec<Option<TransportKind>> = (0..nranks)
             .map(|q| transports[q].filter(|_| !late[q]))
             .collect();
-        let streams_share_queue = me.shares_queue && proxy_joins(&transports, config.join);
+        let streams_share_queue =
+            me.shares_queue && proxy_joins(&transports, config.join, caps.host_addressable);
         // Where the pairs that do not copy late join streams to their proxy's copies, those
         // copies would queue behind the joins: their posts wait for them instead.
-        let posts_wait = me.shares_queue && proxy_joins(&exposed, config.join);
+        let posts_wait =
+            me.shares_queue && proxy_joins(&exposed, config.join, caps.host_addressable);
         if posts_wait {
             tracing::warn!(
                 "rank {rank}: this process's streams share one work queue (CUDA: \
                  CUDA_DEVICE_MAX_CONNECTIONS=1), where a caller's stream waiting for a copy of \
                  the proxy would hold that copy up: operations of pairs the proxy copies for \
-                 (staged, direct, IPC with FLAGCX_P2P_LATE_COPY=off) finish before the call \
-                 that posts them returns, as blocking MPI calls do, so sends and receives that \
-                 depend on each other across ranks belong in one group. IPC pairs that copy \
+                 (staged, direct, a GPU rank's network pairs, IPC with \
+                 FLAGCX_P2P_LATE_COPY=off) finish before the call that posts them returns, as \
+                 blocking MPI calls do, so sends and receives that depend on each other across \
+                 ranks belong in one group. IPC pairs that copy \
                  late (by default here) and stream-ordered messages are not affected; more \
                  queues (CUDA's default of 8) keep every post enqueue-and-return"
             );
@@ -587,12 +590,16 @@ impl<A: DeviceAdaptor> Comm<A> {
 }
 
 /// Whether callers' streams may wait, with a stream memory operation, for copies this rank's
-/// proxy issues: pairs through IPC or a staging ring, and joins by memory waits.
-fn proxy_joins(transports: &[Option<TransportKind>], join: StreamJoin) -> bool {
+/// proxy issues: pairs through IPC or a staging ring, network pairs where this rank's device
+/// memory is not host addressable (the proxy stages it through host memory on its own
+/// stream), and joins by memory waits.
+fn proxy_joins(transports: &[Option<TransportKind>], join: StreamJoin, addressable: bool) -> bool {
     matches!(join, StreamJoin::Auto | StreamJoin::MemOp)
-        && transports
-            .iter()
-            .any(|t| matches!(t, Some(TransportKind::Ipc | TransportKind::Staged)))
+        && transports.iter().any(|t| match t {
+            Some(TransportKind::Ipc | TransportKind::Staged) => true,
+            Some(TransportKind::Net) => !addressable,
+            _ => false,
+        })
 }
 
 /// Whether the pair of `me` and `peer` (joined by `transport`) gets eager slots.
@@ -634,6 +641,32 @@ fn undo_streamed<A: DeviceAdaptor>(
         for ch in [&conn.out, &conn.inc] {
             // SAFETY: no copy was ever issued on these rings.
             let _ = unsafe { adaptor.host_unpin(ch.ring().0) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{proxy_joins, StreamJoin, TransportKind};
+
+    #[test]
+    fn proxy_joins_count_staged_network_pairs_only_where_memory_is_staged() {
+        let (ipc, staged, net) = (
+            Some(TransportKind::Ipc),
+            Some(TransportKind::Staged),
+            Some(TransportKind::Net),
+        );
+        for join in [StreamJoin::Auto, StreamJoin::MemOp] {
+            assert!(proxy_joins(&[None, ipc], join, true));
+            assert!(proxy_joins(&[staged, None], join, true));
+            // A network pair's proxy copies only where it stages device memory.
+            assert!(proxy_joins(&[None, net], join, false));
+            assert!(!proxy_joins(&[None, net], join, true));
+            assert!(!proxy_joins(&[None, None], join, false));
+        }
+        // Only joins by stream memory waits count: setup checks the queues with such a wait.
+        for join in [StreamJoin::Gate, StreamJoin::HostFn, StreamJoin::None] {
+            assert!(!proxy_joins(&[ipc, staged, net], join, false));
         }
     }
 }
