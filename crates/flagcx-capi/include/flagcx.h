@@ -8,7 +8,10 @@
  * - Every function returns flagcxResult_t and never aborts the process; after a failure,
  *   flagcxGetLastError says what happened.
  * - Communication calls return once their work is enqueued on the stream; the stream sees
- *   the data when it reaches that point.
+ *   the data when it reaches that point. One exception: where a process's streams share one
+ *   work queue (CUDA_DEVICE_MAX_CONNECTIONS=1), operations of pairs that cannot copy late
+ *   (staged, direct and a GPU rank's network pairs) finish before the call returns, since a
+ *   stream waiting for them would hold up their copies (README, "Environment").
  * - Functions of FlagCX's header that flagcx-rs does not implement yet (reductions, suspend
  *   and resume) are exported and return flagcxNotSupported, with flagcxGetLastError naming
  *   what is missing.
