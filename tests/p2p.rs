@@ -79,6 +79,26 @@ impl Rank {
         b
     }
 
+    /// Posts message `i` of a [`Rank::message_run`] in `buf` (`len` bytes each) on the
+    /// rank's stream: rank 0 sends it to rank 1, rank 1 receives it from rank 0.
+    fn post_message(
+        &self,
+        buf: &DeviceBuffer<Adaptor>,
+        i: usize,
+        len: usize,
+    ) -> Result<flagcx::Request, CommError> {
+        let p = flagcx::DevicePtr(buf.ptr().0 + (i * len) as u64);
+        let h = self.stream.handle();
+        // SAFETY: message `i` lies inside `buf`, which the callers keep until every request
+        // of the run finished.
+        unsafe {
+            match self.comm.rank() {
+                0 => self.comm.send_raw(p, len, 1, h),
+                _ => self.comm.recv_raw(p, len, 0, h),
+            }
+        }
+    }
+
     /// Waits for `reqs` (each moved `len` bytes), then on rank 1 checks every message of a
     /// [`Rank::message_run`] byte for byte.
     fn finish_message_run(
@@ -721,8 +741,6 @@ fn early_sends(r: &Rank) {
     const N: usize = 1000;
     const LEN: usize = 24;
     let me = r.comm.rank();
-    let h = r.stream.handle();
-    let peer = 1 - me;
     let buf = r.message_run(N, LEN);
     let t0 = std::time::Instant::now();
     let mut reqs = Vec::with_capacity(N);
@@ -730,16 +748,7 @@ fn early_sends(r: &Rank) {
         std::thread::sleep(std::time::Duration::from_secs(2));
     }
     for i in 0..N {
-        let p = flagcx::DevicePtr(buf.ptr().0 + (i * LEN) as u64);
-        // SAFETY: message `i` lies inside `buf`, which outlives every wait below.
-        let q = unsafe {
-            if me == 0 {
-                r.comm.send_raw(p, LEN, peer, h)
-            } else {
-                r.comm.recv_raw(p, LEN, peer, h)
-            }
-        };
-        reqs.push(q.expect("post"));
+        reqs.push(r.post_message(&buf, i, LEN).expect("post"));
     }
     let posting = t0.elapsed();
     if me == 0 {
@@ -784,24 +793,13 @@ fn late_copy(r: &Rank) {
     }
     const N: usize = 200;
     const LEN: usize = 24;
-    let h = r.stream.handle();
     let buf = r.message_run(N, LEN);
     if me == 1 {
         std::thread::sleep(std::time::Duration::from_millis(500));
     }
     let t0 = std::time::Instant::now();
     let reqs: Vec<_> = (0..N)
-        .map(|i| {
-            let p = flagcx::DevicePtr(buf.ptr().0 + (i * LEN) as u64);
-            // SAFETY: message `i` lies inside `buf`, which outlives every wait below.
-            unsafe {
-                match me {
-                    0 => r.comm.send_raw(p, LEN, peer, h),
-                    _ => r.comm.recv_raw(p, LEN, peer, h),
-                }
-            }
-            .expect("post")
-        })
+        .map(|i| r.post_message(&buf, i, LEN).expect("post"))
         .collect();
     if me == 0 {
         let posting = t0.elapsed();
@@ -852,24 +850,12 @@ fn late_window_timeout(r: &Rank) {
     let me = r.comm.rank();
     let peer = 1 - me;
     assert!(r.comm.copies_late(peer), "rank {me}: the pair copies late");
-    let h = r.stream.handle();
     let buf = r.message_run(N, LEN);
     if me == 1 {
         std::thread::sleep(std::time::Duration::from_millis(1500));
     }
     let t0 = std::time::Instant::now();
-    let reqs: Vec<_> = (0..N)
-        .map(|i| {
-            let p = flagcx::DevicePtr(buf.ptr().0 + (i * LEN) as u64);
-            // SAFETY: message `i` lies inside `buf`, which outlives every wait below.
-            unsafe {
-                match me {
-                    0 => r.comm.send_raw(p, LEN, peer, h),
-                    _ => r.comm.recv_raw(p, LEN, peer, h),
-                }
-            }
-        })
-        .collect();
+    let reqs: Vec<_> = (0..N).map(|i| r.post_message(&buf, i, LEN)).collect();
     let posting = t0.elapsed();
     let mut timeouts = 0;
     for (i, q) in reqs.into_iter().enumerate() {
