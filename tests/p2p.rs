@@ -1986,6 +1986,24 @@ fn setup_sees_streams_sharing_one_queue() {
     expect("1", "1");
     expect("0", "0");
     expect("8", "0");
+    // Setup checks with the join its streams make: a host function holds one queue too.
+    let hostfn = |queues: &str, shared: &str| {
+        let env = [
+            ("FLAGCX_HOST_QUEUES", queues),
+            ("FLAGCX_STREAM_JOIN", "hostfn"),
+            ("FLAGCX_TEST_EXPECT_SHARED_QUEUE", shared),
+        ];
+        job(2, "host", "shared_queue", &env);
+    };
+    hostfn("1", "1");
+    hostfn("8", "0");
+    // Streams that never join wait for nothing.
+    let none = [
+        ("FLAGCX_HOST_QUEUES", "1"),
+        ("FLAGCX_STREAM_JOIN", "none"),
+        ("FLAGCX_TEST_EXPECT_SHARED_QUEUE", "0"),
+    ];
+    job(2, "host", "shared_queue", &none);
 }
 
 /// The lower rank of each IPC pair copies both ways (it pulls what the higher rank sends).
@@ -2137,6 +2155,33 @@ fn posts_wait_where_streams_share_one_queue() {
             ("FLAGCX_TEST_EXPECT_POSTS_WAIT", "0"),
         ],
     );
+    // Joins by host functions (`FLAGCX_STREAM_JOIN=hostfn`) block a shared queue as memory
+    // waits do (before setup checked with the join it makes, staged pairs timed out here). The
+    // host vendor runs a host function in its queue, so there the posts must wait; elsewhere
+    // setup's check decides and the exchanges must finish either way. IPC pairs copy late.
+    let host_expect =
+        |x: &'static str| (v == "host").then_some(("FLAGCX_TEST_EXPECT_POSTS_WAIT", x));
+    let mut hostfn: Vec<_> = staged
+        .iter()
+        .copied()
+        .filter(|(k, _)| *k != "FLAGCX_TEST_EXPECT_POSTS_WAIT")
+        .chain([("FLAGCX_STREAM_JOIN", "hostfn")])
+        .collect();
+    let mut hostfn_ipc: Vec<_> = hostfn
+        .iter()
+        .copied()
+        .filter(|(k, _)| *k != "FLAGCX_P2P_DISABLE")
+        .chain(host_expect("0"))
+        .collect();
+    hostfn.extend(host_expect("1"));
+    for (n, scenario) in [(2, "ring"), (2, "bidir"), (3, "collectives")] {
+        job(n, &v, scenario, &hostfn);
+    }
+    job(2, &v, "ring", &hostfn_ipc);
+    if v == "host" {
+        hostfn_ipc.push(("FLAGCX_TEST_EXPECT_LATE", "1"));
+        job(2, &v, "late_copy", &hostfn_ipc);
+    }
 }
 
 /// Each sender pushes (the default between ranks on different devices; on one GPU `auto` picks

@@ -194,7 +194,8 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// Whether setup found this process's streams sharing one work queue, where a stream's
     /// wait holds up later work of every other stream (CUDA with `CUDA_DEVICE_MAX_CONNECTIONS=1`,
     /// the host vendor with `FLAGCX_HOST_QUEUES=1`), checked where callers' streams may wait for
-    /// copies of this rank's proxy (IPC or staged pairs, memory-wait joins). There an
+    /// copies of this rank's proxy (IPC or staged pairs, any join but `FLAGCX_STREAM_JOIN=none`;
+    /// with the kind of wait those joins make). There an
     /// operation the proxy copies while its caller's stream waits for it would stall
     /// (docs/performance.md, "one hardware queue stalls the proxy"): IPC pairs copy late
     /// ([`Comm::copies_late`]), which nothing stalls, and the other pairs' posts wait for

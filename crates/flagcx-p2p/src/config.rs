@@ -26,6 +26,20 @@ pub enum StreamJoin {
     None,
 }
 
+impl StreamJoin {
+    /// The join a communicator on a vendor with `caps` makes: `Auto` resolved to `MemOp`,
+    /// `Gate` or `HostFn` in that order of preference; the others as configured (setup refuses
+    /// `MemOp` and `Gate` where the vendor cannot).
+    pub fn resolve(self, caps: &flagcx_adaptor::Capabilities) -> StreamJoin {
+        match self {
+            StreamJoin::Auto if caps.stream_mem_ops && caps.host_register => StreamJoin::MemOp,
+            StreamJoin::Auto if caps.host_gates => StreamJoin::Gate,
+            StreamJoin::Auto => StreamJoin::HostFn,
+            other => other,
+        }
+    }
+}
+
 /// Which rank of an IPC pair issues the copy for each direction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IpcCopier {

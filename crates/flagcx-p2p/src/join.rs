@@ -111,23 +111,32 @@ impl WatermarkPage {
 /// the queues are shared (the only case that waits it out).
 const SHARED_QUEUE_PROBE: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// Whether a stream's memory wait holds up work that another stream of this process enqueues
-/// after it: true where the runtime runs all of a process's streams through one work queue
-/// (`CUDA_DEVICE_MAX_CONNECTIONS=1`; the host vendor's `FLAGCX_HOST_QUEUES=1`). There a join
-/// enqueued before the proxy's copy that completes it stalls both (docs/performance.md, "one
-/// hardware queue stalls the proxy"). Found out by doing it on two fresh streams: the first
-/// waits on a word of the watermark page (a line of its own, not the watermark), the second
-/// sets 4 KiB of device memory, and the host lets the first go once the second finished or
+/// How long the host-function probe of [`waits_hold_other_streams`] blocks at most if the host
+/// never lets it go (it always does, right after the probe): a runtime thread is never held for
+/// good.
+const PROBE_HOST_FN_MAX: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Whether a stream's join of kind `join` (resolved: [`StreamJoin::resolve`]) holds up work
+/// that another stream of this process enqueues after it: true where the runtime runs all of a
+/// process's streams through one work queue (`CUDA_DEVICE_MAX_CONNECTIONS=1`; the host vendor's
+/// `FLAGCX_HOST_QUEUES=1`). There a join enqueued before the proxy's copy that completes it
+/// stalls both (docs/performance.md, "one hardware queue stalls the proxy"). Found out by doing
+/// it on two fresh streams: the first waits as a join would (on a word of the watermark page,
+/// a line of its own, not the watermark; in a host function; at a gate), the second sets 4 KiB
+/// of device memory, and the host lets the first go once the second finished or
 /// [`SHARED_QUEUE_PROBE`] passed. Two consecutive streams land on different queues where
 /// there are several, so this sees one shared queue, not two streams that happen to share one
-/// of many.
+/// of many. `Ok(false)` for `None` (no join) and for a memory wait without a registered page.
 pub(crate) fn waits_hold_other_streams<A: DeviceAdaptor>(
     adaptor: &A,
     page: &WatermarkPage,
+    join: StreamJoin,
 ) -> Result<bool> {
     const OFFSET: usize = 64;
-    let Some(device) = page.device else {
-        return Ok(false);
+    let device = match (join, page.device) {
+        (StreamJoin::MemOp, Some(d)) => Some(d),
+        (StreamJoin::HostFn | StreamJoin::Gate, _) => None,
+        _ => return Ok(false),
     };
     let word = page.host.wrapping_add(OFFSET).cast::<u32>();
     let a = adaptor.stream_create()?;
@@ -159,19 +168,38 @@ pub(crate) fn waits_hold_other_streams<A: DeviceAdaptor>(
     };
     // SAFETY: `word` is in our mapped page (offset 64 of 4096), 4-byte aligned; it starts at 0.
     unsafe { adaptor.host_write_value32(word, 0) };
-    let run = || -> Result<bool> {
-        // SAFETY: the page is registered (`device`) and stays so until `release`, after the
-        // host has written the word and `cleanup` synchronized the stream; the buffer is ours
-        // and 4096 bytes long.
-        unsafe {
-            adaptor.stream_wait_value32(
-                a,
-                DevicePtr(device.0 + OFFSET as u64),
-                1,
-                WaitCondition::Geq,
-            )?;
-            adaptor.memset_async(buf, 0, 4096, b)?;
+    let go = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut gate = None;
+    let run = |gate: &mut Option<GateHandle>| -> Result<bool> {
+        match device {
+            // SAFETY: the page is registered (`device`) and stays so until `release`, after
+            // the host has written the word and `cleanup` synchronized the stream.
+            Some(device) => unsafe {
+                adaptor.stream_wait_value32(
+                    a,
+                    DevicePtr(device.0 + OFFSET as u64),
+                    1,
+                    WaitCondition::Geq,
+                )?
+            },
+            None if join == StreamJoin::Gate => *gate = Some(adaptor.stream_gate(a)?),
+            None => {
+                let go = go.clone();
+                adaptor.launch_host_func(
+                    a,
+                    Box::new(move || {
+                        let t0 = Instant::now();
+                        while !go.load(std::sync::atomic::Ordering::Acquire)
+                            && t0.elapsed() < PROBE_HOST_FN_MAX
+                        {
+                            std::thread::sleep(std::time::Duration::from_micros(50));
+                        }
+                    }),
+                )?
+            }
         }
+        // SAFETY: the buffer is ours and 4096 bytes long.
+        unsafe { adaptor.memset_async(buf, 0, 4096, b)? };
         let t0 = Instant::now();
         loop {
             if adaptor.stream_query(b)? {
@@ -183,9 +211,13 @@ pub(crate) fn waits_hold_other_streams<A: DeviceAdaptor>(
             std::thread::sleep(std::time::Duration::from_micros(50));
         }
     };
-    let held = run();
+    let held = run(&mut gate);
     // SAFETY: as above.
     unsafe { adaptor.host_write_value32(word, 1) };
+    go.store(true, std::sync::atomic::Ordering::Release);
+    if let Some(g) = gate {
+        let _ = adaptor.gate_open(g);
+    }
     cleanup(Some(b), Some(buf));
     held
 }
@@ -213,17 +245,13 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// The watermark word streams wait on with a stream memory operation, where joins use
     /// them (see [`Self::join_stream`]).
     fn memop_word(&self) -> Option<DevicePtr> {
-        let memop = !matches!(self.config.join, StreamJoin::HostFn | StreamJoin::Gate);
-        self.page
-            .device
-            .filter(|_| memop && self.adaptor.capabilities().stream_mem_ops)
+        let join = self.config.join.resolve(&self.adaptor.capabilities());
+        self.page.device.filter(|_| join == StreamJoin::MemOp)
     }
 
     /// Whether streams join at gates (see [`Self::join_stream`]).
     fn joins_at_gates(&self) -> bool {
-        self.memop_word().is_none()
-            && self.adaptor.capabilities().host_gates
-            && matches!(self.config.join, StreamJoin::Auto | StreamJoin::Gate)
+        self.config.join.resolve(&self.adaptor.capabilities()) == StreamJoin::Gate
     }
 
     /// What an operation posted on `stream` now starts after: nothing where the stream is

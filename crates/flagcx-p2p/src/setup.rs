@@ -328,11 +328,8 @@ impl<A: DeviceAdaptor> Comm<A> {
         let mut me = PeerInfo::local(rank, &adaptor, &config)?;
         // Checked before the all-gather, so that each pair knows whether either rank's streams
         // share one work queue (then, by default, it copies late: `transport::late`).
-        me.shares_queue = nranks > 1
-            && matches!(config.join, StreamJoin::Auto | StreamJoin::MemOp)
-            && caps.stream_mem_ops
-            && caps.host_register
-            && shares_queue(&adaptor);
+        let join = config.join.resolve(&caps);
+        me.shares_queue = nranks > 1 && join != StreamJoin::None && shares_queue(&adaptor, join);
         let infos = boot
             .all_gather(Tag::PeerInfo, &me.encode())?
             .iter()
@@ -361,11 +358,10 @@ impl<A: DeviceAdaptor> Comm<A> {
             .map(|q| transports[q].filter(|_| !late[q]))
             .collect();
         let streams_share_queue =
-            me.shares_queue && proxy_joins(&transports, config.join, caps.host_addressable);
+            me.shares_queue && proxy_joins(&transports, join, caps.host_addressable);
         // Where the pairs that do not copy late join streams to their proxy's copies, those
         // copies would queue behind the joins: their posts wait for them instead.
-        let posts_wait =
-            me.shares_queue && proxy_joins(&exposed, config.join, caps.host_addressable);
+        let posts_wait = me.shares_queue && proxy_joins(&exposed, join, caps.host_addressable);
         if posts_wait {
             tracing::warn!(
                 "rank {rank}: this process's streams share one work queue (CUDA: \
@@ -589,12 +585,12 @@ impl<A: DeviceAdaptor> Comm<A> {
     }
 }
 
-/// Whether callers' streams may wait, with a stream memory operation, for copies this rank's
-/// proxy issues: pairs through IPC or a staging ring, network pairs where this rank's device
-/// memory is not host addressable (the proxy stages it through host memory on its own
-/// stream), and joins by memory waits.
+/// Whether callers' streams may wait for copies this rank's proxy issues: pairs through IPC
+/// or a staging ring, network pairs where this rank's device memory is not host addressable
+/// (the proxy stages it through host memory on its own stream), and streams that join at all
+/// (`join` resolved; any kind of join is a wait in the stream's queue).
 fn proxy_joins(transports: &[Option<TransportKind>], join: StreamJoin, addressable: bool) -> bool {
-    matches!(join, StreamJoin::Auto | StreamJoin::MemOp)
+    join != StreamJoin::None
         && transports.iter().any(|t| match t {
             Some(TransportKind::Ipc | TransportKind::Staged) => true,
             Some(TransportKind::Net) => !addressable,
@@ -611,11 +607,12 @@ fn eager_lane(me: &PeerInfo, peer: &PeerInfo, transport: Option<TransportKind>) 
     }
 }
 
-/// Whether this process's streams share one work queue (`join::waits_hold_other_streams`), on
-/// a watermark page of its own (setup's comes after the all-gather).
-fn shares_queue<A: DeviceAdaptor>(adaptor: &A) -> bool {
+/// Whether this process's streams share one work queue for joins of kind `join`
+/// (`join::waits_hold_other_streams`), on a watermark page of its own (setup's comes after
+/// the all-gather).
+fn shares_queue<A: DeviceAdaptor>(adaptor: &A, join: StreamJoin) -> bool {
     let probe = WatermarkPage::new(adaptor).and_then(|mut page| {
-        let r = crate::join::waits_hold_other_streams(adaptor, &page);
+        let r = crate::join::waits_hold_other_streams(adaptor, &page, join);
         page.release(adaptor);
         r
     });
@@ -656,7 +653,7 @@ mod tests {
             Some(TransportKind::Staged),
             Some(TransportKind::Net),
         );
-        for join in [StreamJoin::Auto, StreamJoin::MemOp] {
+        for join in [StreamJoin::MemOp, StreamJoin::Gate, StreamJoin::HostFn] {
             assert!(proxy_joins(&[None, ipc], join, true));
             assert!(proxy_joins(&[staged, None], join, true));
             // A network pair's proxy copies only where it stages device memory.
@@ -664,9 +661,7 @@ mod tests {
             assert!(!proxy_joins(&[None, net], join, true));
             assert!(!proxy_joins(&[None, None], join, false));
         }
-        // Only joins by stream memory waits count: setup checks the queues with such a wait.
-        for join in [StreamJoin::Gate, StreamJoin::HostFn, StreamJoin::None] {
-            assert!(!proxy_joins(&[ipc, staged, net], join, false));
-        }
+        // Streams that make no join wait for nothing.
+        assert!(!proxy_joins(&[ipc, staged, net], StreamJoin::None, false));
     }
 }
