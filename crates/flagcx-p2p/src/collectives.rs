@@ -394,23 +394,8 @@ impl<A: DeviceAdaptor> Comm<A> {
         root: usize,
         stream: StreamHandle,
     ) -> Result<Collective> {
-        self.check_root(root)?;
-        let (me, n) = (self.rank(), self.nranks());
-        let mut ops = Vec::new();
-        if me == root {
-            for q in (0..n).filter(|&q| q != me) {
-                ops.push((q, false, at(recv, q, bytes)?, bytes));
-            }
-        } else {
-            ops.push((root, true, send, bytes));
-        }
-        let local = if me == root {
-            Some((at(recv, me, bytes)?, send, bytes))
-        } else {
-            None
-        };
         // SAFETY: the caller's contract.
-        unsafe { self.post_group(&ops, stream, local) }
+        unsafe { self.rooted(root, false, recv, send, bytes, stream) }
     }
 
     /// Scatter: block `q` (`bytes` at `send + q * bytes`) of the root arrives at rank `q`'s
@@ -427,20 +412,41 @@ impl<A: DeviceAdaptor> Comm<A> {
         root: usize,
         stream: StreamHandle,
     ) -> Result<Collective> {
+        // SAFETY: the caller's contract.
+        unsafe { self.rooted(root, true, send, recv, bytes, stream) }
+    }
+
+    /// Gather (`root_sends` false) or scatter (true): the root exchanges block `q` of
+    /// `root_buf` (`nranks` blocks of `bytes`) with rank `q`'s `own` buffer, and copies its own
+    /// block locally.
+    ///
+    /// # Safety
+    /// As [`Comm::gather_raw`] and [`Comm::scatter_raw`].
+    unsafe fn rooted(
+        &self,
+        root: usize,
+        root_sends: bool,
+        root_buf: DevicePtr,
+        own: DevicePtr,
+        bytes: usize,
+        stream: StreamHandle,
+    ) -> Result<Collective> {
         self.check_root(root)?;
         let (me, n) = (self.rank(), self.nranks());
-        let mut ops = Vec::new();
-        if me == root {
-            for q in (0..n).filter(|&q| q != me) {
-                ops.push((q, true, at(send, q, bytes)?, bytes));
-            }
+        let (ops, local) = if me == root {
+            let ops = (0..n)
+                .filter(|&q| q != me)
+                .map(|q| Ok((q, root_sends, at(root_buf, q, bytes)?, bytes)))
+                .collect::<Result<Vec<_>>>()?;
+            let mine = at(root_buf, me, bytes)?;
+            // (destination, source, bytes)
+            let local = match root_sends {
+                true => (own, mine, bytes),
+                false => (mine, own, bytes),
+            };
+            (ops, Some(local))
         } else {
-            ops.push((root, false, recv, bytes));
-        }
-        let local = if me == root {
-            Some((recv, at(send, me, bytes)?, bytes))
-        } else {
-            None
+            (vec![(root, !root_sends, own, bytes)], None)
         };
         // SAFETY: the caller's contract.
         unsafe { self.post_group(&ops, stream, local) }
