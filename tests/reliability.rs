@@ -1519,6 +1519,23 @@ fn waiting_posts_fail_cleanly() {
         "group, staged, posts that wait",
         &[one[0], one[1], one[2], ("FLAGCX_TEST_STALL_PATH", "staged")],
     );
+    // Streams that join by host functions hold one queue too, so their posts wait as well (on
+    // the host vendor, whose queue runs the host function; elsewhere setup's check decides):
+    // a killed peer and a receive nobody sends end them the same way.
+    let mut hostfn = vec![one[0], one[1], one[2], ("FLAGCX_STREAM_JOIN", "hostfn")];
+    if vendor() == "host" {
+        hostfn.push(("FLAGCX_TEST_EXPECT_POSTS_WAIT", "1"));
+    }
+    let (r0, r1) = pair("peer_killed", &hostfn);
+    assert_sigkilled(&r1, "rank 1");
+    assert_survived(
+        &r0,
+        "posts that wait, host-function joins: survivor of a SIGKILLed peer",
+    );
+    hostfn.push(("FLAGCX_TIMEOUT_MS", "300"));
+    let (r0, r1) = pair("timeout", &hostfn);
+    assert_survived(&r0, "posts that wait, host-function joins: timeout");
+    assert!(r1.status.success(), "{}", text(&r1));
 }
 
 #[test]
