@@ -257,6 +257,7 @@ fn rank_worker() {
         "rejoin_groups" => rejoin_groups(&r),
         "rejoin_pause" => rejoin_pause(&r),
         "waiter_progress" => waiter_progress(&r),
+        "threads" => threads(&r),
         "random" => {
             for iter in 0..12u64 {
                 let to: Vec<(usize, usize)> = (0..n)
@@ -1453,6 +1454,74 @@ fn mismatch(r: &Rank, next: usize, prev: usize) {
     from_thread.expect("post from a fresh thread");
 }
 
+/// Threads of one rank post at once, as pipeline stages on threads of their own do: for every
+/// other rank one thread sends and one receives, each on a stream of its own and outside any
+/// group, a run of sizes across the eager, posting-thread, proxy and chunked paths — first
+/// each message waited for, then the whole run posted before any wait — every byte checked.
+fn threads(r: &Rank) {
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    let max: usize = std::env::var("FLAGCX_TEST_MAX")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4 << 20);
+    let sizes: Vec<usize> = [1, 8, 1000, 40_000, (1 << 20) + 5, 3, 300_000, (4 << 20) + 1]
+        .into_iter()
+        .map(|len| len.min(max))
+        .collect();
+    std::thread::scope(|sc| {
+        for q in (0..n).filter(|&q| q != me) {
+            for sending in [true, false] {
+                let sizes = &sizes;
+                sc.spawn(move || {
+                    let s = Stream::new(&r.adaptor).expect("stream");
+                    let tag = |round: usize, i: usize| (7000 + 100 * round + i) as u64;
+                    for round in 0..2 {
+                        let bufs: Vec<_> = sizes
+                            .iter()
+                            .enumerate()
+                            .map(|(i, &len)| {
+                                let b = r.buffer(len);
+                                if sending {
+                                    let data = payload(me, q, tag(round, i), len);
+                                    b.write(0, &data, &s).expect("fill");
+                                }
+                                b
+                            })
+                            .collect();
+                        let post = |b| match sending {
+                            true => r.comm.send(b, q, &s).expect("send"),
+                            false => r.comm.recv(b, q, &s).expect("recv"),
+                        };
+                        let got: Vec<usize> = match round {
+                            0 => bufs.iter().map(|b| post(b).wait().expect("wait")).collect(),
+                            _ => {
+                                let reqs: Vec<_> = bufs.iter().map(post).collect();
+                                reqs.into_iter().map(|q| q.wait().expect("wait")).collect()
+                            }
+                        };
+                        s.synchronize().expect("sync");
+                        assert_eq!(got, *sizes, "rank {me} with {q}: bytes per message");
+                        if !sending {
+                            for (i, b) in bufs.iter().enumerate() {
+                                let mut buf = vec![0u8; sizes[i]];
+                                b.read(0, &mut buf, &s).expect("read back");
+                                let want = payload(q, me, tag(round, i), sizes[i]);
+                                let bad = buf.iter().zip(&want).position(|(a, b)| a != b);
+                                assert!(
+                                    bad.is_none(),
+                                    "rank {me} message {} from {q}: byte {bad:?} of {}",
+                                    tag(round, i),
+                                    sizes[i]
+                                );
+                            }
+                        }
+                    }
+                });
+            }
+        }
+    });
+}
+
 /// A request that outlives its communicator completes with `Aborted` instead of hanging. Rank 1
 /// keeps its communicator a while, so rank 0's abort is its own teardown, not a lost peer.
 fn use_after_drop(r: Rank, prev: usize) {
@@ -2182,6 +2251,22 @@ fn posts_wait_where_streams_share_one_queue() {
         hostfn_ipc.push(("FLAGCX_TEST_EXPECT_LATE", "1"));
         job(2, &v, "late_copy", &hostfn_ipc);
     }
+}
+
+/// Threads of a rank post sends and receives at once, ungrouped, each on its own stream: the
+/// default paths, staged pairs, IPC through the proxy only, and 4 ranks (`threads`). Their
+/// streams make no joins (`FLAGCX_STREAM_JOIN=none`, the threads wait on their requests): a
+/// join waits for every operation posted before it on the communicator, so threads that post
+/// at once give each rank an order of its own, which can leave two ranks waiting on each other
+/// (the `Comm` docs, "One order per communicator"; NCCL forbids such posting outright).
+#[test]
+fn threads_post_at_once() {
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    let none = ("FLAGCX_STREAM_JOIN", "none");
+    job(2, &v, "threads", &[none]);
+    job(4, &v, "threads", &[none]);
+    job(3, &v, "threads", &[none, ("FLAGCX_P2P_DISABLE", "1")]);
+    job(2, &v, "threads", &[none, ("FLAGCX_P2P_IPC_CALLER", "off")]);
 }
 
 /// Each sender pushes (the default between ranks on different devices; on one GPU `auto` picks

@@ -12,6 +12,9 @@
  *   work queue (CUDA_DEVICE_MAX_CONNECTIONS=1), operations of pairs that cannot copy late
  *   (staged, direct and a GPU rank's network pairs) finish before the call returns, since a
  *   stream waiting for them would hold up their copies (README, "Environment").
+ * - One order per communicator: a stream waits for its operation and every operation posted
+ *   before it on the communicator, on any stream. As with NCCL, do not post on one
+ *   communicator from several threads at once: ranks could then wait on each other.
  * - Functions of FlagCX's header that flagcx-rs does not implement yet (reductions, suspend
  *   and resume) are exported and return flagcxNotSupported, with flagcxGetLastError naming
  *   what is missing.

@@ -32,6 +32,14 @@ use crate::PathStats;
 /// one direction match in posting order. Post a bidirectional exchange inside a group
 /// ([`Comm::group`]); otherwise each send waits on its stream for its receiver, as in NCCL.
 ///
+/// One order per communicator: a stream joined to an operation (`FLAGCX_STREAM_JOIN`, every
+/// join but `none`) waits for it and for every operation posted on this communicator before
+/// it, on any stream, as NCCL orders a communicator's operations. Ranks must post in orders
+/// that complete that way. Threads that post on one communicator at once give each rank an
+/// interleaving of its own and can leave two ranks each waiting for the other (until
+/// `FLAGCX_TIMEOUT_MS`, an abort or a peer's loss): give each thread its own communicator, as
+/// NCCL requires, or join no streams and wait on the requests. Posting itself is thread safe.
+///
 /// Outside a group, where nothing earlier of the pair and direction is in flight, the posting
 /// thread moves a message itself where it can: eagerly between host-addressable ranks
 /// ([`Config::eager_max`]), and on IPC pairs ([`Config::ipc_caller`]). Such a post may then take
