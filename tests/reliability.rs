@@ -316,6 +316,15 @@ fn reliability_worker() {
     let adaptor = Adaptor::from_env().expect("adaptor");
     // The other rank of a pair (rank 0 for the third rank of a three-rank job).
     let peer = if me < 2 { 1 - me } else { 0 };
+    if std::env::var("FLAGCX_STREAM_JOIN").as_deref() == Ok("hostfn") {
+        // A runtime starts its host-function thread at the first host function (CUDA's
+        // driver does) and keeps it: start it before the baseline, so it is not a leak.
+        let s = Stream::new(&adaptor).expect("stream");
+        adaptor
+            .launch_host_func(s.handle(), Box::new(|| {}))
+            .expect("host function");
+        s.synchronize().expect("sync");
+    }
     let before = snapshot();
     match scenario.as_str() {
         "peer_killed" | "early_close" => {
