@@ -122,8 +122,20 @@ impl Rank {
     }
 
     fn check(&self, buf: &DeviceBuffer<Adaptor>, src: usize, tag: u64, len: usize) {
+        self.check_on(buf, src, tag, len, &self.stream);
+    }
+
+    /// [`Rank::check`] through `stream`.
+    fn check_on(
+        &self,
+        buf: &DeviceBuffer<Adaptor>,
+        src: usize,
+        tag: u64,
+        len: usize,
+        stream: &Stream<Adaptor>,
+    ) {
         let mut got = vec![0u8; len];
-        buf.read(0, &mut got, &self.stream).expect("read back");
+        buf.read(0, &mut got, stream).expect("read back");
         let want = payload(src, self.comm.rank(), tag, len);
         if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
             panic!(
@@ -257,7 +269,7 @@ fn rank_worker() {
         "rejoin_groups" => rejoin_groups(&r),
         "rejoin_pause" => rejoin_pause(&r),
         "waiter_progress" => waiter_progress(&r),
-        "threads" => threads(&r),
+        "threads" => threads(&r, big),
         "random" => {
             for iter in 0..12u64 {
                 let to: Vec<(usize, usize)> = (0..n)
@@ -1458,15 +1470,11 @@ fn mismatch(r: &Rank, next: usize, prev: usize) {
 /// other rank one thread sends and one receives, each on a stream of its own and outside any
 /// group, a run of sizes across the eager, posting-thread, proxy and chunked paths — first
 /// each message waited for, then the whole run posted before any wait — every byte checked.
-fn threads(r: &Rank) {
+fn threads(r: &Rank, big: usize) {
     let (me, n) = (r.comm.rank(), r.comm.nranks());
-    let max: usize = std::env::var("FLAGCX_TEST_MAX")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(4 << 20);
     let sizes: Vec<usize> = [1, 8, 1000, 40_000, (1 << 20) + 5, 3, 300_000, (4 << 20) + 1]
         .into_iter()
-        .map(|len| len.min(max))
+        .map(|len| len.min(big))
         .collect();
     std::thread::scope(|sc| {
         for q in (0..n).filter(|&q| q != me) {
@@ -1503,16 +1511,7 @@ fn threads(r: &Rank) {
                         assert_eq!(got, *sizes, "rank {me} with {q}: bytes per message");
                         if !sending {
                             for (i, b) in bufs.iter().enumerate() {
-                                let mut buf = vec![0u8; sizes[i]];
-                                b.read(0, &mut buf, &s).expect("read back");
-                                let want = payload(q, me, tag(round, i), sizes[i]);
-                                let bad = buf.iter().zip(&want).position(|(a, b)| a != b);
-                                assert!(
-                                    bad.is_none(),
-                                    "rank {me} message {} from {q}: byte {bad:?} of {}",
-                                    tag(round, i),
-                                    sizes[i]
-                                );
+                                r.check_on(b, q, tag(round, i), sizes[i], &s);
                             }
                         }
                     }
@@ -2228,28 +2227,29 @@ fn posts_wait_where_streams_share_one_queue() {
     // waits do (before setup checked with the join it makes, staged pairs timed out here). The
     // host vendor runs a host function in its queue, so there the posts must wait; elsewhere
     // setup's check decides and the exchanges must finish either way. IPC pairs copy late.
-    let host_expect =
-        |x: &'static str| (v == "host").then_some(("FLAGCX_TEST_EXPECT_POSTS_WAIT", x));
-    let mut hostfn: Vec<_> = staged
-        .iter()
-        .copied()
-        .filter(|(k, _)| *k != "FLAGCX_TEST_EXPECT_POSTS_WAIT")
-        .chain([("FLAGCX_STREAM_JOIN", "hostfn")])
-        .collect();
-    let mut hostfn_ipc: Vec<_> = hostfn
-        .iter()
-        .copied()
-        .filter(|(k, _)| *k != "FLAGCX_P2P_DISABLE")
-        .chain(host_expect("0"))
-        .collect();
-    hostfn.extend(host_expect("1"));
+    let hostfn = |staged: bool, expect: &'static str| {
+        let mut env = vec![
+            ("FLAGCX_STREAM_JOIN", "hostfn"),
+            ("FLAGCX_HOST_QUEUES", "1"),
+            ("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
+            ("FLAGCX_TEST_MAX", "4194304"),
+            ("FLAGCX_TIMEOUT_MS", "20000"),
+        ];
+        if staged {
+            env.push(("FLAGCX_P2P_DISABLE", "1"));
+        }
+        if v == "host" {
+            env.push(("FLAGCX_TEST_EXPECT_POSTS_WAIT", expect));
+        }
+        env
+    };
     for (n, scenario) in [(2, "ring"), (2, "bidir"), (3, "collectives")] {
-        job(n, &v, scenario, &hostfn);
+        job(n, &v, scenario, &hostfn(true, "1"));
     }
-    job(2, &v, "ring", &hostfn_ipc);
+    job(2, &v, "ring", &hostfn(false, "0"));
     if v == "host" {
-        hostfn_ipc.push(("FLAGCX_TEST_EXPECT_LATE", "1"));
-        job(2, &v, "late_copy", &hostfn_ipc);
+        let late = [hostfn(false, "0"), vec![("FLAGCX_TEST_EXPECT_LATE", "1")]].concat();
+        job(2, &v, "late_copy", &late);
     }
 }
 

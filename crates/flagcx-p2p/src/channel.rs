@@ -154,6 +154,31 @@ impl LateWord {
 /// retired the pair as a whole: every message from then on fails on the other side.
 pub const RETIRED: u64 = u64::MAX;
 
+/// Where an exported allocation lies in the address space of the process that exported it.
+///
+/// Two live allocations of one process never overlap, so a new allocation of a peer that
+/// overlaps one this rank still maps shows that the mapped one was freed (and its memory, or
+/// its addresses, reused): the mapping is stale. Runtimes refuse to map such memory twice
+/// (CUDA's `CUDA_ERROR_ALREADY_MAPPED`), so the stale mapping is closed first (see
+/// `IpcCache::open`). Zero length: not known.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Span {
+    /// The allocation's base address in the exporting process.
+    pub base: u64,
+    /// Its length in bytes.
+    pub len: u64,
+}
+
+impl Span {
+    /// Whether both spans are known and share at least one byte.
+    pub fn overlaps(&self, other: &Span) -> bool {
+        self.len > 0
+            && other.len > 0
+            && self.base < other.base.saturating_add(other.len)
+            && other.base < self.base.saturating_add(self.len)
+    }
+}
+
 /// What a receiver announces for one receive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecvDesc {
@@ -163,6 +188,8 @@ pub struct RecvDesc {
     pub handle: Option<IpcMemHandle>,
     /// For IPC: the buffer's offset in that allocation.
     pub offset: u64,
+    /// For IPC: where that allocation lies in the receiver's process.
+    pub span: Span,
     /// In a pulling receiver's verdict: it did not pull (the direct path's buffer is not
     /// mapped yet), so the sender is to send the data through the staging ring.
     pub chunks: bool,
@@ -179,6 +206,8 @@ pub struct SendDesc {
     pub handle: Option<IpcMemHandle>,
     /// When the receiver pulls: the source buffer's offset in that allocation.
     pub offset: u64,
+    /// When the receiver pulls: where that allocation lies in the sender's process.
+    pub span: Span,
 }
 
 /// Offset of descriptor `i` of the ring at `base` (both rings have `DESC_BYTES` descriptors).
@@ -186,21 +215,33 @@ fn desc_offset(base: usize, i: u64) -> usize {
     base + (i % DESC_RING) as usize * DESC_BYTES
 }
 
-/// Descriptor layout shared by both rings: `a`, `b`, then a flag byte and an optional handle.
-fn encode_desc<const N: usize>(a: u64, b: u64, handle: Option<IpcMemHandle>) -> [u8; N] {
+/// Where a descriptor's span lies: after the handle, 8-byte aligned.
+const SPAN_AT: usize = (17 + IpcMemHandle::WIRE_LEN).next_multiple_of(8);
+// Both descriptors keep their last 8 bytes for a field of their own (offset, mode).
+const _: () = assert!(SPAN_AT + 16 <= RECV_DESC_BYTES - 8 && SPAN_AT + 16 <= SEND_DESC_BYTES - 8);
+
+/// Descriptor layout shared by both rings: `a`, `b`, then a flag byte, an optional handle and
+/// the exported allocation's span.
+fn encode_desc<const N: usize>(
+    a: u64,
+    b: u64,
+    handle: Option<IpcMemHandle>,
+    span: Span,
+) -> [u8; N] {
     let mut out = [0u8; N];
     out[0..8].copy_from_slice(&a.to_le_bytes());
     out[8..16].copy_from_slice(&b.to_le_bytes());
     if let Some(h) = handle {
         out[16] = 1;
         out[17..17 + IpcMemHandle::WIRE_LEN].copy_from_slice(&h.to_wire());
+        out[SPAN_AT..SPAN_AT + 8].copy_from_slice(&span.base.to_le_bytes());
+        out[SPAN_AT + 8..SPAN_AT + 16].copy_from_slice(&span.len.to_le_bytes());
     }
     out
 }
 
-fn decode_desc(b: &[u8], what: &str) -> Result<(u64, u64, Option<IpcMemHandle>)> {
-    let a = u64::from_le_bytes(b[0..8].try_into().expect("8"));
-    let c = u64::from_le_bytes(b[8..16].try_into().expect("8"));
+fn decode_desc(b: &[u8], what: &str) -> Result<(u64, u64, Option<IpcMemHandle>, Span)> {
+    let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8"));
     let handle = match b[16] {
         0 => None,
         1 => Some(IpcMemHandle::from_wire(
@@ -208,7 +249,14 @@ fn decode_desc(b: &[u8], what: &str) -> Result<(u64, u64, Option<IpcMemHandle>)>
         )?),
         x => return Err(CommError::Protocol(format!("{what} descriptor flag {x}"))),
     };
-    Ok((a, c, handle))
+    let span = match handle {
+        Some(_) => Span {
+            base: word(SPAN_AT),
+            len: word(SPAN_AT + 8),
+        },
+        None => Span::default(),
+    };
+    Ok((word(0), word(8), handle, span))
 }
 
 /// The layout of a channel segment.
@@ -434,7 +482,7 @@ impl Channel {
 
     /// Writes receive descriptor `i` (receiver, before publishing `RecvPosted`).
     pub fn write_recv_desc(&self, i: u64, d: &RecvDesc) {
-        let mut b = encode_desc::<RECV_DESC_BYTES>(d.size, d.offset, d.handle);
+        let mut b = encode_desc::<RECV_DESC_BYTES>(d.size, d.offset, d.handle, d.span);
         b[RECV_DESC_BYTES - 1] = d.chunks as u8;
         self.write_desc(self.geo.recv_descs(), i, b);
     }
@@ -442,7 +490,7 @@ impl Channel {
     /// Reads receive descriptor `i` (sender, after seeing `RecvPosted > i`).
     pub fn read_recv_desc(&self, i: u64) -> Result<RecvDesc> {
         let b = self.read_desc::<RECV_DESC_BYTES>(self.geo.recv_descs(), i);
-        let (size, offset, handle) = decode_desc(&b, "receive")?;
+        let (size, offset, handle, span) = decode_desc(&b, "receive")?;
         let chunks = match b[RECV_DESC_BYTES - 1] {
             0 => false,
             1 => true,
@@ -452,13 +500,14 @@ impl Channel {
             size,
             handle,
             offset,
+            span,
             chunks,
         })
     }
 
     /// Writes send descriptor `i` (sender, before publishing `SendPosted`).
     pub fn write_send_desc(&self, i: u64, d: &SendDesc) {
-        let mut b = encode_desc::<SEND_DESC_BYTES>(d.size, d.status.word(), d.handle);
+        let mut b = encode_desc::<SEND_DESC_BYTES>(d.size, d.status.word(), d.handle, d.span);
         b[SEND_DESC_BYTES - 8..].copy_from_slice(&d.offset.to_le_bytes());
         let p = self.desc_ptr(self.geo.send_descs(), i);
         // SAFETY: the descriptor is inside the mapping and the writer's until it publishes
@@ -486,7 +535,7 @@ impl Channel {
             });
         }
         let b = self.read_desc::<SEND_DESC_BYTES>(self.geo.send_descs(), i);
-        let (size, status, handle) = decode_desc(&b, "send")?;
+        let (size, status, handle, span) = decode_desc(&b, "send")?;
         if status >> 8 != i + 1 {
             return Err(CommError::Protocol(format!(
                 "send descriptor {i} carries message number {}",
@@ -500,6 +549,7 @@ impl Channel {
             status,
             handle,
             offset,
+            span,
         })
     }
 
@@ -582,6 +632,7 @@ impl Channel {
             status: SendStatus::Eager,
             handle: None,
             offset: 0,
+            span: Span::default(),
         })
     }
 

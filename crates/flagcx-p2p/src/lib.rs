@@ -89,7 +89,8 @@ pub struct PathStats {
     /// proxy to tell the peer and retire the pair.
     pub caller_failures: u64,
     /// Peer allocations whose IPC mapping was closed while running: the mapping cache (256
-    /// entries) trimmed past its bound.
+    /// entries) trimmed past its bound, or a mapping of an allocation the peer freed (a new
+    /// allocation of that peer overlapped it).
     pub ipc_mappings_closed: u64,
     /// Operations whose caller's stream already waited at this rank's closed gate for an
     /// earlier one: the gate was made to wait for them too, and nothing was enqueued for them

@@ -3,7 +3,7 @@
 //! what we encode must decode to itself. `cargo xtask fuzz` runs these with many more cases.
 
 use flagcx_adaptor::{Capabilities, IpcMemHandle, Vendor};
-use flagcx_p2p::channel::{Channel, Geometry, RecvDesc};
+use flagcx_p2p::channel::{Channel, Geometry, RecvDesc, Span};
 use flagcx_p2p::config::{HostDirect, IpcCopier};
 use flagcx_p2p::peer::PeerInfo;
 use flagcx_p2p::wire::{self, Reader, Tag, MAX_PAYLOAD};
@@ -262,6 +262,8 @@ proptest! {
         size in any::<u64>(),
         offset in any::<u64>(),
         chunks in any::<bool>(),
+        handle in proptest::option::of(proptest::array::uniform32(any::<u8>())),
+        (base, len) in (any::<u64>(), any::<u64>()),
     ) {
         let ch = Channel::create(Geometry {
             slots: 0,
@@ -270,7 +272,17 @@ proptest! {
             eager: 0,
         }).unwrap();
         // A well-formed descriptor round-trips...
-        let d = RecvDesc { size, handle: None, offset, chunks };
+        // (A span travels with a handle only.)
+        let handle = handle.map(|b| {
+            let mut bytes = [0u8; flagcx_adaptor::IPC_HANDLE_BYTES];
+            bytes[..32].copy_from_slice(&b);
+            IpcMemHandle { vendor: Vendor::Cuda, bytes }
+        });
+        let span = match handle {
+            Some(_) => Span { base, len },
+            None => Span::default(),
+        };
+        let d = RecvDesc { size, handle, offset, span, chunks };
         ch.write_recv_desc(3, &d);
         prop_assert_eq!(ch.read_recv_desc(3).unwrap(), d);
         // ...and arbitrary bytes in its place (a corrupt or hostile peer) never panic.

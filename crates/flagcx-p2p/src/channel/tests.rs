@@ -33,6 +33,10 @@ fn descriptors_round_trip_through_two_mappings() {
             size: 10 + i,
             handle: Some(h),
             offset: i * 3,
+            span: Span {
+                base: 0x7f00_0000_0000 + (i << 21),
+                len: 4096 * (i + 1),
+            },
             chunks: i % 2 == 1,
         };
         rx.write_recv_desc(i, &d);
@@ -44,6 +48,14 @@ fn descriptors_round_trip_through_two_mappings() {
             status: SendStatus::SizeMismatch,
             handle: (i % 2 == 0).then_some(h),
             offset: i * 5 + 1,
+            // A span travels with its handle only.
+            span: match i % 2 {
+                0 => Span {
+                    base: u64::MAX - 4096 * (i + 1),
+                    len: 4096 * (i + 1),
+                },
+                _ => Span::default(),
+            },
         };
         tx.write_send_desc(i, &s);
         assert_eq!(rx.read_send_desc(i).unwrap(), s);
@@ -80,6 +92,7 @@ fn an_unknown_send_status_is_a_protocol_error() {
             status,
             handle: None,
             offset: 0,
+            span: Span::default(),
         };
         ch.write_send_desc(k as u64, &d);
         assert_eq!(ch.read_send_desc(k as u64).unwrap(), d);
@@ -132,6 +145,7 @@ fn a_take_s_word_sits_past_the_receive_descriptor_and_survives_its_rewrite() {
         size: u64::MAX,
         handle: None,
         offset: u64::MAX,
+        span: Span::default(),
         chunks: true,
     };
     ch.write_recv_desc(5, &d);
@@ -229,6 +243,7 @@ fn eager_slots_carry_messages_beside_the_ring() {
         status: SendStatus::Eager,
         handle: None,
         offset: 0,
+        span: Span::default(),
     };
     let mut got = vec![0u8; 101];
     // SAFETY: `got` is large enough; the size check fails first anyway.
@@ -314,6 +329,7 @@ fn late_words_sit_past_the_taken_word_and_survive_a_descriptor_rewrite() {
             size: 1 << 40,
             handle: None,
             offset: 77,
+            span: Span::default(),
             chunks: true,
         };
         ch.write_recv_desc(i, &d);
@@ -322,4 +338,20 @@ fn late_words_sit_past_the_taken_word_and_survive_a_descriptor_rewrite() {
             assert_eq!(ch.late_word(i, w).load(Ordering::Relaxed), 1000 + n as u64);
         }
     }
+}
+
+#[test]
+fn spans_overlap_only_where_both_are_known_and_share_a_byte() {
+    let s = |base, len| Span { base, len };
+    assert!(s(100, 10).overlaps(&s(109, 1)));
+    assert!(s(109, 1).overlaps(&s(100, 10)));
+    assert!(s(100, 10).overlaps(&s(50, 100)));
+    assert!(!s(100, 10).overlaps(&s(110, 10)), "adjacent");
+    assert!(!s(110, 10).overlaps(&s(100, 10)), "adjacent");
+    assert!(!s(100, 0).overlaps(&s(100, 10)), "unknown");
+    assert!(!s(0, 0).overlaps(&s(0, 0)));
+    assert!(
+        s(u64::MAX - 5, 10).overlaps(&s(u64::MAX - 1, 1)),
+        "no wrap at the top"
+    );
 }

@@ -193,9 +193,11 @@ impl<A: DeviceAdaptor> Comm<A> {
                 }
                 w.u64(slot as u64);
             } else {
-                let flag = crate::transport::export(a, words, TransportKind::Ipc)?
+                let flag = crate::transport::export(a, words, 8, TransportKind::Ipc)?;
+                let handle = flag
+                    .handle
                     .ok_or_else(|| CommError::Protocol("flag word has no IPC handle".into()))?;
-                w.bytes(&flag.0.to_wire()).u64(flag.1);
+                w.bytes(&handle.to_wire()).u64(flag.offset);
                 w.u32(buffers.len() as u32);
                 for b in buffers {
                     let h = b.inner.handle.as_ref().ok_or_else(|| {

@@ -18,7 +18,7 @@ use super::{
     answer, export, give_verdict, pull_without_copy, push_without_copy, send_failure,
     verdict_result, Path, Step,
 };
-use crate::channel::{Channel, Counter, RecvDesc, SendDesc, SendStatus};
+use crate::channel::{Channel, Counter, RecvDesc, SendDesc, SendStatus, Span};
 use crate::comm::{Comm, State};
 use crate::engine::{lock, recycle_event, Dir, Engine, Resume};
 use crate::error::{CommError, Result};
@@ -29,10 +29,49 @@ use crate::Request;
 /// closed, a few per pass while nothing is in flight (see the idle branch of `Engine::run`).
 pub(crate) const IPC_CACHE_MAX: usize = 256;
 
+/// One open mapping of a peer's allocation.
+#[derive(Clone, Copy)]
+pub(crate) struct Mapping {
+    /// Where it is mapped here.
+    base: DevicePtr,
+    /// The rank that exported it, and where the allocation lies in that rank's process.
+    peer: usize,
+    span: Span,
+}
+
+/// A peer's allocation that a copy reaches through the cache: its rank, handle and span (as
+/// its descriptor named them).
+#[derive(Clone, Copy)]
+pub(crate) struct Theirs {
+    pub(crate) peer: usize,
+    pub(crate) handle: Option<IpcMemHandle>,
+    pub(crate) span: Span,
+}
+
+impl Theirs {
+    /// The allocation a receive descriptor names.
+    pub(crate) fn recv(peer: usize, d: &RecvDesc) -> Self {
+        Theirs {
+            peer,
+            handle: d.handle,
+            span: d.span,
+        }
+    }
+
+    /// The allocation a send descriptor (an offer) names.
+    pub(crate) fn send(peer: usize, d: &SendDesc) -> Self {
+        Theirs {
+            peer,
+            handle: d.handle,
+            span: d.span,
+        }
+    }
+}
+
 /// Open peer allocations (IPC mappings) and when each was last used.
 #[derive(Default)]
 pub(crate) struct IpcCache {
-    map: HashMap<[u8; IpcMemHandle::WIRE_LEN], (DevicePtr, u64)>,
+    map: HashMap<[u8; IpcMemHandle::WIRE_LEN], (Mapping, u64)>,
     uses: u64,
     /// Copies that posting threads issued on their own streams through a mapping of this cache
     /// and whose completion nobody has seen yet: while there are any, no mapping is closed
@@ -40,7 +79,7 @@ pub(crate) struct IpcCache {
     pub caller_copies: usize,
     /// Handles opened (cache misses), for `FLAGCX_PROFILE`.
     pub opens: u64,
-    /// Mappings closed while running (trimming past the bound), for [`crate::Comm::stats`].
+    /// Mappings closed while running (past the bound, or stale), for [`crate::Comm::stats`].
     pub closes: u64,
     /// Late copies (`transport::late`) in flight through each mapping: those are never closed
     /// when a stale mapping must go (see [`IpcCache::open_busy`]).
@@ -63,24 +102,55 @@ impl IpcCache {
         self.map.len() > IPC_CACHE_MAX && self.caller_copies == 0
     }
 
-    /// Maps the peer's allocation behind `handle`, or reuses an earlier mapping of it.
-    pub fn open<A: DeviceAdaptor>(
-        &mut self,
-        adaptor: &A,
-        handle: Option<IpcMemHandle>,
-    ) -> Result<DevicePtr> {
-        let handle =
-            handle.ok_or_else(|| CommError::Protocol("IPC descriptor without a handle".into()))?;
+    /// Maps the peer's allocation behind `theirs.handle`, or reuses an earlier mapping of it.
+    ///
+    /// Before a new mapping, those of the same peer whose allocations overlap the new one are
+    /// closed: the peer freed them (two of its live allocations never overlap), and the
+    /// runtime would refuse the new mapping beside them (`CUDA_ERROR_ALREADY_MAPPED`). No copy
+    /// can be using one: a peer frees a buffer only once its operations are done, and those
+    /// end after this rank's copies through it. A mapping a counted late copy holds is kept
+    /// all the same (then the open fails, as the runtime says).
+    pub fn open<A: DeviceAdaptor>(&mut self, adaptor: &A, theirs: Theirs) -> Result<DevicePtr> {
+        let handle = theirs
+            .handle
+            .ok_or_else(|| CommError::Protocol("IPC descriptor without a handle".into()))?;
         let key = handle.to_wire();
         self.uses += 1;
         if let Some(e) = self.map.get_mut(&key) {
             e.1 = self.uses;
-            return Ok(e.0);
+            return Ok(e.0.base);
         }
-        let b = adaptor.ipc_open_handle(&handle)?;
+        let stale: Vec<_> = self
+            .map
+            .iter()
+            .filter(|(k, (m, _))| {
+                m.peer == theirs.peer
+                    && m.span.overlaps(&theirs.span)
+                    && !self.busy.contains_key(*k)
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        for k in stale {
+            if let Some((m, _)) = self.map.remove(&k) {
+                tracing::debug!(
+                    peer = m.peer,
+                    "closing a stale IPC mapping (the peer freed it)"
+                );
+                // SAFETY: the peer freed the allocation, so no operation of its is left whose
+                // copy could use the mapping (see above), and no late copy holds it (`busy`).
+                let _ = unsafe { adaptor.ipc_close(m.base) };
+                self.closes += 1;
+            }
+        }
+        let base = adaptor.ipc_open_handle(&handle)?;
         self.opens += 1;
-        self.map.insert(key, (b, self.uses));
-        Ok(b)
+        let m = Mapping {
+            base,
+            peer: theirs.peer,
+            span: theirs.span,
+        };
+        self.map.insert(key, (m, self.uses));
+        Ok(base)
     }
 
     /// [`IpcCache::open`] for a late copy, counted busy until [`IpcCache::done_busy`]. Where the
@@ -91,10 +161,10 @@ impl IpcCache {
     pub fn open_busy<A: DeviceAdaptor>(
         &mut self,
         adaptor: &A,
-        handle: Option<IpcMemHandle>,
+        theirs: Theirs,
         all_tracked: bool,
     ) -> Result<DevicePtr> {
-        let b = match self.open(adaptor, handle) {
+        let b = match self.open(adaptor, theirs) {
             Err(e) if all_tracked && already_mapped(&e) => {
                 let idle: Vec<_> = self
                     .map
@@ -104,18 +174,18 @@ impl IpcCache {
                     .collect();
                 tracing::debug!(n = idle.len(), "{e}: closing the idle IPC mappings, once");
                 for key in idle {
-                    if let Some((base, _)) = self.map.remove(&key) {
+                    if let Some((m, _)) = self.map.remove(&key) {
                         // SAFETY: no late copy uses it (`busy`), and every copy through this
                         // cache is one (`all_tracked`).
-                        let _ = unsafe { adaptor.ipc_close(base) };
+                        let _ = unsafe { adaptor.ipc_close(m.base) };
                         self.closes += 1;
                     }
                 }
-                self.open(adaptor, handle)?
+                self.open(adaptor, theirs)?
             }
             r => r?,
         };
-        if let Some(h) = handle {
+        if let Some(h) = theirs.handle {
             *self.busy.entry(h.to_wire()).or_default() += 1;
         }
         self.caller_copies += 1;
@@ -261,14 +331,14 @@ pub(crate) fn running_copy_budget(spin: Duration, running: bool) -> Duration {
 }
 
 impl<A: DeviceAdaptor> Engine<A> {
-    /// Maps the peer's allocation behind `handle`, or reuses an earlier mapping of it.
-    pub(crate) fn open_ipc(&mut self, handle: Option<IpcMemHandle>) -> Result<DevicePtr> {
-        lock(&self.shared.ipc).open(&self.adaptor, handle)
+    /// Maps the peer's allocation, or reuses an earlier mapping of it.
+    pub(crate) fn open_ipc(&mut self, theirs: Theirs) -> Result<DevicePtr> {
+        lock(&self.shared.ipc).open(&self.adaptor, theirs)
     }
 
     /// Opens (or reuses) the receiver's allocation and enqueues the one copy into it.
     pub(crate) fn issue_ipc_copy(&mut self, step: &Step, desc: &RecvDesc) -> Result<EventHandle> {
-        let base = self.open_ipc(desc.handle)?;
+        let base = self.open_ipc(Theirs::recv(step.op.peer, desc))?;
         let dst = DevicePtr(base.0 + desc.offset);
         let (src, n, stream) = (step.op.ptr, step.op.bytes, self.send_stream);
         self.enqueue(stream, |a| {
@@ -282,7 +352,7 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// Opens (or reuses) the sender's allocation and enqueues the one copy out of it into the
     /// caller's receive buffer.
     pub(crate) fn issue_ipc_pull(&mut self, step: &Step, offer: &SendDesc) -> Result<EventHandle> {
-        let base = self.open_ipc(offer.handle)?;
+        let base = self.open_ipc(Theirs::send(step.op.peer, offer))?;
         let src = DevicePtr(base.0 + offer.offset);
         let (dst, n, stream) = (step.op.ptr, offer.size as usize, self.recv_stream);
         self.enqueue(stream, |a| {
@@ -301,11 +371,11 @@ impl<A: DeviceAdaptor> Engine<A> {
         }
         let _ = self.adaptor.stream_synchronize(self.send_stream);
         let _ = self.adaptor.stream_synchronize(self.recv_stream);
-        for (_, (base, _)) in lock(&self.shared.ipc).map.drain() {
+        for (_, (m, _)) in lock(&self.shared.ipc).map.drain() {
             // SAFETY: both proxy streams are idle and no caller is left that could copy (the
             // communicator is being destroyed, and each caller's copy was waited for before
             // its operation finished), so no copy uses the mapping.
-            let _ = unsafe { self.adaptor.ipc_close(base) };
+            let _ = unsafe { self.adaptor.ipc_close(m.base) };
         }
     }
 
@@ -322,10 +392,10 @@ impl<A: DeviceAdaptor> Engine<A> {
         let closed = victims.len() as u64;
         cache.closes += closed;
         for key in victims {
-            if let Some((base, _)) = cache.map.remove(&key) {
+            if let Some((m, _)) = cache.map.remove(&key) {
                 // SAFETY: both proxy streams are idle and no posting thread's copy is in
                 // flight (`caller_copies`, checked under this lock), so no copy uses it.
-                let _ = unsafe { self.adaptor.ipc_close(base) };
+                let _ = unsafe { self.adaptor.ipc_close(m.base) };
             }
         }
         if let Some(p) = self.profile.as_mut() {
@@ -447,13 +517,13 @@ impl<A: DeviceAdaptor> Comm<A> {
             return Ok(Caller::HandOff(None));
         }
         // The peer's buffer (its allocation's handle and the offset in it), and the bytes.
-        let (handle, offset, n) = match dir {
+        let (theirs, offset, n) = match dir {
             Dir::Send => {
                 let desc = ch.read_recv_desc(k)?;
                 if let Some(r) = push_without_copy(ch, k, bytes, &desc, peer) {
                     return Ok(Caller::Done(r));
                 }
-                (desc.handle, desc.offset, bytes)
+                (Theirs::recv(peer, &desc), desc.offset, bytes)
             }
             Dir::Recv => {
                 let offer = ch.read_send_desc(k)?;
@@ -463,12 +533,16 @@ impl<A: DeviceAdaptor> Comm<A> {
                 if let Some(r) = pull_without_copy(ch, k, bytes, &offer, peer) {
                     return Ok(Caller::Done(r));
                 }
-                (offer.handle, offer.offset, offer.size as usize)
+                (
+                    Theirs::send(peer, &offer),
+                    offer.offset,
+                    offer.size as usize,
+                )
             }
         };
         let push = dir == Dir::Send;
         let ev = self
-            .caller_copy(stream, handle, offset, ptr, n, push)
+            .caller_copy(stream, theirs, offset, ptr, n, push)
             .inspect_err(|_| {
                 if push {
                     answer(ch, k, bytes, SendStatus::SenderFailed);
@@ -509,18 +583,15 @@ impl<A: DeviceAdaptor> Comm<A> {
         if !ch.window_open(k) {
             return Ok(Caller::HandOff(None));
         }
-        let (handle, offset) = match bytes {
-            0 => (None, 0),
-            _ => export(&self.adaptor, ptr, TransportKind::Ipc)?
-                .map_or((None, 0), |(h, offset)| (Some(h), offset)),
-        };
+        let e = export(&self.adaptor, ptr, bytes, TransportKind::Ipc)?;
         match dir {
             Dir::Send => {
                 let sd = SendDesc {
                     size: bytes as u64,
                     status: SendStatus::Ok,
-                    handle,
-                    offset,
+                    handle: e.handle,
+                    offset: e.offset,
+                    span: e.span,
                 };
                 ch.write_send_desc(k, &sd);
                 ch.store(Counter::SendPosted, k + 1);
@@ -528,8 +599,9 @@ impl<A: DeviceAdaptor> Comm<A> {
             Dir::Recv => {
                 let rd = RecvDesc {
                     size: bytes as u64,
-                    handle,
-                    offset,
+                    handle: e.handle,
+                    offset: e.offset,
+                    span: e.span,
                     chunks: false,
                 };
                 ch.write_recv_desc(k, &rd);
@@ -566,7 +638,7 @@ impl<A: DeviceAdaptor> Comm<A> {
     pub(crate) fn caller_copy(
         &self,
         stream: StreamHandle,
-        handle: Option<flagcx_adaptor::IpcMemHandle>,
+        theirs: Theirs,
         offset: u64,
         ptr: DevicePtr,
         n: usize,
@@ -575,7 +647,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         let ev = self.spare_event()?;
         let issued = {
             let mut cache = lock(&self.shared.ipc);
-            let issued = cache.open(&self.adaptor, handle).and_then(|base| {
+            let issued = cache.open(&self.adaptor, theirs).and_then(|base| {
                 let theirs = DevicePtr(base.0 + offset);
                 let (dst, src) = if push { (theirs, ptr) } else { (ptr, theirs) };
                 // SAFETY: the peer's buffer lies at `offset` of its allocation, which it
@@ -697,9 +769,15 @@ mod tests {
             Some(a.ipc_get_handle(p).expect("handle"))
         };
         let (h1, h2, h3, h4) = (handle(64), handle(128), handle(256), handle(512));
+        let theirs = |handle| Theirs {
+            peer: 1,
+            handle,
+            span: Span::default(),
+        };
+        let (h1, h2, h3, h4) = (theirs(h1), theirs(h2), theirs(h3), theirs(h4));
         let mut c = IpcCache::default();
         c.open_busy(&a, h1, true).expect("first open");
-        c.done_busy(&h1.unwrap());
+        c.done_busy(&h1.handle.unwrap());
         c.open_busy(&a, h2, true).expect("second open");
         assert_eq!((c.map.len(), c.caller_copies), (2, 1));
         // h1 idle, h2 busy: the refused open of h3 closes h1 only, then maps h3.
@@ -709,11 +787,11 @@ mod tests {
         assert!(a.fired());
         assert_eq!(c.closes, 1);
         assert!(
-            c.map.contains_key(&h2.unwrap().to_wire()),
+            c.map.contains_key(&h2.handle.unwrap().to_wire()),
             "the busy mapping stays"
         );
         assert!(
-            !c.map.contains_key(&h1.unwrap().to_wire()),
+            !c.map.contains_key(&h1.handle.unwrap().to_wire()),
             "the idle one went"
         );
         assert_eq!(c.caller_copies, 2);
@@ -722,10 +800,59 @@ mod tests {
         let e = c.open_busy(&a, h4, false).unwrap_err();
         assert!(already_mapped(&e), "{e}");
         assert_eq!((c.closes, c.map.len()), (1, 2));
-        c.done_busy(&h2.unwrap());
-        c.done_busy(&h3.unwrap());
+        c.done_busy(&h2.handle.unwrap());
+        c.done_busy(&h3.handle.unwrap());
         assert_eq!(c.caller_copies, 0);
         assert!(c.busy.is_empty());
+    }
+
+    /// A new allocation of a peer that overlaps one the cache maps (the peer freed that one and
+    /// reused its addresses) closes the stale mapping before it is mapped; overlaps with another
+    /// peer's allocations, and a stale mapping a late copy holds, stay.
+    #[test]
+    fn a_peers_new_allocation_closes_the_mappings_it_overlaps() {
+        let a = flagcx_host::HostAdaptor::open(0).expect("host adaptor");
+        let at = |peer: usize, base: u64, len: u64| {
+            let p = a.mem_alloc(len.max(64) as usize).expect("alloc");
+            Theirs {
+                peer,
+                handle: Some(a.ipc_get_handle(p).expect("handle")),
+                span: Span { base, len },
+            }
+        };
+        let key = |t: &Theirs| t.handle.unwrap().to_wire();
+        let mut c = IpcCache::default();
+        let old = at(1, 0x10_0000, 0x2000);
+        let other_peer = at(2, 0x10_0000, 0x2000);
+        let beside = at(1, 0x10_2000, 0x1000);
+        for t in [old, other_peer, beside] {
+            c.open(&a, t).expect("open");
+        }
+        assert_eq!(
+            (c.map.len(), c.closes),
+            (3, 0),
+            "no overlap within one peer yet"
+        );
+        let base = c.open(&a, old).expect("again");
+        assert_eq!((c.opens, c.map[&key(&old)].0.base), (3, base), "a hit");
+        // Peer 1 freed `old` and allocated across its end.
+        let new = at(1, 0x10_1000, 0x800);
+        c.open(&a, new).expect("open the new allocation");
+        assert_eq!((c.map.len(), c.closes, c.opens), (3, 1, 4));
+        assert!(!c.map.contains_key(&key(&old)), "the stale mapping went");
+        for t in [other_peer, beside, new] {
+            assert!(c.map.contains_key(&key(&t)));
+        }
+        // A late copy holds `new`; an overlapping open keeps it.
+        c.open_busy(&a, new, false).expect("busy");
+        let newer = at(1, 0x10_1400, 0x100);
+        c.open(&a, newer).expect("open beside a busy stale mapping");
+        assert!(c.map.contains_key(&key(&new)), "held by a late copy");
+        c.done_busy(&new.handle.unwrap());
+        // Unknown spans never overlap.
+        let unknown = at(1, 0, 0);
+        c.open(&a, unknown).expect("open");
+        assert_eq!(c.closes, 1);
     }
 
     #[test]

@@ -48,6 +48,7 @@ use crate::engine::{lock, Dir, Engine, Op};
 use crate::error::{CommError, Result};
 use crate::op::Resume;
 use crate::peer::{PeerInfo, TransportKind};
+use crate::transport::ipc::Theirs;
 use crate::transport::streamed::StreamLink;
 use crate::transport::Progress;
 
@@ -159,29 +160,25 @@ impl<A: DeviceAdaptor> Comm<A> {
         if fault > k {
             return Err(remote_failure(op.peer, fault));
         }
-        let (handle, offset) = match bytes {
-            0 => (None, 0),
-            _ => match export(&self.adaptor, op.ptr, TransportKind::Ipc)? {
-                Some((h, o)) => (Some(h), o),
-                None => (None, 0),
-            },
-        };
+        let e = export(&self.adaptor, op.ptr, bytes, TransportKind::Ipc)?;
         match sender {
             true => ch.write_send_desc(
                 k,
                 &SendDesc {
                     size: bytes as u64,
                     status: SendStatus::Ok,
-                    handle,
-                    offset,
+                    handle: e.handle,
+                    offset: e.offset,
+                    span: e.span,
                 },
             ),
             false => ch.write_recv_desc(
                 k,
                 &RecvDesc {
                     size: bytes as u64,
-                    handle,
-                    offset,
+                    handle: e.handle,
+                    offset: e.offset,
+                    span: e.span,
                     chunks: false,
                 },
             ),
@@ -197,11 +194,19 @@ impl<A: DeviceAdaptor> Comm<A> {
         let (send, recv, theirs) = match sender {
             true => {
                 let d = ch.read_recv_desc(k)?;
-                (bytes, d.size as usize, (d.handle, d.offset))
+                (
+                    bytes,
+                    d.size as usize,
+                    (Theirs::recv(op.peer, &d), d.offset),
+                )
             }
             false => {
                 let d = ch.read_send_desc(k)?;
-                (d.size as usize, bytes, (d.handle, d.offset))
+                (
+                    d.size as usize,
+                    bytes,
+                    (Theirs::send(op.peer, &d), d.offset),
+                )
             }
         };
         ch.late_word(k, LateWord::SendBytes)
@@ -237,7 +242,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         };
         op.resume = Some(Resume::Late {
             second: true,
-            mapping: theirs.0.filter(|_| send > 0).map(Box::new),
+            mapping: theirs.0.handle.filter(|_| send > 0).map(Box::new),
         });
         let (src, dst) = match sender {
             true => (op.ptr, peer_buf),

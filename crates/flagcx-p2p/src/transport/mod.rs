@@ -33,7 +33,7 @@ use std::time::Instant;
 
 use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, IpcMemHandle};
 
-use crate::channel::{Channel, Counter, RecvDesc, SendDesc, SendStatus, RETIRED};
+use crate::channel::{Channel, Counter, RecvDesc, SendDesc, SendStatus, Span, RETIRED};
 use crate::engine::{Op, Shared};
 use crate::error::{CommError, Result};
 use crate::peer::TransportKind;
@@ -241,22 +241,42 @@ pub(crate) enum Progress {
     Done(Result<usize>),
 }
 
-/// The IPC handle of the allocation holding `ptr`, and `ptr`'s offset in it: what a peer needs
-/// to reach the buffer (the receiver's for a push, the sender's for a pull). An IPC pair cannot
-/// do without it (the failure is the operation's); on the direct path a buffer that cannot be
-/// exported (not host-vendor device memory) just takes the ring: `None`.
+/// A buffer as a descriptor names it for the peer: the IPC handle of the allocation holding it
+/// (`None`: not exported), its offset in that allocation, and where the allocation lies here.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Exported {
+    pub(crate) handle: Option<IpcMemHandle>,
+    pub(crate) offset: u64,
+    pub(crate) span: Span,
+}
+
+/// What a peer needs to reach the buffer at `ptr` (the receiver's for a push, the sender's for
+/// a pull). An IPC pair cannot do without it (the failure is the operation's); on the direct
+/// path a buffer that cannot be exported (not host-vendor device memory) just takes the ring:
+/// no handle. A zero-byte buffer is never exported (it may have no allocation).
 pub(crate) fn export<A: DeviceAdaptor>(
     a: &A,
     ptr: DevicePtr,
+    bytes: usize,
     transport: TransportKind,
-) -> Result<Option<(IpcMemHandle, u64)>> {
-    let exported = a
-        .mem_get_range(ptr)
-        .and_then(|(base, _)| Ok((a.ipc_get_handle(base)?, ptr.0 - base.0)));
+) -> Result<Exported> {
+    if bytes == 0 {
+        return Ok(Exported::default());
+    }
+    let exported = a.mem_get_range(ptr).and_then(|(base, len)| {
+        Ok(Exported {
+            handle: Some(a.ipc_get_handle(base)?),
+            offset: ptr.0 - base.0,
+            span: Span {
+                base: base.0,
+                len: len as u64,
+            },
+        })
+    });
     match exported {
-        Ok(x) => Ok(Some(x)),
+        Ok(x) => Ok(x),
         Err(e) if transport == TransportKind::Ipc => Err(e.into()),
-        Err(_) => Ok(None),
+        Err(_) => Ok(Exported::default()),
     }
 }
 
@@ -353,6 +373,7 @@ pub(crate) fn answer(out: &Channel, index: u64, bytes: usize, status: SendStatus
             status,
             handle: None,
             offset: 0,
+            span: Span::default(),
         },
     );
     out.store(Counter::SendPosted, index + 1);
@@ -365,6 +386,7 @@ pub(crate) fn give_verdict(inc: &Channel, index: u64, recv_bytes: usize) {
         size: recv_bytes as u64,
         handle: None,
         offset: 0,
+        span: Span::default(),
         chunks: false,
     };
     inc.write_recv_desc(index, &d);

@@ -14,7 +14,7 @@ use super::{
     answer, export, give_verdict, pull_without_copy, push_without_copy, remote_failure,
     send_failure, started, verdict_result, Path, Phase, Progress, Step,
 };
-use crate::channel::{Counter, RecvDesc, SendDesc, SendStatus};
+use crate::channel::{Counter, RecvDesc, SendDesc, SendStatus, Span};
 use crate::engine::{Dir, Engine};
 use crate::error::Result;
 use crate::peer::TransportKind;
@@ -93,24 +93,18 @@ impl<A: DeviceAdaptor> Engine<A> {
                     return Ok(Progress::Idle { on_peer: true });
                 }
                 let bytes = step.op.bytes;
-                let (handle, offset) = if bytes > 0 {
-                    // The receiver's copy engine reads straight from the buffer, so it may only
-                    // be offered once earlier work on the caller's stream is done.
-                    if !started(&self.adaptor, self.watermark, &step.op)? {
-                        return Ok(Progress::Idle { on_peer: false });
-                    }
-                    match export(&self.adaptor, step.op.ptr, conn.transport)? {
-                        Some((h, offset)) => (Some(h), offset),
-                        None => (None, 0),
-                    }
-                } else {
-                    (None, 0)
-                };
+                // The receiver's copy engine reads straight from the buffer, so it may only be
+                // offered once earlier work on the caller's stream is done.
+                if bytes > 0 && !started(&self.adaptor, self.watermark, &step.op)? {
+                    return Ok(Progress::Idle { on_peer: false });
+                }
+                let e = export(&self.adaptor, step.op.ptr, bytes, conn.transport)?;
                 let sd = SendDesc {
                     size: bytes as u64,
                     status: SendStatus::Ok,
-                    handle,
-                    offset,
+                    handle: e.handle,
+                    offset: e.offset,
+                    span: e.span,
                 };
                 conn.out.write_send_desc(step.index, &sd);
                 conn.out.store(Counter::SendPosted, step.index + 1);
@@ -171,6 +165,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                     size: bytes as u64,
                     handle: None,
                     offset: 0,
+                    span: Span::default(),
                     chunks: false,
                 };
                 if bytes > 0 && (ipc || conn.roles.peer_maps) {
@@ -179,9 +174,8 @@ impl<A: DeviceAdaptor> Engine<A> {
                     if !started(&self.adaptor, self.watermark, &step.op)? {
                         return Ok(Progress::Idle { on_peer: false });
                     }
-                    if let Some((h, offset)) = export(&self.adaptor, step.op.ptr, conn.transport)? {
-                        (desc.handle, desc.offset) = (Some(h), offset);
-                    }
+                    let e = export(&self.adaptor, step.op.ptr, bytes, conn.transport)?;
+                    (desc.handle, desc.offset, desc.span) = (e.handle, e.offset, e.span);
                 }
                 let conn = self.peers[p].as_mut().expect("present");
                 conn.inc.write_recv_desc(step.index, &desc);
@@ -257,6 +251,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                         size: bytes as u64,
                         handle: None,
                         offset: 0,
+                        span: Span::default(),
                         chunks: true,
                     };
                     conn.inc.write_recv_desc(step.index, &d);

@@ -437,6 +437,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                         size: bytes as u64,
                         handle: None,
                         offset: 0,
+                        span: crate::channel::Span::default(),
                         chunks: false,
                     };
                     conn.inc.write_recv_desc(k, &desc);
