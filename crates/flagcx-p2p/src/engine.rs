@@ -318,7 +318,8 @@ impl<A: DeviceAdaptor> Engine<A> {
         })
     }
 
-    /// With nothing in flight, closes a few IPC mappings past the cache's bound; whether it did.
+    /// With nothing in flight, closes a few IPC mappings: stale ones (allocations the peers
+    /// freed) and those past the cache's bound; whether it did.
     ///
     /// Closing a mapping may wait for the whole device context, including callers' streams
     /// that wait for this communicator's operations, so the cache is trimmed only here: nothing
@@ -330,7 +331,7 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// idle while a caller posted the next operation stalled it. Posting threads' own copies
     /// (`IpcCache::caller_copies`) hold it off too.
     pub(crate) fn trim_at_rest(&mut self) -> bool {
-        if !lock(&self.shared.ipc).over_bound() || !self.streams_idle() {
+        if !lock(&self.shared.ipc).wants_trim() || !self.streams_idle() {
             return false;
         }
         let quiet = {

@@ -37,6 +37,9 @@ pub(crate) struct Mapping {
     /// The rank that exported it, and where the allocation lies in that rank's process.
     peer: usize,
     span: Span,
+    /// A later allocation of the same peer overlapped it: the peer freed this one. Closed at
+    /// rest ([`Engine::trim_at_rest`]), before the least recently used.
+    stale: bool,
 }
 
 /// A peer's allocation that a copy reaches through the cache: its rank, handle and span (as
@@ -73,6 +76,11 @@ impl Theirs {
 pub(crate) struct IpcCache {
     map: HashMap<[u8; IpcMemHandle::WIRE_LEN], (Mapping, u64)>,
     uses: u64,
+    /// No caller's stream ever waits for this communicator (`FLAGCX_STREAM_JOIN=none`), so a
+    /// mapping may be closed while operations are in flight: closing one may wait for the
+    /// whole device context, which with joins includes streams waiting for the very operation
+    /// that needs the new mapping (seen on an H100: the ring hung).
+    close_in_flight: bool,
     /// Copies that posting threads issued on their own streams through a mapping of this cache
     /// and whose completion nobody has seen yet: while there are any, no mapping is closed
     /// (the proxy's streams being idle says nothing about the callers' streams).
@@ -96,20 +104,60 @@ fn already_mapped(e: &CommError) -> bool {
 }
 
 impl IpcCache {
-    /// Whether the cache holds more mappings than its bound, with no posting thread's copy
-    /// in flight (then the engine may trim it while idle).
-    pub(crate) fn over_bound(&self) -> bool {
-        self.map.len() > IPC_CACHE_MAX && self.caller_copies == 0
+    /// An empty cache; `close_in_flight`: see [`IpcCache::close_in_flight`].
+    pub(crate) fn new(close_in_flight: bool) -> Self {
+        IpcCache {
+            close_in_flight,
+            ..IpcCache::default()
+        }
+    }
+
+    /// Whether the cache holds more mappings than its bound or stale ones, with no posting
+    /// thread's copy in flight (then the engine may trim it while idle).
+    pub(crate) fn wants_trim(&self) -> bool {
+        self.caller_copies == 0
+            && (self.map.len() > IPC_CACHE_MAX || self.map.values().any(|(m, _)| m.stale))
+    }
+
+    /// The keys of `theirs.peer`'s mappings that overlap `theirs`.
+    fn overlapped(&self, theirs: &Theirs) -> Vec<[u8; IpcMemHandle::WIRE_LEN]> {
+        self.map
+            .iter()
+            .filter(|(_, (m, _))| m.peer == theirs.peer && m.span.overlaps(&theirs.span))
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
+    /// Closes the mappings of `keys`.
+    ///
+    /// # Safety
+    /// No copy uses any of them, and closing cannot wait for a stream that waits for this
+    /// communicator (see [`IpcCache::close_in_flight`] and [`Engine::trim_at_rest`]).
+    unsafe fn close<A: DeviceAdaptor>(
+        &mut self,
+        adaptor: &A,
+        keys: &[[u8; IpcMemHandle::WIRE_LEN]],
+    ) {
+        for k in keys {
+            if let Some((m, _)) = self.map.remove(k) {
+                // SAFETY: the caller's contract.
+                let _ = unsafe { adaptor.ipc_close(m.base) };
+                self.closes += 1;
+            }
+        }
     }
 
     /// Maps the peer's allocation behind `theirs.handle`, or reuses an earlier mapping of it.
     ///
-    /// Before a new mapping, those of the same peer whose allocations overlap the new one are
-    /// closed: the peer freed them (two of its live allocations never overlap), and the
-    /// runtime would refuse the new mapping beside them (`CUDA_ERROR_ALREADY_MAPPED`). No copy
-    /// can be using one: a peer frees a buffer only once its operations are done, and those
-    /// end after this rank's copies through it. A mapping a counted late copy holds is kept
-    /// all the same (then the open fails, as the runtime says).
+    /// Mappings of the same peer whose allocations overlap the new one are stale: the peer
+    /// freed them (two of its live allocations never overlap), so no copy can be using one (a
+    /// peer frees a buffer only once its operations are done, and those end after this rank's
+    /// copies through it). They are marked and closed at rest. Where the runtime refuses the
+    /// new mapping beside them (CUDA's `CUDA_ERROR_ALREADY_MAPPED`, seen with threads freeing
+    /// and allocating buffers between messages) and no caller's stream waits for this
+    /// communicator ([`IpcCache::close_in_flight`]), they are closed at once and the open is
+    /// tried again; otherwise the refusal is the operation's failure. A mapping a counted late
+    /// copy holds is never closed here.
     pub fn open<A: DeviceAdaptor>(&mut self, adaptor: &A, theirs: Theirs) -> Result<DevicePtr> {
         let handle = theirs
             .handle
@@ -120,34 +168,33 @@ impl IpcCache {
             e.1 = self.uses;
             return Ok(e.0.base);
         }
-        let stale: Vec<_> = self
-            .map
-            .iter()
-            .filter(|(k, (m, _))| {
-                m.peer == theirs.peer
-                    && m.span.overlaps(&theirs.span)
-                    && !self.busy.contains_key(*k)
-            })
-            .map(|(k, _)| *k)
-            .collect();
-        for k in stale {
-            if let Some((m, _)) = self.map.remove(&k) {
-                tracing::debug!(
-                    peer = m.peer,
-                    "closing a stale IPC mapping (the peer freed it)"
-                );
-                // SAFETY: the peer freed the allocation, so no operation of its is left whose
-                // copy could use the mapping (see above), and no late copy holds it (`busy`).
-                let _ = unsafe { adaptor.ipc_close(m.base) };
-                self.closes += 1;
+        let stale = self.overlapped(&theirs);
+        let base = match adaptor.ipc_open_handle(&handle).map_err(CommError::from) {
+            Err(e) if self.close_in_flight && !stale.is_empty() && already_mapped(&e) => {
+                let idle: Vec<_> = stale
+                    .iter()
+                    .filter(|k| !self.busy.contains_key(*k))
+                    .copied()
+                    .collect();
+                tracing::debug!(n = idle.len(), "{e}: closing the stale IPC mappings");
+                // SAFETY: stale (see above), held by no late copy (`busy`), and no stream
+                // waits for this communicator.
+                unsafe { self.close(adaptor, &idle) };
+                adaptor.ipc_open_handle(&handle)?
+            }
+            r => r?,
+        };
+        for k in &stale {
+            if let Some((m, _)) = self.map.get_mut(k) {
+                m.stale = true;
             }
         }
-        let base = adaptor.ipc_open_handle(&handle)?;
         self.opens += 1;
         let m = Mapping {
             base,
             peer: theirs.peer,
             span: theirs.span,
+            stale: false,
         };
         self.map.insert(key, (m, self.uses));
         Ok(base)
@@ -173,14 +220,9 @@ impl IpcCache {
                     .copied()
                     .collect();
                 tracing::debug!(n = idle.len(), "{e}: closing the idle IPC mappings, once");
-                for key in idle {
-                    if let Some((m, _)) = self.map.remove(&key) {
-                        // SAFETY: no late copy uses it (`busy`), and every copy through this
-                        // cache is one (`all_tracked`).
-                        let _ = unsafe { adaptor.ipc_close(m.base) };
-                        self.closes += 1;
-                    }
-                }
+                // SAFETY: no late copy uses them (`busy`), and every copy through this cache is
+                // one (`all_tracked`).
+                unsafe { self.close(adaptor, &idle) };
                 self.open(adaptor, theirs)?
             }
             r => r?,
@@ -379,8 +421,8 @@ impl<A: DeviceAdaptor> Engine<A> {
         }
     }
 
-    /// Closes up to `n` of the least recently used mappings beyond the bound (the caller
-    /// checked that both proxy streams are idle).
+    /// Closes up to `n` mappings: stale ones first, then the least recently used beyond the
+    /// bound (the caller checked that both proxy streams are idle and held off new posts).
     pub(crate) fn trim_ipc_cache(&mut self, n: usize) {
         let t0 = Instant::now();
         // Held throughout: a posting thread cannot take a mapping while it closes.
@@ -388,16 +430,21 @@ impl<A: DeviceAdaptor> Engine<A> {
         if cache.caller_copies > 0 {
             return;
         }
-        let victims = lru_victims(&cache.map, IPC_CACHE_MAX, n);
-        let closed = victims.len() as u64;
-        cache.closes += closed;
-        for key in victims {
-            if let Some((m, _)) = cache.map.remove(&key) {
-                // SAFETY: both proxy streams are idle and no posting thread's copy is in
-                // flight (`caller_copies`, checked under this lock), so no copy uses it.
-                let _ = unsafe { self.adaptor.ipc_close(m.base) };
-            }
+        let mut victims: Vec<_> = cache
+            .map
+            .iter()
+            .filter(|(_, (m, _))| m.stale)
+            .map(|(k, _)| *k)
+            .take(n)
+            .collect();
+        if victims.is_empty() {
+            victims = lru_victims(&cache.map, IPC_CACHE_MAX, n);
         }
+        let closed = victims.len() as u64;
+        // SAFETY: both proxy streams are idle, no posting thread's copy is in flight
+        // (`caller_copies`, checked under this lock) and new posts are held off, so no copy
+        // uses them and no stream waits for this communicator.
+        unsafe { cache.close(&self.adaptor, &victims) };
         if let Some(p) = self.profile.as_mut() {
             p.ipc_closes += closed;
             p.ipc_close_secs += t0.elapsed().as_secs_f64();
@@ -807,11 +854,15 @@ mod tests {
     }
 
     /// A new allocation of a peer that overlaps one the cache maps (the peer freed that one and
-    /// reused its addresses) closes the stale mapping before it is mapped; overlaps with another
-    /// peer's allocations, and a stale mapping a late copy holds, stay.
+    /// reused its addresses) marks the old mapping stale, to close at rest; overlaps with another
+    /// peer's allocations do not. Where the runtime refuses the new mapping, the stale ones are
+    /// closed at once only if no stream waits for the communicator (`close_in_flight`), and a
+    /// mapping a late copy holds never is.
     #[test]
-    fn a_peers_new_allocation_closes_the_mappings_it_overlaps() {
-        let a = flagcx_host::HostAdaptor::open(0).expect("host adaptor");
+    fn a_peers_new_allocation_makes_the_mappings_it_overlaps_stale() {
+        use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor};
+        let host = flagcx_host::HostAdaptor::open(0).expect("host adaptor");
+        let a = FaultyAdaptor::new(host, FaultOp::IpcOpenMapped, usize::MAX >> 2);
         let at = |peer: usize, base: u64, len: u64| {
             let p = a.mem_alloc(len.max(64) as usize).expect("alloc");
             Theirs {
@@ -821,38 +872,48 @@ mod tests {
             }
         };
         let key = |t: &Theirs| t.handle.unwrap().to_wire();
-        let mut c = IpcCache::default();
-        let old = at(1, 0x10_0000, 0x2000);
-        let other_peer = at(2, 0x10_0000, 0x2000);
-        let beside = at(1, 0x10_2000, 0x1000);
-        for t in [old, other_peer, beside] {
-            c.open(&a, t).expect("open");
+        let stale = |c: &IpcCache, t: &Theirs| c.map.get(&key(t)).map(|(m, _)| m.stale);
+        for close_in_flight in [false, true] {
+            let mut c = IpcCache::new(close_in_flight);
+            let old = at(1, 0x10_0000, 0x2000);
+            let other_peer = at(2, 0x10_0000, 0x2000);
+            let beside = at(1, 0x10_2000, 0x1000);
+            for t in [old, other_peer, beside] {
+                c.open(&a, t).expect("open");
+            }
+            assert!(!c.wants_trim(), "no overlap within one peer yet");
+            let base = c.open(&a, old).expect("again");
+            assert_eq!((c.opens, c.map[&key(&old)].0.base), (3, base), "a hit");
+            // Peer 1 freed `old` and allocated across its end: mapped beside the stale one.
+            let new = at(1, 0x10_1000, 0x800);
+            c.open(&a, new).expect("open the new allocation");
+            assert_eq!((c.map.len(), c.closes, c.opens), (4, 0, 4));
+            assert_eq!(stale(&c, &old), Some(true));
+            for t in [other_peer, beside, new] {
+                assert_eq!(stale(&c, &t), Some(false));
+            }
+            assert!(c.wants_trim(), "a stale mapping to close at rest");
+            // The runtime refuses the next one (it overlaps `new`, which a late copy holds,
+            // and `old` again).
+            c.open_busy(&a, new, false).expect("busy");
+            let newer = at(1, 0x10_1400, 0x100);
+            a.arm(0);
+            let r = c.open(&a, newer);
+            assert!(a.fired());
+            match close_in_flight {
+                false => {
+                    assert!(already_mapped(&r.unwrap_err()), "the refusal is the op's");
+                    assert_eq!(c.closes, 0);
+                }
+                true => {
+                    r.expect("opened after closing the stale mappings");
+                    assert_eq!(c.closes, 1, "`old` closed, `new` kept");
+                    assert_eq!(stale(&c, &old), None);
+                    assert_eq!(stale(&c, &new), Some(true));
+                }
+            }
+            c.done_busy(&new.handle.unwrap());
         }
-        assert_eq!(
-            (c.map.len(), c.closes),
-            (3, 0),
-            "no overlap within one peer yet"
-        );
-        let base = c.open(&a, old).expect("again");
-        assert_eq!((c.opens, c.map[&key(&old)].0.base), (3, base), "a hit");
-        // Peer 1 freed `old` and allocated across its end.
-        let new = at(1, 0x10_1000, 0x800);
-        c.open(&a, new).expect("open the new allocation");
-        assert_eq!((c.map.len(), c.closes, c.opens), (3, 1, 4));
-        assert!(!c.map.contains_key(&key(&old)), "the stale mapping went");
-        for t in [other_peer, beside, new] {
-            assert!(c.map.contains_key(&key(&t)));
-        }
-        // A late copy holds `new`; an overlapping open keeps it.
-        c.open_busy(&a, new, false).expect("busy");
-        let newer = at(1, 0x10_1400, 0x100);
-        c.open(&a, newer).expect("open beside a busy stale mapping");
-        assert!(c.map.contains_key(&key(&new)), "held by a late copy");
-        c.done_busy(&new.handle.unwrap());
-        // Unknown spans never overlap.
-        let unknown = at(1, 0, 0);
-        c.open(&a, unknown).expect("open");
-        assert_eq!(c.closes, 1);
     }
 
     #[test]
