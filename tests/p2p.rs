@@ -270,6 +270,7 @@ fn rank_worker() {
         "rejoin_pause" => rejoin_pause(&r),
         "waiter_progress" => waiter_progress(&r),
         "threads" => threads(&r, big),
+        "realloc" => realloc(&r),
         "random" => {
             for iter in 0..12u64 {
                 let to: Vec<(usize, usize)> = (0..n)
@@ -1521,6 +1522,36 @@ fn threads(r: &Rank, big: usize) {
     });
 }
 
+/// Buffers freed and allocated again between messages, as users of a caching allocator do: the
+/// peer's new buffers reuse the addresses of freed ones the copier still maps. Every byte is
+/// checked, and once the engine is at rest the copier must have closed the stale mappings
+/// (far fewer allocations than the cache's bound, so nothing else closes one).
+fn realloc(r: &Rank) {
+    let me = r.comm.rank();
+    let peer = 1 - me;
+    assert_eq!(
+        r.comm.transport(peer),
+        Some(flagcx::TransportKind::Ipc),
+        "rank {me}: the job is run where the pair is IPC"
+    );
+    for i in 0..48u64 {
+        let len = [4096usize, 65_536, 1 << 20, 3000, 200_000, 2 << 20][i as usize % 6];
+        r.exchange(&[(peer, len)], &[(peer, len)], 5000 + i);
+    }
+    if r.comm.ipc_copier(peer) != Some(me) {
+        return;
+    }
+    let t0 = Instant::now();
+    while r.comm.stats().ipc_mappings_closed == 0 && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let stats = r.comm.stats();
+    assert!(
+        stats.ipc_mappings_closed > 0,
+        "rank {me}: no stale IPC mapping was closed: {stats:?}"
+    );
+}
+
 /// A request that outlives its communicator completes with `Aborted` instead of hanging. Rank 1
 /// keeps its communicator a while, so rank 0's abort is its own teardown, not a lost peer.
 fn use_after_drop(r: Rank, prev: usize) {
@@ -2267,6 +2298,35 @@ fn threads_post_at_once() {
     job(4, &v, "threads", &[none]);
     job(3, &v, "threads", &[none, ("FLAGCX_P2P_DISABLE", "1")]);
     job(2, &v, "threads", &[none, ("FLAGCX_P2P_IPC_CALLER", "off")]);
+}
+
+/// A peer's freed buffers: their mappings are closed once the engine is at rest, however the
+/// messages move (posting threads or the proxy; the sender pushing, or the lower rank pushing
+/// and pulling; see `realloc`). On the GPU vendor under test where its pairs are IPC, else on
+/// host ranks.
+#[test]
+fn freed_buffers_close_their_mappings() {
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    let vendor = match v.as_str() {
+        "cuda" | "hip" => v.as_str(),
+        _ => "host",
+    };
+    let eager_off = ("FLAGCX_P2P_EAGER_MAX", "0");
+    job(2, vendor, "realloc", &[eager_off]);
+    job(
+        2,
+        vendor,
+        "realloc",
+        &[eager_off, ("FLAGCX_P2P_IPC_CALLER", "off")],
+    );
+    for copier in ["sender", "lower"] {
+        job(
+            2,
+            vendor,
+            "realloc",
+            &[eager_off, ("FLAGCX_P2P_IPC_COPIER", copier)],
+        );
+    }
 }
 
 /// Each sender pushes (the default between ranks on different devices; on one GPU `auto` picks
