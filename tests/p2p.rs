@@ -269,7 +269,8 @@ fn rank_worker() {
         "rejoin_groups" => rejoin_groups(&r),
         "rejoin_pause" => rejoin_pause(&r),
         "waiter_progress" => waiter_progress(&r),
-        "threads" => threads(&r, big),
+        "threads" => threads(&r, big, |_, _| &r.comm),
+        "threads_comms" => threads_comms(&r, big),
         "realloc" => realloc(&r),
         "random" => {
             for iter in 0..12u64 {
@@ -1471,7 +1472,12 @@ fn mismatch(r: &Rank, next: usize, prev: usize) {
 /// other rank one thread sends and one receives, each on a stream of its own and outside any
 /// group, a run of sizes across the eager, posting-thread, proxy and chunked paths — first
 /// each message waited for, then the whole run posted before any wait — every byte checked.
-fn threads(r: &Rank, big: usize) {
+/// Messages from `src` to `dst` go through `comm_for(src, dst)`.
+fn threads<'a>(
+    r: &'a Rank,
+    big: usize,
+    comm_for: impl Fn(usize, usize) -> &'a Comm<Adaptor> + Sync,
+) {
     let (me, n) = (r.comm.rank(), r.comm.nranks());
     let sizes: Vec<usize> = [1, 8, 1000, 40_000, (1 << 20) + 5, 3, 300_000, (4 << 20) + 1]
         .into_iter()
@@ -1481,6 +1487,10 @@ fn threads(r: &Rank, big: usize) {
         for q in (0..n).filter(|&q| q != me) {
             for sending in [true, false] {
                 let sizes = &sizes;
+                let comm = match sending {
+                    true => comm_for(me, q),
+                    false => comm_for(q, me),
+                };
                 sc.spawn(move || {
                     let s = Stream::new(&r.adaptor).expect("stream");
                     let tag = |round: usize, i: usize| (7000 + 100 * round + i) as u64;
@@ -1498,8 +1508,8 @@ fn threads(r: &Rank, big: usize) {
                             })
                             .collect();
                         let post = |b| match sending {
-                            true => r.comm.send(b, q, &s).expect("send"),
-                            false => r.comm.recv(b, q, &s).expect("recv"),
+                            true => comm.send(b, q, &s).expect("send"),
+                            false => comm.recv(b, q, &s).expect("recv"),
                         };
                         let got: Vec<usize> = match round {
                             0 => bufs.iter().map(|b| post(b).wait().expect("wait")).collect(),
@@ -1520,6 +1530,20 @@ fn threads(r: &Rank, big: usize) {
             }
         }
     });
+}
+
+/// The remedy the `Comm` docs give for threads that post at once with joined streams: a
+/// communicator per thread. Two ranks, a second communicator beside the job's; messages to the
+/// higher rank go through the first, to the lower through the second, so on each communicator
+/// one thread per rank posts, and the streams join (the default).
+fn threads_comms(r: &Rank, big: usize) {
+    let (me, n) = (r.comm.rank(), r.comm.nranks());
+    assert_eq!(n, 2, "one communicator per thread: two ranks");
+    let job = std::env::var("FLAGCX_UNIQUE_ID").expect("the launcher's job id");
+    let id = flagcx::p2p::UniqueId::derived(&format!("{job}/second"));
+    let config = flagcx::p2p::Config::from_env().expect("config");
+    let second = Comm::init(r.adaptor.clone(), me, n, &id, config).expect("second communicator");
+    threads(r, big, |src, dst| if src < dst { &r.comm } else { &second });
 }
 
 /// Buffers freed and allocated again between messages, as users of a caching allocator do: the
@@ -2298,6 +2322,23 @@ fn threads_post_at_once() {
     job(4, &v, "threads", &[none]);
     job(3, &v, "threads", &[none, ("FLAGCX_P2P_DISABLE", "1")]);
     job(2, &v, "threads", &[none, ("FLAGCX_P2P_IPC_CALLER", "off")]);
+}
+
+/// Threads that post at once with joined streams, each on a communicator of its own (see
+/// `threads_comms`): nothing waits for another thread's operations, so every run completes.
+#[test]
+fn threads_with_a_communicator_each() {
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    job(2, &v, "threads_comms", &[("FLAGCX_TIMEOUT_MS", "30000")]);
+    job(
+        2,
+        &v,
+        "threads_comms",
+        &[
+            ("FLAGCX_TIMEOUT_MS", "30000"),
+            ("FLAGCX_P2P_IPC_CALLER", "off"),
+        ],
+    );
 }
 
 /// A peer's freed buffers: their mappings are closed once the engine is at rest, however the
