@@ -1544,6 +1544,13 @@ fn threads_comms(r: &Rank, big: usize) {
     let config = flagcx::p2p::Config::from_env().expect("config");
     let second = Comm::init(r.adaptor.clone(), me, n, &id, config).expect("second communicator");
     threads(r, big, |src, dst| if src < dst { &r.comm } else { &second });
+    for c in [&r.comm, &second] {
+        let overlaps = c.stats().overlapping_posts;
+        assert_eq!(
+            overlaps, 0,
+            "rank {me}: one thread posts on each communicator"
+        );
+    }
 }
 
 /// Buffers freed and allocated again between messages, as users of a caching allocator do: the

@@ -38,7 +38,9 @@ use crate::PathStats;
 /// that complete that way. Threads that post on one communicator at once give each rank an
 /// interleaving of its own and can leave two ranks each waiting for the other (until
 /// `FLAGCX_TIMEOUT_MS`, an abort or a peer's loss): give each thread its own communicator, as
-/// NCCL requires, or join no streams and wait on the requests. Posting itself is thread safe.
+/// NCCL requires, or join no streams and wait on the requests. Posting itself is thread safe;
+/// posts that overlap another thread's are counted ([`PathStats::overlapping_posts`]) and, with
+/// joins, the first is logged as a warning.
 ///
 /// Outside a group, where nothing earlier of the pair and direction is in flight, the posting
 /// thread moves a message itself where it can: eagerly between host-addressable ranks
@@ -97,6 +99,8 @@ pub struct Comm<A: DeviceAdaptor> {
     /// destroyed the stream (a destroyed stream still runs what was queued).
     /// Beside it, the operation that last join waits for, and its gate.
     pub(crate) joined: Mutex<HandleMap<crate::join::Joined>>,
+    /// Who is posting now, to notice threads that post at once (`crate::posting`).
+    pub(crate) posting: crate::posting::Posting,
     pub(crate) page: WatermarkPage,
     /// See [`Comm::streams_share_queue`].
     pub(crate) streams_share_queue: bool,
@@ -196,7 +200,10 @@ impl<A: DeviceAdaptor> Comm<A> {
 
     /// Bytes this rank's finished operations moved, by path.
     pub fn stats(&self) -> PathStats {
-        self.shared.stats()
+        PathStats {
+            overlapping_posts: self.posting.overlaps.load(Ordering::Relaxed),
+            ..self.shared.stats()
+        }
     }
 
     /// Whether setup found this process's streams sharing one work queue, where a stream's
@@ -369,6 +376,9 @@ impl<A: DeviceAdaptor> Comm<A> {
         if self.is_aborted() {
             return Err(CommError::Aborted);
         }
+        let _post = self
+            .posting
+            .begin(self.config.join != crate::config::StreamJoin::None);
         if peer >= self.nranks {
             return Err(CommError::InvalidArgument(format!(
                 "peer {peer} is out of range (the job has {} ranks)",

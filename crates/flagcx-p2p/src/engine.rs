@@ -211,6 +211,7 @@ impl Shared {
             ipc_mappings_closed: lock(&self.ipc).closes,
             joins_held: self.joins_held.load(Ordering::Relaxed),
             waiter_moves: self.waiter_moves.load(Ordering::Relaxed),
+            overlapping_posts: 0,
         }
     }
 

@@ -50,6 +50,7 @@ mod numa;
 mod op;
 pub mod peer;
 pub mod port;
+mod posting;
 mod profile;
 mod request;
 mod setup;
@@ -100,4 +101,8 @@ pub struct PathStats {
     /// (`FLAGCX_P2P_WAITER_PROGRESS`, ranks whose copies are CPU copies): the waiter did the
     /// proxy's work.
     pub waiter_moves: u64,
+    /// Sends and receives that began while another thread of this process was posting on the
+    /// communicator. With joined streams that can leave ranks waiting on each other (see
+    /// [`Comm`], "one order per communicator"; the first is logged as a warning).
+    pub overlapping_posts: u64,
 }

@@ -573,6 +573,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             group: Mutex::new(None),
             group_scratch: Mutex::default(),
             joined: Mutex::new(HandleMap::default()),
+            posting: Default::default(),
             page,
             streams_share_queue,
             posts_wait,
