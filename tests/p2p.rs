@@ -269,7 +269,7 @@ fn rank_worker() {
         "rejoin_groups" => rejoin_groups(&r),
         "rejoin_pause" => rejoin_pause(&r),
         "waiter_progress" => waiter_progress(&r),
-        "threads" => threads(&r, big, |_, _| &r.comm),
+        "threads" => threads(&r, big, true, |_, _| &r.comm),
         "threads_comms" => threads_comms(&r, big),
         "realloc" => realloc(&r),
         "random" => {
@@ -1472,10 +1472,12 @@ fn mismatch(r: &Rank, next: usize, prev: usize) {
 /// other rank one thread sends and one receives, each on a stream of its own and outside any
 /// group, a run of sizes across the eager, posting-thread, proxy and chunked paths — first
 /// each message waited for, then the whole run posted before any wait — every byte checked.
-/// Messages from `src` to `dst` go through `comm_for(src, dst)`.
+/// Messages from `src` to `dst` go through `comm_for(src, dst)`; `fresh`: each run in buffers
+/// allocated for it (the last run's freed), else the first run's buffers again.
 fn threads<'a>(
     r: &'a Rank,
     big: usize,
+    fresh: bool,
     comm_for: impl Fn(usize, usize) -> &'a Comm<Adaptor> + Sync,
 ) {
     let (me, n) = (r.comm.rank(), r.comm.nranks());
@@ -1494,19 +1496,17 @@ fn threads<'a>(
                 sc.spawn(move || {
                     let s = Stream::new(&r.adaptor).expect("stream");
                     let tag = |round: usize, i: usize| (7000 + 100 * round + i) as u64;
+                    let mut bufs: Vec<_> = Vec::new();
                     for round in 0..2 {
-                        let bufs: Vec<_> = sizes
-                            .iter()
-                            .enumerate()
-                            .map(|(i, &len)| {
-                                let b = r.buffer(len);
-                                if sending {
-                                    let data = payload(me, q, tag(round, i), len);
-                                    b.write(0, &data, &s).expect("fill");
-                                }
-                                b
-                            })
-                            .collect();
+                        if fresh || bufs.is_empty() {
+                            bufs = sizes.iter().map(|&len| r.buffer(len)).collect();
+                        }
+                        if sending {
+                            for (i, b) in bufs.iter().enumerate() {
+                                let data = payload(me, q, tag(round, i), sizes[i]);
+                                b.write(0, &data, &s).expect("fill");
+                            }
+                        }
                         let post = |b| match sending {
                             true => comm.send(b, q, &s).expect("send"),
                             false => comm.recv(b, q, &s).expect("recv"),
@@ -1543,7 +1543,21 @@ fn threads_comms(r: &Rank, big: usize) {
     let id = flagcx::p2p::UniqueId::derived(&format!("{job}/second"));
     let config = flagcx::p2p::Config::from_env().expect("config");
     let second = Comm::init(r.adaptor.clone(), me, n, &id, config).expect("second communicator");
-    threads(r, big, |src, dst| if src < dst { &r.comm } else { &second });
+    // The first run's buffers again: where two threads free and allocate buffers between
+    // runs, CUDA may refuse to map a new one beside the stale mapping of a freed one, and with
+    // joined streams that refusal is the operation's (architecture.md, "Stale mappings").
+    threads(
+        r,
+        big,
+        false,
+        |src, dst| {
+            if src < dst {
+                &r.comm
+            } else {
+                &second
+            }
+        },
+    );
     for c in [&r.comm, &second] {
         let overlaps = c.stats().overlapping_posts;
         assert_eq!(

@@ -107,6 +107,8 @@ pub(crate) struct Shared {
     /// A released late copy's stream did not pass it in time: the pair's words stay mapped
     /// and registered for good (see `Engine::release_late`).
     pub late_kept: AtomicBool,
+    /// Held while this communicator joins callers' streams (see `transport::ipc::Joining`).
+    pub(crate) joining: Option<crate::transport::ipc::Joining>,
 }
 
 /// The word of the communicator's watermark page that callers' streams wait on.
@@ -320,7 +322,8 @@ impl<A: DeviceAdaptor> Engine<A> {
     }
 
     /// With nothing in flight, closes a few IPC mappings: stale ones (allocations the peers
-    /// freed) and those past the cache's bound; whether it did.
+    /// freed) and those past the cache's bound; whether it did. Never while another
+    /// communicator of the process joins streams (`transport::ipc::joining_elsewhere`).
     ///
     /// Closing a mapping may wait for the whole device context, including callers' streams
     /// that wait for this communicator's operations, so the cache is trimmed only here: nothing
@@ -332,7 +335,10 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// idle while a caller posted the next operation stalled it. Posting threads' own copies
     /// (`IpcCache::caller_copies`) hold it off too.
     pub(crate) fn trim_at_rest(&mut self) -> bool {
-        if !lock(&self.shared.ipc).wants_trim() || !self.streams_idle() {
+        if !lock(&self.shared.ipc).wants_trim()
+            || crate::transport::ipc::joining_elsewhere(self.shared.joining.is_some())
+            || !self.streams_idle()
+        {
             return false;
         }
         let quiet = {

@@ -408,6 +408,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             epoch: std::time::Instant::now(),
             verdict: Default::default(),
             late_kept: AtomicBool::new(false),
+            joining: (join != StreamJoin::None).then(crate::transport::ipc::Joining::new),
         });
         // Eager slots: small messages through shared host memory, copied by the CPU where a
         // rank's device memory is host addressable and by its runtime (a blocking copy on the

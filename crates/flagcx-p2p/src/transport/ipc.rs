@@ -25,7 +25,7 @@ use crate::peer::TransportKind;
 use crate::Request;
 
 mod cache;
-pub(crate) use cache::{IpcCache, Theirs};
+pub(crate) use cache::{joining_elsewhere, IpcCache, Joining, Theirs};
 
 /// The API side's handle on an IPC pair, for operations the posting thread moves itself
 /// ([`crate::Config::ipc_caller`]).

@@ -3,7 +3,7 @@
 //! bound are closed only at rest.
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use flagcx_adaptor::{DeviceAdaptor, DevicePtr, IpcMemHandle};
@@ -15,6 +15,37 @@ use crate::error::{CommError, Result};
 /// Peer allocations the proxy keeps open for IPC copies; past it, the least recently used are
 /// closed, a few per pass while nothing is in flight (see the idle branch of `Engine::run`).
 pub(crate) const IPC_CACHE_MAX: usize = 256;
+
+/// Live communicators of this process whose callers' streams join their operations (every
+/// `FLAGCX_STREAM_JOIN` but `none`).
+static JOINING: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts its communicator in [`JOINING`] while it lives (held by `Shared`).
+pub(crate) struct Joining(());
+
+impl Joining {
+    pub(crate) fn new() -> Self {
+        JOINING.fetch_add(1, Ordering::AcqRel);
+        Joining(())
+    }
+}
+
+impl Drop for Joining {
+    fn drop(&mut self) {
+        JOINING.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Whether a communicator of this process other than one (which joins streams where `mine`)
+/// joins streams. Closing a mapping may wait for every stream of the process, and a stream
+/// joined to another communicator's operation may wait for a peer whose progress waits, across
+/// processes, for this one (seen on an H100 with two communicators per rank: each rank's
+/// proxy closed a stale mapping at rest while the other communicator's stream waited, and
+/// both stalled until the 30 s timeout). There a communicator closes no mapping before its
+/// teardown.
+pub(crate) fn joining_elsewhere(mine: bool) -> bool {
+    JOINING.load(Ordering::Acquire) > usize::from(mine)
+}
 
 /// One open mapping of a peer's allocation.
 #[derive(Clone, Copy)]
@@ -157,7 +188,12 @@ impl IpcCache {
         }
         let stale = self.overlapped(&theirs);
         let base = match adaptor.ipc_open_handle(&handle).map_err(CommError::from) {
-            Err(e) if self.close_in_flight && !stale.is_empty() && already_mapped(&e) => {
+            Err(e)
+                if self.close_in_flight
+                    && !stale.is_empty()
+                    && already_mapped(&e)
+                    && !joining_elsewhere(false) =>
+            {
                 let idle: Vec<_> = stale
                     .iter()
                     .filter(|k| !self.busy.contains_key(*k))
