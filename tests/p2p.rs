@@ -56,6 +56,16 @@ struct Rank {
 }
 
 impl Rank {
+    /// A second communicator of the same ranks, beside the job's (its id derived from the
+    /// job's, configured from the environment).
+    fn second_comm(&self) -> Comm<Adaptor> {
+        let job = std::env::var("FLAGCX_UNIQUE_ID").expect("the launcher's job id");
+        let id = flagcx::p2p::UniqueId::derived(&format!("{job}/second"));
+        let config = flagcx::p2p::Config::from_env().expect("config");
+        let (me, n) = (self.comm.rank(), self.comm.nranks());
+        Comm::init(self.adaptor.clone(), me, n, &id, config).expect("second communicator")
+    }
+
     /// A buffer of at least one byte holding `len`.
     fn buffer(&self, len: usize) -> Arc<DeviceBuffer<Adaptor>> {
         Arc::new(DeviceBuffer::new(&self.adaptor, len.max(1)).expect("alloc"))
@@ -271,7 +281,10 @@ fn rank_worker() {
         "waiter_progress" => waiter_progress(&r),
         "threads" => threads(&r, big, true, |_, _| &r.comm),
         "threads_comms" => threads_comms(&r, big),
-        "realloc" => realloc(&r),
+        "realloc" => realloc(
+            &r,
+            std::env::var("FLAGCX_TEST_SECOND_COMM").as_deref() == Ok("1"),
+        ),
         "random" => {
             for iter in 0..12u64 {
                 let to: Vec<(usize, usize)> = (0..n)
@@ -1539,10 +1552,7 @@ fn threads<'a>(
 fn threads_comms(r: &Rank, big: usize) {
     let (me, n) = (r.comm.rank(), r.comm.nranks());
     assert_eq!(n, 2, "one communicator per thread: two ranks");
-    let job = std::env::var("FLAGCX_UNIQUE_ID").expect("the launcher's job id");
-    let id = flagcx::p2p::UniqueId::derived(&format!("{job}/second"));
-    let config = flagcx::p2p::Config::from_env().expect("config");
-    let second = Comm::init(r.adaptor.clone(), me, n, &id, config).expect("second communicator");
+    let second = r.second_comm();
     // The first run's buffers again: where two threads free and allocate buffers between
     // runs, CUDA may refuse to map a new one beside the stale mapping of a freed one, and with
     // joined streams that refusal is the operation's (architecture.md, "Stale mappings").
@@ -1571,7 +1581,11 @@ fn threads_comms(r: &Rank, big: usize) {
 /// peer's new buffers reuse the addresses of freed ones the copier still maps. Every byte is
 /// checked, and once the engine is at rest the copier must have closed the stale mappings
 /// (far fewer allocations than the cache's bound, so nothing else closes one).
-fn realloc(r: &Rank) {
+///
+/// With `beside` (`FLAGCX_TEST_SECOND_COMM=1`) a second communicator joining streams lives
+/// meanwhile: closing a mapping may wait for every stream of the process, so nothing may close
+/// until it is gone (architecture.md, "Stale mappings").
+fn realloc(r: &Rank, beside: bool) {
     let me = r.comm.rank();
     let peer = 1 - me;
     assert_eq!(
@@ -1579,11 +1593,22 @@ fn realloc(r: &Rank) {
         Some(flagcx::TransportKind::Ipc),
         "rank {me}: the job is run where the pair is IPC"
     );
+    let second = beside.then(|| r.second_comm());
     for i in 0..48u64 {
         let len = [4096usize, 65_536, 1 << 20, 3000, 200_000, 2 << 20][i as usize % 6];
         r.exchange(&[(peer, len)], &[(peer, len)], 5000 + i);
     }
-    if r.comm.ipc_copier(peer) != Some(me) {
+    let copier = r.comm.ipc_copier(peer) == Some(me);
+    if second.is_some() {
+        std::thread::sleep(Duration::from_millis(200));
+        let closed = r.comm.stats().ipc_mappings_closed;
+        assert_eq!(
+            closed, 0,
+            "rank {me}: closed beside a communicator that joins streams"
+        );
+        drop(second);
+    }
+    if !copier {
         return;
     }
     let t0 = Instant::now();
@@ -2389,6 +2414,13 @@ fn freed_buffers_close_their_mappings() {
             &[eager_off, ("FLAGCX_P2P_IPC_COPIER", copier)],
         );
     }
+    // Beside a second communicator that joins streams: nothing closes until it is gone.
+    job(
+        2,
+        vendor,
+        "realloc",
+        &[eager_off, ("FLAGCX_TEST_SECOND_COMM", "1")],
+    );
 }
 
 /// Each sender pushes (the default between ranks on different devices; on one GPU `auto` picks
