@@ -281,6 +281,7 @@ fn rank_worker() {
         "waiter_progress" => waiter_progress(&r),
         "threads" => threads(&r, big, true, |_, _| &r.comm),
         "threads_comms" => threads_comms(&r, big),
+        "thread_groups" => thread_groups(&r),
         "realloc" => realloc(
             &r,
             std::env::var("FLAGCX_TEST_SECOND_COMM").as_deref() == Ok("1"),
@@ -1577,6 +1578,45 @@ fn threads_comms(r: &Rank, big: usize) {
     }
 }
 
+/// A group belongs to the thread that opened it: while rank 0's main thread holds a group open
+/// with one send in it, another thread's send completes on its own (it was caught in the group
+/// and waited for its end before groups were per thread), and that thread cannot end the
+/// other's group. Rank 1 receives the other thread's message first, every byte checked.
+fn thread_groups(r: &Rank) {
+    let (grouped, alone) = (5000usize, 3000usize);
+    let limit = Duration::from_secs(10);
+    if r.comm.rank() == 0 {
+        let (a, b) = (r.filled(1, 9001, grouped), r.filled(1, 9002, alone));
+        r.stream.synchronize().expect("filled");
+        r.comm.group_begin().expect("group");
+        let in_group = r.comm.send(&a, 1, &r.stream).expect("grouped send");
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                let s = Stream::new(&r.adaptor).expect("stream");
+                let req = r.comm.send(&b, 1, &s).expect("send");
+                let sent = req.wait_timeout(limit);
+                assert_eq!(
+                    sent.expect("a send outside the other thread's group"),
+                    alone
+                );
+                match r.comm.group_end() {
+                    Err(CommError::InvalidArgument(_)) => {}
+                    other => panic!("ended another thread's group: {other:?}"),
+                }
+            });
+        });
+        r.comm.group_end().expect("group end");
+        assert_eq!(in_group.wait_timeout(limit).expect("grouped send"), grouped);
+    } else {
+        for (len, tag) in [(alone, 9002), (grouped, 9001)] {
+            let buf = r.buffer(len);
+            let req = r.comm.recv(&buf, 0, &r.stream).expect("recv");
+            assert_eq!(req.wait_timeout(limit).expect("recv"), len);
+            r.check(&buf, 0, tag, len);
+        }
+    }
+}
+
 /// Buffers freed and allocated again between messages, as users of a caching allocator do: the
 /// peer's new buffers reuse the addresses of freed ones the copier still maps. Every byte is
 /// checked, and once the engine is at rest the copier must have closed the stale mappings
@@ -2368,6 +2408,15 @@ fn threads_post_at_once() {
     job(4, &v, "threads", &[none]);
     job(3, &v, "threads", &[none, ("FLAGCX_P2P_DISABLE", "1")]);
     job(2, &v, "threads", &[none, ("FLAGCX_P2P_IPC_CALLER", "off")]);
+}
+
+/// Groups are per thread (see `thread_groups`).
+#[test]
+fn groups_belong_to_their_thread() {
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    job(2, &v, "thread_groups", &[]);
+    job(2, &v, "thread_groups", &[("FLAGCX_STREAM_JOIN", "none")]);
+    job(2, &v, "thread_groups", &[("FLAGCX_P2P_EAGER_MAX", "0")]);
 }
 
 /// Threads that post at once with joined streams, each on a communicator of its own (see

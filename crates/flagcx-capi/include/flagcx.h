@@ -239,7 +239,8 @@ const char *flagcxGetErrorString(flagcxResult_t result);
 const char *flagcxGetLastError(flagcxComm_t comm);
 
 /* Starts a group: sends and receives until flagcxGroupEnd progress together (a bidirectional
- * exchange must be grouped). Groups nest; the outermost end submits. */
+ * exchange must be grouped). Groups nest; the outermost end submits. A group belongs to the
+ * calling thread, as NCCL's do: other threads' calls meanwhile are not part of it. */
 flagcxResult_t flagcxGroupStart(flagcxComm_t comm);
 /* Ends a group and enqueues its operations; small messages between ranks with eager slots are
  * moved before it returns (it may wait up to FLAGCX_SPIN_US for the group's eager receives). */

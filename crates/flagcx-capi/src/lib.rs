@@ -93,8 +93,9 @@ pub struct flagcxComm {
     default_stream: StreamHandle,
     /// Requests not seen finished yet (for `flagcxCommFinalize`).
     pending: Mutex<Vec<Request>>,
-    /// Open `flagcxGroupStart`s: only the outermost pair opens and submits the group.
-    depth: Mutex<usize>,
+    /// Open `flagcxGroupStart`s per thread: only a thread's outermost pair opens and submits
+    /// its group (groups are per thread, as NCCL's are).
+    depth: Mutex<HashMap<std::thread::ThreadId, usize>>,
     last_error: Mutex<CString>,
     homo: bool,
 }
@@ -458,7 +459,7 @@ pub unsafe extern "C" fn flagcxCommInitRank(
             comm: c,
             default_stream,
             pending: Mutex::new(Vec::new()),
-            depth: Mutex::new(0),
+            depth: Mutex::default(),
             last_error: Mutex::new(CString::default()),
             homo,
         });
@@ -629,7 +630,8 @@ pub unsafe extern "C" fn flagcxGroupStart(comm: *mut flagcxComm) -> flagcxResult
     guard(Some(comm), || {
         // SAFETY: the caller's contract.
         let c = unsafe { comm_ref(comm) }?;
-        let mut depth = lock(&c.depth);
+        let mut depths = lock(&c.depth);
+        let depth = depths.entry(std::thread::current().id()).or_insert(0);
         if *depth == 0 {
             c.comm.group_begin()?;
         }
@@ -647,18 +649,19 @@ pub unsafe extern "C" fn flagcxGroupEnd(comm: *mut flagcxComm) -> flagcxResult_t
     guard(Some(comm), || {
         // SAFETY: the caller's contract.
         let c = unsafe { comm_ref(comm) }?;
-        let mut depth = lock(&c.depth);
-        match *depth {
+        let mut depths = lock(&c.depth);
+        let me = std::thread::current().id();
+        match depths.get(&me).copied().unwrap_or(0) {
             0 => Err(Failure(
                 flagcxInvalidUsage,
-                "flagcxGroupEnd without flagcxGroupStart".into(),
+                "flagcxGroupEnd without flagcxGroupStart on this thread".into(),
             )),
             1 => {
-                *depth = 0;
+                depths.remove(&me);
                 Ok(c.comm.group_end()?)
             }
-            _ => {
-                *depth -= 1;
+            d => {
+                depths.insert(me, d - 1);
                 Ok(())
             }
         }

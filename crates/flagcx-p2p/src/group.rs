@@ -1,6 +1,7 @@
 //! Groups and the hand-over of operations to the proxy: what `Comm::group_end` does with a
 //! group (its eager moves, then the rest to the engine) and how streams are made to wait.
 
+use std::collections::hash_map::Entry;
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
@@ -25,21 +26,25 @@ impl<A: DeviceAdaptor> Comm<A> {
     }
 
     /// Opens a group explicitly (for callers that cannot pass a closure, like the C ABI's
-    /// `flagcxGroupStart`): operations posted until [`Comm::group_end`] progress together.
-    /// Groups do not nest.
+    /// `flagcxGroupStart`): operations this thread posts until it calls [`Comm::group_end`]
+    /// progress together. A group belongs to the thread that opened it, as NCCL's do: other
+    /// threads' posts meanwhile are not part of it. Groups do not nest.
     pub fn group_begin(&self) -> Result<()> {
         let mut g = lock(&self.group);
-        if g.is_some() {
-            return Err(CommError::InvalidArgument("groups do not nest".into()));
+        match g.entry(std::thread::current().id()) {
+            Entry::Occupied(_) => Err(CommError::InvalidArgument("groups do not nest".into())),
+            Entry::Vacant(v) => {
+                // Room for a send and a receive to every peer: one allocation for a
+                // collective's group.
+                v.insert(Vec::with_capacity(2 * self.nranks()));
+                Ok(())
+            }
         }
-        // Room for a send and a receive to every peer: one allocation for a collective's group.
-        *g = Some(Vec::with_capacity(2 * self.nranks()));
-        Ok(())
     }
 
-    /// Closes the group [`Comm::group_begin`] opened and hands its operations over, after
-    /// moving its small messages itself where the pairs have eager slots (sends first; then it
-    /// waits up to the spin time for the group's eager receives).
+    /// Closes the group this thread opened with [`Comm::group_begin`] and hands its operations
+    /// over, after moving its small messages itself where the pairs have eager slots (sends
+    /// first; then it waits up to the spin time for the group's eager receives).
     pub fn group_end(&self) -> Result<()> {
         self.group_end_then(true, || Ok(()))
     }
@@ -53,8 +58,8 @@ impl<A: DeviceAdaptor> Comm<A> {
         before_join: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
         let ops = lock(&self.group)
-            .take()
-            .ok_or_else(|| CommError::InvalidArgument("no group is open".into()))?;
+            .remove(&std::thread::current().id())
+            .ok_or_else(|| CommError::InvalidArgument("this thread has no group open".into()))?;
         let ops = if eager { self.group_eager(ops) } else { ops };
         self.submit_then(ops, before_join)
     }

@@ -571,7 +571,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             help,
             next_seq,
             guard,
-            group: Mutex::new(None),
+            group: Mutex::default(),
             group_scratch: Mutex::default(),
             joined: Mutex::new(HandleMap::default()),
             posting: Default::default(),
