@@ -241,6 +241,10 @@ pub trait DeviceAdaptor: Clone + Send + Sync + 'static {
     fn ipc_get_handle(&self, ptr: DevicePtr) -> Result<IpcMemHandle>;
 
     /// Maps a byte-form handle exported by another process; returns the allocation's base here.
+    ///
+    /// Opening a handle that is open already gives one more mapping, closed by one more
+    /// [`Self::ipc_close`] (the pointer may be the same: CUDA and HIP count the opens of one
+    /// context and return the existing mapping).
     fn ipc_open_handle(&self, handle: &IpcMemHandle) -> Result<DevicePtr>;
 
     /// Exports an allocation from [`Self::mem_alloc_shareable`] as a file descriptor.

@@ -1331,7 +1331,26 @@ pub fn ipc_child<A: DeviceAdaptor>(a: &A) {
         "bytes" => {
             let wire = unhex(&std::env::var(CHILD_HANDLE_ENV).expect("handle"));
             let h = IpcMemHandle::from_wire(&wire).expect("decode handle");
-            IpcMapping::open(a, &h).expect("ipc_open_handle in the child")
+            let first = IpcMapping::open(a, &h).expect("ipc_open_handle in the child");
+            // A second open of the same handle (two communicators of one process reaching one
+            // peer buffer) is a mapping of its own (CUDA returns the same pointer and counts
+            // the opens): reading through it works, and closing it leaves the first usable.
+            let second = IpcMapping::open(a, &h).expect("a second ipc_open_handle");
+            let probe = DeviceBuffer::new(a, size).expect("alloc");
+            // SAFETY: the mapping and buffer stay alive until the synchronize below.
+            unsafe {
+                a.memcpy_d2d_async(probe.ptr(), second.ptr(), size, s.handle())
+                    .expect("d2d through the second mapping");
+            }
+            let mut got = vec![0u8; size];
+            probe.read(0, &mut got, &s).expect("read");
+            assert_same(
+                "parent's bytes through a second open",
+                &got,
+                &filled(size, 1),
+            );
+            drop(second);
+            first
         }
         "fd" => {
             let raw: i32 = std::env::var(CHILD_FD_ENV)

@@ -38,8 +38,9 @@ enum Mem {
     },
     /// [`Driver::vmm_create`] + [`Driver::vmm_map`]: fd-form IPC exportable.
     Vmm { handle: u64 },
-    /// Opened with [`Driver::ipc_open_handle`].
-    IpcLegacy,
+    /// Opened with [`Driver::ipc_open_handle`], `opens` times: the runtime returns the existing
+    /// mapping for a handle its context has open and counts the opens, each ended by one close.
+    IpcLegacy { opens: u32 },
     /// Imported with [`Driver::vmm_import_fd`] and mapped here.
     IpcVmm { handle: u64 },
 }
@@ -271,7 +272,12 @@ impl Mem {
         unsafe {
             match self {
                 Mem::Plain { .. } => d.mem_free(base),
-                Mem::IpcLegacy => d.ipc_close_handle(base),
+                Mem::IpcLegacy { opens } => {
+                    for _ in 1..opens {
+                        d.ipc_close_handle(base)?;
+                    }
+                    d.ipc_close_handle(base)
+                }
                 Mem::Vmm { handle } | Mem::IpcVmm { handle } => d.vmm_unmap(base, len, handle),
             }
         }
@@ -676,9 +682,21 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
         }
         let d = self.bound()?;
         let p = d.ipc_open_handle(&handle.bytes)?;
-        let tracked = d
-            .mem_range(p)
-            .and_then(|(_, size)| lock(&self.inner.mem).insert(OP, p, size.max(1), Mem::IpcLegacy));
+        let size = d.mem_range(p).map(|(_, size)| size);
+        // One lock for the look and the insert: two threads opening one handle at once get
+        // one entry counting both.
+        let mut mem = lock(&self.inner.mem);
+        // The handle was open already (another communicator of this process maps the same peer
+        // allocation): the runtime returned the same mapping and counted the open.
+        if let Some((base, _, Mem::IpcLegacy { opens })) = mem.find_mut(p) {
+            if base == p {
+                *opens += 1;
+                return Ok(DevicePtr(p));
+            }
+        }
+        let tracked =
+            size.and_then(|size| mem.insert(OP, p, size.max(1), Mem::IpcLegacy { opens: 1 }));
+        drop(mem);
         if let Err(e) = tracked {
             // SAFETY: opened just above; nothing saw the mapping.
             let _ = unsafe { d.ipc_close_handle(p) };
@@ -727,8 +745,20 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
     }
 
     unsafe fn ipc_close(&self, ptr: DevicePtr) -> Result<()> {
+        {
+            let mut mem = lock(&self.inner.mem);
+            if let Some((base, _, Mem::IpcLegacy { opens })) = mem.find_mut(ptr.0) {
+                if base == ptr.0 && *opens > 1 {
+                    *opens -= 1;
+                    drop(mem);
+                    // SAFETY: one of our opens of this mapping, which others still hold: the
+                    // runtime only drops its count (the caller guarantees no work uses it).
+                    return unsafe { self.bound()?.ipc_close_handle(ptr.0) };
+                }
+            }
+        }
         let (len, kind) = lock(&self.inner.mem).remove_if("ipc_close", ptr.0, |k| {
-            matches!(k, Mem::IpcLegacy | Mem::IpcVmm { .. })
+            matches!(k, Mem::IpcLegacy { .. } | Mem::IpcVmm { .. })
         })?;
         let d = self.bound()?;
         // SAFETY: opened by us, untracked now; the caller guarantees no work uses it.
