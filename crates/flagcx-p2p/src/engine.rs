@@ -335,10 +335,11 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// idle while a caller posted the next operation stalled it. Posting threads' own copies
     /// (`IpcCache::caller_copies`) hold it off too.
     pub(crate) fn trim_at_rest(&mut self) -> bool {
-        if !lock(&self.shared.ipc).wants_trim()
-            || crate::transport::ipc::joining_elsewhere(self.shared.joining.is_some())
-            || !self.streams_idle()
-        {
+        // Stale mappings only while no other communicator of the process joins streams;
+        // mappings past the bound whatever the others do, as before stale ones were known
+        // (a bounded cache is worth that rare close; see architecture.md, "Stale mappings").
+        let stale = !crate::transport::ipc::joining_elsewhere(self.shared.joining.is_some());
+        if lock(&self.shared.ipc).to_trim(stale, 8) == 0 || !self.streams_idle() {
             return false;
         }
         let quiet = {
@@ -348,7 +349,7 @@ impl<A: DeviceAdaptor> Engine<A> {
             quiet
         };
         if quiet {
-            self.trim_ipc_cache(8);
+            self.trim_ipc_cache(stale, 8);
             self.shared.trimming.store(false, Ordering::Release);
         }
         quiet

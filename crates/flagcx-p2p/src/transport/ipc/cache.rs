@@ -41,8 +41,8 @@ impl Drop for Joining {
 /// joined to another communicator's operation may wait for a peer whose progress waits, across
 /// processes, for this one (seen on an H100 with two communicators per rank: each rank's
 /// proxy closed a stale mapping at rest while the other communicator's stream waited, and
-/// both stalled until the 30 s timeout). There a communicator closes no mapping before its
-/// teardown.
+/// both stalled until the 30 s timeout). There stale mappings are not closed for being stale
+/// (only past the cache's bound, as before).
 pub(crate) fn joining_elsewhere(mine: bool) -> bool {
     JOINING.load(Ordering::Acquire) > usize::from(mine)
 }
@@ -130,11 +130,18 @@ impl IpcCache {
         }
     }
 
-    /// Whether the cache holds more mappings than its bound or stale ones, with no posting
-    /// thread's copy in flight (then the engine may trim it while idle).
-    pub(crate) fn wants_trim(&self) -> bool {
-        self.caller_copies == 0
-            && (self.map.len() > IPC_CACHE_MAX || self.map.values().any(|(m, _)| m.stale))
+    /// How many mappings the engine may close while idle (none while a posting thread's copy
+    /// is in flight): those past the bound, and with `stale` every stale one, up to `n`.
+    pub(crate) fn to_trim(&self, stale: bool, n: usize) -> usize {
+        if self.caller_copies > 0 {
+            return 0;
+        }
+        let past = self.map.len().saturating_sub(IPC_CACHE_MAX);
+        let stale = match stale {
+            true => self.map.values().filter(|(m, _)| m.stale).count(),
+            false => 0,
+        };
+        past.max(stale).min(n)
     }
 
     /// The keys of `theirs.peer`'s mappings that overlap `theirs`.
@@ -299,15 +306,14 @@ impl<A: DeviceAdaptor> Engine<A> {
         }
     }
 
-    /// Closes up to `n` mappings: stale ones first, then the least recently used beyond the
-    /// bound (the caller checked that both proxy streams are idle and held off new posts).
-    pub(crate) fn trim_ipc_cache(&mut self, n: usize) {
+    /// Closes [`IpcCache::to_trim`]`(stale, n)` mappings: stale ones first, then the least
+    /// recently used (the caller checked that both proxy streams are idle and held off new
+    /// posts).
+    pub(crate) fn trim_ipc_cache(&mut self, stale: bool, n: usize) {
         let t0 = Instant::now();
         // Held throughout: a posting thread cannot take a mapping while it closes.
         let mut cache = lock(&self.shared.ipc);
-        if cache.caller_copies > 0 {
-            return;
-        }
+        let n = cache.to_trim(stale, n);
         let mut victims: Vec<_> = cache
             .map
             .iter()
@@ -315,8 +321,16 @@ impl<A: DeviceAdaptor> Engine<A> {
             .map(|(k, _)| *k)
             .take(n)
             .collect();
-        if victims.is_empty() {
-            victims = lru_victims(&cache.map, IPC_CACHE_MAX, n);
+        if victims.len() < n {
+            let stale = victims.len();
+            // The least recently used of the rest (stale ones are never in use).
+            let rest: HashMap<_, _> = cache
+                .map
+                .iter()
+                .filter(|(_, (m, _))| !m.stale)
+                .map(|(k, v)| (*k, ((), v.1)))
+                .collect();
+            victims.extend(lru_victims(&rest, 0, n - stale));
         }
         let closed = victims.len() as u64;
         // SAFETY: both proxy streams are idle, no posting thread's copy is in flight
@@ -346,6 +360,49 @@ mod tests {
             vec![0, 3, 6, 9],
             "at most n per pass"
         );
+    }
+
+    /// What the engine may close at rest: mappings past the bound always, stale ones too where
+    /// allowed, at most `n`; nothing while a posting thread's copy is in flight.
+    #[test]
+    fn at_rest_the_bound_always_counts_and_stale_mappings_where_allowed() {
+        let a = flagcx_host::HostAdaptor::open(0).expect("host adaptor");
+        let mut c = IpcCache::new(false);
+        for i in 0..(IPC_CACHE_MAX as u64 + 4) {
+            let p = a.mem_alloc(64).expect("alloc");
+            let theirs = Theirs {
+                peer: 1,
+                handle: Some(a.ipc_get_handle(p).expect("handle")),
+                span: Span {
+                    base: 0x1000 * (i + 1),
+                    len: 0x1000,
+                },
+            };
+            c.open(&a, theirs).expect("open");
+        }
+        assert_eq!(
+            (c.to_trim(false, 8), c.to_trim(true, 8)),
+            (4, 4),
+            "four past the bound"
+        );
+        // Six later allocations of peer 1 overlap six mapped ones: those are stale.
+        for i in 0..6u64 {
+            let p = a.mem_alloc(64).expect("alloc");
+            let theirs = Theirs {
+                peer: 1,
+                handle: Some(a.ipc_get_handle(p).expect("handle")),
+                span: Span {
+                    base: 0x1000 * (i + 1) + 0x800,
+                    len: 0x100,
+                },
+            };
+            c.open(&a, theirs).expect("open");
+        }
+        assert_eq!(c.to_trim(false, 100), 10, "past the bound only");
+        assert_eq!(c.to_trim(true, 100), 10, "the stale ones are among them");
+        assert_eq!(c.to_trim(true, 3), 3, "at most n");
+        c.caller_copies += 1;
+        assert_eq!(c.to_trim(true, 8), 0, "a posting thread's copy in flight");
     }
 
     /// A late copy's open that the runtime refuses as mapped already closes the mappings no
@@ -426,7 +483,7 @@ mod tests {
             for t in [old, other_peer, beside] {
                 c.open(&a, t).expect("open");
             }
-            assert!(!c.wants_trim(), "no overlap within one peer yet");
+            assert_eq!(c.to_trim(true, 8), 0, "no overlap within one peer yet");
             let base = c.open(&a, old).expect("again");
             assert_eq!((c.opens, c.map[&key(&old)].0.base), (3, base), "a hit");
             // Peer 1 freed `old` and allocated across its end: mapped beside the stale one.
@@ -437,7 +494,8 @@ mod tests {
             for t in [other_peer, beside, new] {
                 assert_eq!(stale(&c, &t), Some(false));
             }
-            assert!(c.wants_trim(), "a stale mapping to close at rest");
+            assert_eq!(c.to_trim(true, 8), 1, "a stale mapping to close at rest");
+            assert_eq!(c.to_trim(false, 8), 0, "within the bound, stale ones wait");
             // The runtime refuses the next one (it overlaps `new`, which a late copy holds,
             // and `old` again).
             c.open_busy(&a, new, false).expect("busy");
