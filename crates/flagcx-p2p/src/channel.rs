@@ -158,8 +158,8 @@ pub const RETIRED: u64 = u64::MAX;
 ///
 /// Two live allocations of one process never overlap, so a new allocation of a peer that
 /// overlaps one this rank still maps shows that the mapped one was freed (and its memory, or
-/// its addresses, reused): the mapping is stale. Runtimes refuse to map such memory twice
-/// (CUDA's `CUDA_ERROR_ALREADY_MAPPED`), so the stale mapping is closed first (see
+/// its addresses, reused): the mapping is stale, and is closed once that is safe (CUDA may
+/// refuse to map the new allocation beside it: `CUDA_ERROR_ALREADY_MAPPED`; see
 /// `IpcCache::open`). Zero length: not known.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Span {

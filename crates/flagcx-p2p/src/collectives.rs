@@ -255,7 +255,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             unordered: true,
         });
         if self.is_aborted()
-            || lock(&self.group).contains_key(&std::thread::current().id())
+            || lock(&self.group).contains_key(&crate::posting::thread_number())
             || !moves
                 .clone()
                 .all(|m| self.eager_eligible(&m, spin).is_some())

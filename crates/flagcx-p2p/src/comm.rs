@@ -90,10 +90,10 @@ pub struct Comm<A: DeviceAdaptor> {
     pub(crate) next_seq: Arc<AtomicU64>,
     /// The stall guard, where `FLAGCX_TIMEOUT_MS` is set (`crate::guard`).
     pub(crate) guard: Option<Guard>,
-    /// Open groups, one per thread that opened one ([`Comm::group_begin`]): a thread's posts
-    /// join its own group only, as NCCL's groups are per thread.
-    pub(crate) group:
-        Mutex<std::collections::HashMap<std::thread::ThreadId, Vec<(Op, StreamHandle)>>>,
+    /// Open groups, one per thread that opened one ([`Comm::group_begin`]), keyed by the
+    /// thread's `posting::thread_number`: a thread's posts join its own group only, as NCCL's
+    /// groups are per thread.
+    pub(crate) group: Mutex<std::collections::HashMap<u64, Vec<(Op, StreamHandle)>>>,
     /// `group_eager`'s bookkeeping, kept between groups.
     pub(crate) group_scratch: Mutex<crate::transport::eager::GroupScratch>,
     /// Streams this communicator made wait on its watermark (synchronized before teardown).
@@ -403,7 +403,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         // no posting-thread path.
         let ordered =
             self.streamed_link(peer, dir, bytes).is_some() || self.late_link(peer).is_some();
-        let me = std::thread::current().id();
+        let me = crate::posting::thread_number();
         let ungrouped = !lock(&self.group).contains_key(&me);
         let link = self.eager.get(peer).and_then(|l| l.as_ref());
         let eager = ungrouped && link.is_some();

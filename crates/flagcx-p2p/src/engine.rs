@@ -322,8 +322,8 @@ impl<A: DeviceAdaptor> Engine<A> {
     }
 
     /// With nothing in flight, closes a few IPC mappings: stale ones (allocations the peers
-    /// freed) and those past the cache's bound; whether it did. Never while another
-    /// communicator of the process joins streams (`transport::ipc::joining_elsewhere`).
+    /// freed; not while another communicator of the process joins streams, see
+    /// `transport::ipc::joining_elsewhere`) and those past the cache's bound; whether it did.
     ///
     /// Closing a mapping may wait for the whole device context, including callers' streams
     /// that wait for this communicator's operations, so the cache is trimmed only here: nothing

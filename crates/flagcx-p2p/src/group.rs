@@ -31,7 +31,7 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// threads' posts meanwhile are not part of it. Groups do not nest.
     pub fn group_begin(&self) -> Result<()> {
         let mut g = lock(&self.group);
-        match g.entry(std::thread::current().id()) {
+        match g.entry(crate::posting::thread_number()) {
             Entry::Occupied(_) => Err(CommError::InvalidArgument("groups do not nest".into())),
             Entry::Vacant(v) => {
                 // Room for a send and a receive to every peer: one allocation for a
@@ -58,7 +58,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         before_join: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
         let ops = lock(&self.group)
-            .remove(&std::thread::current().id())
+            .remove(&crate::posting::thread_number())
             .ok_or_else(|| CommError::InvalidArgument("this thread has no group open".into()))?;
         let ops = if eager { self.group_eager(ops) } else { ops };
         self.submit_then(ops, before_join)
