@@ -67,7 +67,7 @@ fn compile(prefix: &Path, compiler: &str, name: &str) -> PathBuf {
     let k = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let exe = out_dir.join(format!("{}-{k}", name.split('.').next().unwrap_or(name)));
     let status = Command::new(compiler)
-        .args(["-Wall", "-Wextra", "-Werror", "-O1", "-o"])
+        .args(["-Wall", "-Wextra", "-Werror", "-O1", "-pthread", "-o"])
         .arg(&exe)
         .arg(src(name))
         .args(&flags)

@@ -1,8 +1,15 @@
 /* A ring through FlagCX's C API, the way FlagCX's own tests use it: the unique id from rank
  * 0, the device table for memory and streams, grouped send/recv to the neighbours, every byte
- * checked; then a barrier, a bad peer, a NULL communicator, an unimplemented collective and
- * mismatched sizes, each with its error code. */
+ * checked; then a barrier, groups per thread, a bad peer, a NULL communicator, an
+ * unimplemented collective and mismatched sizes, each with its error code. */
 #include "common.h"
+#include <pthread.h>
+
+/* Another thread cannot end this thread's group: groups are per thread. */
+static void *end_anothers_group(void *comm) {
+  flagcxResult_t r = flagcxGroupEnd((flagcxComm_t)comm);
+  return (void *)(long)r;
+}
 
 int main(void) {
   int rank = env_int("FLAGCX_RANK"), nranks = env_int("FLAGCX_NRANKS");
@@ -64,6 +71,12 @@ int main(void) {
 
   /* An empty group, a barrier, events around nothing. */
   CHECK(flagcxGroupStart(comm));
+  pthread_t other;
+  void *ended = NULL;
+  EXPECT(pthread_create(&other, NULL, end_anothers_group, comm) == 0, "pthread_create");
+  EXPECT(pthread_join(other, &ended) == 0, "pthread_join");
+  EXPECT((long)ended == flagcxInvalidUsage, "another thread ended this thread's group: %ld",
+         (long)ended);
   CHECK(flagcxGroupEnd(comm));
   CHECK(flagcxBarrier(comm, stream));
   flagcxEvent_t ev;

@@ -192,7 +192,7 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
     )
     .map_err(|e| format!("copy libflagcx: {e}"))?;
     let status = std::process::Command::new("cc")
-        .args(["-O2", "-Wall", "-Werror", "-o"])
+        .args(["-O2", "-Wall", "-Werror", "-pthread", "-o"])
         .arg(out.join("bin/capi-ring"))
         .arg(root().join("tests/capi/ring.c"))
         .arg(format!("-I{}", prefix.join("include").display()))
