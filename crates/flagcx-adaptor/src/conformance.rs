@@ -1336,19 +1336,7 @@ pub fn ipc_child<A: DeviceAdaptor>(a: &A) {
             // peer buffer) is a mapping of its own (CUDA returns the same pointer and counts
             // the opens): reading through it works, and closing it leaves the first usable.
             let second = IpcMapping::open(a, &h).expect("a second ipc_open_handle");
-            let probe = DeviceBuffer::new(a, size).expect("alloc");
-            // SAFETY: the mapping and buffer stay alive until the synchronize below.
-            unsafe {
-                a.memcpy_d2d_async(probe.ptr(), second.ptr(), size, s.handle())
-                    .expect("d2d through the second mapping");
-            }
-            let mut got = vec![0u8; size];
-            probe.read(0, &mut got, &s).expect("read");
-            assert_same(
-                "parent's bytes through a second open",
-                &got,
-                &filled(size, 1),
-            );
+            parents_bytes_through(a, &second, size, &s, "a second open");
             drop(second);
             first
         }
@@ -1373,15 +1361,7 @@ pub fn ipc_child<A: DeviceAdaptor>(a: &A) {
         }
         other => panic!("unknown child role {other}"),
     };
-    let local = DeviceBuffer::new(a, size).expect("alloc");
-    // SAFETY: the mapping and buffer stay alive until the synchronizes below.
-    unsafe {
-        a.memcpy_d2d_async(local.ptr(), mapping.ptr(), size, s.handle())
-            .expect("d2d from the parent's memory");
-    }
-    let mut got = vec![0u8; size];
-    local.read(0, &mut got, &s).expect("read");
-    assert_same("parent's bytes seen by the child", &got, &filled(size, 1));
+    let local = parents_bytes_through(a, &mapping, size, &s, "the child's mapping");
     local.write(0, &filled(size, 2), &s).expect("write");
     // SAFETY: as above.
     unsafe {
@@ -1389,6 +1369,31 @@ pub fn ipc_child<A: DeviceAdaptor>(a: &A) {
             .expect("d2d into the parent's memory");
     }
     s.synchronize().expect("sync");
+}
+
+/// Copies the `size` bytes of the parent's buffer through `mapping` into a new buffer of the
+/// child and checks they are the parent's (`how`: the mapping, for the message); the buffer.
+fn parents_bytes_through<A: DeviceAdaptor>(
+    a: &A,
+    mapping: &IpcMapping<A>,
+    size: usize,
+    s: &Stream<A>,
+    how: &str,
+) -> DeviceBuffer<A> {
+    let local = DeviceBuffer::new(a, size).expect("alloc");
+    // SAFETY: the mapping and buffer stay alive until the read below synchronizes the stream.
+    unsafe {
+        a.memcpy_d2d_async(local.ptr(), mapping.ptr(), size, s.handle())
+            .unwrap_or_else(|e| panic!("d2d through {how}: {e}"));
+    }
+    let mut got = vec![0u8; size];
+    local.read(0, &mut got, s).expect("read");
+    assert_same(
+        &format!("parent's bytes through {how}"),
+        &got,
+        &filled(size, 1),
+    );
+    local
 }
 
 fn hex(bytes: &[u8]) -> String {
