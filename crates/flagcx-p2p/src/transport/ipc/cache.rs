@@ -99,6 +99,8 @@ pub(crate) struct IpcCache {
     /// whole device context, which with joins includes streams waiting for the very operation
     /// that needs the new mapping (seen on an H100: the ring hung).
     close_in_flight: bool,
+    /// Whether the log said why a refused open failed (once per communicator).
+    refusal_told: bool,
     /// Copies that posting threads issued on their own streams through a mapping of this cache
     /// and whose completion nobody has seen yet: while there are any, no mapping is closed
     /// (the proxy's streams being idle says nothing about the callers' streams).
@@ -211,6 +213,22 @@ impl IpcCache {
                 // waits for this communicator.
                 unsafe { self.close(adaptor, &idle) };
                 adaptor.ipc_open_handle(&handle)?
+            }
+            Err(e) if !stale.is_empty() && already_mapped(&e) => {
+                if !self.refusal_told {
+                    self.refusal_told = true;
+                    tracing::warn!(
+                        peer = theirs.peer,
+                        "{e}: the runtime refused to map rank {}'s new buffer beside this \
+                         rank's mapping of a buffer it freed, which cannot be closed while \
+                         callers' streams may wait for a communicator of this process; the \
+                         operation fails. Keep buffers alive across operations (allocate once, \
+                         reuse), or with FLAGCX_STREAM_JOIN=none in every communicator of the \
+                         process the stale mapping is closed and the open retried",
+                        theirs.peer
+                    );
+                }
+                return Err(e);
             }
             r => r?,
         };
@@ -507,6 +525,7 @@ mod tests {
                 false => {
                     assert!(already_mapped(&r.unwrap_err()), "the refusal is the op's");
                     assert_eq!(c.closes, 0);
+                    assert!(c.refusal_told, "the log says why, once");
                 }
                 true => {
                     r.expect("opened after closing the stale mappings");
