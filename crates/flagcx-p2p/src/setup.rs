@@ -383,7 +383,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             pending: (0..nranks).map(|_| Default::default()).collect(),
             lost: (0..nranks).map(|_| AtomicBool::new(false)).collect(),
             reserved: (0..nranks).map(|_| Default::default()).collect(),
-            ipc: Mutex::new(IpcCache::new(join == StreamJoin::None)),
+            ipc: Mutex::new(IpcCache::default()),
             trimming: AtomicBool::new(false),
             posted: AtomicU64::new(0),
             spare_events: Mutex::new(Vec::new()),

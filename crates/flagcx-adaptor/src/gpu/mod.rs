@@ -272,12 +272,7 @@ impl Mem {
         unsafe {
             match self {
                 Mem::Plain { .. } => d.mem_free(base),
-                Mem::IpcLegacy { opens } => {
-                    for _ in 1..opens {
-                        d.ipc_close_handle(base)?;
-                    }
-                    d.ipc_close_handle(base)
-                }
+                Mem::IpcLegacy { opens } => (0..opens).try_for_each(|_| d.ipc_close_handle(base)),
                 Mem::Vmm { handle } | Mem::IpcVmm { handle } => d.vmm_unmap(base, len, handle),
             }
         }

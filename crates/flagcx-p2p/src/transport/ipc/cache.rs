@@ -94,11 +94,6 @@ impl Theirs {
 pub(crate) struct IpcCache {
     map: HashMap<[u8; IpcMemHandle::WIRE_LEN], (Mapping, u64)>,
     uses: u64,
-    /// No caller's stream ever waits for this communicator (`FLAGCX_STREAM_JOIN=none`), so a
-    /// mapping may be closed while operations are in flight: closing one may wait for the
-    /// whole device context, which with joins includes streams waiting for the very operation
-    /// that needs the new mapping (seen on an H100: the ring hung).
-    close_in_flight: bool,
     /// Whether the log said why a refused open failed (once per communicator).
     refusal_told: bool,
     /// Copies that posting threads issued on their own streams through a mapping of this cache
@@ -124,14 +119,6 @@ fn already_mapped(e: &CommError) -> bool {
 }
 
 impl IpcCache {
-    /// An empty cache; `close_in_flight`: see [`IpcCache::close_in_flight`].
-    pub(crate) fn new(close_in_flight: bool) -> Self {
-        IpcCache {
-            close_in_flight,
-            ..IpcCache::default()
-        }
-    }
-
     /// How many mappings the engine may close while idle (none while a posting thread's copy
     /// is in flight): those past the bound, and with `stale` every stale one, up to `n`.
     pub(crate) fn to_trim(&self, stale: bool, n: usize) -> usize {
@@ -159,7 +146,7 @@ impl IpcCache {
     ///
     /// # Safety
     /// No copy uses any of them, and closing cannot wait for a stream that waits for this
-    /// communicator (see [`IpcCache::close_in_flight`] and [`Engine::trim_at_rest`]).
+    /// communicator (see [`IpcCache::open`] and [`Engine::trim_at_rest`]).
     unsafe fn close<A: DeviceAdaptor>(
         &mut self,
         adaptor: &A,
@@ -181,9 +168,11 @@ impl IpcCache {
     /// peer frees a buffer only once its operations are done, and those end after this rank's
     /// copies through it). They are marked and closed at rest. Where the runtime refuses the
     /// new mapping beside them (CUDA's `CUDA_ERROR_ALREADY_MAPPED`, seen with threads freeing
-    /// and allocating buffers between messages) and no caller's stream waits for this
-    /// communicator ([`IpcCache::close_in_flight`]), they are closed at once and the open is
-    /// tried again; otherwise the refusal is the operation's failure. A mapping a counted late
+    /// and allocating buffers between messages) and no communicator of the process joins
+    /// callers' streams (none counted in [`JOINING`]), they are closed at once and the open is
+    /// tried again; otherwise the refusal is the operation's failure: closing a mapping may wait
+    /// for the whole device context, which with joins includes streams waiting for the very
+    /// operation that needs the new mapping (seen on an H100: the ring hung). A mapping a counted late
     /// copy holds is never closed here.
     pub fn open<A: DeviceAdaptor>(&mut self, adaptor: &A, theirs: Theirs) -> Result<DevicePtr> {
         let handle = theirs
@@ -197,12 +186,7 @@ impl IpcCache {
         }
         let stale = self.overlapped(&theirs);
         let base = match adaptor.ipc_open_handle(&handle).map_err(CommError::from) {
-            Err(e)
-                if self.close_in_flight
-                    && !stale.is_empty()
-                    && already_mapped(&e)
-                    && !joining_elsewhere(false) =>
-            {
+            Err(e) if !stale.is_empty() && already_mapped(&e) && !joining_elsewhere(false) => {
                 let idle: Vec<_> = stale
                     .iter()
                     .filter(|k| !self.busy.contains_key(*k))
@@ -385,7 +369,7 @@ mod tests {
     #[test]
     fn at_rest_the_bound_always_counts_and_stale_mappings_where_allowed() {
         let a = flagcx_host::HostAdaptor::open(0).expect("host adaptor");
-        let mut c = IpcCache::new(false);
+        let mut c = IpcCache::default();
         for i in 0..(IPC_CACHE_MAX as u64 + 4) {
             let p = a.mem_alloc(64).expect("alloc");
             let theirs = Theirs {
@@ -476,7 +460,7 @@ mod tests {
     /// A new allocation of a peer that overlaps one the cache maps (the peer freed that one and
     /// reused its addresses) marks the old mapping stale, to close at rest; overlaps with another
     /// peer's allocations do not. Where the runtime refuses the new mapping, the stale ones are
-    /// closed at once only if no stream waits for the communicator (`close_in_flight`), and a
+    /// closed at once only if no communicator of the process joins streams (`JOINING`), and a
     /// mapping a late copy holds never is.
     #[test]
     fn a_peers_new_allocation_makes_the_mappings_it_overlaps_stale() {
@@ -494,7 +478,9 @@ mod tests {
         let key = |t: &Theirs| t.handle.unwrap().to_wire();
         let stale = |c: &IpcCache, t: &Theirs| c.map.get(&key(t)).map(|(m, _)| m.stale);
         for close_in_flight in [false, true] {
-            let mut c = IpcCache::new(close_in_flight);
+            // A communicator that joins streams lives in this process (or none does).
+            let _joining = (!close_in_flight).then(Joining::new);
+            let mut c = IpcCache::default();
             let old = at(1, 0x10_0000, 0x2000);
             let other_peer = at(2, 0x10_0000, 0x2000);
             let beside = at(1, 0x10_2000, 0x1000);
