@@ -264,7 +264,8 @@ pub(crate) struct Engine<A: DeviceAdaptor> {
     /// The network transport's state, where a peer is on another host.
     pub(crate) net: Option<SharedNet>,
     /// Where eager messages are copied into device memory that is not host addressable
-    /// (made on first use; kept apart so such a copy never waits behind ring chunks).
+    /// (made at setup with the bounce buffer, see [`crate::transport::eager::Bounce`]; kept
+    /// apart so such a copy never waits behind ring chunks).
     pub(crate) eager_stream: Option<StreamHandle>,
     /// Its pinned bounce buffer.
     pub(crate) eager_bounce: crate::transport::eager::Bounce,
@@ -285,9 +286,19 @@ impl<A: DeviceAdaptor> Engine<A> {
         peers: Vec<Option<PeerConn>>,
         net: Option<SharedNet>,
         config: &crate::config::Config,
+        bounces: bool,
     ) -> Result<Self> {
         let send_stream = adaptor.stream_create()?;
         let recv_stream = adaptor.stream_create()?;
+        // Eager receives into device memory the CPU cannot write: their stream and bounce
+        // buffer now, not at the first message (`Bounce`'s docs say why).
+        let (eager_stream, eager_bounce) = match bounces {
+            true => (
+                Some(adaptor.stream_create()?),
+                crate::transport::eager::Bounce::made(&adaptor),
+            ),
+            false => (None, Default::default()),
+        };
         let host_maps = peers.iter().flatten().any(|c| c.roles.maps_peer).then(|| {
             HostMaps::new(
                 adaptor.clone(),
@@ -312,8 +323,8 @@ impl<A: DeviceAdaptor> Engine<A> {
             finished: BTreeSet::new(),
             watermark: 0,
             net,
-            eager_stream: None,
-            eager_bounce: Default::default(),
+            eager_stream,
+            eager_bounce,
             seen_posted: 0,
             last_health: Instant::now(),
             down: false,

@@ -19,7 +19,7 @@ use crate::guard::Guard;
 use crate::join::WatermarkPage;
 use crate::peer::{choose_transport, direct_copier, receiver_copies, PeerInfo, TransportKind};
 use crate::shm::ShmSegment;
-use crate::transport::eager::{EagerLink, STAGED_EAGER_MAX};
+use crate::transport::eager::{Bounce, EagerLink, STAGED_EAGER_MAX};
 use crate::transport::ipc::{CallerLink, IpcCache};
 use crate::transport::late;
 use crate::transport::net::NetState;
@@ -481,7 +481,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             undo_links(&adaptor, &late_links);
             return Err(e);
         }
-        let eager = peers
+        let eager: Vec<Option<EagerLink>> = peers
             .iter()
             .map(|c| {
                 let c = c.as_ref().filter(|c| !ordered[c.peer])?;
@@ -521,6 +521,9 @@ impl<A: DeviceAdaptor> Comm<A> {
             })
             .collect();
         let net = NetState::connect(&adaptor, &boot, &transports, config.net_staging)?;
+        // Eager messages of device memory the CPU cannot reach go through pinned bounce
+        // buffers (the posting threads' and the proxy's), made now.
+        let bounces = !caps.host_addressable && eager.iter().any(Option::is_some);
         let proxy = Engine::new(
             adaptor.clone(),
             shared.clone(),
@@ -528,6 +531,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             peers,
             net.clone(),
             &config,
+            bounces,
         )?;
         let here = transports
             .iter()
@@ -553,6 +557,10 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
             None => None,
         };
+        let bounce = Mutex::new(match bounces {
+            true => Bounce::made(&adaptor),
+            false => Bounce::default(),
+        });
         Ok(Comm {
             adaptor,
             rank,
@@ -582,7 +590,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             _boot: boot,
             net,
             ports: Default::default(),
-            bounce: Default::default(),
+            bounce,
         })
     }
 }

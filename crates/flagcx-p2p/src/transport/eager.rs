@@ -63,8 +63,14 @@ pub(crate) const STAGED_EAGER_MAX: usize = 8 << 10;
 const BOUNCE_BYTES: usize = crate::config::MAX_EAGER_MAX;
 
 /// Pinned host memory for the eager messages of a rank whose device memory is not host
-/// addressable (its runtime copies to and from pinned memory faster than pageable), made on
-/// first use; a fresh vector where the vendor has none.
+/// addressable (its runtime copies to and from pinned memory faster than pageable); a fresh
+/// vector where the vendor has none.
+///
+/// Made at setup ([`Bounce::made`]), never on a message's path: allocating pinned memory may
+/// wait for the whole device context, and once messages flow a stream of this process may be
+/// waiting in its queue for a peer whose progress needs this very message (on an H100, two
+/// ranks with two communicators each, exchanging in both directions at once, stopped in 4 of
+/// 40 runs with the buffers made at their first message; none with eager messages off).
 #[derive(Default)]
 pub(crate) enum Bounce {
     #[default]
@@ -78,7 +84,16 @@ pub(crate) enum Bounce {
 unsafe impl Send for Bounce {}
 
 impl Bounce {
-    /// Runs `f` on `n` bytes of the pinned buffer, or of a fresh vector.
+    /// The pinned buffer, allocated now (`Unavailable` where the vendor has no pinned
+    /// memory: messages then go through a fresh vector).
+    pub(crate) fn made<A: DeviceAdaptor>(adaptor: &A) -> Self {
+        adaptor
+            .host_alloc(BOUNCE_BYTES)
+            .map_or(Bounce::Unavailable, Bounce::Pinned)
+    }
+
+    /// Runs `f` on `n` bytes of the pinned buffer, or of a fresh vector; a buffer that was
+    /// never made ([`Bounce::Untried`]: setup found no pair to bounce for) is made first.
     pub(crate) fn with<A: DeviceAdaptor, R>(
         &mut self,
         adaptor: &A,
@@ -86,9 +101,7 @@ impl Bounce {
         f: impl FnOnce(&mut [u8]) -> R,
     ) -> R {
         if let Bounce::Untried = self {
-            *self = adaptor
-                .host_alloc(BOUNCE_BYTES)
-                .map_or(Bounce::Unavailable, Bounce::Pinned);
+            *self = Bounce::made(adaptor);
         }
         match *self {
             Bounce::Pinned(p) if n <= BOUNCE_BYTES => {
@@ -127,6 +140,8 @@ impl<A: DeviceAdaptor> Engine<A> {
         let r = if self.adaptor.capabilities().host_addressable {
             receive_eager(&conn.inc, step.index, sd, dst, cap, p)
         } else {
+            // Made at setup with the bounce buffer (see [`Bounce`]); here only if setup
+            // found no pair to bounce for.
             let stream = match self.eager_stream {
                 Some(s) => s,
                 None => *self.eager_stream.insert(self.adaptor.stream_create()?),
