@@ -16,6 +16,8 @@ mod common;
 use common::flagcx_run;
 #[path = "common/netns.rs"]
 mod netns;
+#[path = "common/stacks.rs"]
+mod stacks;
 
 use flagcx::{Adaptor, Comm, CommError, DeviceAdaptor, DeviceBuffer, DevicePtr, Stream};
 
@@ -228,6 +230,7 @@ fn rank_worker() {
         return;
     };
     flagcx::init_logging();
+    stacks::arm_from_env();
     let adaptor = Adaptor::from_env().expect("adaptor");
     let comm = Comm::from_env(adaptor.clone()).expect("communicator");
     let stream = Stream::new(&adaptor).expect("stream");
@@ -281,6 +284,8 @@ fn rank_worker() {
         "waiter_progress" => waiter_progress(&r),
         "threads" => threads(&r, big, true, |_, _| &r.comm),
         "threads_comms" => threads_comms(&r, big),
+        // Long enough for `FLAGCX_TEST_STACKS` to look (`stacks_show_every_thread`).
+        "idle" => std::thread::sleep(std::time::Duration::from_millis(2500)),
         "thread_groups" => thread_groups(&r),
         "realloc" => realloc(
             &r,
@@ -1546,6 +1551,28 @@ fn threads<'a>(
     });
 }
 
+/// The stack dumper the GPU scripts arm for hangs (`FLAGCX_TEST_STACKS`, tests/common/stacks.rs):
+/// each rank prints the frames of every thread, its proxy thread's loop among them.
+#[test]
+fn stacks_show_every_thread() {
+    let log = job(2, "host", "idle", &[("FLAGCX_TEST_STACKS", "1000")]);
+    for rank in 0..2 {
+        let mine: String = log
+            .lines()
+            .filter(|l| l.starts_with(&format!("[{rank}] ")))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert!(
+            mine.contains("==== stacks of pid") && mine.contains("==== end of stacks"),
+            "rank {rank} printed no stacks\n{log}"
+        );
+        assert!(
+            mine.contains(&format!("(flagcx-proxy-{rank})")) && mine.contains("drive::run"),
+            "rank {rank}'s stacks lack its proxy thread in its loop\n{log}"
+        );
+    }
+}
+
 /// The remedy the `Comm` docs give for threads that post at once with joined streams: a
 /// communicator per thread. Two ranks, a second communicator beside the job's; messages to the
 /// higher rank go through the first, to the lower through the second, so on each communicator
@@ -1949,14 +1976,16 @@ fn marker_path() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("flagcx-test-{}-{n}", std::process::id()))
 }
 
-fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) {
+/// Runs `scenario` on `n` ranks of `vendors` and checks that every rank finished; returns the
+/// job's output (empty where the vendor is unavailable and the test was skipped).
+fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) -> String {
     for v in vendors.split(',') {
         let vendor: flagcx::Vendor = v.parse().expect("vendor name");
         if let Err(e) = Adaptor::open(vendor, 0) {
             if e.is_unavailable() {
                 let test = format!("p2p {scenario} on {vendors}");
                 flagcx_adaptor::conformance::report_skip(&test, &e);
-                return;
+                return String::new();
             }
             panic!("opening {vendor}: {e}");
         }
@@ -2015,6 +2044,7 @@ fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) {
     }) {
         println!("{line}");
     }
+    log
 }
 
 /// Whether UCX's library is installed (the network transport loads it at run time).
@@ -2424,7 +2454,16 @@ fn groups_belong_to_their_thread() {
 #[test]
 fn threads_with_a_communicator_each() {
     let v = vendors("FLAGCX_P2P_TEST_VENDORS");
-    job(2, &v, "threads_comms", &[("FLAGCX_TIMEOUT_MS", "30000")]);
+    // A rank still running after 10 s (a run takes about one) prints every thread's frames
+    // into the log: this job stopped in about one run of ten on an H100, inside a vendor call
+    // of rank 0's proxy, and the GPU hosts have no debugger.
+    let stacks = ("FLAGCX_TEST_STACKS", "10000");
+    job(
+        2,
+        &v,
+        "threads_comms",
+        &[("FLAGCX_TIMEOUT_MS", "30000"), stacks],
+    );
     job(
         2,
         &v,
@@ -2432,6 +2471,7 @@ fn threads_with_a_communicator_each() {
         &[
             ("FLAGCX_TIMEOUT_MS", "30000"),
             ("FLAGCX_P2P_IPC_CALLER", "off"),
+            stacks,
         ],
     );
 }
@@ -2876,7 +2916,7 @@ fn ipc_pingpong_moved_by_posting_threads() {
         let vendor: flagcx::Vendor = v.parse().expect("vendor name");
         match Adaptor::open(vendor, 0) {
             Ok(a) if a.capabilities().ipc_bytes => {
-                job(2, &v, "pingpong", &[("FLAGCX_TEST_EXPECT_CALLER", "1")])
+                job(2, &v, "pingpong", &[("FLAGCX_TEST_EXPECT_CALLER", "1")]);
             }
             Ok(_) => {
                 // The same traffic over the staged transport, without the claim.
@@ -2888,7 +2928,9 @@ fn ipc_pingpong_moved_by_posting_threads() {
                 );
             }
             // `job` reports the vendor's absence as a skip.
-            Err(_) => job(2, &v, "pingpong", &[("FLAGCX_TEST_EXPECT_CALLER", "1")]),
+            Err(_) => {
+                job(2, &v, "pingpong", &[("FLAGCX_TEST_EXPECT_CALLER", "1")]);
+            }
         }
     }
 }

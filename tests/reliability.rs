@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 use flagcx::p2p::bootstrap::{socket_name, UniqueId};
 
 mod common;
+#[path = "common/stacks.rs"]
+mod stacks;
 use flagcx::{Adaptor, Comm, CommError, DeviceAdaptor, DeviceBuffer, Stream};
 
 fn vendor() -> String {
@@ -282,6 +284,7 @@ fn reliability_worker() {
         return;
     };
     flagcx::init_logging();
+    stacks::arm_from_env();
     let me: usize = std::env::var("FLAGCX_RANK").unwrap().parse().unwrap();
     if scenario == "bootstrap_stall" {
         // No adaptor: opening a GPU takes long enough (and varies enough between two

@@ -1,5 +1,5 @@
 //! `cargo xtask bundle --vendor cuda`: everything a GPU host without Rust needs to run the
-//! vendor's suites — stripped release binaries and a `run.sh` that runs them all, writes full
+//! vendor's suites — release binaries (debug information stripped, symbols kept) and a `run.sh` that runs them all, writes full
 //! logs, prints a short table last and exits non-zero on any failure or skip.
 
 use std::fmt::Write as _;
@@ -345,8 +345,9 @@ fi
     write_perf_script(&out, &vendor)?;
     // The open issues' one-rank-per-GPU targets in one call on a two-GPU node, with a verdict
     // table (`targets.py`, standard-library Python: the GPU hosts have no Rust); and
-    // `queues.sh`, whether stream joins can hold up copies that share their hardware queue.
-    for f in ["targets.sh", "targets.py", "queues.sh"] {
+    // `queues.sh`, whether stream joins can hold up copies that share their hardware queue; and
+    // `hang.sh`, how often two communicators per rank stop, with the stuck threads' frames.
+    for f in ["targets.sh", "targets.py", "queues.sh", "hang.sh"] {
         std::fs::copy(root().join("xtask/assets").join(f), out.join(f))
             .map_err(|e| format!("copy {f}: {e}"))?;
     }
@@ -508,9 +509,14 @@ fn package_name(id: &str) -> Option<String> {
     id.split(' ').next().map(str::to_string)
 }
 
+/// Copies a binary without its debug information but with its symbol table, so that the
+/// frames the tests print on the GPU hosts (`FLAGCX_TEST_STACKS`, panics) name their functions.
 fn copy_stripped(from: &Path, to: &Path) -> Result {
     std::fs::copy(from, to).map_err(|e| format!("copy {}: {e}", from.display()))?;
-    let status = std::process::Command::new("strip").arg(to).status();
+    let status = std::process::Command::new("strip")
+        .arg("--strip-debug")
+        .arg(to)
+        .status();
     if !matches!(status, Ok(s) if s.success()) {
         eprintln!("xtask: warning: could not strip {}", to.display());
     }
