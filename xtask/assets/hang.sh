@@ -6,7 +6,8 @@
 # call: `took no step`), in none of 40 with FLAGCX_P2P_EAGER_MAX=0 (2026-12-05,
 # docs/performance.md "Two communicators per rank on CUDA"). Each rank that runs past STACKS_MS
 # prints every thread's frames (tests/common/stacks.rs); the first failing run's stacks are
-# shown, its log kept under $logs. One GPU suffices.
+# shown, its whole log kept under $logs (FLAGCX_BUNDLE_LOGS=$OUT/logs brings it back from the
+# device tool). One GPU suffices.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 logs=${FLAGCX_BUNDLE_LOGS:-$here/logs}/hang
@@ -31,10 +32,12 @@ setting() {
       if [ $shown -eq 0 ]; then
         shown=1
         cp "$logs/run.log" "$logs/first-failure-$label.log"
-        echo "--- $label, run $i: why, and the frames of rank 0's threads that are not idle"
+        echo "--- $label, run $i: why, and the frames of both ranks' threads (not the host vendor's stream workers)"
         grep -m3 -E 'took no step|Timeout' "$logs/run.log" | cut -c1-220
-        awk '/^\[0\] == thread/{keep = ($0 !~ /flagcx-host-str|test-stacks|cuda-EvtHandlr/)} keep && /^\[0\]/' \
-          "$logs/run.log" | grep -vE '^\[0\] +at ' | cut -c1-160 | head -120
+        for r in 0 1; do
+          awk -v r="[$r]" 'index($0, r " == thread") == 1 {keep = ($0 !~ /flagcx-host-str|test-stacks|cuda-EvtHandlr/)}
+            keep && index($0, r) == 1' "$logs/run.log" | grep -vE '^\[[01]\] +at ' | cut -c1-160 | head -150
+        done
         echo "---"
       fi
     fi

@@ -541,8 +541,10 @@ run() {
   start=$(date +%s)
   if env FLAGCX_SKIP_LOG="$skips" "$@" >"$log" 2>&1; then status=ok; else status=FAILED; fail=1; fi
   secs=$(( $(date +%s) - start ))
-  passed=$(grep -o '[0-9]* passed' "$log" | awk '{s+=$1} END {print s+0}')
-  failed=$(grep -o '[0-9]* failed' "$log" | awk '{s+=$1} END {print s+0}')
+  # The test binaries' own summaries only: a failing job echoes its ranks' summaries
+  # ("[1] test result: ...") and the launcher's "rank 1 failed first", which are not tests.
+  passed=$(grep '^test result:' "$log" | grep -o '[0-9]* passed' | awk '{s+=$1} END {print s+0}')
+  failed=$(grep '^test result:' "$log" | grep -o '[0-9]* failed' | awk '{s+=$1} END {print s+0}')
   skipped=0; [ -f "$skips" ] && skipped=$(wc -l < "$skips")
   if [ "$skipped" -gt 0 ] && [ "${ALLOW_SKIP:-0}" != 1 ]; then status=SKIPPED; fail=1; fi
   echo "== $label: $status (passed $passed, failed $failed, skipped $skipped, ${secs}s)"
