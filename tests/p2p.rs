@@ -1487,12 +1487,56 @@ fn mismatch(r: &Rank, next: usize, prev: usize) {
     from_thread.expect("post from a fresh thread");
 }
 
+/// A barrier whose wait gives up after a minute (a thread that panicked never comes, and the
+/// others must fail rather than hold the rank until the launcher's timeout).
+struct Meet {
+    count: usize,
+    state: std::sync::Mutex<(usize, u64)>,
+    cv: std::sync::Condvar,
+}
+
+impl Meet {
+    fn new(count: usize) -> Self {
+        Meet {
+            count,
+            state: std::sync::Mutex::new((0, 0)),
+            cv: std::sync::Condvar::new(),
+        }
+    }
+
+    /// Waits until all `count` threads called `wait` for this round.
+    fn wait(&self) {
+        let mut g = self.state.lock().unwrap();
+        let round = g.1;
+        g.0 += 1;
+        if g.0 == self.count {
+            *g = (0, round + 1);
+            self.cv.notify_all();
+            return;
+        }
+        let (g, t) = self
+            .cv
+            .wait_timeout_while(g, std::time::Duration::from_secs(60), |g| g.1 == round)
+            .unwrap();
+        assert!(
+            !t.timed_out() || g.1 != round,
+            "a thread of this rank did not come to the barrier within 60 s"
+        );
+    }
+}
+
 /// Threads of one rank post at once, as pipeline stages on threads of their own do: for every
 /// other rank one thread sends and one receives, each on a stream of its own and outside any
 /// group, a run of sizes across the eager, posting-thread, proxy and chunked paths — first
 /// each message waited for, then the whole run posted before any wait — every byte checked.
 /// Messages from `src` to `dst` go through `comm_for(src, dst)`; `fresh`: each run in buffers
 /// allocated for it (the last run's freed), else the first run's buffers again.
+///
+/// Buffers are freed only while every thread of the rank is between runs, its stream
+/// synchronized: on CUDA a `cuMemFree` holds the driver's process-wide lock while it waits for
+/// every stream of the device, and a stream still joined to a receive would wait for a proxy
+/// that needs that lock (the rule in `Comm`'s docs; docs/reliability.md). Freeing at a thread's
+/// end while the rank's other threads still received stopped this test on an H100.
 fn threads<'a>(
     r: &'a Rank,
     big: usize,
@@ -1504,10 +1548,12 @@ fn threads<'a>(
         .into_iter()
         .map(|len| len.min(big))
         .collect();
+    // Every thread of the rank meets here between runs (see above).
+    let between = Meet::new(2 * (n - 1));
     std::thread::scope(|sc| {
         for q in (0..n).filter(|&q| q != me) {
             for sending in [true, false] {
-                let sizes = &sizes;
+                let (sizes, between) = (&sizes, &between);
                 let comm = match sending {
                     true => comm_for(me, q),
                     false => comm_for(q, me),
@@ -1518,7 +1564,10 @@ fn threads<'a>(
                     let mut bufs: Vec<_> = Vec::new();
                     for round in 0..2 {
                         if fresh || bufs.is_empty() {
+                            drop(std::mem::take(&mut bufs));
                             bufs = sizes.iter().map(|&len| r.buffer(len)).collect();
+                            // Nobody posts (and joins a stream) while another still frees.
+                            between.wait();
                         }
                         if sending {
                             for (i, b) in bufs.iter().enumerate() {
@@ -1544,6 +1593,9 @@ fn threads<'a>(
                                 r.check_on(b, q, tag(round, i), sizes[i], &s);
                             }
                         }
+                        // Every stream of the rank has passed its waits before anyone frees
+                        // (the next run's buffers, or these at the thread's end).
+                        between.wait();
                     }
                 });
             }
@@ -2455,8 +2507,8 @@ fn groups_belong_to_their_thread() {
 fn threads_with_a_communicator_each() {
     let v = vendors("FLAGCX_P2P_TEST_VENDORS");
     // A rank still running after 10 s (a run takes about one) prints every thread's frames
-    // into the log: this job stopped in about one run of ten on an H100, inside a vendor call
-    // of rank 0's proxy, and the GPU hosts have no debugger.
+    // into the log, for the GPU hosts, which have no debugger: this job stopped in about one
+    // run of ten on an H100 while its threads freed buffers at their end (see `threads`).
     let stacks = ("FLAGCX_TEST_STACKS", "10000");
     job(
         2,

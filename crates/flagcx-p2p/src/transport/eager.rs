@@ -66,11 +66,9 @@ const BOUNCE_BYTES: usize = crate::config::MAX_EAGER_MAX;
 /// addressable (its runtime copies to and from pinned memory faster than pageable); a fresh
 /// vector where the vendor has none.
 ///
-/// Made at setup ([`Bounce::made`]), never on a message's path: allocating pinned memory may
-/// wait for the whole device context, and once messages flow a stream of this process may be
-/// waiting in its queue for a peer whose progress needs this very message (on an H100, two
-/// ranks with two communicators each, exchanging in both directions at once, stopped in 4 of
-/// 40 runs with the buffers made at their first message; none with eager messages off).
+/// Made at setup ([`Bounce::made`]), never on a message's path: pinning memory is a slow
+/// runtime call (page-locking and mapping it for the device) that the first small message
+/// would otherwise pay for.
 #[derive(Default)]
 pub(crate) enum Bounce {
     #[default]
