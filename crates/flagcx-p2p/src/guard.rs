@@ -142,8 +142,10 @@ fn watch(shared: &Shared, window: Duration, rank: usize) -> Option<CommError> {
                 peer: None,
                 what: format!(
                     "rank {rank}'s progress thread took no step for {} ms with operations in \
-                     flight (blocked inside a vendor call); the communicator is aborted and \
-                     its streams released",
+                     flight (blocked inside a vendor call: on CUDA and HIP typically behind \
+                     another thread's cudaFree, cudaFreeHost or cudaHostUnregister while a \
+                     stream waits for this communicator); the communicator is aborted and its \
+                     streams released",
                     stalled.as_millis()
                 ),
             });
