@@ -355,6 +355,11 @@ fn rank_worker() {
             net_parting(r);
             return;
         }
+        "free_while_joined" => {
+            free_while_joined(&r);
+            println!("worker ok: rank {me} of {n}, freed while a stream was joined");
+            return;
+        }
         "use_after_drop" => {
             use_after_drop(r, prev);
             println!("worker ok: rank {me} of {n}, request outlived its communicator");
@@ -1603,6 +1608,66 @@ fn threads<'a>(
     });
 }
 
+/// Rank 0 frees a buffer while its stream waits for a receive that rank 1 sends a second late,
+/// which `Comm`'s docs forbid on CUDA (the free holds the driver's lock until every stream is
+/// idle, and the receive's copy needs the lock): under `FLAGCX_HOST_FREE_SYNC=1` the host
+/// vendor frees that way, so the job must stall until the guard fails rank 0's communicator
+/// (`FLAGCX_TEST_EXPECT_STALL=1`); without it the receive arrives intact.
+fn free_while_joined(r: &Rank) {
+    const LEN: usize = 1 << 20;
+    let stall = std::env::var("FLAGCX_TEST_EXPECT_STALL").as_deref() == Ok("1");
+    if r.comm.rank() == 1 {
+        std::thread::sleep(std::time::Duration::from_millis(1000));
+        let b = r.filled(0, 40, LEN);
+        let sent = r.comm.send(&b, 0, &r.stream).expect("send").wait();
+        assert_eq!(sent.is_ok(), !stall, "rank 1's send: {sent:?}");
+        return;
+    }
+    let b = r.buffer(LEN);
+    let spare = r.buffer(64);
+    let req = r.comm.recv(&b, 1, &r.stream).expect("recv");
+    let t0 = std::time::Instant::now();
+    drop(spare);
+    let freed_after = t0.elapsed();
+    match req.wait() {
+        Ok(n) if !stall => {
+            assert_eq!(n, LEN);
+            r.stream.synchronize().expect("sync");
+            r.check_on(&b, 1, 40, LEN, &r.stream);
+        }
+        Err(CommError::Timeout { what, .. }) if stall => {
+            assert!(what.contains("progress thread"), "{what}");
+            assert!(
+                freed_after >= std::time::Duration::from_millis(500),
+                "the free returned after {freed_after:?}, before the stream was released"
+            );
+        }
+        other => panic!("rank 0's receive (stall expected: {stall}): {other:?}"),
+    }
+}
+
+/// Code that frees while a stream waits for an operation stalls on CUDA; the host vendor's
+/// emulation of CUDA's frees (`FLAGCX_HOST_FREE_SYNC`) shows it on CPU-only runs, and the
+/// stall guard turns it into a `Timeout` rather than a hang.
+#[test]
+fn frees_wait_for_joined_streams_as_on_cuda() {
+    // Rank 0 copies both ways (its proxy's copy is what the free holds up), with no posting
+    // thread to copy before the free.
+    let base = [
+        ("FLAGCX_P2P_IPC_COPIER", "lower"),
+        ("FLAGCX_P2P_IPC_CALLER", "off"),
+        ("FLAGCX_TIMEOUT_MS", "1500"),
+        ("FLAGCX_HOST_FREE_SYNC", "0"),
+    ];
+    job(2, "host", "free_while_joined", &base);
+    let mut strict = base.to_vec();
+    strict.extend([
+        ("FLAGCX_HOST_FREE_SYNC", "1"),
+        ("FLAGCX_TEST_EXPECT_STALL", "1"),
+    ]);
+    job(2, "host", "free_while_joined", &strict);
+}
+
 /// The stack dumper the GPU scripts arm for hangs (`FLAGCX_TEST_STACKS`, tests/common/stacks.rs):
 /// each rank prints the frames of every thread, its proxy thread's loop among them.
 #[test]
@@ -2523,6 +2588,20 @@ fn threads_with_a_communicator_each() {
         &[
             ("FLAGCX_TIMEOUT_MS", "30000"),
             ("FLAGCX_P2P_IPC_CALLER", "off"),
+            stacks,
+        ],
+    );
+    // Host ranks freeing as CUDA does (`FLAGCX_HOST_FREE_SYNC`), with the copier CUDA has on
+    // one GPU (rank 0 copies both ways): threads that freed at their end while the rank's
+    // other thread still received stalled here in 6 runs of 10, as on the H100.
+    job(
+        2,
+        &v,
+        "threads_comms",
+        &[
+            ("FLAGCX_TIMEOUT_MS", "30000"),
+            ("FLAGCX_HOST_FREE_SYNC", "1"),
+            ("FLAGCX_P2P_IPC_COPIER", "lower"),
             stacks,
         ],
     );

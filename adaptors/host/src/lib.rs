@@ -15,14 +15,16 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod copy;
+mod freesync;
 mod memory;
 mod stream;
 
 pub use copy::{COPY_THREADS_DEFAULT_MAX, COPY_THREAD_PREFIX, STREAMING_MIN_ENV};
+pub use freesync::{FREE_SYNC_ENV, FREE_WAIT_MAX};
 
 use flagcx_adaptor::tracking::HandleMap;
 use std::cell::Cell;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -32,7 +34,7 @@ use flagcx_adaptor::{
     EventHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor, WaitCondition,
 };
 
-use memory::{registry, RangeKind};
+use memory::{dup_cloexec, map_opened, registry, RangeKind};
 pub use stream::QUEUES_ENV;
 use stream::{EventState, HostStream, Op, SharedQueue};
 
@@ -133,6 +135,7 @@ impl HostAdaptor {
     }
 
     fn stream(&self, s: StreamHandle) -> Result<Arc<HostStream>> {
+        let _call = freesync::call();
         self.inner
             .streams
             .lock()
@@ -146,6 +149,7 @@ impl HostAdaptor {
     }
 
     fn event(&self, e: EventHandle) -> Result<Arc<EventState>> {
+        let _call = freesync::call();
         self.inner
             .events
             .lock()
@@ -156,6 +160,16 @@ impl HostAdaptor {
                 kind: "event",
                 value: e.0,
             })
+    }
+
+    /// What a free holds while it runs: nothing, or with [`FREE_SYNC_ENV`] the process-wide
+    /// lock, taken once every stream of the device is idle (`freesync`).
+    fn free_sync(&self, op: &str) -> Option<std::sync::RwLockWriteGuard<'static, ()>> {
+        let streams = &self.inner.streams;
+        freesync::free(op, || {
+            let all = streams.lock().unwrap_or_else(|e| e.into_inner());
+            all.values().all(|s| s.idle())
+        })
     }
 
     fn push(&self, op: &'static str, s: &HostStream, work: Op) -> Result<()> {
@@ -186,6 +200,7 @@ impl HostAdaptor {
                 code: None,
             });
         }
+        let _call = freesync::call();
         let fd = memory::memfd(size)?;
         let base = memory::map_shared(&fd, size).map_err(|e| match e {
             AdaptorError::Os { ref source, .. } if source.raw_os_error() == Some(libc::ENOMEM) => {
@@ -227,27 +242,6 @@ impl HostAdaptor {
 /// Encodes a byte-form handle naming descriptor `fd` of this process.
 fn encode_handle(fd: &OwnedFd, size: usize) -> Result<IpcMemHandle> {
     Ok(HostMemHandle::of_fd(fd, size)?.encode())
-}
-
-fn dup_cloexec(op: &'static str, fd: &OwnedFd) -> Result<OwnedFd> {
-    // SAFETY: duplicating a valid descriptor; the result is checked and owned.
-    let raw = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 3) };
-    if raw < 0 {
-        return Err(AdaptorError::last_os(op));
-    }
-    // SAFETY: `raw` is a new descriptor nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
-}
-
-fn map_opened(op: &'static str, fd: OwnedFd, size: usize) -> Result<DevicePtr> {
-    let base = memory::map_shared(&fd, size)?;
-    let kind = RangeKind::IpcOpened { fd };
-    if let Err(e) = registry().insert(op, base, size, kind) {
-        // SAFETY: the mapping was made just above and is not yet published.
-        unsafe { memory::unmap(base, size) };
-        return Err(e);
-    }
-    Ok(DevicePtr(base))
 }
 
 impl DeviceAdaptor for HostAdaptor {
@@ -305,6 +299,7 @@ impl DeviceAdaptor for HostAdaptor {
     }
 
     unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
+        let _free = self.free_sync("mem_free");
         let me = self.inner.device;
         let r = registry().remove_if(
             "mem_free",
@@ -337,6 +332,7 @@ impl DeviceAdaptor for HostAdaptor {
     }
 
     unsafe fn host_free(&self, ptr: *mut u8) -> Result<()> {
+        let _free = self.free_sync("host_free");
         let r =
             registry().remove_if("host_free", ptr as u64, |k| matches!(k, RangeKind::Pinned))?;
         // SAFETY: our anonymous mapping; the caller guarantees it is unused.
@@ -356,6 +352,7 @@ impl DeviceAdaptor for HostAdaptor {
     }
 
     unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        let _free = self.free_sync("host_unregister");
         registry().remove_if("host_unregister", ptr as u64, |k| {
             matches!(k, RangeKind::Registered)
         })?;
@@ -697,6 +694,7 @@ impl DeviceAdaptor for HostAdaptor {
     }
 
     unsafe fn ipc_close(&self, ptr: DevicePtr) -> Result<()> {
+        let _free = self.free_sync("ipc_close");
         let r = registry().remove_if("ipc_close", ptr.0, |k| {
             matches!(k, RangeKind::IpcOpened { .. })
         })?;

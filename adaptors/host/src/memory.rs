@@ -9,7 +9,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use flagcx_adaptor::tracking::RangeMap;
-use flagcx_adaptor::{AdaptorError, Result};
+use flagcx_adaptor::{AdaptorError, DevicePtr, Result};
 
 /// What a registered range is.
 #[derive(Debug)]
@@ -99,4 +99,28 @@ pub(crate) fn physical_memory() -> u64 {
     } else {
         1 << 30
     }
+}
+
+/// A close-on-exec duplicate of `fd` (numbered 3 or above).
+pub(crate) fn dup_cloexec(op: &'static str, fd: &OwnedFd) -> Result<OwnedFd> {
+    // SAFETY: duplicating a valid descriptor; the result is checked and owned.
+    let raw = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 3) };
+    if raw < 0 {
+        return Err(AdaptorError::last_os(op));
+    }
+    // SAFETY: `raw` is a new descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// Maps a peer's allocation opened as `fd` and records it as opened through IPC.
+pub(crate) fn map_opened(op: &'static str, fd: OwnedFd, size: usize) -> Result<DevicePtr> {
+    let _call = crate::freesync::call();
+    let base = map_shared(&fd, size)?;
+    let kind = RangeKind::IpcOpened { fd };
+    if let Err(e) = registry().insert(op, base, size, kind) {
+        // SAFETY: the mapping was made just above and is not yet published.
+        unsafe { unmap(base, size) };
+        return Err(e);
+    }
+    Ok(DevicePtr(base))
 }
