@@ -1,6 +1,7 @@
 //! `cargo xtask bundle --vendor cuda`: everything a GPU host without Rust needs to run the
-//! vendor's suites — release binaries (debug information stripped, symbols kept) and a `run.sh` that runs them all, writes full
-//! logs, prints a short table last and exits non-zero on any failure or skip.
+//! vendor's suites — release binaries (debug information stripped, symbols kept) and a `run.sh`
+//! that runs them all, writes full logs, prints a short table last and exits non-zero on any
+//! failure or skip.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
