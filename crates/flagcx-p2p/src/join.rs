@@ -107,9 +107,13 @@ impl WatermarkPage {
 }
 
 /// How long [`waits_hold_other_streams`] gives the second stream's memset: far more than an
-/// idle runtime needs to run 4 KiB (microseconds), short enough not to slow setup down where
-/// the queues are shared (the only case that waits it out).
-const SHARED_QUEUE_PROBE: std::time::Duration = std::time::Duration::from_millis(20);
+/// idle runtime needs to run 4 KiB (microseconds), and than a busy 2-core machine takes to
+/// schedule a host-vendor stream's worker, yet a small part of a job's start where the queues
+/// are shared (the only case that waits it out). A wrong "shared" costs more than the wait:
+/// late copies and waiting posts for the communicator's life. It was 20 ms until two runs of
+/// reliability's stream-ordered killed-peer case on the 2-core VM found no stream-ordered link
+/// (not reproduced in 50 runs since, 10 of them beside two spinning processes).
+const SHARED_QUEUE_PROBE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// How long the host-function probe of [`waits_hold_other_streams`] blocks at most if the host
 /// never lets it go (it always does, right after the probe): a runtime thread is never held for
