@@ -355,6 +355,11 @@ fn rank_worker() {
             net_parting(r);
             return;
         }
+        "dropped_after_post" => {
+            dropped_after_post(&r);
+            println!("worker ok: rank {me} of {n}, buffer dropped after posting");
+            return;
+        }
         "free_while_joined" => {
             free_while_joined(&r);
             println!("worker ok: rank {me} of {n}, freed while a stream was joined");
@@ -1646,6 +1651,37 @@ fn free_while_joined(r: &Rank) {
     }
 }
 
+/// Rank 0 sends a buffer whose only other reference it drops right after posting, so the
+/// operation's is the last; rank 1 receives 200 ms later and checks every byte. The engine
+/// must not free that buffer when the operation finishes, while rank 0's stream is still
+/// joined to it: under `FLAGCX_HOST_FREE_SYNC=1` (frees as CUDA's) that free would wait for
+/// the stream, which waits for the engine.
+fn dropped_after_post(r: &Rank) {
+    const LEN: usize = (1 << 20) + 7;
+    if r.comm.rank() == 1 {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let b = r.buffer(LEN);
+        let n = r.comm.recv(&b, 0, &r.stream).expect("recv").wait();
+        assert_eq!(n.expect("rank 1's receive"), LEN);
+        r.stream.synchronize().expect("sync");
+        r.check_on(&b, 0, 41, LEN, &r.stream);
+        return;
+    }
+    let b = r.filled(1, 41, LEN);
+    let t0 = std::time::Instant::now();
+    let req = r.comm.send(&b, 1, &r.stream).expect("send");
+    drop(b);
+    assert_eq!(req.wait().expect("rank 0's send"), LEN);
+    r.stream.synchronize().expect("the stream passed its join");
+    // A free by the engine would have held the join up until the emulated free gave up
+    // (`FREE_WAIT_MAX`, 60 s); the exchange itself takes the receiver's 200 ms.
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(20),
+        "rank 0's stream passed its join after {:?}: the buffer was freed while it waited",
+        t0.elapsed()
+    );
+}
+
 /// Code that frees while a stream waits for an operation stalls on CUDA; the host vendor's
 /// emulation of CUDA's frees (`FLAGCX_HOST_FREE_SYNC`) shows it on CPU-only runs, and the
 /// stall guard turns it into a `Timeout` rather than a hang.
@@ -1666,6 +1702,19 @@ fn frees_wait_for_joined_streams_as_on_cuda() {
         ("FLAGCX_TEST_EXPECT_STALL", "1"),
     ]);
     job(2, "host", "free_while_joined", &strict);
+    // The library's own frees keep the rule: a buffer the caller dropped after posting is
+    // freed at rest, not by the progress thread as the operation finishes (which stalled
+    // until the guard's timeout here, or the emulated free's 60 s bound).
+    job(
+        2,
+        "host",
+        "dropped_after_post",
+        &[
+            ("FLAGCX_HOST_FREE_SYNC", "1"),
+            ("FLAGCX_P2P_IPC_CALLER", "off"),
+            ("FLAGCX_TIMEOUT_MS", "5000"),
+        ],
+    );
 }
 
 /// The stack dumper the GPU scripts arm for hangs (`FLAGCX_TEST_STACKS`, tests/common/stacks.rs):

@@ -9,14 +9,14 @@
 //! the progress thread's next call waits for the lock. The host vendor normally frees at once;
 //! with this variable set, every call that enqueues work or looks up a stream or event takes
 //! the lock as a reader, and a free takes it as a writer and waits until every stream of the
-//! device (this adaptor and its clones) is idle. Host writes of a stream word take no lock, as
-//! CUDA's are plain stores.
+//! device is idle (of every adaptor of the process open on it, as a CUDA process has one
+//! context per device). Host writes of a stream word take no lock, as CUDA's are plain stores.
 //!
 //! Where CUDA would wait for good, the free gives up after [`FREE_WAIT_MAX`] with a warning on
 //! stderr and frees anyway, so a test run ends: the communicator's stall guard
 //! (`FLAGCX_TIMEOUT_MS`) has reported the stall by then.
 
-use std::sync::{OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 use std::time::{Duration, Instant};
 
 /// Environment variable: `1` makes frees wait for every stream under a process-wide lock.
@@ -26,6 +26,28 @@ pub const FREE_SYNC_ENV: &str = "FLAGCX_HOST_FREE_SYNC";
 pub const FREE_WAIT_MAX: Duration = Duration::from_secs(60);
 
 static LOCK: RwLock<()> = RwLock::new(());
+
+/// Every adaptor opened in this process while the emulation is on (their shared state), so a
+/// free can wait for the streams of all of them on its device.
+static OPENED: Mutex<Vec<Weak<crate::Inner>>> = Mutex::new(Vec::new());
+
+/// Records a newly opened adaptor (nothing while the emulation is off).
+pub(crate) fn open(inner: &Arc<crate::Inner>) {
+    if on() {
+        let mut all = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|w| w.strong_count() > 0);
+        all.push(Arc::downgrade(inner));
+    }
+}
+
+/// The adaptors of this process open on `device` now.
+pub(crate) fn opened(device: usize) -> Vec<Arc<crate::Inner>> {
+    let all = OPENED.lock().unwrap_or_else(|e| e.into_inner());
+    all.iter()
+        .filter_map(Weak::upgrade)
+        .filter(|i| i.device == device)
+        .collect()
+}
 
 fn on() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();

@@ -58,7 +58,7 @@ pub struct HostAdaptor {
     inner: Arc<Inner>,
 }
 
-struct Inner {
+pub(crate) struct Inner {
     device: usize,
     count: usize,
     total_memory: u64,
@@ -122,16 +122,16 @@ impl HostAdaptor {
             op: "spawn shared queue worker",
             source,
         })?;
-        Ok(HostAdaptor {
-            inner: Arc::new(Inner {
-                device,
-                count,
-                total_memory: memory::physical_memory(),
-                streams: Mutex::default(),
-                events: Mutex::default(),
-                queues: (queues, AtomicU64::new(0)),
-            }),
-        })
+        let inner = Arc::new(Inner {
+            device,
+            count,
+            total_memory: memory::physical_memory(),
+            streams: Mutex::default(),
+            events: Mutex::default(),
+            queues: (queues, AtomicU64::new(0)),
+        });
+        freesync::open(&inner);
+        Ok(HostAdaptor { inner })
     }
 
     fn stream(&self, s: StreamHandle) -> Result<Arc<HostStream>> {
@@ -162,13 +162,15 @@ impl HostAdaptor {
             })
     }
 
-    /// What a free holds while it runs: nothing, or with [`FREE_SYNC_ENV`] the process-wide
-    /// lock, taken once every stream of the device is idle (`freesync`).
+    /// What a free holds: nothing, or with [`FREE_SYNC_ENV`] the process-wide lock, once every
+    /// stream of the device (of every adaptor of the process open on it) is idle.
     fn free_sync(&self, op: &str) -> Option<std::sync::RwLockWriteGuard<'static, ()>> {
-        let streams = &self.inner.streams;
+        let device = self.inner.device;
         freesync::free(op, || {
-            let all = streams.lock().unwrap_or_else(|e| e.into_inner());
-            all.values().all(|s| s.idle())
+            freesync::opened(device).iter().all(|inner| {
+                let streams = inner.streams.lock().unwrap_or_else(|e| e.into_inner());
+                streams.values().all(|s| s.idle())
+            })
         })
     }
 

@@ -264,7 +264,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             buf.len(),
             peer,
             stream.handle(),
-            Some(Box::new(buf.clone())),
+            Some(buf.clone()),
         )
     }
 
@@ -282,7 +282,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             buf.len(),
             peer,
             stream.handle(),
-            Some(Box::new(buf.clone())),
+            Some(buf.clone()),
         )
     }
 
@@ -374,7 +374,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         bytes: usize,
         peer: usize,
         stream: StreamHandle,
-        keep: Option<Box<dyn std::any::Any + Send>>,
+        keep: Option<crate::kept::Keep>,
     ) -> Result<Request> {
         if self.is_aborted() {
             return Err(CommError::Aborted);
@@ -522,7 +522,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         m: &Msg,
         path: Path,
         r: Result<usize>,
-        keep: &mut Option<Box<dyn std::any::Any + Send>>,
+        keep: &mut Option<crate::kept::Keep>,
     ) -> Request {
         let d = m.dir as usize;
         self.shared.pending[m.peer][d].fetch_sub(1, Ordering::AcqRel);
@@ -550,7 +550,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         start: Option<EventHandle>,
         resume: Option<crate::op::Resume>,
         slot: Slot,
-        keep: &mut Option<Box<dyn std::any::Any + Send>>,
+        keep: &mut Option<crate::kept::Keep>,
     ) -> (u64, Arc<Slot>) {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(slot);

@@ -269,6 +269,8 @@ pub(crate) struct Engine<A: DeviceAdaptor> {
     pub(crate) eager_stream: Option<StreamHandle>,
     /// Its pinned bounce buffer.
     pub(crate) eager_bounce: crate::transport::eager::Bounce,
+    /// Buffers finished operations held the last reference to, freed at rest.
+    pub(crate) kept: crate::kept::Kept,
     /// The last count of hand-overs seen (`Shared::posted`).
     pub(crate) seen_posted: u64,
     pub(crate) last_health: Instant,
@@ -292,13 +294,8 @@ impl<A: DeviceAdaptor> Engine<A> {
         let recv_stream = adaptor.stream_create()?;
         // Eager receives into device memory the CPU cannot write: their stream and bounce
         // buffer now, not at the first message (`Bounce`'s docs say why).
-        let (eager_stream, eager_bounce) = match bounces {
-            true => (
-                Some(adaptor.stream_create()?),
-                crate::transport::eager::Bounce::made(&adaptor),
-            ),
-            false => (None, Default::default()),
-        };
+        let eager_stream = bounces.then(|| adaptor.stream_create()).transpose()?;
+        let eager_bounce = crate::transport::eager::Bounce::made_if(bounces, &adaptor);
         let host_maps = peers.iter().flatten().any(|c| c.roles.maps_peer).then(|| {
             HostMaps::new(
                 adaptor.clone(),
@@ -325,6 +322,7 @@ impl<A: DeviceAdaptor> Engine<A> {
             net,
             eager_stream,
             eager_bounce,
+            kept: Default::default(),
             seen_posted: 0,
             last_health: Instant::now(),
             down: false,
@@ -344,13 +342,18 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// reaches its parking branch while traffic flows. The cache grows past its bound while
     /// traffic never pauses. Seen on an H200: closing between operations hung, and closing at
     /// idle while a caller posted the next operation stalled it. Posting threads' own copies
-    /// (`IpcCache::caller_copies`) hold it off too.
+    /// (`IpcCache::caller_copies`) hold it off too. Buffers whose last reference a finished
+    /// operation held are freed here as well, under the same conditions (`crate::kept`).
     pub(crate) fn trim_at_rest(&mut self) -> bool {
         // Stale mappings only while no other communicator of the process joins streams;
         // mappings past the bound whatever the others do, as before stale ones were known
         // (a bounded cache is worth that rare close; see architecture.md, "Stale mappings").
         let stale = !crate::transport::ipc::joining_elsewhere(self.shared.joining.is_some());
-        if lock(&self.shared.ipc).to_trim(stale, 8) == 0 || !self.streams_idle() {
+        let (close, free) = (
+            lock(&self.shared.ipc).to_trim(stale, 8),
+            self.kept.due(stale),
+        );
+        if (close == 0 && !free) || !self.streams_idle() {
             return false;
         }
         let quiet = {
@@ -361,6 +364,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         };
         if quiet {
             self.trim_ipc_cache(stale, 8);
+            self.kept.release();
             self.shared.trimming.store(false, Ordering::Release);
         }
         quiet
@@ -462,7 +466,7 @@ impl<A: DeviceAdaptor> Engine<A> {
             p[op.dir as usize].fetch_sub(1, Ordering::AcqRel);
         }
         op.slot.complete(r);
-        drop(op.keep);
+        self.kept.take(op.keep);
         self.finished.insert(op.seq);
         let mut w = self.watermark;
         while self.finished.remove(&(w + 1)) {
@@ -729,6 +733,8 @@ impl<A: DeviceAdaptor> Engine<A> {
             self.finish(op, Err(why.clone()));
         }
         self.flush_ipc_cache();
+        // Every operation finished above, its streams released.
+        self.kept.release();
         if let Some(m) = self.host_maps.as_mut() {
             // Both streams were synchronized above: no copy touches the mappings.
             m.close();

@@ -45,6 +45,7 @@ mod error;
 mod group;
 mod guard;
 mod join;
+mod kept;
 pub mod launch;
 mod numa;
 mod op;

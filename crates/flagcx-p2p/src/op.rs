@@ -179,7 +179,7 @@ pub(crate) struct Op {
     pub after: u64,
     pub slot: Arc<Slot>,
     /// Keeps a safe API caller's buffer alive until the operation finishes.
-    pub keep: Option<Box<dyn std::any::Any + Send>>,
+    pub keep: Option<crate::kept::Keep>,
     /// When the API thread posted it, where `FLAGCX_PROFILE` is on (a clock read per
     /// operation is a tenth of a small collective's time on some VMs otherwise).
     pub posted: Option<Instant>,

@@ -557,10 +557,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
             None => None,
         };
-        let bounce = Mutex::new(match bounces {
-            true => Bounce::made(&adaptor),
-            false => Bounce::default(),
-        });
+        let bounce = Mutex::new(Bounce::made_if(bounces, &adaptor));
         Ok(Comm {
             adaptor,
             rank,

@@ -90,6 +90,14 @@ impl Bounce {
             .map_or(Bounce::Unavailable, Bounce::Pinned)
     }
 
+    /// [`Bounce::made`] where `wanted`, else untried.
+    pub(crate) fn made_if<A: DeviceAdaptor>(wanted: bool, adaptor: &A) -> Self {
+        match wanted {
+            true => Self::made(adaptor),
+            false => Self::default(),
+        }
+    }
+
     /// Runs `f` on `n` bytes of the pinned buffer, or of a fresh vector; a buffer that was
     /// never made ([`Bounce::Untried`]: setup found no pair to bounce for) is made first.
     pub(crate) fn with<A: DeviceAdaptor, R>(

@@ -193,7 +193,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         peer: usize,
         stream: StreamHandle,
         start: Option<EventHandle>,
-        keep: &mut Option<Box<dyn std::any::Any + Send>>,
+        keep: &mut Option<crate::kept::Keep>,
     ) -> Result<Option<Request>> {
         let Some(link) = self.caller.get(peer).and_then(|l| l.as_ref()) else {
             return Ok(None);

@@ -573,7 +573,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         ptr: flagcx_adaptor::DevicePtr,
         bytes: usize,
         peer: usize,
-        keep: &mut Option<Box<dyn std::any::Any + Send>>,
+        keep: &mut Option<crate::kept::Keep>,
     ) -> Result<Option<Request>> {
         let Some(shared) = self.net.as_ref() else {
             return Ok(None);
