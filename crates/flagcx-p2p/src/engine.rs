@@ -466,7 +466,7 @@ impl<A: DeviceAdaptor> Engine<A> {
             p[op.dir as usize].fetch_sub(1, Ordering::AcqRel);
         }
         op.slot.complete(r);
-        self.kept.take(op.keep);
+        self.kept.take(op.keep, op.bytes);
         self.finished.insert(op.seq);
         let mut w = self.watermark;
         while self.finished.remove(&(w + 1)) {

@@ -16,29 +16,37 @@ use std::sync::Arc;
 /// What keeps an operation's buffer alive: the caller's `Arc` of it.
 pub(crate) type Keep = Arc<dyn std::any::Any + Send + Sync>;
 
-/// How many last references are held before they are freed at rest even beside another
-/// communicator of the process that joins streams (as the IPC cache closes past its bound).
+/// How many last references, or how many bytes of their operations, are held before they are
+/// freed at rest even beside another communicator of the process that joins streams (as the
+/// IPC cache closes past its bound).
 pub(crate) const KEPT_MAX: usize = 256;
+/// See [`KEPT_MAX`].
+pub(crate) const KEPT_MAX_BYTES: usize = 256 << 20;
 
 /// Last references of finished operations, not yet dropped.
 #[derive(Default)]
 pub(crate) struct Kept {
     held: Vec<Keep>,
+    /// The held operations' bytes.
+    bytes: usize,
 }
 
 impl Kept {
-    /// Takes a finished operation's reference: dropped now where others remain (that only
-    /// counts down), held where it is the last one.
-    pub(crate) fn take(&mut self, keep: Option<Keep>) {
+    /// Takes a finished operation's reference (its message: `bytes`): dropped now where others
+    /// remain (that only counts down), held where it is the last one.
+    pub(crate) fn take(&mut self, keep: Option<Keep>, bytes: usize) {
         if let Some(k) = keep.filter(|k| Arc::strong_count(k) == 1) {
             self.held.push(k);
+            self.bytes = self.bytes.saturating_add(bytes);
         }
     }
 
     /// Whether to free at the next rest: something is held, and no other communicator of the
-    /// process joins streams (`alone`) or more than [`KEPT_MAX`] are held.
+    /// process joins streams (`alone`) or more than [`KEPT_MAX`] references or
+    /// [`KEPT_MAX_BYTES`] are held.
     pub(crate) fn due(&self, alone: bool) -> bool {
-        !self.held.is_empty() && (alone || self.held.len() > KEPT_MAX)
+        !self.held.is_empty()
+            && (alone || self.held.len() > KEPT_MAX || self.bytes > KEPT_MAX_BYTES)
     }
 
     /// Drops every held reference (the caller made sure no stream waits for this
@@ -46,6 +54,7 @@ impl Kept {
     pub(crate) fn release(&mut self) -> usize {
         let n = self.held.len();
         self.held.clear();
+        self.bytes = 0;
         n
     }
 }
@@ -59,24 +68,28 @@ mod tests {
         let mut kept = Kept::default();
         let shared: Keep = Arc::new(vec![1u8; 4]);
         let mine = shared.clone();
-        kept.take(Some(shared));
+        kept.take(Some(shared), 4);
         assert!(
             !kept.due(true),
             "another reference remained: dropped at once"
         );
         assert_eq!(Arc::strong_count(&mine), 1);
-        kept.take(Some(mine));
-        kept.take(None);
+        kept.take(Some(mine), 4);
+        kept.take(None, 4);
         assert!(kept.due(true));
         assert!(
             !kept.due(false),
-            "beside another joining communicator: below the bound"
+            "beside another joining communicator: below the bounds"
         );
         for _ in 0..KEPT_MAX {
-            kept.take(Some(Arc::new(0u32)));
+            kept.take(Some(Arc::new(0u32)), 4);
         }
-        assert!(kept.due(false), "past the bound");
+        assert!(kept.due(false), "past the count bound");
         assert_eq!(kept.release(), KEPT_MAX + 1);
         assert!(!kept.due(true));
+        kept.take(Some(Arc::new(0u8)), KEPT_MAX_BYTES);
+        assert!(!kept.due(false), "at the byte bound");
+        kept.take(Some(Arc::new(0u8)), 1);
+        assert!(kept.due(false), "past the byte bound");
     }
 }
