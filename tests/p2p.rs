@@ -2190,6 +2190,12 @@ fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) -> String 
         "job {scenario} on {n} ranks ({vendors}) failed: {}\n{log}",
         out.status
     );
+    // Under `FLAGCX_HOST_FREE_SYNC` a free that waited out its bound is one CUDA would never
+    // return from, even where the job went on.
+    assert!(
+        !log.contains("CUDA would wait for good"),
+        "job {scenario}: a free waited for a stream that waited for it\n{log}"
+    );
     for rank in 0..n {
         assert!(
             stdout.contains(&format!("worker ok: rank {rank} of {n},")),
