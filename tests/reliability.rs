@@ -72,7 +72,15 @@ fn finish(c: Child, limit: Duration) -> Output {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    waiter.join().expect("join")
+    let out = waiter.join().expect("join");
+    // Under `FLAGCX_HOST_FREE_SYNC` a free that waited out its bound is one CUDA would never
+    // return from, even where the rank went on.
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("CUDA would wait for good"),
+        "a free waited for a stream that waited for it\n{}",
+        text(&out)
+    );
+    out
 }
 
 fn text(o: &Output) -> String {

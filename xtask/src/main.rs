@@ -263,6 +263,14 @@ fn vendor_commands(vendor: &str) -> Vec<Command> {
                 .args(["--exclude", "flagcx-opencl"])
                 .env("FLAGCX_VENDOR", "host");
             cmds.push(c);
+            // Faults, aborts and lost peers again with frees that wait for every stream, as
+            // CUDA's do: the library must not free while a stream waits for it on any of
+            // those paths (docs/reliability.md).
+            let mut c = cargo();
+            c.args(["test", "-p", "flagcx", "--test", "reliability"])
+                .env("FLAGCX_VENDOR", "host")
+                .env("FLAGCX_HOST_FREE_SYNC", "1");
+            cmds.push(c);
         }
         other => {
             let mut c = cargo();
