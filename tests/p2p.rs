@@ -2193,7 +2193,7 @@ fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) -> String 
     // Under `FLAGCX_HOST_FREE_SYNC` a free that waited out its bound is one CUDA would never
     // return from, even where the job went on.
     assert!(
-        !log.contains("CUDA would wait for good"),
+        !log.contains(flagcx::host::FREE_WAITED_OUT),
         "job {scenario}: a free waited for a stream that waited for it\n{log}"
     );
     for rank in 0..n {

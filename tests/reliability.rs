@@ -76,7 +76,7 @@ fn finish(c: Child, limit: Duration) -> Output {
     // Under `FLAGCX_HOST_FREE_SYNC` a free that waited out its bound is one CUDA would never
     // return from, even where the rank went on.
     assert!(
-        !String::from_utf8_lossy(&out.stderr).contains("CUDA would wait for good"),
+        !String::from_utf8_lossy(&out.stderr).contains(flagcx::host::FREE_WAITED_OUT),
         "a free waited for a stream that waited for it\n{}",
         text(&out)
     );

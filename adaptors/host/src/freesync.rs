@@ -25,6 +25,10 @@ pub const FREE_SYNC_ENV: &str = "FLAGCX_HOST_FREE_SYNC";
 /// How long an emulated free waits for the streams at most.
 pub const FREE_WAIT_MAX: Duration = Duration::from_secs(60);
 
+/// Part of the warning an emulated free prints on stderr when it waited out
+/// [`FREE_WAIT_MAX`]: a free CUDA would never return from (tests look for it in ranks' logs).
+pub const FREE_WAITED_OUT: &str = "CUDA would wait for good";
+
 static LOCK: RwLock<()> = RwLock::new(());
 
 /// Every adaptor opened in this process while the emulation is on (their shared state), so a
@@ -72,7 +76,7 @@ pub(crate) fn free(op: &str, idle: impl Fn() -> bool) -> Option<RwLockWriteGuard
         if t0.elapsed() >= FREE_WAIT_MAX {
             eprintln!(
                 "flagcx-host: {op} waited {} s for a stream that does not finish \
-                 ({FREE_SYNC_ENV}=1; CUDA would wait for good) and frees anyway",
+                 ({FREE_SYNC_ENV}=1; {FREE_WAITED_OUT}) and frees anyway",
                 FREE_WAIT_MAX.as_secs()
             );
             break;

@@ -20,7 +20,7 @@ mod memory;
 mod stream;
 
 pub use copy::{COPY_THREADS_DEFAULT_MAX, COPY_THREAD_PREFIX, STREAMING_MIN_ENV};
-pub use freesync::{FREE_SYNC_ENV, FREE_WAIT_MAX};
+pub use freesync::{FREE_SYNC_ENV, FREE_WAITED_OUT, FREE_WAIT_MAX};
 
 use flagcx_adaptor::tracking::HandleMap;
 use std::cell::Cell;
