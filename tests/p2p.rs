@@ -249,6 +249,16 @@ fn rank_worker() {
     if let Ok(v) = std::env::var("FLAGCX_TEST_EXPECT_POSTS_WAIT") {
         assert_eq!(r.comm.posts_wait(), v == "1", "rank {me}: posts wait");
     }
+    if let Ok(v) = std::env::var("FLAGCX_TEST_EXPECT_DEVICE_RING") {
+        for q in (0..n).filter(|&q| q != me) {
+            let got = r.comm.ring_in_device_memory(q);
+            assert_eq!(
+                got,
+                v == "1",
+                "rank {me}: the ring with rank {q} in device memory"
+            );
+        }
+    }
     match scenario.as_str() {
         "collectives" => collectives(&r, big),
         "ring" => {
@@ -2737,6 +2747,38 @@ fn ring_4_ranks_staged() {
     );
 }
 
+/// Staged pairs through rings in device memory (`FLAGCX_P2P_DEVICE_RING=on`: between ranks of
+/// one vendor that exports and imports fds, as the host vendor's memfds and CUDA's VMM
+/// allocations do): 3 ranks, every size of the ring scenario up to 64 MiB, so chunks wrap the
+/// 8-slot ring many times, byte for byte, and every rank says its rings are in device memory.
+/// A vendor without fd exports keeps host rings, and says so. Then 4 ranks all to all, with
+/// messages small enough to take the eager slots beside the ring.
+#[test]
+fn staged_through_device_rings() {
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    let fds = v.split(',').all(|name| {
+        let vendor: flagcx::Vendor = name.parse().expect("vendor name");
+        Adaptor::open(vendor, 0).is_ok_and(|a| a.capabilities().ipc_fd)
+    });
+    let expect = if fds { "1" } else { "0" };
+    let env = [
+        ("FLAGCX_P2P_DISABLE", "1"),
+        ("FLAGCX_P2P_HOST_DIRECT", "off"),
+        ("FLAGCX_P2P_DEVICE_RING", "on"),
+        ("FLAGCX_TEST_EXPECT_DEVICE_RING", expect),
+    ];
+    job(3, &v, "ring", &env);
+    job(4, &v, "pairs", &env);
+    // Off: the host ring, whatever the vendor.
+    let off = [
+        env[0],
+        env[1],
+        ("FLAGCX_P2P_DEVICE_RING", "off"),
+        ("FLAGCX_TEST_EXPECT_DEVICE_RING", "0"),
+    ];
+    job(2, &v, "ring", &off);
+}
+
 #[test]
 fn ring_8_ranks() {
     job(
@@ -2940,6 +2982,29 @@ fn mixed_vendor_job() {
     job(2, &v, "ring", &[]);
     job(4, &v, "pairs", &[]);
     let list: Vec<&str> = v.split(',').collect();
+    if list == ["cuda", "opencl"] {
+        // One GPU, both runtimes on it: the ring in device memory where OpenCL maps CUDA's
+        // exports (NVIDIA's platform), else in host memory; and in host memory when told so.
+        let open = |v: flagcx::Vendor| Adaptor::open(v, 0);
+        let shared = match (open(flagcx::Vendor::Cuda), open(flagcx::Vendor::OpenCl)) {
+            (Ok(c), Ok(o)) => {
+                let bus = |a: &Adaptor| a.properties(0).ok().and_then(|p| p.pci_bus_id);
+                c.device_count().unwrap_or(0) == 1
+                    && bus(&c).is_some()
+                    && bus(&c) == bus(&o)
+                    && c.capabilities().ipc_fd
+                    && o.capabilities().ipc_fd_foreign
+            }
+            _ => false,
+        };
+        let expect = if shared { "1" } else { "0" };
+        job(2, &v, "ring", &[("FLAGCX_TEST_EXPECT_DEVICE_RING", expect)]);
+        let off = [
+            ("FLAGCX_P2P_DEVICE_RING", "off"),
+            ("FLAGCX_TEST_EXPECT_DEVICE_RING", "0"),
+        ];
+        job(2, &v, "ring", &off);
+    }
     if list.len() == 2 && list[0] != list[1] && list.contains(&"host") {
         let expect = [
             ("FLAGCX_TEST_EXPECT_DIRECT", "1"),

@@ -190,6 +190,7 @@ unsafe impl Driver for CudaDriver {
             sized_copy: sized.is_some(),
             host_gates: false,
             concurrent_processes: mps_client(cu_device),
+            ipc_fd_foreign: false,
         };
         let driver = CudaDriver {
             cu_device,

@@ -155,6 +155,7 @@ unsafe impl Driver for HipDriver {
             // ROCm has no MPS; processes on one GPU share it through its hardware queues, not
             // measured here (no AMD GPU).
             concurrent_processes: false,
+            ipc_fd_foreign: false,
         };
         Ok((
             driver,

@@ -283,11 +283,11 @@ impl DeviceAdaptor for HostAdaptor {
             host_addressable: true,
             sized_copy: true,
             host_gates: false,
-            // Bookkeeping only (see `host_pin`).
-            host_pin: true,
+            host_pin: true, // bookkeeping only (see `host_pin`)
             // Ranks are threads of different processes on the same cores; the lower-copier
             // default of one-device pairs stays (measured on 2 cores against Open MPI).
             concurrent_processes: false,
+            ..Capabilities::default()
         }
     }
 

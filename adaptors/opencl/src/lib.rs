@@ -23,8 +23,11 @@
 //! - **Pinning** ([`DeviceAdaptor::host_pin`]): a `CL_MEM_USE_HOST_PTR` buffer wraps the range
 //!   and is never used, which makes NVIDIA's platform pin it, so raw-pointer copies of staging
 //!   rings run at pinned speed.
-//! - **Unsupported**, and reported so in [`Capabilities`]: IPC handles (no standard extension
-//!   shares buffers between processes), host registration (a `USE_HOST_PTR` buffer is only
+//! - **Another runtime's memory** ([`DeviceAdaptor::ipc_import_fd`], where the device has
+//!   `cl_khr_external_memory_opaque_fd`): an fd another runtime exported becomes a buffer here
+//!   (NVIDIA's platform maps CUDA's exports; module `extmem`), closed with `ipc_close`.
+//! - **Unsupported**, and reported so in [`Capabilities`]: exporting IPC handles (no standard
+//!   extension shares buffers between processes), host registration (a `USE_HOST_PTR` buffer is only
 //!   coherent at map/unmap, so no device alias can be promised), peer access, stream memory
 //!   operations and capture modes.
 
@@ -32,8 +35,11 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
-use std::collections::HashMap;
+mod extmem;
+
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -141,6 +147,10 @@ struct Inner {
     max_alloc: u64,
     next_va: AtomicU64,
     buffers: Mutex<RangeMap<Raw<cl_mem>>>,
+    /// Whether the device imports other runtimes' fds (`extmem::supported`).
+    fd_import: bool,
+    /// The buffers of `buffers` that are imports (`ipc_import_fd`), by synthetic address.
+    imported: Mutex<HashSet<u64>>,
     pinned: Mutex<HashMap<u64, usize>>,
     /// Host ranges made fast to copy ([`DeviceAdaptor::host_pin`]), by start address.
     host_pins: Mutex<HashMap<u64, Pin>>,
@@ -269,6 +279,8 @@ impl OpenClAdaptor {
                 max_alloc: info_u64(id, cl3::device::CL_DEVICE_MAX_MEM_ALLOC_SIZE)?,
                 next_va: AtomicU64::new(VA_BASE),
                 buffers: Mutex::default(),
+                fd_import: extmem::supported(id),
+                imported: Mutex::default(),
                 pinned: Mutex::default(),
                 host_pins: Mutex::default(),
                 streams: HandleSet::new("stream"),
@@ -365,6 +377,14 @@ impl OpenClAdaptor {
         let map = lock(&self.inner.buffers);
         let (base, mem) = map.check(op, ptr.0, n)?;
         Ok((mem.0, (ptr.0 - base) as usize))
+    }
+
+    /// Gives buffer `mem` of `size` bytes a range of the synthetic address space.
+    fn place(&self, op: &'static str, mem: cl_mem, size: usize) -> Result<DevicePtr> {
+        let span = (size as u64).next_multiple_of(VA_GUARD) + VA_GUARD;
+        let va = self.inner.next_va.fetch_add(span, Ordering::Relaxed);
+        lock(&self.inner.buffers).insert(op, va, size, Raw(mem))?;
+        Ok(DevicePtr(va))
     }
 
     fn unsupported<T>(op: &'static str) -> Result<T> {
@@ -577,6 +597,7 @@ impl DeviceAdaptor for OpenClAdaptor {
             host_functions: true,
             host_gates: true,
             host_pin: true,
+            ipc_fd_foreign: self.inner.fd_import,
             ..Capabilities::default()
         }
     }
@@ -604,10 +625,7 @@ impl DeviceAdaptor for OpenClAdaptor {
             )
         }
         .map_err(|c| cl_error(OP, c))?;
-        let span = (size as u64).next_multiple_of(VA_GUARD) + VA_GUARD;
-        let va = self.inner.next_va.fetch_add(span, Ordering::Relaxed);
-        lock(&self.inner.buffers).insert(OP, va, size, Raw(mem))?;
-        Ok(DevicePtr(va))
+        self.place(OP, mem, size)
     }
 
     fn mem_alloc_shareable(&self, size: usize) -> Result<DevicePtr> {
@@ -616,6 +634,14 @@ impl DeviceAdaptor for OpenClAdaptor {
     }
 
     unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
+        if lock(&self.inner.imported).contains(&ptr.0) {
+            return Err(AdaptorError::invalid(
+                "mem_free",
+                format!(
+                    "{ptr} is another runtime's memory (ipc_import_fd): close it with ipc_close"
+                ),
+            ));
+        }
         let (_, mem) = lock(&self.inner.buffers).remove_if("mem_free", ptr.0, |_| true)?;
         // SAFETY: our buffer, now untracked; OpenCL keeps it alive for enqueued commands.
         unsafe { cl3::memory::release_mem_object(mem.0) }
@@ -1045,12 +1071,42 @@ impl DeviceAdaptor for OpenClAdaptor {
         Self::unsupported("ipc_export_fd")
     }
 
-    fn ipc_import_fd(&self, _handle: &IpcFdHandle) -> Result<DevicePtr> {
-        Self::unsupported("ipc_import_fd")
+    fn ipc_import_fd(&self, handle: &IpcFdHandle) -> Result<DevicePtr> {
+        const OP: &str = "clCreateBufferWithProperties";
+        if !self.inner.fd_import || handle.vendor == VENDOR {
+            // No platform here exports, and this device imports nothing.
+            return Self::unsupported("ipc_import_fd");
+        }
+        if handle.size == 0 {
+            return Err(AdaptorError::invalid("ipc_import_fd", "a zero-byte export"));
+        }
+        let (ctx, dev) = (self.inner.context.0, self.inner.id.0);
+        // SAFETY: our live context and its device; the fd stays the caller's.
+        let mem = unsafe { extmem::import(ctx, dev, handle.fd.as_raw_fd(), handle.size) }
+            .map_err(|c| cl_error(OP, c))?;
+        let va = match self.place(OP, mem, handle.size) {
+            Ok(va) => va,
+            Err(e) => {
+                // SAFETY: imported just above, never used.
+                let _ = unsafe { extmem::release(ctx, dev, mem) };
+                return Err(e);
+            }
+        };
+        lock(&self.inner.imported).insert(va.0);
+        Ok(va)
     }
 
-    unsafe fn ipc_close(&self, _ptr: DevicePtr) -> Result<()> {
-        Self::unsupported("ipc_close")
+    unsafe fn ipc_close(&self, ptr: DevicePtr) -> Result<()> {
+        if !lock(&self.inner.imported).remove(&ptr.0) {
+            return Err(AdaptorError::InvalidHandle {
+                kind: "imported device pointer",
+                value: ptr.0,
+            });
+        }
+        let (_, mem) = lock(&self.inner.buffers).remove_if("ipc_close", ptr.0, |_| true)?;
+        // SAFETY: our import, now untracked; the caller guarantees no command uses it.
+        unsafe { extmem::release(self.inner.context.0, self.inner.id.0, mem.0) }
+            .map_err(|c| cl_error("clEnqueueReleaseExternalMemObjectsKHR", c))
     }
 
     fn can_access_peer(&self, peer: usize) -> Result<bool> {

@@ -172,6 +172,9 @@ pub fn device_properties<A: DeviceAdaptor>(a: &A) {
                 "host_addressable" => c.host_addressable,
                 "host_pin" => c.host_pin,
                 "sized_copy" => c.sized_copy,
+                "host_gates" => c.host_gates,
+                "concurrent_processes" => c.concurrent_processes,
+                "ipc_fd_foreign" => c.ipc_fd_foreign,
                 other => panic!("{EXPECT_CAPS_ENV}: unknown capability {other}"),
             };
             assert!(
@@ -1236,6 +1239,58 @@ pub fn ipc_fd_same_process<A: DeviceAdaptor>(a: &A) {
     }
 }
 
+/// Another runtime's fd exports ([`crate::Capabilities::ipc_fd_foreign`]): an adaptor without
+/// the capability refuses a handle from another vendor with a typed error and maps nothing;
+/// one with it still refuses a zero-byte export. (A real cross-runtime import needs two
+/// runtimes on one device: the facade's `opencl_maps_a_cuda_export` checks that.)
+pub fn ipc_fd_foreign<A: DeviceAdaptor>(a: &A) {
+    let other = if a.vendor() == Vendor::Host {
+        Vendor::Cuda
+    } else {
+        Vendor::Host
+    };
+    let len = 1 << 20;
+    // SAFETY: plain syscalls on a fresh descriptor; results are checked.
+    let fd = unsafe {
+        let fd = libc::memfd_create(c"flagcx-foreign".as_ptr(), libc::MFD_CLOEXEC);
+        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+        let fd = OwnedFd::from_raw_fd(fd);
+        assert_eq!(libc::ftruncate(fd.as_raw_fd(), len as libc::off_t), 0);
+        fd
+    };
+    let typed = |e: &AdaptorError| {
+        matches!(
+            e,
+            AdaptorError::Unsupported { .. }
+                | AdaptorError::InvalidArgument { .. }
+                | AdaptorError::Vendor { .. }
+        )
+    };
+    let zero = IpcFdHandle {
+        vendor: other,
+        fd: fd.try_clone().expect("dup"),
+        size: 0,
+    };
+    let e = assert_err(
+        "ipc_import_fd of a zero-byte export",
+        a.ipc_import_fd(&zero),
+    );
+    assert!(typed(&e), "{e:?}");
+    if a.capabilities().ipc_fd_foreign {
+        return;
+    }
+    let h = IpcFdHandle {
+        vendor: other,
+        fd,
+        size: len,
+    };
+    let e = assert_err(
+        "ipc_import_fd of another vendor's handle",
+        a.ipc_import_fd(&h),
+    );
+    assert!(typed(&e), "{e:?}");
+}
+
 /// The IPC forms the two-process case exercises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IpcForm {
@@ -1480,7 +1535,7 @@ macro_rules! conformance_tests {
                 host_addressable_memory, host_register_shared_mapping, host_pin_shared_mapping,
                 stream_memory_ops, stream_value_writes_in_device_memory,
                 sized_copies_read_their_length_late, slot_steps_move_messages, peer_access,
-                capture_mode_guard, ipc_fd_same_process);
+                capture_mode_guard, ipc_fd_same_process, ipc_fd_foreign);
 
             #[test]
             fn ipc_bytes_two_process() {

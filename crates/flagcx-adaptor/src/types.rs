@@ -239,6 +239,12 @@ pub struct Capabilities {
     /// each copy their own messages, and a kernel that spins for its peer does not hold the
     /// device from it.
     pub concurrent_processes: bool,
+    /// [`crate::DeviceAdaptor::ipc_import_fd`] also maps fd-form exports of *another*
+    /// runtime's memory on the same physical device (OpenCL's
+    /// `cl_khr_external_memory_opaque_fd`: NVIDIA's platform maps what CUDA's
+    /// `mem_alloc_shareable` + `ipc_export_fd` export). Which runtimes' fds it takes is the
+    /// driver's affair, so callers try the import and fall back where it fails.
+    pub ipc_fd_foreign: bool,
 }
 
 /// One side of a small message through a slot both ends reach, as

@@ -107,6 +107,8 @@ pub struct Comm<A: DeviceAdaptor> {
     pub(crate) page: WatermarkPage,
     /// See [`Comm::streams_share_queue`].
     pub(crate) streams_share_queue: bool,
+    /// See [`Comm::ring_in_device_memory`].
+    pub(crate) device_rings: Vec<bool>,
     /// See [`Comm::posts_wait`].
     pub(crate) posts_wait: bool,
     pub(crate) config: Config,
@@ -220,6 +222,14 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// their operations ([`Comm::posts_wait`]).
     pub fn streams_share_queue(&self) -> bool {
         self.streams_share_queue
+    }
+
+    /// Whether the staged pair with `peer` keeps its ring in device memory that both ranks
+    /// map (`FLAGCX_P2P_DEVICE_RING`; a CUDA and an OpenCL rank on one NVIDIA GPU by default),
+    /// so its chunks move device→device instead of through host memory. `false` for every
+    /// other pair, and for a pair whose offer failed at setup (the warning says why).
+    pub fn ring_in_device_memory(&self, peer: usize) -> bool {
+        self.device_rings.get(peer).copied().unwrap_or(false)
     }
 
     /// Whether a call that posts operations the proxy copies for returns only once they

@@ -164,6 +164,13 @@ pub struct Config {
     /// ([`crate::Comm::streams_share_queue`]); `on` wherever both ranks' runtimes can (64-bit
     /// stream memory operations, host registration). Either rank's `off` wins.
     pub late_copy: HostDirect,
+    /// Where a staged pair's ring lives (`FLAGCX_P2P_DEVICE_RING=auto|on|off`, default auto):
+    /// `auto` in device memory where the two ranks share one physical device and one of them
+    /// maps the other's fd export (a CUDA rank's memory imported by an OpenCL rank on
+    /// NVIDIA's platform; see `transport::devring`), in shared host memory otherwise; `on`
+    /// also between ranks of one vendor that export and import fds, whatever their devices
+    /// (what tests the protocol on the host vendor); `off` never. All ranks must agree.
+    pub device_ring: HostDirect,
     /// Most bytes of host-vendor peers' memory a rank keeps mapped (and registered with its
     /// runtime) for direct copies (`FLAGCX_P2P_HOST_MAP_MAX`, default 16 GiB). Past it, buffers
     /// not yet mapped go through the ring. Mappings last as long as the communicator (a freed
@@ -256,6 +263,7 @@ impl Default for Config {
             streamed: HostDirect::Auto,
             stream_kernel: HostDirect::Auto,
             late_copy: HostDirect::Auto,
+            device_ring: HostDirect::Auto,
             host_map_max: DEFAULT_HOST_MAP_MAX,
             host_pin_piece: DEFAULT_HOST_PIN_PIECE,
             eager_max: DEFAULT_EAGER_MAX,
@@ -398,6 +406,9 @@ impl Config {
         }
         if let Some(v) = var("FLAGCX_P2P_LATE_COPY") {
             c.late_copy = parse_choice("FLAGCX_P2P_LATE_COPY", &v, &choices, what)?;
+        }
+        if let Some(v) = var("FLAGCX_P2P_DEVICE_RING") {
+            c.device_ring = parse_choice("FLAGCX_P2P_DEVICE_RING", &v, &choices, what)?;
         }
         if let Some(v) = var("FLAGCX_P2P_HOST_MAP_MAX") {
             c.host_map_max = parse_size("FLAGCX_P2P_HOST_MAP_MAX", &v)?;

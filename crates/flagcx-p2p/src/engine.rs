@@ -752,12 +752,8 @@ impl<A: DeviceAdaptor> Engine<A> {
             {
                 let _ = self.adaptor.event_destroy(e);
             }
-            if conn.registered {
-                for ch in [&conn.out, &conn.inc] {
-                    // SAFETY: both proxy streams are idle, so no copy uses the ring.
-                    let _ = unsafe { self.adaptor.host_unpin(ch.ring().0) };
-                }
-            }
+            // SAFETY: both proxy streams are idle, so no copy uses the rings.
+            unsafe { conn.release_rings(&self.adaptor) };
         }
         if let Some(net) = self.net.take() {
             let lost: Vec<bool> = self

@@ -39,7 +39,7 @@ pub struct PeerInfo {
 }
 
 /// How many capability bits the peer information carries (`caps_bits`).
-const CAP_BITS: u32 = 13;
+const CAP_BITS: u32 = 14;
 
 fn caps_bits(c: &Capabilities) -> u32 {
     [
@@ -56,6 +56,7 @@ fn caps_bits(c: &Capabilities) -> u32 {
         c.sized_copy,
         c.host_gates,
         c.concurrent_processes,
+        c.ipc_fd_foreign,
     ]
     .iter()
     .enumerate()
@@ -78,6 +79,7 @@ fn bits_caps(b: u32) -> Capabilities {
         sized_copy: f(10),
         host_gates: f(11),
         concurrent_processes: f(12),
+        ipc_fd_foreign: f(13),
     }
 }
 

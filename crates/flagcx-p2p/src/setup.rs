@@ -2,12 +2,13 @@
 //! [`PeerInfo`], the engine and its proxy thread), and its pairs — which transport and who
 //! copies (from both ranks' [`PeerInfo`]), and the channels they share.
 
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use flagcx_adaptor::quiet::QuietCondvar;
 use flagcx_adaptor::tracking::HandleMap;
-use flagcx_adaptor::DeviceAdaptor;
+use flagcx_adaptor::{DeviceAdaptor, Vendor};
 
 use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::channel::{Channel, Geometry};
@@ -19,6 +20,7 @@ use crate::guard::Guard;
 use crate::join::WatermarkPage;
 use crate::peer::{choose_transport, direct_copier, receiver_copies, PeerInfo, TransportKind};
 use crate::shm::ShmSegment;
+use crate::transport::devring::{self, DevRing};
 use crate::transport::eager::{Bounce, EagerLink, STAGED_EAGER_MAX};
 use crate::transport::ipc::{CallerLink, IpcCache};
 use crate::transport::late;
@@ -129,15 +131,20 @@ impl Pairing {
 }
 
 /// Creates this rank's incoming channels, swaps descriptors with every peer, and maps the
-/// outgoing ones. Staged rings are pinned for the adaptor's copy engine (`host_pin`).
+/// outgoing ones. Staged rings are pinned for the adaptor's copy engine (`host_pin`); pairs
+/// with a device ring (`rings`: the exporting rank and its vendor) offer, map and settle it
+/// ([`devring`]).
 pub(crate) fn connect_channels<A: DeviceAdaptor>(
     adaptor: &A,
     boot: &Bootstrap,
     transports: &[Option<TransportKind>],
     roles: &[Roles],
     lanes: &[bool],
+    rings: &[Option<(usize, Vendor)>],
     config: &Config,
 ) -> Result<Vec<Option<PeerConn>>> {
+    let half = config.slots() * config.chunksize;
+    let mut offers: Vec<Option<DevRing>> = transports.iter().map(|_| None).collect();
     // The channel a rank creates for peer `q`'s sends; its eager slots are sized by the
     // creating (receiving) rank's setting.
     let geometry = |q: usize| {
@@ -171,6 +178,20 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
             continue;
         }
         let ch = Channel::create(geo)?;
+        // 0: no device ring; 1: offered (its fd follows the channel's); 2: none could be made.
+        let (ring, ring_fd) = match rings[q] {
+            Some((x, _)) if x == boot.rank() => match devring::offer(adaptor, half) {
+                Ok((r, fd)) => {
+                    offers[q] = Some(r);
+                    (1, Some(fd))
+                }
+                Err(why) => {
+                    tracing::warn!(peer = q, "no device ring for rank {q}: {why}");
+                    (2, None)
+                }
+            },
+            _ => (0, None),
+        };
         let desc = Writer::new()
             .u8(matches!(t, TransportKind::Staged) as u8)
             .u64(geo.slots as u64)
@@ -178,8 +199,16 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
             .u64(geo.split as u64)
             .u64(geo.eager as u64)
             .u64(geo.len() as u64)
+            .u8(ring)
+            .u64(2 * half as u64)
             .finish();
-        boot.send(q, Tag::Connect, &desc, &[ch.segment().fd()])?;
+        let mut fds = vec![ch.segment().fd()];
+        fds.extend(ring_fd.as_ref().map(|f| f.as_fd()));
+        let sent = boot.send(q, Tag::Connect, &desc, &fds);
+        if let Err(e) = sent {
+            release_offers(adaptor, &offers);
+            return Err(e);
+        }
         incoming.push(Some(ch));
     }
     let mut peers: Vec<Option<PeerConn>> = Vec::new();
@@ -199,21 +228,55 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
             )));
             continue;
         }
-        match connect_one(adaptor, boot, q, transports, inc, &geometry, lanes[q]) {
+        let ring = rings[q].filter(|&(x, _)| x == q).map(|(_, v)| (v, half));
+        match connect_one(adaptor, boot, q, transports, inc, &geometry, lanes[q], ring) {
             Ok(conn) => peers.push(Some(conn.with_roles(roles[q]))),
             Err(e) => {
-                // Undo the rings already registered for earlier peers before the channels go.
-                for conn in peers.iter().flatten().filter(|c| c.registered) {
-                    for ch in [&conn.out, &conn.inc] {
-                        // SAFETY: no copy was ever issued on these rings.
-                        let _ = unsafe { adaptor.host_unpin(ch.ring().0) };
-                    }
-                }
+                undo_rings(adaptor, &peers, &offers);
+                return Err(e);
+            }
+        }
+    }
+    // The offers this rank made: kept where the peer mapped them.
+    for q in 0..offers.len() {
+        let Some(ring) = offers[q].take() else {
+            continue;
+        };
+        match devring::settle(adaptor, boot, q, ring) {
+            Ok(r) => {
+                peers[q]
+                    .as_mut()
+                    .expect("a channel for every offer")
+                    .dev_ring = r
+            }
+            Err(e) => {
+                undo_rings(adaptor, &peers, &offers);
                 return Err(e);
             }
         }
     }
     Ok(peers)
+}
+
+/// Releases what `connect_channels` pinned, mapped or offered before a later step failed.
+fn undo_rings<A: DeviceAdaptor>(
+    adaptor: &A,
+    peers: &[Option<PeerConn>],
+    offers: &[Option<DevRing>],
+) {
+    for conn in peers.iter().flatten() {
+        // SAFETY: no copy was ever issued on these rings, and the channels go with the error.
+        unsafe { conn.release_rings(adaptor) };
+    }
+    release_offers(adaptor, offers);
+}
+
+/// Frees device rings offered but not yet settled.
+fn release_offers<A: DeviceAdaptor>(adaptor: &A, offers: &[Option<DevRing>]) {
+    for r in offers.iter().flatten() {
+        // SAFETY: not settled, so no copy was issued on it.
+        unsafe { r.release(adaptor) };
+    }
 }
 
 /// A channel for a pair on two hosts: nothing in it is shared.
@@ -227,7 +290,9 @@ fn ch_local() -> Result<Channel> {
 }
 
 /// Receives peer `q`'s channel for this rank's sends, checks it agrees with ours, maps it and
-/// registers both rings of a staged pair.
+/// registers both rings of a staged pair; where `q` exports a device ring (`ring`: its
+/// vendor and the bytes of one direction), maps that too ([`devring::accept`]).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn connect_one<A: DeviceAdaptor>(
     adaptor: &A,
     boot: &Bootstrap,
@@ -236,6 +301,7 @@ pub(crate) fn connect_one<A: DeviceAdaptor>(
     inc: Channel,
     geometry: &dyn Fn(usize) -> Geometry,
     lane: bool,
+    ring: Option<(Vendor, usize)>,
 ) -> Result<PeerConn> {
     let t = transports[q].expect("a transport for every peer");
     let (payload, mut fds) = boot.recv(q, Tag::Connect)?;
@@ -248,6 +314,8 @@ pub(crate) fn connect_one<A: DeviceAdaptor>(
         eager: r.u64()? as usize,
     };
     let len = r.u64()? as usize;
+    let offered = r.u8()?;
+    let ring_len = r.u64()? as usize;
     r.end()?;
     let want = geometry(q);
     // The receiver sizes the eager slots by its own FLAGCX_P2P_EAGER_MAX; any size within the
@@ -257,14 +325,19 @@ pub(crate) fn connect_one<A: DeviceAdaptor>(
         || (geo.slots, geo.chunk, geo.split) != (want.slots, want.chunk, want.split)
         || !eager_ok
         || len != geo.len()
-        || fds.len() != 1
+        || fds.len() != 1 + (offered == 1) as usize
+        || offered > 2
+        || (offered != 0) != ring.is_some()
     {
         return Err(CommError::Protocol(format!(
-            "rank {q} set up a different channel (staged {staged}, {geo:?}, {} fds) \
-             than this rank expects ({want:?}); do all ranks use the same FLAGCX_P2P_* settings?",
-            fds.len()
+            "rank {q} set up a different channel (staged {staged}, {geo:?}, {} fds, device \
+             ring {offered}) than this rank expects ({want:?}, device ring {}); do all ranks \
+             use the same FLAGCX_P2P_* settings?",
+            fds.len(),
+            ring.is_some()
         )));
     }
+    let ring_fd = (offered == 1).then(|| fds.pop()).flatten();
     let out = Arc::new(Channel::open(ShmSegment::open(fds.remove(0), len)?, geo)?);
     let inc = Arc::new(inc);
     // Rings are pinned for the copy engine where the runtime can (CUDA and HIP register them,
@@ -284,7 +357,23 @@ pub(crate) fn connect_one<A: DeviceAdaptor>(
             return Err(e.into());
         }
     }
-    Ok(PeerConn::new(q, t, out, inc, registered))
+    let mut conn = PeerConn::new(q, t, out, inc, registered);
+    if let (Some((vendor, half)), Some(fd)) = (ring, ring_fd) {
+        let handle = flagcx_adaptor::IpcFdHandle {
+            vendor,
+            fd,
+            size: ring_len,
+        };
+        match devring::accept(adaptor, boot, q, handle, half) {
+            Ok(r) => conn.dev_ring = r,
+            Err(e) => {
+                // SAFETY: no copy was issued on these rings.
+                unsafe { conn.release_rings(adaptor) };
+                return Err(e);
+            }
+        }
+    }
+    Ok(conn)
 }
 
 impl<A: DeviceAdaptor> Comm<A> {
@@ -429,7 +518,26 @@ impl<A: DeviceAdaptor> Comm<A> {
                     && (ordered[q] || eager_lane(&infos[rank], &infos[q], transports[q]))
             })
             .collect();
-        let mut peers = connect_channels(&adaptor, &boot, &transports, &roles, &lanes, &config)?;
+        let rings: Vec<Option<(usize, Vendor)>> = (0..nranks)
+            .map(|q| {
+                let x = (q != rank).then(|| {
+                    devring::exporter(&infos[rank], &infos[q], transports[q], config.device_ring)
+                })??;
+                Some((x, infos[x].vendor))
+            })
+            .collect();
+        let mut peers = connect_channels(
+            &adaptor,
+            &boot,
+            &transports,
+            &roles,
+            &lanes,
+            &rings,
+            &config,
+        )?;
+        let device_rings: Vec<bool> = (0..nranks)
+            .map(|q| peers[q].as_ref().is_some_and(|c| c.dev_ring.is_some()))
+            .collect();
         let mut sliced = vec![false; nranks];
         for c in peers.iter_mut().flatten() {
             c.shares_device = infos[rank].shares_device(&infos[c.peer]);
@@ -582,6 +690,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             posting: Default::default(),
             page,
             streams_share_queue,
+            device_rings,
             posts_wait,
             config,
             _boot: boot,
@@ -641,11 +750,9 @@ fn undo_streamed<A: DeviceAdaptor>(
     peers: &[Option<PeerConn>],
 ) {
     streamed.iter().flatten().for_each(|l| l.release(adaptor));
-    for conn in peers.iter().flatten().filter(|c| c.registered) {
-        for ch in [&conn.out, &conn.inc] {
-            // SAFETY: no copy was ever issued on these rings.
-            let _ = unsafe { adaptor.host_unpin(ch.ring().0) };
-        }
+    for conn in peers.iter().flatten() {
+        // SAFETY: no copy was ever issued on these rings, and the channels go with the error.
+        unsafe { conn.release_rings(adaptor) };
     }
 }
 

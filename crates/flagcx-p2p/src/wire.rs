@@ -35,6 +35,9 @@ pub enum Tag {
     /// Stream-ordered pairs on two devices: the IPC handle of the receiving side's inbox (empty
     /// where it has none).
     Inbox = 9,
+    /// Staged pairs with a ring in device memory: the importing rank's verdict on the
+    /// exporter's offer (see `transport::devring`).
+    DevRing = 10,
 }
 
 impl Tag {
@@ -50,6 +53,7 @@ impl Tag {
             7 => Tag::NetAddress,
             8 => Tag::Port,
             9 => Tag::Inbox,
+            10 => Tag::DevRing,
             _ => return None,
         })
     }

@@ -27,7 +27,7 @@ fn peer_info() -> impl Strategy<Value = PeerInfo> {
         proptest::option::of("[0-9a-f:.]{0,16}".prop_filter("non-empty", |s| !s.is_empty())),
         ".{0,40}",
         any::<u32>(),
-        any::<[bool; 13]>(),
+        any::<[bool; 14]>(),
         (any::<bool>(), 0u8..3, 0u8..3, 0u8..3),
         (0u8..3, any::<bool>()),
     )
@@ -64,6 +64,7 @@ fn peer_info() -> impl Strategy<Value = PeerInfo> {
                         sized_copy: c[10],
                         host_gates: c[11],
                         concurrent_processes: c[12],
+                        ipc_fd_foreign: c[13],
                     },
                     p2p_disable,
                     ipc_copier: IpcCopier::from_code(copier).expect("0..3 are codes"),
@@ -141,7 +142,7 @@ proptest! {
             }
             1 => {
                 let bits = u32::from_le_bytes(b[n - CAPS_FROM_END..n - CAPS_FROM_END + 4].try_into().unwrap())
-                    | (1 << (13 + junk as u32 % 19));
+                    | (1 << (14 + junk as u32 % 18));
                 b[n - CAPS_FROM_END..n - CAPS_FROM_END + 4].copy_from_slice(&bits.to_le_bytes());
                 format!("peer info: unknown capability bits {bits:#x}")
             }

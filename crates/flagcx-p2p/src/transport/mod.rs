@@ -8,6 +8,7 @@
 //! | [`rendezvous`] | the descriptor handshake every non-eager message runs: receive announced, send answered (push), or send offered, verdict given (pull) | — | `Engine::progress_send`/`progress_recv`: the [`Phase`] machine, handing the copy to one of the modules below |
 //! | [`ipc`] | same vendor: one device copy into the receiver's exported buffer (push) or out of the sender's (pull, one copier per pair); the IPC mapping cache | `Comm::try_caller_ipc`: the posting thread moves the message itself | `Engine::issue_ipc_copy`/`issue_ipc_pull` |
 //! | [`staged`] | different vendors: device→host into ring slots, host→device out of them, pipelined | — | `Engine::pump`: both directions, one loop |
+//! | [`devring`] | staged pairs whose two runtimes share a device and one maps the other's fd export (CUDA memory in NVIDIA's OpenCL): the ring's slots in device memory, copied device→device | — | `Engine::pump`, with [`devring::DevRing::slot`] for the slot |
 //! | [`direct`] | a staged pair with a host-vendor rank: one copy straight into or out of its mapped buffer ([`hostmap`]) | — | `Engine::direct_push`/`direct_pull` |
 //! | [`eager`] | host-addressable and staged pairs: small messages through the channel's eager slots, copied by the CPU or by a blocking runtime copy via a bounce buffer | `Comm::try_eager` | `Engine::take_eager` |
 //! | [`streamed`] | pairs of CUDA or host-vendor ranks (`FLAGCX_P2P_STREAM=on`): small messages as stream operations on the callers' streams — wait for a free slot, copy in, write the status word; wait for it, sized copy out | `Comm::enqueue_streamed` (at submission) | `Engine::progress_streamed`: announces receives, publishes `send_posted` / `recv_done` behind the streams |
@@ -17,6 +18,7 @@
 //! Which transport a pair uses is chosen once at setup ([`crate::peer::choose_transport`]);
 //! a new protocol is a module here, its phases in [`Phase`], and a line in that choice.
 
+pub(crate) mod devring;
 pub(crate) mod direct;
 pub(crate) mod eager;
 pub(crate) mod hostmap;
@@ -78,6 +80,9 @@ pub(crate) struct PeerConn {
     pub inc: Arc<Channel>,
     /// Whether both rings were pinned for the adaptor (`host_pin`; unpinned at teardown).
     pub registered: bool,
+    /// Staged pairs: the ring in device memory both ranks map, where they have one (the
+    /// host ring's slots are not used then).
+    pub(crate) dev_ring: Option<devring::DevRing>,
     /// Who copies.
     pub roles: Roles,
     pub(crate) sends: VecDeque<Step>,
@@ -105,12 +110,32 @@ impl PeerConn {
             out,
             inc,
             registered,
+            dev_ring: None,
             roles: Roles::default(),
             sends: VecDeque::new(),
             recvs: VecDeque::new(),
             send_ring: Cursor::default(),
             recv_ring: Cursor::default(),
             lost: None,
+        }
+    }
+
+    /// Unpins the host rings and releases the device ring; once, at teardown or where setup
+    /// fails.
+    ///
+    /// # Safety
+    /// No copy of this rank's may still use either (its streams idle, or none ever issued),
+    /// and nothing may use them afterwards.
+    pub(crate) unsafe fn release_rings<A: DeviceAdaptor>(&self, adaptor: &A) {
+        if self.registered {
+            for ch in [&self.out, &self.inc] {
+                // SAFETY: as the caller promises.
+                let _ = unsafe { adaptor.host_unpin(ch.ring().0) };
+            }
+        }
+        if let Some(r) = &self.dev_ring {
+            // SAFETY: as above.
+            unsafe { r.release(adaptor) };
         }
     }
 

@@ -83,15 +83,29 @@ impl<A: DeviceAdaptor> Engine<A> {
             }
             let len = chunk_len(total, geo.chunk, geo.split).min(total - *issued);
             let user = DevicePtr(step.op.ptr.0 + *issued as u64);
-            let slot = ch.slot(cur.issued);
-            // SAFETY: `slot` is a slot of `geo.chunk >= len` bytes in the live channel mapping,
-            // ours to fill (the receiver released it: `Head`) or to read (the sender published
-            // it: `Tail`); `user` lies in the caller's buffer (`total <= bytes`), which the
-            // operation keeps valid until it completes.
+            // SAFETY: the slot has `geo.chunk >= len` bytes, in the live channel mapping or
+            // the pair's device ring (mapped until teardown), ours to fill (the receiver
+            // released it: `Head`) or to read (the sender published it: `Tail`); `user` lies
+            // in the caller's buffer (`total <= bytes`), which the operation keeps valid until
+            // it completes.
             unsafe {
-                match dir {
-                    Dir::Send => self.adaptor.memcpy_d2h_async(slot, user, len, stream)?,
-                    Dir::Recv => self.adaptor.memcpy_h2d_async(user, slot, len, stream)?,
+                match (&conn.dev_ring, dir) {
+                    (Some(r), Dir::Send) => {
+                        let slot = r.slot(dir, cur.issued, geo.chunk);
+                        self.adaptor.memcpy_d2d_async(slot, user, len, stream)?
+                    }
+                    (Some(r), Dir::Recv) => {
+                        let slot = r.slot(dir, cur.issued, geo.chunk);
+                        self.adaptor.memcpy_d2d_async(user, slot, len, stream)?
+                    }
+                    (None, Dir::Send) => {
+                        let slot = ch.slot(cur.issued);
+                        self.adaptor.memcpy_d2h_async(slot, user, len, stream)?
+                    }
+                    (None, Dir::Recv) => {
+                        let slot = ch.slot(cur.issued);
+                        self.adaptor.memcpy_h2d_async(user, slot, len, stream)?
+                    }
                 }
             };
             let ev = match self.free_events.pop() {
