@@ -6,7 +6,10 @@
  * cl_khr_external_memory (CL_EXTERNAL_MEMORY_HANDLE_OPAQUE_FD_KHR), checks bytes the parent
  * wrote, writes bytes the parent checks, and times clEnqueueCopyBuffer between the import and
  * its own buffer; the parent times cuMemcpyDtoD between a cuMemAlloc buffer and the export,
- * and (for comparison) pinned host copies.
+ * and (for comparison) pinned host copies. Then one 32 KiB copy at a time with its event
+ * polled on each side, and the two processes taking turns as a staged pair does: device->device
+ * copies (into or out of the export, or of private buffers) against the host ring's D2H and
+ * host->device write - what one GPU's switches between the two processes cost.
  * Build: nvcc -O2 -o ocl_cuda_extmem ocl_cuda_extmem.c -lcuda -lOpenCL
  * Usage: OCL_ICD_VENDORS=<dir with nvidia.icd> ocl_cuda_extmem */
 #define _GNU_SOURCE
@@ -21,6 +24,7 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include <sys/mman.h>
 
 #define X_HANDLE_OPAQUE_FD 0x2060
 #define X_DEVICE_IMPORT_TYPES 0x204F
@@ -110,10 +114,49 @@ static int child(int s) {
     CK(clFinish(q)); double b = (now() - t) / it;
     printf("child: %4zu MiB  import->own %7.1f GB/s  own->import %7.1f GB/s\n", sz >> 20, sz / a / 1e9, sz / b / 1e9);
   }
+  /* One 32 KiB copy at a time, completion seen by polling its event (as the p2p engine does),
+     on the queue that acquired the import, on a fresh queue that did not, and between two
+     buffers of this process: what one staged chunk costs this side. */
+  cl_command_queue q2 = clCreateCommandQueueWithProperties(ctx, dev, NULL, &e); CK(e);
+  cl_mem own2 = clCreateBuffer(ctx, CL_MEM_READ_WRITE, 1u << 20, NULL, &e); CK(e);
+  struct { const char *what; cl_command_queue q; cl_mem src; } polls[] = {
+    {"import->own, acquiring queue", q, imp}, {"import->own, other queue", q2, imp},
+    {"own->own, other queue", q2, own2}};
+  for (int k = 0; k < 3; k++) {
+    double t = now(), worst = 0;
+    for (int i = 0; i < 200; i++) {
+      double t1 = now(); cl_event ev;
+      CK(clEnqueueCopyBuffer(polls[k].q, polls[k].src, own, 0, 0, 32768, 0, NULL, &ev)); CK(clFlush(polls[k].q));
+      cl_int st = 1; while (st != CL_COMPLETE) CK(clGetEventInfo(ev, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL));
+      clReleaseEvent(ev); if (now() - t1 > worst) worst = now() - t1;
+    }
+    printf("child: 32 KiB copy, event polled, %-30s %7.1f us (worst %.1f)\n", polls[k].what, (now() - t) / 200 * 1e6, worst * 1e6);
+  }
   /* 8 B copy + finish round trip, the small-message cost on this side. */
   double t = now();
   for (int i = 0; i < 1000; i++) { CK(clEnqueueCopyBuffer(q, imp, own, 0, 0, 8, 0, NULL, NULL)); CK(clFinish(q)); }
   printf("child: 8 B CopyBuffer + clFinish %.1f us\n", (now() - t) / 1000 * 1e6);
+  /* Taking turns with the parent, as a staged pair does: it copies 32 KiB into the export,
+     then this side copies it out (each polling its event, a socket byte between turns);
+     then the same through pinned host memory (the parent's D2H into a shared mapping, this
+     side's write from it). */
+  void *hostbuf = NULL; { uint64_t dummy; int hfd = recv_fd(s, &dummy);
+    hostbuf = mmap(NULL, 1u << 20, PROT_READ | PROT_WRITE, MAP_SHARED, hfd, 0); }
+  cl_mem pin = clCreateBuffer(ctx, CL_MEM_USE_HOST_PTR, 1u << 20, hostbuf, &e); CK(e);
+  void *pm = clEnqueueMapBuffer(q, pin, CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0, 1u << 20, 0, NULL, NULL, &e); CK(e);
+  (void)pm;
+  tell(s, 'r');
+  for (int k = 0; k < 5; k++) {
+    cl_command_queue qq = k == 1 ? q : q2;
+    for (int i = 0; i < 300; i++) {
+      hear(s); cl_event ev;
+      if (k == 4) CK(clEnqueueWriteBuffer(qq, own, CL_FALSE, 0, 32768, hostbuf, 0, NULL, &ev));
+      else CK(clEnqueueCopyBuffer(qq, k == 2 ? own2 : imp, own, 0, 0, 32768, 0, NULL, &ev));
+      CK(clFlush(qq));
+      cl_int st = 1; while (st != CL_COMPLETE) CK(clGetEventInfo(ev, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL));
+      clReleaseEvent(ev); tell(s, 'k');
+    }
+  }
   if (rel) CK(rel(q, 1, &imp, 0, NULL, NULL));
   CK(clFinish(q));
   clReleaseMemObject(imp); clReleaseMemObject(own);
@@ -163,7 +206,33 @@ int main(void) {
     CU(cuStreamSynchronize(st)); double b = (now() - t) / it;
     printf("parent: %4zu MiB  own->export %7.1f GB/s  (pinned D2H %6.1f GB/s)\n", sz >> 20, sz / a / 1e9, sz / b / 1e9);
   }
+  /* One 32 KiB copy into the export at a time, completion by polling its event. */
+  CUevent ev; CU(cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING));
+  for (int k = 0; k < 2; k++) {
+    double t = now();
+    for (int i = 0; i < 200; i++) {
+      CU(cuMemcpyDtoDAsync(k ? own + (64u << 20) : va, own, 32768, st)); CU(cuEventRecord(ev, st));
+      while (cuEventQuery(ev) == CUDA_ERROR_NOT_READY) {}
+    }
+    printf("parent: 32 KiB copy, event polled, %-20s %7.1f us\n", k ? "own->own" : "own->export", (now() - t) / 200 * 1e6);
+  }
   tell(s, 'b');
+  { int hfd = memfd_create("ring", 0); if (ftruncate(hfd, 1u << 20)) return 1;
+    void *hp = mmap(NULL, 1u << 20, PROT_READ | PROT_WRITE, MAP_SHARED, hfd, 0);
+    CU(cuMemHostRegister(hp, 1u << 20, 0)); send_fd(s, hfd, 1u << 20); hear(s);
+    const char *names[] = {"device ring (D2D | CopyBuffer)", "the same, OpenCL on its acquiring queue",
+      "only CUDA touches the export", "only OpenCL touches the export", "host ring (D2H | WriteBuffer)"};
+    for (int k = 0; k < 5; k++) {
+      double t = now();
+      for (int i = 0; i < 300; i++) {
+        if (k == 4) CU(cuMemcpyDtoHAsync(hp, own, 32768, st));
+        else CU(cuMemcpyDtoDAsync(k == 3 ? own + (64u << 20) : va, own, 32768, st));
+        CU(cuEventRecord(ev, st)); while (cuEventQuery(ev) == CUDA_ERROR_NOT_READY) {}
+        tell(s, 'g'); hear(s);
+      }
+      printf("parent: 32 KiB taking turns, %-40s %7.1f us per round\n", names[k], (now() - t) / 300 * 1e6);
+    }
+  }
   hear(s);
   waitpid(pid, NULL, 0);
   return 0;

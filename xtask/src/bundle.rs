@@ -347,8 +347,15 @@ fi
     // The open issues' one-rank-per-GPU targets in one call on a two-GPU node, with a verdict
     // table (`targets.py`, standard-library Python: the GPU hosts have no Rust); and
     // `queues.sh`, whether stream joins can hold up copies that share their hardware queue; and
-    // `hang.sh`, how often two communicators per rank stop, with the stuck threads' frames.
-    for f in ["targets.sh", "targets.py", "queues.sh", "hang.sh"] {
+    // `hang.sh`, how often two communicators per rank stop, with the stuck threads' frames;
+    // `hetero.sh`, a CUDA and an OpenCL rank on one GPU through the device ring and the host's.
+    for f in [
+        "targets.sh",
+        "targets.py",
+        "queues.sh",
+        "hang.sh",
+        "hetero.sh",
+    ] {
         std::fs::copy(root().join("xtask/assets").join(f), out.join(f))
             .map_err(|e| format!("copy {f}: {e}"))?;
     }

@@ -29,6 +29,18 @@ use crate::error::{CommError, Result};
 use crate::peer::{PeerInfo, TransportKind};
 use crate::wire::Tag;
 
+/// The smallest message that goes through a pair's device ring; smaller ones take the host
+/// ring, whose chunk counters the device ring shares (a slot of either is free once its
+/// chunk index is `slots` behind the receiver's `Head`, whichever ring earlier chunks used).
+///
+/// Two processes on one GPU pay ~150 µs each time the GPU turns from one's device→device
+/// copy to the other's: `benches/probes/ocl_cuda_extmem.c`, 32 KiB copies taking turns,
+/// 306–310 µs per round on an H100 and an H200 whether either side, both or neither touches
+/// the shared memory, against 32–35 µs for the host ring's D2H and host→device write. So on
+/// one GPU the device ring loses below a few MiB (2 MiB pingpong 437 µs against 346 through
+/// host memory) and wins above (8 MiB 455 against 636, 512 MiB 92 GB/s against 48).
+pub(crate) const MIN_BYTES: usize = 4 << 20;
+
 /// A staged pair's ring in device memory, as one rank sees it.
 #[derive(Debug)]
 pub(crate) struct DevRing {

@@ -1,0 +1,57 @@
+#!/bin/sh
+# Copied into the GPU bundle by `cargo xtask bundle`: a CUDA rank and an OpenCL rank (NVIDIA's
+# platform) on one GPU, the staging ring in device memory (FLAGCX_P2P_DEVICE_RING=auto: the
+# OpenCL rank maps the CUDA rank's export) against the ring in pinned host memory (off), in
+# alternating rounds, every byte checked; then the checks that the device ring is taken and
+# right (the facade's cross-runtime import test, p2p's mixed jobs and device-ring jobs). One GPU
+# suffices (~3 min). Logs in $FLAGCX_BUNDLE_LOGS/hetero; a table of µs per call and GB/s last.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+logs=${FLAGCX_BUNDLE_LOGS:-$here/logs}/hetero
+mkdir -p "$logs"
+rounds=${ROUNDS:-2}
+icd="$logs/icd"; mkdir -p "$icd"
+for l in /usr/local/nvidia/lib64/libnvidia-opencl.so.1 /usr/lib/x86_64-linux-gnu/libnvidia-opencl.so.1; do
+  [ -e "$l" ] && echo "$l" > "$icd/nvidia.icd" && break
+done
+export OCL_ICD_VENDORS="$icd"
+perf="$here/bin/flagcx-perf"
+failed=0
+# run NAME COMMAND...: the command's output in NAME.log; one status line.
+run() {
+  name=$1; shift
+  if timeout 240 "$@" > "$logs/$name.log" 2>&1; then
+    echo "$name: ok ($(grep -m1 'wrong bytes in all' "$logs/$name.log" || grep -E '^test result' "$logs/$name.log" | tail -n 1))"
+  else
+    echo "$name: FAILED (exit $?): $(grep -m1 -iE 'panicked|error|FAILED' "$logs/$name.log" | cut -c1-200)"
+    failed=1
+  fi
+}
+for r in $(seq 1 "$rounds"); do
+  for ring in auto off; do
+    for t in pingpong sendrecv; do
+      run "$t-$ring-$r" env FLAGCX_P2P_DEVICE_RING=$ring FLAGCX_DEBUG=info "$perf" -t $t \
+        --vendors cuda,opencl -b 8 -e 512M -f 4 -n 20 -w 5 -c
+    done
+  done
+done
+for ring in auto off; do
+  for t in allgather alltoall; do
+    run "$t-$ring" env FLAGCX_P2P_DEVICE_RING=$ring "$perf" -t $t --vendors cuda,opencl \
+      -b 2M -e 512M -f 4 -n 10 -w 5 -c
+  done
+done
+run conformance-import "$here/bin/flagcx-conformance" --exact opencl_maps_a_cuda_export --nocapture
+run p2p-mixed env FLAGCX_P2P_TEST_MIXED=cuda,opencl "$here/bin/flagcx-p2p" --exact mixed_vendor_job
+run p2p-devring-cuda env FLAGCX_P2P_TEST_VENDORS=cuda "$here/bin/flagcx-p2p" --exact staged_through_device_rings
+echo "device ring taken (rank lines): $(grep -h 'device memory' "$logs"/pingpong-auto-1.log | wc -l) in auto, $(grep -h 'device memory' "$logs"/pingpong-off-1.log | wc -l) in off"
+echo "µs per call (pingpong: round trip) and algbw GB/s; ratio = against the slower side's pinned copy"
+printf '%-16s %s\n' "run" "8B | 32KiB | 2MiB | 8MiB (ratio) | 32MiB (ratio) | 512MiB GB/s (ratio)"
+for f in "$logs"/*-auto-*.log "$logs"/*-off-*.log "$logs"/allgather-*.log "$logs"/alltoall-*.log; do
+  [ -f "$f" ] || continue
+  printf '%-16s %s\n' "$(basename "$f" .log)" "$(awk '
+    $1 == 8 || $1 == 32768 || $1 == 2097152 { printf "%s | ", $2 }
+    $1 == 8388608 || $1 == 33554432 { printf "%s (%s) | ", $2, $8 }
+    $1 == 536870912 { printf "%s (%s)", $3, $8 }' "$f")"
+done
+exit $failed
