@@ -165,6 +165,9 @@ impl DeviceAdaptor for Adaptor {
     fn mem_alloc_shareable(&self, size: usize) -> Result<DevicePtr> {
         each!(self, a => a.mem_alloc_shareable(size))
     }
+    fn mem_alloc_shareable_on(&self, size: usize, device: usize) -> Result<DevicePtr> {
+        each!(self, a => a.mem_alloc_shareable_on(size, device))
+    }
     unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
         // SAFETY: forwarded contract.
         each!(self, a => unsafe { a.mem_free(ptr) })

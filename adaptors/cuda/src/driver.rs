@@ -308,8 +308,8 @@ unsafe impl Driver for CudaDriver {
         })
     }
 
-    fn vmm_create(&self, size: usize) -> Result<u64> {
-        let prop = vmm_prop(self.cu_device);
+    fn vmm_create(&self, size: usize, device: usize) -> Result<u64> {
+        let prop = vmm_prop(device as sys::CUdevice);
         let mut handle = 0u64;
         // SAFETY: valid property struct and out-pointer.
         check("cuMemCreate", unsafe {

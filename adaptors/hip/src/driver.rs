@@ -261,8 +261,8 @@ unsafe impl Driver for HipDriver {
         })
     }
 
-    fn vmm_create(&self, size: usize) -> Result<u64> {
-        let prop = vmm_prop(self.device);
+    fn vmm_create(&self, size: usize, device: usize) -> Result<u64> {
+        let prop = vmm_prop(device as c_int);
         let mut h: ffi::hipMemGenericAllocationHandle_t = std::ptr::null_mut();
         // SAFETY: valid property struct and out-pointer.
         check("hipMemCreate", unsafe {

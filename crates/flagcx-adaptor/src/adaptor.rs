@@ -46,6 +46,22 @@ pub trait DeviceAdaptor: Clone + Send + Sync + 'static {
     /// file-descriptor form ([`Capabilities::ipc_fd`]); [`Self::mem_free`] releases it.
     fn mem_alloc_shareable(&self, size: usize) -> Result<DevicePtr>;
 
+    /// As [`Self::mem_alloc_shareable`], with the memory on device `device` of this vendor:
+    /// this adaptor's own, or a peer it can access, which its copies then reach over the
+    /// interconnect. What lets a rank place memory that a runtime on another GPU imports
+    /// ([`Capabilities::ipc_fd_foreign`]). The default serves only this adaptor's device and
+    /// says `Unsupported` for any other.
+    fn mem_alloc_shareable_on(&self, size: usize, device: usize) -> Result<DevicePtr> {
+        if device == self.device() {
+            self.mem_alloc_shareable(size)
+        } else {
+            Err(crate::AdaptorError::Unsupported {
+                vendor: self.vendor(),
+                op: "mem_alloc_shareable_on",
+            })
+        }
+    }
+
     /// Frees an allocation made by [`Self::mem_alloc`] or [`Self::mem_alloc_shareable`].
     ///
     /// # Safety

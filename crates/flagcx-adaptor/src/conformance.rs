@@ -227,6 +227,77 @@ pub fn memory_round_trip_odd_sizes<A: DeviceAdaptor>(a: &A) {
     s.synchronize().expect("sync");
 }
 
+/// Shareable memory on a chosen device (`mem_alloc_shareable_on`): on this adaptor's own
+/// device it holds what this adaptor's stream copies in and reads back; a device index out of
+/// range is refused with a typed error; on each other device of the vendor the allocation
+/// either works the same way (the copies crossing to that device) or is refused with a typed
+/// error — never memory that returns other bytes.
+pub fn shareable_on_a_chosen_device<A: DeviceAdaptor>(a: &A) {
+    let s = Stream::new(a).expect("stream");
+    let n = (1 << 20) + 4097;
+    let round_trip = |p: DevicePtr, seed: u8, what: &str| {
+        let src = filled(n, seed);
+        let mut out = vec![0u8; n];
+        // SAFETY: `p` holds at least `n` bytes (allocated so just before); the host buffers
+        // outlive the synchronization that ends each copy.
+        unsafe {
+            a.memcpy_h2d_async(p, src.as_ptr(), n, s.handle())
+                .expect("h2d");
+            a.memcpy_d2h_async(out.as_mut_ptr(), p, n, s.handle())
+                .expect("d2h");
+        }
+        s.synchronize().expect("sync");
+        assert_same(what, &out, &src);
+    };
+    let own = a
+        .mem_alloc_shareable_on(n, a.device())
+        .expect("shareable memory on this adaptor's own device");
+    round_trip(own, 7, "shareable memory on the own device");
+    // SAFETY: the copies above completed.
+    unsafe { a.mem_free(own) }.expect("free");
+    let count = a.device_count().expect("device count");
+    let e = assert_err("a device out of range", a.mem_alloc_shareable_on(n, count));
+    assert!(
+        matches!(
+            e,
+            AdaptorError::InvalidDevice { .. }
+                | AdaptorError::InvalidArgument { .. }
+                | AdaptorError::Unsupported { .. }
+        ),
+        "{e:?}"
+    );
+    if count < 2 {
+        let why = "one device: no other device to place shareable memory on";
+        report_skip_reason(
+            "conformance::shareable_on_a_chosen_device (other devices)",
+            a.vendor().name(),
+            why,
+        );
+    }
+    for d in (0..count).filter(|&d| d != a.device()) {
+        match a.mem_alloc_shareable_on(n, d) {
+            Ok(p) => {
+                round_trip(
+                    p,
+                    d as u8,
+                    &format!("shareable memory placed on device {d}"),
+                );
+                // SAFETY: as above.
+                unsafe { a.mem_free(p) }.expect("free");
+            }
+            Err(e) => assert!(
+                matches!(
+                    e,
+                    AdaptorError::Unsupported { .. }
+                        | AdaptorError::Vendor { .. }
+                        | AdaptorError::OutOfMemory { .. }
+                ),
+                "placing memory on device {d}: {e:?}"
+            ),
+        }
+    }
+}
+
 /// Copies through pinned host memory in both directions.
 pub fn pinned_host_copies<A: DeviceAdaptor>(a: &A) {
     let s = Stream::new(a).expect("stream");
@@ -1535,7 +1606,7 @@ macro_rules! conformance_tests {
                 host_addressable_memory, host_register_shared_mapping, host_pin_shared_mapping,
                 stream_memory_ops, stream_value_writes_in_device_memory,
                 sized_copies_read_their_length_late, slot_steps_move_messages, peer_access,
-                capture_mode_guard, ipc_fd_same_process, ipc_fd_foreign);
+                capture_mode_guard, ipc_fd_same_process, ipc_fd_foreign, shareable_on_a_chosen_device);
 
             #[test]
             fn ipc_bytes_two_process() {

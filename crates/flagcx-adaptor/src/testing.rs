@@ -149,6 +149,9 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
     fn mem_alloc_shareable(&self, size: usize) -> Result<DevicePtr> {
         self.inner.mem_alloc_shareable(size)
     }
+    fn mem_alloc_shareable_on(&self, size: usize, device: usize) -> Result<DevicePtr> {
+        self.inner.mem_alloc_shareable_on(size, device)
+    }
     unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.mem_free(ptr) }

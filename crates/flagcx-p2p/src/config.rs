@@ -165,9 +165,10 @@ pub struct Config {
     /// stream memory operations, host registration). Either rank's `off` wins.
     pub late_copy: HostDirect,
     /// Where a staged pair's ring lives (`FLAGCX_P2P_DEVICE_RING=auto|on|off`, default auto):
-    /// `auto` in device memory where the two ranks share one physical device and one of them
-    /// maps the other's fd export (a CUDA rank's memory imported by an OpenCL rank on
-    /// NVIDIA's platform; see `transport::devring`), in shared host memory otherwise; `on`
+    /// `auto` in device memory where one rank maps the other's fd exports (a CUDA rank's memory
+    /// imported by an OpenCL rank on NVIDIA's platform; see `transport::devring`), placed by
+    /// the exporter on the importer's GPU (the same GPU, or a peer its copies reach), for
+    /// messages from 4 MiB; in shared host memory otherwise, and where setup fails; `on`
     /// also between ranks of one vendor that export and import fds, whatever their devices
     /// (what tests the protocol on the host vendor); `off` never. All ranks must agree.
     pub device_ring: HostDirect,

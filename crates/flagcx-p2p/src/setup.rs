@@ -140,7 +140,7 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
     transports: &[Option<TransportKind>],
     roles: &[Roles],
     lanes: &[bool],
-    rings: &[Option<(usize, Vendor)>],
+    rings: &[Option<devring::Plan>],
     config: &Config,
 ) -> Result<Vec<Option<PeerConn>>> {
     let half = config.slots() * config.chunksize;
@@ -179,17 +179,22 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
         }
         let ch = Channel::create(geo)?;
         // 0: no device ring; 1: offered (its fd follows the channel's); 2: none could be made.
-        let (ring, ring_fd) = match rings[q] {
-            Some((x, _)) if x == boot.rank() => match devring::offer(adaptor, half) {
-                Ok((r, fd)) => {
-                    offers[q] = Some(r);
-                    (1, Some(fd))
+        let (ring, ring_fd) = match &rings[q] {
+            Some(p) if p.exporter == boot.rank() => {
+                match devring::offer(adaptor, half, p.near.as_deref()) {
+                    Ok((r, fd)) => {
+                        offers[q] = Some(r);
+                        (1, Some(fd))
+                    }
+                    Err(why) => {
+                        tracing::info!(
+                            peer = q,
+                            "no device ring for rank {q} ({why}): staging through host memory"
+                        );
+                        (2, None)
+                    }
                 }
-                Err(why) => {
-                    tracing::warn!(peer = q, "no device ring for rank {q}: {why}");
-                    (2, None)
-                }
-            },
+            }
             _ => (0, None),
         };
         let desc = Writer::new()
@@ -228,7 +233,10 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
             )));
             continue;
         }
-        let ring = rings[q].filter(|&(x, _)| x == q).map(|(_, v)| (v, half));
+        let ring = rings[q]
+            .as_ref()
+            .filter(|p| p.exporter == q)
+            .map(|p| (p.vendor, half));
         match connect_one(adaptor, boot, q, transports, inc, &geometry, lanes[q], ring) {
             Ok(conn) => peers.push(Some(conn.with_roles(roles[q]))),
             Err(e) => {
@@ -518,12 +526,11 @@ impl<A: DeviceAdaptor> Comm<A> {
                     && (ordered[q] || eager_lane(&infos[rank], &infos[q], transports[q]))
             })
             .collect();
-        let rings: Vec<Option<(usize, Vendor)>> = (0..nranks)
+        let rings: Vec<Option<devring::Plan>> = (0..nranks)
             .map(|q| {
-                let x = (q != rank).then(|| {
-                    devring::exporter(&infos[rank], &infos[q], transports[q], config.device_ring)
-                })??;
-                Some((x, infos[x].vendor))
+                let ring = config.device_ring;
+                (q != rank)
+                    .then(|| devring::Plan::of(&infos[rank], &infos[q], transports[q], ring))?
             })
             .collect();
         let mut peers = connect_channels(

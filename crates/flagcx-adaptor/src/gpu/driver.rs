@@ -87,9 +87,9 @@ pub unsafe trait Driver: Send + Sync + Sized + 'static {
     /// Registered by this driver; no work still uses it.
     unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()>;
 
-    /// Creates a VMM allocation of `size` bytes (a granularity multiple) exportable as a file
-    /// descriptor; returns its handle.
-    fn vmm_create(&self, size: usize) -> Result<u64>;
+    /// Creates a VMM allocation of `size` bytes (a granularity multiple) on device `device`
+    /// (this driver's own, or a peer), exportable as a file descriptor; returns its handle.
+    fn vmm_create(&self, size: usize, device: usize) -> Result<u64>;
     /// Reserves an address range of `size` bytes, maps `handle` there and grants this device
     /// read-write access; undoes its own steps on failure.
     ///

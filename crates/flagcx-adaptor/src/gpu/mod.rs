@@ -359,21 +359,34 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
     }
 
     fn mem_alloc_shareable(&self, size: usize) -> Result<DevicePtr> {
+        self.mem_alloc_shareable_on(size, self.inner.device)
+    }
+
+    fn mem_alloc_shareable_on(&self, size: usize, device: usize) -> Result<DevicePtr> {
         const OP: &str = "mem_alloc_shareable";
         if size == 0 {
             return Err(AdaptorError::invalid(OP, "zero-byte allocation"));
         }
+        self.check_peer(device)?;
+        let own = device == self.inner.device;
         let g = self.inner.info.granularity;
-        if g == 0 {
-            // No VMM with fd handles here: plain memory (byte-form IPC still works).
-            return self.mem_alloc(size);
+        if g == 0 || !(own || self.can_access_peer(device)?) {
+            if own {
+                // No VMM with fd handles here: plain memory (byte-form IPC still works).
+                return self.mem_alloc(size);
+            }
+            // Without VMM or peer access, this device's copies cannot reach that memory.
+            return Err(AdaptorError::Unsupported {
+                vendor: D::VENDOR,
+                op: "mem_alloc_shareable_on (another device)",
+            });
         }
         let padded = size
             .checked_next_multiple_of(g)
             .ok_or_else(|| AdaptorError::invalid(OP, format!("{size} bytes is too large")))?;
         let handle = self
             .bound()?
-            .vmm_create(padded)
+            .vmm_create(padded, device)
             .map_err(|e| self.oom(e, size))?;
         self.map_and_track(OP, handle, padded, Mem::Vmm { handle })
     }

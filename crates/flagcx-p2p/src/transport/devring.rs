@@ -11,7 +11,9 @@
 //!
 //! **Setup.** Whether a pair has one is decided from both ranks' [`PeerInfo`] alone
 //! ([`exporter`]), so both agree without asking. The exporter allocates one shareable buffer of
-//! twice the ring's bytes (`mem_alloc_shareable`), exports it (`ipc_export_fd`) and attaches
+//! twice the ring's bytes on the importer's GPU (`mem_alloc_shareable_on`: a runtime imports
+//! only memory on its own device, so with the ranks on two GPUs the exporter's copies cross
+//! to the importer's GPU and the importer's stay local), exports it (`ipc_export_fd`) and attaches
 //! the fd to its channel descriptor; the importer maps it (`ipc_import_fd`) and answers with a
 //! [`Tag::DevRing`] verdict. Where the allocation, export or import fails (another driver's
 //! fds, no memory), both ranks keep the host ring, which every staged pair has anyway; the
@@ -38,7 +40,8 @@ use crate::wire::Tag;
 /// 306–310 µs per round on an H100 and an H200 whether either side, both or neither touches
 /// the shared memory, against 32–35 µs for the host ring's D2H and host→device write. So on
 /// one GPU the device ring loses below a few MiB (2 MiB pingpong 437 µs against 346 through
-/// host memory) and wins above (8 MiB 455 against 636, 512 MiB 92 GB/s against 48).
+/// host memory) and wins above (8 MiB 455 against 636, 512 MiB 92 GB/s against 48). With the
+/// ranks on two GPUs no GPU turns between them; the same threshold holds there until measured.
 pub(crate) const MIN_BYTES: usize = 4 << 20;
 
 /// A staged pair's ring in device memory, as one rank sees it.
@@ -94,10 +97,15 @@ pub(crate) fn exporter(
     if transport != Some(TransportKind::Staged) || mode == HostDirect::Off {
         return None;
     }
-    // Another runtime's import works on the device the memory lives on; the forced mode tests
-    // the protocol between ranks of one vendor (the host vendor's memfds), whatever the device.
+    // Another runtime imports memory on its own device, so the exporter places the ring on
+    // the importer's GPU (`offer`; it fails, and the pair keeps the host ring, where that GPU is
+    // not the exporter's to allocate on). The forced mode tests the protocol between ranks of
+    // one vendor (the host vendor's memfds), whatever the device.
     let imports = |x: &PeerInfo, y: &PeerInfo| {
-        let foreign = x.vendor != y.vendor && y.caps.ipc_fd_foreign && x.shares_device(y);
+        let foreign = x.vendor != y.vendor
+            && y.caps.ipc_fd_foreign
+            && x.host_id == y.host_id
+            && y.pci_bus_id.is_some();
         let same = mode == HostDirect::On && x.vendor == y.vendor && y.caps.ipc_fd;
         x.caps.ipc_fd && (foreign || same)
     };
@@ -111,15 +119,59 @@ pub(crate) fn exporter(
     }
 }
 
-/// The exporter's offer for one pair: its allocation and the fd to send (`None` with the
-/// reason where it could not make one: then the pair keeps the host ring).
+/// What a pair's device ring needs: which rank exports it, that rank's vendor, and the
+/// importer's PCI bus id (the device the ring must live on; `None`: the exporter's own).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Plan {
+    pub(crate) exporter: usize,
+    pub(crate) vendor: flagcx_adaptor::Vendor,
+    pub(crate) near: Option<String>,
+}
+
+impl Plan {
+    /// The plan for the pair `me`–`peer`, where it has a device ring ([`exporter`]).
+    pub(crate) fn of(
+        me: &PeerInfo,
+        peer: &PeerInfo,
+        transport: Option<TransportKind>,
+        mode: HostDirect,
+    ) -> Option<Plan> {
+        let x = exporter(me, peer, transport, mode)?;
+        let (exp, imp) = if x == me.rank { (me, peer) } else { (peer, me) };
+        Some(Plan {
+            exporter: x,
+            vendor: exp.vendor,
+            near: imp.pci_bus_id.clone(),
+        })
+    }
+}
+
+/// The exporter's offer for one pair: its allocation, on the device whose PCI bus id is
+/// `near` (its own where `None`), and the fd to send (`Err` with the reason where it could not
+/// make one: then the pair keeps the host ring).
 pub(crate) fn offer<A: DeviceAdaptor>(
     adaptor: &A,
     half: usize,
+    near: Option<&str>,
 ) -> std::result::Result<(DevRing, std::os::fd::OwnedFd), String> {
+    let device = match near {
+        None => adaptor.device(),
+        Some(bus) => {
+            let count = adaptor.device_count().map_err(|e| e.to_string())?;
+            let here = |i: usize| adaptor.properties(i).ok().and_then(|p| p.pci_bus_id);
+            (0..count)
+                .find(|&i| here(i).as_deref() == Some(bus))
+                .ok_or_else(|| format!("the peer's GPU {bus} is not one this process can use"))?
+        }
+    };
     let base = adaptor
-        .mem_alloc_shareable(2 * half)
-        .map_err(|e| format!("allocating {} MiB: {e}", (2 * half) >> 20))?;
+        .mem_alloc_shareable_on(2 * half, device)
+        .map_err(|e| {
+            format!(
+                "allocating {} MiB on device {device}: {e}",
+                (2 * half) >> 20
+            )
+        })?;
     match adaptor.ipc_export_fd(base) {
         Ok(h) => Ok((
             DevRing {
@@ -267,12 +319,21 @@ mod tests {
             exporter(&c, &o, Some(TransportKind::Ipc), HostDirect::On),
             None
         );
-        // Another GPU: the import would need memory on the importer's device.
+        // Another GPU: the CUDA rank places the ring there (the plan names that GPU).
         let far = info(0, Vendor::OpenCl, Some("0000:3b:00.0"), ocl);
-        assert_eq!(exporter(&c, &far, s, HostDirect::Auto), None);
-        // An OpenCL platform that imports nothing.
+        assert_eq!(exporter(&c, &far, s, HostDirect::Auto), Some(1));
+        let plan = Plan::of(&far, &c, s, HostDirect::Auto).expect("a plan");
+        assert_eq!(plan.near.as_deref(), Some("0000:3b:00.0"));
+        assert_eq!((plan.exporter, plan.vendor), (1, Vendor::Cuda));
+        // An OpenCL platform that imports nothing, or a device with no bus id (a CPU).
         let pocl = info(0, Vendor::OpenCl, gpu0, Capabilities::default());
         assert_eq!(exporter(&c, &pocl, s, HostDirect::Auto), None);
+        let cpu = info(0, Vendor::OpenCl, None, ocl);
+        assert_eq!(exporter(&c, &cpu, s, HostDirect::Auto), None);
+        // Another host: no ring at all.
+        let mut away = info(0, Vendor::OpenCl, gpu0, ocl);
+        away.host_id = "h/2".into();
+        assert_eq!(exporter(&c, &away, s, HostDirect::Auto), None);
         // One vendor: only when forced, and then the lower rank exports.
         let (h0, h1) = (
             info(0, Vendor::Host, None, cuda),
