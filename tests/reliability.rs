@@ -790,6 +790,7 @@ fn reliability_worker() {
             }
         }
         "join_fault" => join_fault_scenario(adaptor, me, peer, &before),
+        "devring_fault" => devring_fault_scenario(adaptor, me, peer, &before),
         "expect_setup_mismatch" => {
             // The ranks were started with different staged ring settings: each must refuse
             // the other's channel with an error that names the settings, and neither may hang.
@@ -1296,6 +1297,62 @@ fn check_fault_outcome(
             "after a fault: {again:?}"
         );
     }
+}
+
+/// A device ring that cannot be made (the exporter's `mem_alloc_shareable_on` fails) or mapped
+/// (the importer's `ipc_import_fd` fails), on the rank named by `FLAGCX_TEST_FAULT_RANK`, with
+/// device rings forced between two host-vendor ranks: both ranks must keep the host ring, move
+/// every byte of messages below and above the device ring's threshold both ways, and the
+/// exporter must have freed its refused offer.
+fn devring_fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
+    use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor};
+    let env = |k: &str| std::env::var(k).unwrap();
+    let faulty_rank: usize = env("FLAGCX_TEST_FAULT_RANK").parse().unwrap();
+    let op: FaultOp = env("FLAGCX_TEST_FAULT_OP").parse().unwrap();
+    let after = if me == faulty_rank {
+        0
+    } else {
+        usize::MAX >> 1
+    };
+    let a = FaultyAdaptor::new(adaptor, op, after);
+    let comm = Comm::from_env(a.clone()).expect("a communicator despite the refused ring");
+    assert!(
+        !comm.ring_in_device_memory(peer),
+        "rank {me}: the pair kept a device ring"
+    );
+    assert_eq!(me == faulty_rank, a.fired(), "rank {me}: the fault");
+    let stream = Stream::new(&a).expect("stream");
+    for (round, n) in [(1u8, 100_000usize), (2, (8 << 20) + 3)] {
+        let (sbuf, rbuf) = (
+            Arc::new(DeviceBuffer::new(&a, n).expect("alloc")),
+            Arc::new(DeviceBuffer::new(&a, n).expect("alloc")),
+        );
+        sbuf.write(0, &vec![me as u8 ^ round; n], &stream)
+            .expect("fill");
+        let (s, r) = comm
+            .group(|| {
+                Ok((
+                    comm.send(&sbuf, peer, &stream)?,
+                    comm.recv(&rbuf, peer, &stream)?,
+                ))
+            })
+            .expect("post");
+        assert_eq!(s.wait().expect("send"), n);
+        assert_eq!(r.wait().expect("recv"), n);
+        let mut got = vec![0u8; n];
+        rbuf.read(0, &mut got, &stream).expect("read");
+        assert!(
+            got.iter().all(|&b| b == peer as u8 ^ round),
+            "round {round}"
+        );
+    }
+    assert!(
+        comm.stats().staged_bytes > 0,
+        "nothing went through the ring"
+    );
+    drop((comm, stream));
+    assert_no_leaks(before, "a refused device ring");
+    println!("survivor ok: rank {me}, {op:?} on rank {faulty_rank}, all through the host ring");
 }
 
 /// The direct path (two host ranks, forced; rank 0 copies): a few exchanges in the same two
@@ -2290,6 +2347,33 @@ fn failed_direct_copy_errors_both_sides() {
 #[test]
 fn failed_registration_keeps_the_ring() {
     direct_fault_pair("register", "0", "0");
+}
+
+/// A device ring the exporter (rank 0) cannot allocate, or the importer (rank 1) cannot map:
+/// the pair stays on the host ring, nothing leaks (see `devring_fault_scenario`).
+#[test]
+fn failed_device_ring_keeps_the_host_ring() {
+    if vendor() != "host" {
+        flagcx_adaptor::conformance::report_skip_reason(
+            "reliability::failed_device_ring_keeps_the_host_ring",
+            &vendor(),
+            "forced device rings between ranks of one vendor need the host vendor's memfds",
+        );
+        return;
+    }
+    for (op, rank) in [("alloc_shareable", "0"), ("ipc_import_fd", "1")] {
+        let env = [
+            ("FLAGCX_P2P_DISABLE", "1"),
+            ("FLAGCX_P2P_HOST_DIRECT", "off"),
+            ("FLAGCX_P2P_DEVICE_RING", "on"),
+            ("FLAGCX_TEST_FAULT_OP", op),
+            ("FLAGCX_TEST_FAULT_RANK", rank),
+        ];
+        let (r0, r1) = pair("devring_fault", &env);
+        let what = format!("device ring, {op} fault on rank {rank}");
+        assert_survived(&r0, &format!("rank 0, {what}"));
+        assert_survived(&r1, &format!("rank 1, {what}"));
+    }
 }
 
 #[test]

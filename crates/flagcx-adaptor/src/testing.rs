@@ -37,6 +37,11 @@ pub enum FaultOp {
     /// `ipc_open_handle`, failing as CUDA's does where this process maps the memory already
     /// (`CUDA_ERROR_ALREADY_MAPPED`: a peer reused memory of an allocation it freed).
     IpcOpenMapped,
+    /// `mem_alloc_shareable_on`: no shareable memory where it was asked for (a device ring's
+    /// offer).
+    AllocShareable,
+    /// `ipc_import_fd`: the export cannot be mapped here (another driver's fd).
+    IpcImportFd,
 }
 
 impl std::str::FromStr for FaultOp {
@@ -51,11 +56,13 @@ impl std::str::FromStr for FaultOp {
             "stream_write" => Ok(FaultOp::StreamWrite),
             "stream_wait" => Ok(FaultOp::StreamWait),
             "ipc_open_mapped" => Ok(FaultOp::IpcOpenMapped),
+            "alloc_shareable" => Ok(FaultOp::AllocShareable),
+            "ipc_import_fd" => Ok(FaultOp::IpcImportFd),
             _ => Err(AdaptorError::invalid(
                 "FaultOp",
                 format!(
                     "{s:?}: expected h2d, d2h, d2d, register, event_query, stream_write, \
-                     stream_wait or ipc_open_mapped"
+                     stream_wait, ipc_open_mapped, alloc_shareable or ipc_import_fd"
                 ),
             )),
         }
@@ -150,6 +157,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         self.inner.mem_alloc_shareable(size)
     }
     fn mem_alloc_shareable_on(&self, size: usize, device: usize) -> Result<DevicePtr> {
+        self.check(FaultOp::AllocShareable, "mem_alloc_shareable_on")?;
         self.inner.mem_alloc_shareable_on(size, device)
     }
     unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
@@ -292,6 +300,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         self.inner.ipc_export_fd(ptr)
     }
     fn ipc_import_fd(&self, handle: &IpcFdHandle) -> Result<DevicePtr> {
+        self.check(FaultOp::IpcImportFd, "ipc_import_fd")?;
         self.inner.ipc_import_fd(handle)
     }
     unsafe fn ipc_close(&self, ptr: DevicePtr) -> Result<()> {

@@ -144,7 +144,10 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
     config: &Config,
 ) -> Result<Vec<Option<PeerConn>>> {
     let half = config.slots() * config.chunksize;
-    let mut offers: Vec<Option<DevRing>> = transports.iter().map(|_| None).collect();
+    let mut offers = Offers {
+        adaptor,
+        rings: transports.iter().map(|_| None).collect(),
+    };
     // The channel a rank creates for peer `q`'s sends; its eager slots are sized by the
     // creating (receiving) rank's setting.
     let geometry = |q: usize| {
@@ -183,7 +186,7 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
             Some(p) if p.exporter == boot.rank() => {
                 match devring::offer(adaptor, half, p.near.as_deref()) {
                     Ok((r, fd)) => {
-                        offers[q] = Some(r);
+                        offers.rings[q] = Some(r);
                         (1, Some(fd))
                     }
                     Err(why) => {
@@ -209,11 +212,7 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
             .finish();
         let mut fds = vec![ch.segment().fd()];
         fds.extend(ring_fd.as_ref().map(|f| f.as_fd()));
-        let sent = boot.send(q, Tag::Connect, &desc, &fds);
-        if let Err(e) = sent {
-            release_offers(adaptor, &offers);
-            return Err(e);
-        }
+        boot.send(q, Tag::Connect, &desc, &fds)?;
         incoming.push(Some(ch));
     }
     let mut peers: Vec<Option<PeerConn>> = Vec::new();
@@ -240,14 +239,14 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
         match connect_one(adaptor, boot, q, transports, inc, &geometry, lanes[q], ring) {
             Ok(conn) => peers.push(Some(conn.with_roles(roles[q]))),
             Err(e) => {
-                undo_rings(adaptor, &peers, &offers);
+                undo_rings(adaptor, &peers);
                 return Err(e);
             }
         }
     }
     // The offers this rank made: kept where the peer mapped them.
-    for q in 0..offers.len() {
-        let Some(ring) = offers[q].take() else {
+    for q in 0..offers.rings.len() {
+        let Some(ring) = offers.rings[q].take() else {
             continue;
         };
         match devring::settle(adaptor, boot, q, ring) {
@@ -258,7 +257,7 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
                     .dev_ring = r
             }
             Err(e) => {
-                undo_rings(adaptor, &peers, &offers);
+                undo_rings(adaptor, &peers);
                 return Err(e);
             }
         }
@@ -266,24 +265,28 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
     Ok(peers)
 }
 
-/// Releases what `connect_channels` pinned, mapped or offered before a later step failed.
-fn undo_rings<A: DeviceAdaptor>(
-    adaptor: &A,
-    peers: &[Option<PeerConn>],
-    offers: &[Option<DevRing>],
-) {
+/// Device rings this rank offered and has not settled yet: freed where setup stops first
+/// (whichever step fails), since the peer can no longer use them.
+struct Offers<'a, A: DeviceAdaptor> {
+    adaptor: &'a A,
+    rings: Vec<Option<DevRing>>,
+}
+
+impl<A: DeviceAdaptor> Drop for Offers<'_, A> {
+    fn drop(&mut self) {
+        for r in self.rings.iter().flatten() {
+            // SAFETY: not settled, so this rank issued no copy on it; dropped with the failed
+            // setup, so nothing uses it afterwards.
+            unsafe { r.release(self.adaptor) };
+        }
+    }
+}
+
+/// Releases what `connect_channels` pinned or mapped before a later step failed.
+fn undo_rings<A: DeviceAdaptor>(adaptor: &A, peers: &[Option<PeerConn>]) {
     for conn in peers.iter().flatten() {
         // SAFETY: no copy was ever issued on these rings, and the channels go with the error.
         unsafe { conn.release_rings(adaptor) };
-    }
-    release_offers(adaptor, offers);
-}
-
-/// Frees device rings offered but not yet settled.
-fn release_offers<A: DeviceAdaptor>(adaptor: &A, offers: &[Option<DevRing>]) {
-    for r in offers.iter().flatten() {
-        // SAFETY: not settled, so no copy was issued on it.
-        unsafe { r.release(adaptor) };
     }
 }
 

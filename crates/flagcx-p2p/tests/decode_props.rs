@@ -306,9 +306,10 @@ fn tags_round_trip() {
         Tag::NetAddress,
         Tag::Port,
         Tag::Inbox,
+        Tag::DevRing,
     ] {
         assert_eq!(Tag::from_u32(t as u32), Some(t));
     }
     assert_eq!(Tag::from_u32(0), None);
-    assert_eq!(Tag::from_u32(10), None);
+    assert_eq!(Tag::from_u32(11), None);
 }
