@@ -65,7 +65,11 @@ for t in sendrecv alltoall allgather; do
 done
 # #17: staged CUDA<->CUDA, and a CUDA rank next to an OpenCL rank on the other GPU.
 run staged-pingpong env FLAGCX_VENDOR=cuda "$perf" -t pingpong --transport staged -b 64M -e 1G -f 2 -n 10 -w 3 -c
-run ocl-pingpong "$perf" -t pingpong --vendors cuda,opencl -b 8M -e 1G -f 2 -n 10 -w 3 -c
+# By default the pair's ring lives on the OpenCL rank's GPU (the CUDA rank's copies cross the
+# link into it: FLAGCX_P2P_DEVICE_RING, never run on two GPUs before); the host ring beside it.
+run ocl-pingpong env FLAGCX_DEBUG=info "$perf" -t pingpong --vendors cuda,opencl -b 8M -e 1G -f 2 -n 10 -w 3 -c
+run ocl-pingpong-hostring env FLAGCX_P2P_DEVICE_RING=off "$perf" -t pingpong --vendors cuda,opencl -b 8M -e 1G -f 2 -n 10 -w 3 -c
+echo "   device ring lines in ocl-pingpong: $(grep -c 'device memory' "$logs/ocl-pingpong.log"); not placed: $(grep -m1 -o 'no device ring for rank [0-9]* ([^)]*)' "$logs/ocl-pingpong.log")"
 run ocl-small "$perf" -t sendrecv --vendors cuda,opencl -b 8 -e 8 -n 300 -w 30 -c
 # #19: mixed jobs against the same pair's point-to-point.
 for v in cuda,host cuda,opencl; do
