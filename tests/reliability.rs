@@ -1299,6 +1299,38 @@ fn check_fault_outcome(
     }
 }
 
+/// Fills `bufs.0` with `me ^ round`, swaps it for `bufs.1` with `peer` in one group, waits for
+/// both, and checks every received byte is the peer's `peer ^ round`.
+fn swap_checked<A: DeviceAdaptor + 'static>(
+    comm: &Comm<A>,
+    stream: &Stream<A>,
+    bufs: (&Arc<DeviceBuffer<A>>, &Arc<DeviceBuffer<A>>),
+    me: usize,
+    peer: usize,
+    round: u8,
+) {
+    let (sbuf, rbuf) = bufs;
+    let n = sbuf.len();
+    sbuf.write(0, &vec![me as u8 ^ round; n], stream)
+        .expect("fill");
+    let (s, r) = comm
+        .group(|| {
+            Ok((
+                comm.send(sbuf, peer, stream)?,
+                comm.recv(rbuf, peer, stream)?,
+            ))
+        })
+        .expect("post");
+    assert_eq!(s.wait().expect("send"), n, "round {round}");
+    assert_eq!(r.wait().expect("recv"), rbuf.len(), "round {round}");
+    let mut got = vec![0u8; rbuf.len()];
+    rbuf.read(0, &mut got, stream).expect("read");
+    assert!(
+        got.iter().all(|&b| b == peer as u8 ^ round),
+        "round {round}"
+    );
+}
+
 /// A device ring that cannot be made (the exporter's `mem_alloc_shareable_on` fails) or mapped
 /// (the importer's `ipc_import_fd` fails), on the rank named by `FLAGCX_TEST_FAULT_RANK`, with
 /// device rings forced between two host-vendor ranks: both ranks must keep the host ring, move
@@ -1327,24 +1359,7 @@ fn devring_fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Sna
             Arc::new(DeviceBuffer::new(&a, n).expect("alloc")),
             Arc::new(DeviceBuffer::new(&a, n).expect("alloc")),
         );
-        sbuf.write(0, &vec![me as u8 ^ round; n], &stream)
-            .expect("fill");
-        let (s, r) = comm
-            .group(|| {
-                Ok((
-                    comm.send(&sbuf, peer, &stream)?,
-                    comm.recv(&rbuf, peer, &stream)?,
-                ))
-            })
-            .expect("post");
-        assert_eq!(s.wait().expect("send"), n);
-        assert_eq!(r.wait().expect("recv"), n);
-        let mut got = vec![0u8; n];
-        rbuf.read(0, &mut got, &stream).expect("read");
-        assert!(
-            got.iter().all(|&b| b == peer as u8 ^ round),
-            "round {round}"
-        );
+        swap_checked(&comm, &stream, (&sbuf, &rbuf), me, peer, round);
     }
     assert!(
         comm.stats().staged_bytes > 0,
@@ -1381,24 +1396,7 @@ fn direct_fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snap
         Arc::new(DeviceBuffer::new(&a, n).expect("alloc")),
     );
     for round in 0..4u8 {
-        sbuf.write(0, &vec![me as u8 ^ round; n], &stream)
-            .expect("fill");
-        let (s, r) = comm
-            .group(|| {
-                Ok((
-                    comm.send(&sbuf, peer, &stream)?,
-                    comm.recv(&rbuf, peer, &stream)?,
-                ))
-            })
-            .expect("post");
-        assert_eq!(s.wait().expect("warm-up send"), n);
-        assert_eq!(r.wait().expect("warm-up recv"), n);
-        let mut got = vec![0u8; n];
-        rbuf.read(0, &mut got, &stream).expect("read");
-        assert!(
-            got.iter().all(|&b| b == peer as u8 ^ round),
-            "round {round}"
-        );
+        swap_checked(&comm, &stream, (&sbuf, &rbuf), me, peer, round);
         std::thread::sleep(Duration::from_millis(50));
     }
     let stats = comm.stats();

@@ -10,10 +10,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 logs=${FLAGCX_BUNDLE_LOGS:-$here/logs}/hetero
 mkdir -p "$logs"
 rounds=${ROUNDS:-2}
-icd="$logs/icd"; mkdir -p "$icd"
-for l in /usr/local/nvidia/lib64/libnvidia-opencl.so.1 /usr/lib/x86_64-linux-gnu/libnvidia-opencl.so.1; do
-  [ -e "$l" ] && echo "$l" > "$icd/nvidia.icd" && break
-done
+. "$here/nvidia-icd.sh"
 export OCL_ICD_VENDORS="$icd"
 perf="$here/bin/flagcx-perf"
 failed=0

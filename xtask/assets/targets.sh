@@ -18,10 +18,7 @@ if [ "${gpus:-0}" -lt 2 ]; then
   echo "TARGETS_ANY_NODE=1: running on ${gpus:-0} GPU(s); these are not the targets' placement"
 fi
 # NVIDIA's OpenCL platform for the CUDA<->OpenCL rows (its ICD may not be registered).
-icd="$logs/icd"; mkdir -p "$icd"
-for l in /usr/local/nvidia/lib64/libnvidia-opencl.so.1 /usr/lib/x86_64-linux-gnu/libnvidia-opencl.so.1; do
-  [ -e "$l" ] && echo "$l" > "$icd/nvidia.icd" && break
-done
+. "$here/nvidia-icd.sh"
 export OCL_ICD_VENDORS="$icd"
 perf="$here/bin/flagcx-perf"
 failed=0

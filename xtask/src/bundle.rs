@@ -348,13 +348,15 @@ fi
     // table (`targets.py`, standard-library Python: the GPU hosts have no Rust); and
     // `queues.sh`, whether stream joins can hold up copies that share their hardware queue; and
     // `hang.sh`, how often two communicators per rank stop, with the stuck threads' frames;
-    // `hetero.sh`, a CUDA and an OpenCL rank on one GPU through the device ring and the host's.
+    // `hetero.sh`, a CUDA and an OpenCL rank on one GPU through the device ring and the host's;
+    // `nvidia-icd.sh`, which they source for NVIDIA's OpenCL platform.
     for f in [
         "targets.sh",
         "targets.py",
         "queues.sh",
         "hang.sh",
         "hetero.sh",
+        "nvidia-icd.sh",
     ] {
         std::fs::copy(root().join("xtask/assets").join(f), out.join(f))
             .map_err(|e| format!("copy {f}: {e}"))?;
@@ -565,12 +567,7 @@ run() {
     s.push_str("gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')\n");
     // The node's ICD loader may list only PoCL: the OpenCL-rank suites get NVIDIA's platform
     // through a vendors directory of their own (empty, and the suites skip, where it is absent).
-    s.push_str(
-        "icd=\"$logs/icd\"; mkdir -p \"$icd\"\n\
-         for l in /usr/local/nvidia/lib64/libnvidia-opencl.so.1 \
-         /usr/lib/x86_64-linux-gnu/libnvidia-opencl.so.1; do\n  \
-         [ -e \"$l\" ] && echo \"$l\" > \"$icd/nvidia.icd\" && break\ndone\n",
-    );
+    s.push_str(". \"$here/nvidia-icd.sh\"\n");
     for e in entries {
         let env: String = e.env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
         let command = if e.args.is_empty() {
