@@ -328,6 +328,9 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             _ if comm.copies_late(next) => {
                 format!(" ({place}; late copies: the second to post copies)")
             }
+            _ if comm.ring_in_device_memory(next) => {
+                " (ring in device memory: large messages move device to device)".into()
+            }
             (Some(r), _) => format!(" ({place}; rank {r} copies both ways)"),
             (None, _) if kind == TransportKind::Ipc => format!(" ({place}; each sender copies)"),
             (None, Some(r)) => format!(" (direct: rank {r} copies into/out of host buffers)"),
