@@ -9,7 +9,9 @@
  * and (for comparison) pinned host copies. Then one 32 KiB copy at a time with its event
  * polled on each side, and the two processes taking turns as a staged pair does: device->device
  * copies (into or out of the export, or of private buffers) against the host ring's D2H and
- * host->device write - what one GPU's switches between the two processes cost.
+ * host->device write - what one GPU's switches between the two processes cost - at 32 KiB,
+ * then the host ring at 8 KiB and 512 B and the device ring at 8 MiB (does a small copy pay
+ * the switch too? does a large one?).
  * Build: nvcc -O2 -o ocl_cuda_extmem ocl_cuda_extmem.c -lcuda -lOpenCL
  * Usage: OCL_ICD_VENDORS=<dir with nvidia.icd> ocl_cuda_extmem */
 #define _GNU_SOURCE
@@ -55,6 +57,10 @@ static void tell(int s, char c) { if (write(s, &c, 1) != 1) exit(1); }
 static char hear(int s) { char c = 0; if (read(s, &c, 1) != 1) { printf("peer gone\n"); exit(1); } return c; }
 
 static const size_t sizes[] = {8u << 20, 64u << 20, 256u << 20};
+/* The turn-taking variants: bytes per copy, and whether it goes through host memory. */
+#define TURNS 8
+static const size_t turn_bytes[TURNS] = {32768, 32768, 32768, 32768, 32768, 8192, 512, 8u << 20};
+static int turn_host(int k) { return k >= 4 && k <= 6; }
 
 static int child(int s) {
   uint64_t size; int fd = recv_fd(s, &size);
@@ -146,12 +152,12 @@ static int child(int s) {
   void *pm = clEnqueueMapBuffer(q, pin, CL_TRUE, CL_MAP_READ | CL_MAP_WRITE, 0, 1u << 20, 0, NULL, NULL, &e); CK(e);
   (void)pm;
   tell(s, 'r');
-  for (int k = 0; k < 5; k++) {
+  for (int k = 0; k < TURNS; k++) {
     cl_command_queue qq = k == 1 ? q : q2;
     for (int i = 0; i < 300; i++) {
       hear(s); cl_event ev;
-      if (k == 4) CK(clEnqueueWriteBuffer(qq, own, CL_FALSE, 0, 32768, hostbuf, 0, NULL, &ev));
-      else CK(clEnqueueCopyBuffer(qq, k == 2 ? own2 : imp, own, 0, 0, 32768, 0, NULL, &ev));
+      if (turn_host(k)) CK(clEnqueueWriteBuffer(qq, own, CL_FALSE, 0, turn_bytes[k], hostbuf, 0, NULL, &ev));
+      else CK(clEnqueueCopyBuffer(qq, k == 2 ? own2 : imp, own, 0, 0, turn_bytes[k], 0, NULL, &ev));
       CK(clFlush(qq));
       cl_int st = 1; while (st != CL_COMPLETE) CK(clGetEventInfo(ev, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof st, &st, NULL));
       clReleaseEvent(ev); tell(s, 'k');
@@ -220,17 +226,18 @@ int main(void) {
   { int hfd = memfd_create("ring", 0); if (ftruncate(hfd, 1u << 20)) return 1;
     void *hp = mmap(NULL, 1u << 20, PROT_READ | PROT_WRITE, MAP_SHARED, hfd, 0);
     CU(cuMemHostRegister(hp, 1u << 20, 0)); send_fd(s, hfd, 1u << 20); hear(s);
-    const char *names[] = {"device ring (D2D | CopyBuffer)", "the same, OpenCL on its acquiring queue",
-      "only CUDA touches the export", "only OpenCL touches the export", "host ring (D2H | WriteBuffer)"};
-    for (int k = 0; k < 5; k++) {
+    const char *names[TURNS] = {"device ring (D2D | CopyBuffer)", "the same, OpenCL on its acquiring queue",
+      "only CUDA touches the export", "only OpenCL touches the export", "host ring (D2H | WriteBuffer)",
+      "host ring", "host ring", "device ring"};
+    for (int k = 0; k < TURNS; k++) {
       double t = now();
       for (int i = 0; i < 300; i++) {
-        if (k == 4) CU(cuMemcpyDtoHAsync(hp, own, 32768, st));
-        else CU(cuMemcpyDtoDAsync(k == 3 ? own + (64u << 20) : va, own, 32768, st));
+        if (turn_host(k)) CU(cuMemcpyDtoHAsync(hp, own, turn_bytes[k], st));
+        else CU(cuMemcpyDtoDAsync(k == 3 ? own + (64u << 20) : va, own, turn_bytes[k], st));
         CU(cuEventRecord(ev, st)); while (cuEventQuery(ev) == CUDA_ERROR_NOT_READY) {}
         tell(s, 'g'); hear(s);
       }
-      printf("parent: 32 KiB taking turns, %-40s %7.1f us per round\n", names[k], (now() - t) / 300 * 1e6);
+      printf("parent: %7zu B taking turns, %-40s %7.1f us per round\n", turn_bytes[k], names[k], (now() - t) / 300 * 1e6);
     }
   }
   hear(s);

@@ -3,8 +3,9 @@
 # platform) on one GPU, the staging ring in device memory (FLAGCX_P2P_DEVICE_RING=auto: the
 # OpenCL rank maps the CUDA rank's export) against the ring in pinned host memory (off), in
 # alternating rounds, every byte checked; then the checks that the device ring is taken and
-# right (the facade's cross-runtime import test, p2p's mixed jobs and device-ring jobs). One GPU
-# suffices (~3 min). Logs in $FLAGCX_BUNDLE_LOGS/hetero; a table of µs per call and GB/s last.
+# right (the facade's cross-runtime import test, p2p's mixed jobs and device-ring jobs), and
+# the probe of the same pair without flagcx code (copies taking turns, by kind and size). One
+# GPU suffices (~1 min per round). Logs in $FLAGCX_BUNDLE_LOGS/hetero; a table of µs per call and GB/s last.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 logs=${FLAGCX_BUNDLE_LOGS:-$here/logs}/hetero
@@ -41,6 +42,16 @@ done
 run conformance-import "$here/bin/flagcx-conformance" --exact opencl_maps_a_cuda_export --nocapture
 run p2p-mixed env FLAGCX_P2P_TEST_MIXED=cuda,opencl "$here/bin/flagcx-p2p" --exact mixed_vendor_job
 run p2p-devring-cuda env FLAGCX_P2P_TEST_VENDORS=cuda "$here/bin/flagcx-p2p" --exact staged_through_device_rings
+# The same pair with no flagcx code (benches/probes/ocl_cuda_extmem.c): what each copy costs
+# when the two processes take turns on the GPU, by kind and size. A failure to build it is
+# reported, not fatal.
+nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+if "$nvcc" -O2 -o "$logs/extmem" "$here/ocl_cuda_extmem.c" -lcuda -lOpenCL > "$logs/extmem.build" 2>&1; then
+  timeout 120 "$logs/extmem" > "$logs/extmem.log" 2>&1
+  grep -E 'taking turns|wrong' "$logs/extmem.log"
+else
+  echo "ocl_cuda_extmem: not built ($(head -n 1 "$logs/extmem.build"))"
+fi
 echo "device ring taken (rank lines): $(grep -h 'device memory' "$logs"/pingpong-auto-1.log | wc -l) in auto, $(grep -h 'device memory' "$logs"/pingpong-off-1.log | wc -l) in off"
 echo "µs per call (pingpong: round trip) and algbw GB/s; ratio = against the slower side's pinned copy"
 printf '%-16s %s\n' "run" "8B | 32KiB | 2MiB | 8MiB (ratio) | 32MiB (ratio) | 512MiB GB/s (ratio)"

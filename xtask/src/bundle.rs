@@ -173,16 +173,10 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         out.join("ipc_floor.c"),
     )
     .map_err(|e| format!("copy the IPC floor probe: {e}"))?;
-    std::fs::copy(
-        root().join("benches/probes/staged_floor.c"),
-        out.join("staged_floor.c"),
-    )
-    .map_err(|e| format!("copy the staged floor probe: {e}"))?;
-    std::fs::copy(
-        root().join("benches/probes/queue_join.c"),
-        out.join("queue_join.c"),
-    )
-    .map_err(|e| format!("copy the queue probe: {e}"))?;
+    for probe in ["staged_floor.c", "queue_join.c", "ocl_cuda_extmem.c"] {
+        std::fs::copy(root().join("benches/probes").join(probe), out.join(probe))
+            .map_err(|e| format!("copy the probe {probe}: {e}"))?;
+    }
     // The C ABI on the GPU: libflagcx with this vendor, and tests/capi/ring.c built against
     // it here (the GPU host has no Rust), found at run time through an $ORIGIN rpath.
     let prefix = crate::capi::capi(std::slice::from_ref(&vendor))?;
