@@ -224,10 +224,11 @@ impl<A: DeviceAdaptor> Comm<A> {
         self.streams_share_queue
     }
 
-    /// Whether the staged pair with `peer` keeps its ring in device memory that both ranks
-    /// map (`FLAGCX_P2P_DEVICE_RING`; a CUDA and an OpenCL rank on one NVIDIA GPU by default),
-    /// so its chunks move device→device instead of through host memory. `false` for every
-    /// other pair, and for a pair whose offer failed at setup (the warning says why).
+    /// Whether the staged pair with `peer` keeps a ring in device memory that both ranks map
+    /// (`FLAGCX_P2P_DEVICE_RING`; by default a CUDA and an OpenCL rank on NVIDIA's platform,
+    /// the ring on the OpenCL rank's GPU), so its messages from 4 MiB move device→device
+    /// instead of through host memory. `false` for every other pair, and for a pair whose
+    /// ring could not be placed or mapped at setup (the log says why).
     pub fn ring_in_device_memory(&self, peer: usize) -> bool {
         self.device_rings.get(peer).copied().unwrap_or(false)
     }

@@ -212,7 +212,7 @@ pub(crate) fn accept<A: DeviceAdaptor>(
         Ok(base) => {
             tracing::info!(
                 peer = q,
-                "the staging ring with rank {q} is in rank {q}'s device memory"
+                "the staging ring with rank {q} is in device memory rank {q} exported"
             );
             Some(DevRing {
                 base,
@@ -238,34 +238,22 @@ pub(crate) fn settle<A: DeviceAdaptor>(
     q: usize,
     ring: DevRing,
 ) -> Result<Option<DevRing>> {
-    let (verdict, _) = match boot.recv(q, Tag::DevRing) {
-        Ok(v) => v,
-        Err(e) => {
-            // SAFETY: the peer never copied (it is gone, or setup fails): nothing uses it.
-            unsafe { ring.release(adaptor) };
-            return Err(e);
-        }
-    };
-    match verdict.as_slice() {
-        [1] => {
-            tracing::info!(
-                peer = q,
-                "the staging ring with rank {q} is in this rank's device memory"
-            );
-            Ok(Some(ring))
-        }
-        [0] => {
-            // SAFETY: the peer did not map it and no copy was issued.
-            unsafe { ring.release(adaptor) };
-            Ok(None)
-        }
-        other => {
-            // SAFETY: as above.
-            unsafe { ring.release(adaptor) };
-            Err(CommError::Protocol(format!(
-                "rank {q} answered a device ring offer with {other:?}"
-            )))
-        }
+    let verdict = boot.recv(q, Tag::DevRing).map(|(v, _)| v);
+    if matches!(verdict.as_deref(), Ok([1])) {
+        tracing::info!(
+            peer = q,
+            "the staging ring with rank {q} is in device memory this rank exported"
+        );
+        return Ok(Some(ring));
+    }
+    // SAFETY: the peer did not map it, or is gone, or answered nonsense (then setup fails):
+    // no copy was issued on it, and nothing uses it afterwards.
+    unsafe { ring.release(adaptor) };
+    match verdict?.as_slice() {
+        [0] => Ok(None),
+        other => Err(CommError::Protocol(format!(
+            "rank {q} answered a device ring offer with {other:?}"
+        ))),
     }
 }
 

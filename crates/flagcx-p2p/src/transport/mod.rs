@@ -8,7 +8,7 @@
 //! | [`rendezvous`] | the descriptor handshake every non-eager message runs: receive announced, send answered (push), or send offered, verdict given (pull) | — | `Engine::progress_send`/`progress_recv`: the [`Phase`] machine, handing the copy to one of the modules below |
 //! | [`ipc`] | same vendor: one device copy into the receiver's exported buffer (push) or out of the sender's (pull, one copier per pair); the IPC mapping cache | `Comm::try_caller_ipc`: the posting thread moves the message itself | `Engine::issue_ipc_copy`/`issue_ipc_pull` |
 //! | [`staged`] | different vendors: device→host into ring slots, host→device out of them, pipelined | — | `Engine::pump`: both directions, one loop |
-//! | [`devring`] | staged pairs whose two runtimes share a device and one maps the other's fd export (CUDA memory in NVIDIA's OpenCL): the ring's slots in device memory, copied device→device | — | `Engine::pump`, with [`devring::DevRing::slot`] for the slot |
+//! | [`devring`] | staged pairs where one runtime maps the other's fd export (CUDA memory in NVIDIA's OpenCL), placed on the importer's GPU: the ring's slots in device memory, copied device→device, for messages from 4 MiB | — | `Engine::pump`, with [`devring::DevRing::slot`] for the slot |
 //! | [`direct`] | a staged pair with a host-vendor rank: one copy straight into or out of its mapped buffer ([`hostmap`]) | — | `Engine::direct_push`/`direct_pull` |
 //! | [`eager`] | host-addressable and staged pairs: small messages through the channel's eager slots, copied by the CPU or by a blocking runtime copy via a bounce buffer | `Comm::try_eager` | `Engine::take_eager` |
 //! | [`streamed`] | pairs of CUDA or host-vendor ranks (`FLAGCX_P2P_STREAM=on`): small messages as stream operations on the callers' streams — wait for a free slot, copy in, write the status word; wait for it, sized copy out | `Comm::enqueue_streamed` (at submission) | `Engine::progress_streamed`: announces receives, publishes `send_posted` / `recv_done` behind the streams |
@@ -80,8 +80,8 @@ pub(crate) struct PeerConn {
     pub inc: Arc<Channel>,
     /// Whether both rings were pinned for the adaptor (`host_pin`; unpinned at teardown).
     pub registered: bool,
-    /// Staged pairs: the ring in device memory both ranks map, where they have one (the
-    /// host ring's slots are not used then).
+    /// Staged pairs: the ring in device memory both ranks map, where they have one; messages
+    /// from `devring::MIN_BYTES` use its slots, smaller ones the host ring's.
     pub(crate) dev_ring: Option<devring::DevRing>,
     /// Who copies.
     pub roles: Roles,

@@ -79,6 +79,9 @@ impl<A: DeviceAdaptor> Engine<A> {
             .dev_ring
             .as_ref()
             .filter(|_| total >= devring::MIN_BYTES);
+        // Device rings copy at device speed, where every chunk is pure overhead (an event, a
+        // hand-off, and on OpenCL a 5-6 µs command): whole slots. Both ranks know.
+        let split = if ring.is_some() { 1 } else { geo.split };
         let mut moved = false;
         while *issued < total {
             let ready = match dir {
@@ -88,9 +91,6 @@ impl<A: DeviceAdaptor> Engine<A> {
             if !ready {
                 break;
             }
-            // Device rings copy at device speed, where every chunk is pure overhead (an event,
-            // a hand-off, and on OpenCL a 5-6 µs command): whole slots. Both ranks know.
-            let split = if ring.is_some() { 1 } else { geo.split };
             let len = chunk_len(total, geo.chunk, split).min(total - *issued);
             let user = DevicePtr(step.op.ptr.0 + *issued as u64);
             // SAFETY: the slot has `geo.chunk >= len` bytes, in the live channel mapping or
