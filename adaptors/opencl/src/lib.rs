@@ -149,6 +149,9 @@ struct Inner {
     buffers: Mutex<RangeMap<Raw<cl_mem>>>,
     /// Whether the device imports other runtimes' fds (`extmem::supported`).
     fd_import: bool,
+    /// Whether `stream_synchronize` polls the queue's last command before `clFinish`
+    /// (see [`SyncMode`]).
+    poll_sync: bool,
     /// The buffers of `buffers` that are imports (`ipc_import_fd`), by synthetic address.
     imported: Mutex<HashSet<u64>>,
     pinned: Mutex<HashMap<u64, usize>>,
@@ -280,6 +283,7 @@ impl OpenClAdaptor {
                 next_va: AtomicU64::new(VA_BASE),
                 buffers: Mutex::default(),
                 fd_import: extmem::supported(id),
+                poll_sync: SyncMode::from_env()?.polls(info_u64(id, cl3::device::CL_DEVICE_TYPE)?),
                 imported: Mutex::default(),
                 pinned: Mutex::default(),
                 host_pins: Mutex::default(),
@@ -372,6 +376,17 @@ impl OpenClAdaptor {
         Ok(())
     }
 
+    /// A reference of its own to `stream`'s last enqueued command (none: nothing enqueued),
+    /// taken under the queues' lock so that a command enqueued meanwhile on another thread,
+    /// which releases the queue's reference, cannot free it under the caller.
+    fn last_command(&self, stream: StreamHandle) -> Option<Retained> {
+        let queues = lock(&self.inner.queues);
+        let ev = queues.get(&stream.0)?.last?;
+        // SAFETY: a live event: the queue's reference is held under the lock.
+        unsafe { cl3::event::retain_event(ev.0) }.ok()?;
+        Some(Retained(ev.0))
+    }
+
     /// The buffer and offset behind `[ptr, ptr+n)`, which must lie inside one buffer.
     fn resolve(&self, op: &'static str, ptr: DevicePtr, n: usize) -> Result<(cl_mem, usize)> {
         let map = lock(&self.inner.buffers);
@@ -429,6 +444,65 @@ fn pci_bus_id(id: cl_device_id) -> Option<String> {
 fn release(ev: cl_event) {
     // SAFETY: `ev` is a live event the caller owns one reference to.
     let _ = unsafe { cl3::event::release_event(ev) };
+}
+
+/// An event reference this value owns (see `OpenClAdaptor::last_command`).
+struct Retained(cl_event);
+
+impl Retained {
+    /// Whether the command completed (an error where it failed).
+    fn complete(&self) -> Result<bool> {
+        event_complete(self.0)
+    }
+}
+
+impl Drop for Retained {
+    fn drop(&mut self) {
+        release(self.0);
+    }
+}
+
+/// How long `stream_synchronize` polls before it blocks in `clFinish`: small copies finish
+/// well inside it, long ones pay `clFinish`'s wake-up once.
+const SYNC_POLL: std::time::Duration = std::time::Duration::from_micros(200);
+
+/// How `stream_synchronize` waits (`FLAGCX_OPENCL_SYNC`): `poll` spins on the queue's last
+/// command for up to [`SYNC_POLL`] before `clFinish`, `finish` calls `clFinish` at once;
+/// `auto` (the default) polls on GPUs and accelerators and not on CPU devices, whose
+/// runtimes (PoCL) run commands on the host's cores, which a poller would take from them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SyncMode {
+    Auto,
+    Poll,
+    Finish,
+}
+
+impl SyncMode {
+    /// The mode `FLAGCX_OPENCL_SYNC` names; an unknown value is an error naming it.
+    fn from_env() -> Result<Self> {
+        Self::parse(std::env::var("FLAGCX_OPENCL_SYNC").ok().as_deref())
+    }
+
+    fn parse(v: Option<&str>) -> Result<Self> {
+        match v.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+            None | Some("" | "auto") => Ok(SyncMode::Auto),
+            Some("poll") => Ok(SyncMode::Poll),
+            Some("finish") => Ok(SyncMode::Finish),
+            Some(_) => Err(AdaptorError::invalid(
+                "FLAGCX_OPENCL_SYNC",
+                "expected auto, poll or finish",
+            )),
+        }
+    }
+
+    /// Whether a device of `CL_DEVICE_TYPE` bits `kind` polls.
+    fn polls(self, kind: u64) -> bool {
+        match self {
+            SyncMode::Poll => true,
+            SyncMode::Finish => false,
+            SyncMode::Auto => kind & cl3::device::CL_DEVICE_TYPE_CPU == 0,
+        }
+    }
 }
 
 impl Drop for Inner {
@@ -948,6 +1022,22 @@ impl DeviceAdaptor for OpenClAdaptor {
 
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
         let q = self.queue(stream)?;
+        if self.inner.poll_sync {
+            // Commands are flushed as they are enqueued (`enqueued`); in order, the last one's
+            // completion means the queue's work is done.
+            if let Some(last) = self.last_command(stream) {
+                let t = std::time::Instant::now();
+                loop {
+                    if last.complete()? {
+                        return Ok(());
+                    }
+                    if t.elapsed() >= SYNC_POLL {
+                        break;
+                    }
+                    std::hint::spin_loop();
+                }
+            }
+        }
         cl3::command_queue::finish(q).map_err(|c| cl_error("clFinish", c))
     }
 
@@ -955,10 +1045,9 @@ impl DeviceAdaptor for OpenClAdaptor {
         let q = self.queue(stream)?;
         let _ = cl3::command_queue::flush(q);
         // In order: the last command's completion means everything before it completed.
-        let last = lock(&self.inner.queues).get(&stream.0).and_then(|q| q.last);
-        match last {
+        match self.last_command(stream) {
             None => Ok(true),
-            Some(ev) => event_complete(ev.0),
+            Some(last) => last.complete(),
         }
     }
 
@@ -1235,5 +1324,25 @@ fn event_complete(ev: cl_event) -> Result<bool> {
         Ok(cl3::info_type::InfoType::Int(s)) if s < 0 => Err(cl_error("command execution", s)),
         Ok(_) => Ok(false),
         Err(c) => Err(cl_error("clGetEventInfo", c)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SyncMode;
+
+    #[test]
+    fn sync_mode_parses_and_polls_only_off_the_cpu() {
+        let (cpu, gpu) = (
+            cl3::device::CL_DEVICE_TYPE_CPU,
+            cl3::device::CL_DEVICE_TYPE_GPU,
+        );
+        assert_eq!(SyncMode::parse(None).unwrap(), SyncMode::Auto);
+        assert_eq!(SyncMode::parse(Some(" Poll ")).unwrap(), SyncMode::Poll);
+        assert_eq!(SyncMode::parse(Some("finish")).unwrap(), SyncMode::Finish);
+        let e = SyncMode::parse(Some("spin")).unwrap_err().to_string();
+        assert!(e.contains("FLAGCX_OPENCL_SYNC"), "{e}");
+        assert!(SyncMode::Auto.polls(gpu) && !SyncMode::Auto.polls(cpu));
+        assert!(SyncMode::Poll.polls(cpu) && !SyncMode::Finish.polls(gpu));
     }
 }
