@@ -376,15 +376,9 @@ impl OpenClAdaptor {
         Ok(())
     }
 
-    /// A reference of its own to `stream`'s last enqueued command (none: nothing enqueued),
-    /// taken under the queues' lock so that a command enqueued meanwhile on another thread,
-    /// which releases the queue's reference, cannot free it under the caller.
-    fn last_command(&self, stream: StreamHandle) -> Option<Retained> {
-        let queues = lock(&self.inner.queues);
-        let ev = queues.get(&stream.0)?.last?;
-        // SAFETY: a live event: the queue's reference is held under the lock.
-        unsafe { cl3::event::retain_event(ev.0) }.ok()?;
-        Some(Retained(ev.0))
+    /// [`Self::retain_last`], released when dropped.
+    fn last_command(&self, stream: StreamHandle) -> Result<Option<Retained>> {
+        Ok(self.retain_last(stream)?.map(|e| Retained(e.0)))
     }
 
     /// The buffer and offset behind `[ptr, ptr+n)`, which must lie inside one buffer.
@@ -1025,7 +1019,7 @@ impl DeviceAdaptor for OpenClAdaptor {
         if self.inner.poll_sync {
             // Commands are flushed as they are enqueued (`enqueued`); in order, the last one's
             // completion means the queue's work is done.
-            if let Some(last) = self.last_command(stream) {
+            if let Some(last) = self.last_command(stream)? {
                 let t = std::time::Instant::now();
                 loop {
                     if last.complete()? {
@@ -1045,7 +1039,7 @@ impl DeviceAdaptor for OpenClAdaptor {
         let q = self.queue(stream)?;
         let _ = cl3::command_queue::flush(q);
         // In order: the last command's completion means everything before it completed.
-        match self.last_command(stream) {
+        match self.last_command(stream)? {
             None => Ok(true),
             Some(last) => last.complete(),
         }
