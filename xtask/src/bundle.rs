@@ -173,7 +173,12 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         out.join("ipc_floor.c"),
     )
     .map_err(|e| format!("copy the IPC floor probe: {e}"))?;
-    for probe in ["staged_floor.c", "queue_join.c", "ocl_cuda_extmem.c"] {
+    for probe in [
+        "staged_floor.c",
+        "queue_join.c",
+        "ocl_cuda_extmem.c",
+        "ocl_roundtrip.c",
+    ] {
         std::fs::copy(root().join("benches/probes").join(probe), out.join(probe))
             .map_err(|e| format!("copy the probe {probe}: {e}"))?;
     }
