@@ -48,6 +48,7 @@ def main(d):
     for issue, t in [("#16", "sendrecv"), ("#19", "alltoall"), ("#19", "allgather")]:
         verdict(issue, f"{t} busbw / NCCL's, 8 B-1 GiB, FLAGCX_P2P_LATE_COPY=on", worst("late-" + t, "vs_nccl"), 1.0)
     verdict("#17", "staged CUDA<->CUDA / pinned copy, from 64 MiB", worst("staged-pingpong", "ratio", 64 * MIB), 0.85)
+    verdict("#17", "the same, FLAGCX_P2P_SPLIT=16", worst("staged-pingpong-split16", "ratio", 64 * MIB), 0.85)
     verdict("#17", "CUDA<->OpenCL / slower pinned copy, from 8 MiB", worst("ocl-pingpong", "ratio", 8 * MIB), 0.85)
     verdict("#17", "the same through host memory (FLAGCX_P2P_DEVICE_RING=off)", worst("ocl-pingpong-hostring", "ratio", 8 * MIB), 0.85)
     verdict("#17", "CUDA<->OpenCL 8 B sendrecv, us", worst("ocl-small", "time_us", pick=max), 60.0, higher_better=False, fmt="{:.1f}")
