@@ -153,6 +153,12 @@ fn skip_unless_stream_memops(test: &str) -> bool {
     )
 }
 
+/// Skips `test` where the ranks are not the host vendor's: the case forces a path only two
+/// host-vendor ranks take (memfd device memory any process can map), reporting `reason`.
+fn skip_unless_host(test: &str, reason: &str) -> bool {
+    skip_unless(test, || vendor() == "host", reason)
+}
+
 /// Whether `e` is the error a [`flagcx_adaptor::testing::FaultyAdaptor`] injected.
 fn is_injected(e: &CommError) -> bool {
     use flagcx_adaptor::testing::INJECTED_CODE;
@@ -1859,13 +1865,10 @@ fn stopped_peer_times_out_pingpong_staged() {
 
 #[test]
 fn stopped_peer_times_out_group_direct() {
-    if vendor() != "host" {
-        // The forced direct pair needs two host-vendor ranks.
-        flagcx_adaptor::conformance::report_skip_reason(
-            "reliability::stopped_peer_times_out_group_direct",
-            &vendor(),
-            "the forced direct pair needs two host-vendor ranks",
-        );
+    if skip_unless_host(
+        "stopped_peer_times_out_group_direct",
+        "the forced direct pair needs two host-vendor ranks",
+    ) {
         return;
     }
     stalled_peer(
@@ -2313,12 +2316,10 @@ fn failed_copy_on_the_receiver_errors_both_sides_staged() {
 /// A direct pair of host ranks (rank 0 maps rank 1's buffers): one copy of `op` fails on
 /// `faulty_rank` while `sender` sends.
 fn direct_fault_pair(op: &str, faulty_rank: &str, sender: &str) {
-    if vendor() != "host" {
-        flagcx_adaptor::conformance::report_skip_reason(
-            &format!("reliability::direct_fault_pair({op}, rank {faulty_rank})"),
-            &vendor(),
-            "the forced direct pair needs two host-vendor ranks",
-        );
+    if skip_unless_host(
+        &format!("direct_fault_pair({op}, rank {faulty_rank})"),
+        "the forced direct pair needs two host-vendor ranks",
+    ) {
         return;
     }
     let env = [
@@ -2351,12 +2352,10 @@ fn failed_registration_keeps_the_ring() {
 /// the pair stays on the host ring, nothing leaks (see `devring_fault_scenario`).
 #[test]
 fn failed_device_ring_keeps_the_host_ring() {
-    if vendor() != "host" {
-        flagcx_adaptor::conformance::report_skip_reason(
-            "reliability::failed_device_ring_keeps_the_host_ring",
-            &vendor(),
-            "forced device rings between ranks of one vendor need the host vendor's memfds",
-        );
+    if skip_unless_host(
+        "failed_device_ring_keeps_the_host_ring",
+        "forced device rings between ranks of one vendor need the host vendor's memfds",
+    ) {
         return;
     }
     for (op, rank) in [("alloc_shareable", "0"), ("ipc_import_fd", "1")] {

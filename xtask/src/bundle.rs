@@ -168,12 +168,8 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         )
         .map_err(|e| format!("copy the MPI peer ({source}): {e}"))?;
     }
-    std::fs::copy(
-        root().join("benches/probes/ipc_floor.c"),
-        out.join("ipc_floor.c"),
-    )
-    .map_err(|e| format!("copy the IPC floor probe: {e}"))?;
     for probe in [
+        "ipc_floor.c",
         "staged_floor.c",
         "queue_join.c",
         "ocl_cuda_extmem.c",
