@@ -20,6 +20,8 @@
 //!   sets from any thread ([`DeviceAdaptor::gate_open`]), with no host-function thread in
 //!   between: what the p2p layer joins OpenCL streams with, opened by whoever publishes an
 //!   operation's completion. Gates still closed when the adaptor goes are opened first.
+//! - **Large copies on CPU devices** (module `split`): cut into parts that run at once on
+//!   helper queues of their stream, since PoCL copies each command with one worker thread.
 //! - **Pinning** ([`DeviceAdaptor::host_pin`]): a `CL_MEM_USE_HOST_PTR` buffer wraps the range
 //!   and is never used, which makes NVIDIA's platform pin it, so raw-pointer copies of staging
 //!   rings run at pinned speed.
@@ -36,6 +38,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod extmem;
+mod split;
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
@@ -85,11 +88,30 @@ struct Gate {
 }
 
 /// A command queue and the event of the last command enqueued on it (in-order, so that
-/// command's completion means the queue is idle).
+/// command's completion means the queue is idle), and the queues that run parts of its large
+/// copies beside it (module `split`; created on first use).
 #[derive(Debug)]
 struct Queue {
     q: Raw<cl_command_queue>,
     last: Option<Raw<cl_event>>,
+    helpers: Vec<Raw<cl_command_queue>>,
+}
+
+impl Queue {
+    /// Releases the queue, its last command's reference and its helpers. OpenCL finishes
+    /// their enqueued work before freeing them.
+    fn release(self) -> std::result::Result<(), cl_int> {
+        let _ = cl3::command_queue::flush(self.q.0);
+        if let Some(e) = self.last {
+            release(e.0);
+        }
+        for h in self.helpers {
+            // SAFETY: untracked now; a helper is released once, here.
+            let _ = unsafe { cl3::command_queue::release_command_queue(h.0) };
+        }
+        // SAFETY: as above.
+        unsafe { cl3::command_queue::release_command_queue(self.q.0) }.map(|_| ())
+    }
 }
 
 /// A pinned host range: the `CL_MEM_USE_HOST_PTR` buffer wrapping it, kept mapped (mapping is
@@ -152,6 +174,8 @@ struct Inner {
     /// Whether `stream_synchronize` polls the queue's last command before `clFinish`
     /// (see [`SyncMode`]).
     poll_sync: bool,
+    /// How many parts a large copy may be cut into (module `split`).
+    copy_parts: usize,
     /// The buffers of `buffers` that are imports (`ipc_import_fd`), by synthetic address.
     imported: Mutex<HashSet<u64>>,
     pinned: Mutex<HashMap<u64, usize>>,
@@ -284,6 +308,12 @@ impl OpenClAdaptor {
                 buffers: Mutex::default(),
                 fd_import: extmem::supported(id),
                 poll_sync: SyncMode::from_env()?.polls(info_u64(id, cl3::device::CL_DEVICE_TYPE)?),
+                copy_parts: split::max_parts(
+                    std::env::var("FLAGCX_OPENCL_COPY_PARTS").ok().as_deref(),
+                    info_u64(id, cl3::device::CL_DEVICE_TYPE)?,
+                    info_u64(id, cl3::device::CL_DEVICE_MAX_COMPUTE_UNITS)?,
+                    std::thread::available_parallelism().map_or(1, |n| n.get()),
+                )?,
                 imported: Mutex::default(),
                 pinned: Mutex::default(),
                 host_pins: Mutex::default(),
@@ -440,6 +470,15 @@ fn release(ev: cl_event) {
     let _ = unsafe { cl3::event::release_event(ev) };
 }
 
+/// A wait list for an enqueue: null where it is empty, as OpenCL requires.
+fn wait_list(events: &[cl_event]) -> *const cl_event {
+    if events.is_empty() {
+        std::ptr::null()
+    } else {
+        events.as_ptr()
+    }
+}
+
 /// An event reference this value owns (see `OpenClAdaptor::last_command`).
 struct Retained(cl_event);
 
@@ -512,10 +551,7 @@ impl Drop for Inner {
             }
             for (_, q) in lock(&self.queues).drain() {
                 let _ = cl3::command_queue::finish(q.q.0);
-                if let Some(e) = q.last {
-                    let _ = cl3::event::release_event(e.0);
-                }
-                let _ = cl3::command_queue::release_command_queue(q.q.0);
+                let _ = q.release();
             }
             for (_, e) in lock(&self.recorded).drain() {
                 let _ = cl3::event::release_event(e.0);
@@ -864,7 +900,7 @@ impl DeviceAdaptor for OpenClAdaptor {
         stream: StreamHandle,
     ) -> Result<()> {
         const OP: &str = "clEnqueueWriteBuffer";
-        let q = self.queue(stream)?;
+        self.queue(stream)?;
         if n == 0 {
             return Ok(());
         }
@@ -872,19 +908,22 @@ impl DeviceAdaptor for OpenClAdaptor {
             return Err(AdaptorError::invalid(OP, "null host source"));
         }
         let (mem, off) = self.resolve(OP, dst, n)?;
-        // SAFETY: non-blocking write from `src`, which the caller keeps valid until the queue
-        // passes it; the range was checked against the buffer.
-        self.enqueued(OP, stream, unsafe {
-            cl3::command_queue::enqueue_write_buffer(
-                q,
-                mem,
-                cl3::types::CL_NON_BLOCKING,
-                off,
-                n,
-                src.cast(),
-                0,
-                std::ptr::null(),
-            )
+        self.copy_in_parts(OP, stream, n, &|q, at, len, wait| {
+            // SAFETY: non-blocking write from `src + at`, which the caller keeps valid until
+            // the queue passes it; `at + len <= n`, a range checked against the buffer; the
+            // wait list holds live events.
+            unsafe {
+                cl3::command_queue::enqueue_write_buffer(
+                    q,
+                    mem,
+                    cl3::types::CL_NON_BLOCKING,
+                    off + at,
+                    len,
+                    src.add(at).cast(),
+                    wait.len() as u32,
+                    wait_list(wait),
+                )
+            }
         })
     }
 
@@ -896,7 +935,7 @@ impl DeviceAdaptor for OpenClAdaptor {
         stream: StreamHandle,
     ) -> Result<()> {
         const OP: &str = "clEnqueueReadBuffer";
-        let q = self.queue(stream)?;
+        self.queue(stream)?;
         if n == 0 {
             return Ok(());
         }
@@ -904,18 +943,20 @@ impl DeviceAdaptor for OpenClAdaptor {
             return Err(AdaptorError::invalid(OP, "null host destination"));
         }
         let (mem, off) = self.resolve(OP, src, n)?;
-        // SAFETY: as above, into `dst`.
-        self.enqueued(OP, stream, unsafe {
-            cl3::command_queue::enqueue_read_buffer(
-                q,
-                mem,
-                cl3::types::CL_NON_BLOCKING,
-                off,
-                n,
-                dst.cast(),
-                0,
-                std::ptr::null(),
-            )
+        self.copy_in_parts(OP, stream, n, &|q, at, len, wait| {
+            // SAFETY: as above, into `dst + at`.
+            unsafe {
+                cl3::command_queue::enqueue_read_buffer(
+                    q,
+                    mem,
+                    cl3::types::CL_NON_BLOCKING,
+                    off + at,
+                    len,
+                    dst.add(at).cast(),
+                    wait.len() as u32,
+                    wait_list(wait),
+                )
+            }
         })
     }
 
@@ -927,24 +968,27 @@ impl DeviceAdaptor for OpenClAdaptor {
         stream: StreamHandle,
     ) -> Result<()> {
         const OP: &str = "clEnqueueCopyBuffer";
-        let q = self.queue(stream)?;
+        self.queue(stream)?;
         if n == 0 {
             return Ok(());
         }
         let (dmem, doff) = self.resolve(OP, dst, n)?;
         let (smem, soff) = self.resolve(OP, src, n)?;
-        // SAFETY: both ranges were checked against live buffers.
-        self.enqueued(OP, stream, unsafe {
-            cl3::command_queue::enqueue_copy_buffer(
-                q,
-                smem,
-                dmem,
-                soff,
-                doff,
-                n,
-                0,
-                std::ptr::null(),
-            )
+        self.copy_in_parts(OP, stream, n, &|q, at, len, wait| {
+            // SAFETY: both ranges were checked against live buffers (`at + len <= n`); the
+            // wait list holds live events.
+            unsafe {
+                cl3::command_queue::enqueue_copy_buffer(
+                    q,
+                    smem,
+                    dmem,
+                    soff + at,
+                    doff + at,
+                    len,
+                    wait.len() as u32,
+                    wait_list(wait),
+                )
+            }
         })
     }
 
@@ -993,6 +1037,7 @@ impl DeviceAdaptor for OpenClAdaptor {
             Queue {
                 q: Raw(q),
                 last: None,
+                helpers: Vec::new(),
             },
         );
         self.inner.streams.insert(h);
@@ -1003,12 +1048,7 @@ impl DeviceAdaptor for OpenClAdaptor {
         self.inner.streams.remove(stream.0)?;
         let q = lock(&self.inner.queues).remove(&stream.0);
         if let Some(q) = q {
-            let _ = cl3::command_queue::flush(q.q.0);
-            if let Some(e) = q.last {
-                release(e.0);
-            }
-            // SAFETY: untracked now; OpenCL finishes enqueued work before freeing the queue.
-            unsafe { cl3::command_queue::release_command_queue(q.q.0) }
+            q.release()
                 .map_err(|c| cl_error("clReleaseCommandQueue", c))?;
         }
         Ok(())

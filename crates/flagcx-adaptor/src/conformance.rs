@@ -58,6 +58,7 @@ const IPC_BYTES: usize = (1 << 20) + 37;
 /// same rule; the engine keeps it for its own frees (`Engine::trim_at_rest`).
 const HOLDS_A_STREAM: &[&str] = &[
     "host_functions",
+    "large_copies_keep_stream_order",
     "events_follow_earlier_work",
     "stream_gates",
     "stream_memory_ops",
@@ -494,6 +495,83 @@ pub fn stream_ordering_many_ops<A: DeviceAdaptor>(a: &A) {
     for (i, &b) in host.iter().enumerate() {
         assert_eq!(b, i as u8, "slot {i}: stream ran out of order");
     }
+}
+
+/// Copies of several MiB, in every direction, are each one step of their stream: they start
+/// only once everything before them finished and everything after them sees all their bytes
+/// — also where a runtime cuts one copy into parts that run at once (OpenCL on CPU devices).
+/// A host function holds the stream and then rewrites the source, so a copy that started
+/// early reads old bytes; a host function behind the copies checks the result as it runs.
+pub fn large_copies_keep_stream_order<A: DeviceAdaptor>(a: &A) {
+    const N: usize = (9 << 20) + 4099;
+    if !a.capabilities().host_functions {
+        report_skip_reason(
+            "large_copies_keep_stream_order",
+            a.vendor().name(),
+            "no host functions to hold the stream with",
+        );
+        return;
+    }
+    let pattern = |i: usize| (i as u8).wrapping_mul(7) ^ (i >> 12) as u8;
+    let s = Stream::new(a).expect("stream");
+    let mut src = PinnedBuffer::new(a, N).expect("pinned source");
+    let mut dst = PinnedBuffer::new(a, N).expect("pinned destination");
+    src.as_mut_slice().fill(0xEE);
+    dst.as_mut_slice().fill(0);
+    let (from, into) = (src.as_ptr() as usize, dst.as_ptr() as usize);
+    let d1 = DeviceBuffer::new(a, N).expect("alloc");
+    let d2 = DeviceBuffer::new(a, N).expect("alloc");
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    a.launch_host_func(
+        s.handle(),
+        Box::new(move || {
+            let _ = rx.recv_timeout(Duration::from_secs(10));
+            // SAFETY: the source outlives the stream synchronize below, and no copy reads it
+            // before this function returns (what the case checks).
+            let src = unsafe { std::slice::from_raw_parts_mut(from as *mut u8, N) };
+            for (i, b) in src.iter_mut().enumerate() {
+                *b = pattern(i);
+            }
+        }),
+    )
+    .expect("launch the holding host function");
+    // SAFETY: every buffer outlives the synchronize below.
+    unsafe {
+        a.memcpy_h2d_async(d1.ptr(), from as *const u8, N, s.handle())
+            .expect("h2d");
+        a.memcpy_d2d_async(d2.ptr(), d1.ptr(), N, s.handle())
+            .expect("d2d");
+        a.memcpy_d2h_async(into as *mut u8, d2.ptr(), N, s.handle())
+            .expect("d2h");
+    }
+    let wrong_then = Arc::new(AtomicU64::new(u64::MAX));
+    let w = wrong_then.clone();
+    a.launch_host_func(
+        s.handle(),
+        Box::new(move || {
+            // SAFETY: the destination outlives the stream synchronize below; stream order
+            // makes the copies complete before this runs.
+            let dst = unsafe { std::slice::from_raw_parts(into as *const u8, N) };
+            let wrong = dst
+                .iter()
+                .enumerate()
+                .filter(|&(i, &b)| b != pattern(i))
+                .count();
+            w.store(wrong as u64, Ordering::SeqCst);
+        }),
+    )
+    .expect("launch the checking host function");
+    std::thread::sleep(Duration::from_millis(30));
+    tx.send(()).expect("release the stream");
+    s.synchronize().expect("sync");
+    assert_eq!(
+        wrong_then.load(Ordering::SeqCst),
+        0,
+        "bytes not (yet) copied when the next host function ran: a copy ran outside its \
+         place in the stream"
+    );
+    let wrong = (0..N).filter(|&i| dst.as_slice()[i] != pattern(i)).count();
+    assert_eq!(wrong, 0, "wrong bytes after the stream finished");
 }
 
 /// Events record, complete, time, and order work across streams.
@@ -1602,7 +1680,7 @@ macro_rules! conformance_tests {
             $crate::conformance_tests!(@cases $open;
                 device_properties, memory_round_trip_odd_sizes, pinned_host_copies,
                 zero_and_huge_sizes, null_and_foreign_pointers, allocation_range,
-                invalid_handles, stream_ordering_many_ops, events, host_functions, events_follow_earlier_work, stream_gates,
+                invalid_handles, stream_ordering_many_ops, large_copies_keep_stream_order, events, host_functions, events_follow_earlier_work, stream_gates,
                 host_addressable_memory, host_register_shared_mapping, host_pin_shared_mapping,
                 stream_memory_ops, stream_value_writes_in_device_memory,
                 sized_copies_read_their_length_late, slot_steps_move_messages, peer_access,
