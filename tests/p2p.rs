@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 
 mod common;
 use common::flagcx_run;
+#[path = "common/client.rs"]
+mod client;
 #[path = "common/netns.rs"]
 mod netns;
 #[path = "common/stacks.rs"]
@@ -261,6 +263,7 @@ fn rank_worker() {
     }
     match scenario.as_str() {
         "collectives" => collectives(&r, big),
+        "client" => client::client(&r.adaptor, &r.comm, &r.stream),
         "ring" => {
             let mut sizes = scenario_sizes();
             sizes.push(big);
@@ -3215,6 +3218,32 @@ fn direct_path_between_host_ranks() {
     pieces.truncate(direct.len());
     pieces.push(("FLAGCX_P2P_HOST_PIN_PIECE", "64K"));
     job(4, "host", "random", &pieces);
+}
+
+/// The way real clients call (`common/client.rs`): their own stream ordered against the
+/// library's with events, buffers at offsets inside one allocation that is freed and allocated
+/// again, results read on the client's stream with no host synchronization of the library's.
+/// Two and three host ranks (through the eager, IPC and staged paths), an OpenCL pair, the
+/// vendor pair of `FLAGCX_P2P_TEST_VENDORS` (CUDA in the GPU bundle) and the mixed shape.
+#[test]
+fn client_pattern_every_byte_right() {
+    job(2, "host", "client", &[]);
+    job(3, "host", "client", &[("FLAGCX_P2P_DISABLE", "1")]);
+    job(2, "opencl", "client", &[]);
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    if v != "host" {
+        job(2, &v, "client", &[]);
+    }
+    let mixed = vendors("FLAGCX_P2P_TEST_MIXED");
+    if mixed.contains(',') {
+        job(3, &mixed, "client", &[]);
+    } else {
+        flagcx_adaptor::conformance::report_skip_reason(
+            "p2p::client_pattern_every_byte_right (mixed job)",
+            &mixed,
+            "FLAGCX_P2P_TEST_MIXED names one vendor: no mixed job",
+        );
+    }
 }
 
 /// Every collective, every root, 0 B to 8 MiB + 7 (64 MiB + 5 on two ranks), in place and not,

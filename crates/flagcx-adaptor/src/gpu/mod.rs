@@ -309,6 +309,26 @@ impl<D: Driver> Drop for Core<D> {
     }
 }
 
+impl<D: Driver> GpuAdaptor<D> {
+    /// The byte-form handle of memory the application allocated with the runtime (torch's
+    /// caching allocator carves tensors out of `cudaMalloc` segments): the runtime names the
+    /// allocation holding `ptr` and exports it. Never cached: the application may free the
+    /// segment behind our back and get another one at the same address, whose handle differs
+    /// (importers key their mappings by handle bytes). Pool (`cudaMallocAsync`) and VMM memory
+    /// has no byte-form handle: the runtime's refusal is returned as it is.
+    fn ipc_get_foreign_handle(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
+        let d = self.bound()?;
+        let (base, _) = d.mem_range(ptr.0).map_err(|e| not_device_memory(e, ptr))?;
+        // SAFETY: the runtime just named `base` as the start of a live allocation of this
+        // context; the caller (a transport) holds the buffer inside it for the operation.
+        let bytes = unsafe { d.ipc_get_handle(base)? };
+        Ok(IpcMemHandle {
+            vendor: D::VENDOR,
+            bytes,
+        })
+    }
+}
+
 /// The runtime's "no allocation there" for an address range query (invalid value, 1; not
 /// found, 500 — the same codes in CUDA and HIP) is a foreign pointer: `InvalidArgument`, with
 /// the runtime's answer in the reason.
@@ -656,6 +676,7 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
                     ),
                 ))
             }
+            None if !ptr.is_null() => return self.ipc_get_foreign_handle(ptr),
             _ => {
                 return Err(AdaptorError::InvalidHandle {
                     kind: "device pointer",
