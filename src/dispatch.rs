@@ -249,6 +249,19 @@ impl DeviceAdaptor for Adaptor {
         // SAFETY: forwarded contract.
         each!(self, a => unsafe { a.memset_async(dst, value, n, stream) })
     }
+    unsafe fn reduce_async(
+        &self,
+        dst: DevicePtr,
+        a_: DevicePtr,
+        b: DevicePtr,
+        count: usize,
+        dtype: flagcx_adaptor::DataType,
+        step: flagcx_adaptor::ReduceStep,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        each!(self, a => unsafe { a.reduce_async(dst, a_, b, count, dtype, step, stream) })
+    }
     fn stream_create(&self) -> Result<StreamHandle> {
         each!(self, a => a.stream_create())
     }

@@ -191,6 +191,8 @@ unsafe impl Driver for CudaDriver {
             host_gates: false,
             concurrent_processes: mps_client(cu_device),
             ipc_fd_foreign: false,
+            // No reduction kernels yet: every type is `Unsupported`.
+            reduce_types: 0,
         };
         let driver = CudaDriver {
             cu_device,

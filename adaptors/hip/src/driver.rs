@@ -156,6 +156,8 @@ unsafe impl Driver for HipDriver {
             // measured here (no AMD GPU).
             concurrent_processes: false,
             ipc_fd_foreign: false,
+            // No reduction kernels yet: every type is `Unsupported`.
+            reduce_types: 0,
         };
         Ok((
             driver,

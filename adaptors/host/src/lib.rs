@@ -29,6 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use flagcx_adaptor::hostmem::{self, HostMemHandle};
+use flagcx_adaptor::reduce::{self, DataType, ReduceStep};
 use flagcx_adaptor::{
     AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceProperties, DevicePtr,
     EventHandle, HostFn, IpcFdHandle, IpcMemHandle, Result, StreamHandle, Vendor, WaitCondition,
@@ -287,6 +288,7 @@ impl DeviceAdaptor for HostAdaptor {
             // Ranks are threads of different processes on the same cores; the lower-copier
             // default of one-device pairs stays (measured on 2 cores against Open MPI).
             concurrent_processes: false,
+            reduce_types: flagcx_adaptor::reduce::ALL_TYPES,
             ..Capabilities::default()
         }
     }
@@ -491,6 +493,45 @@ impl DeviceAdaptor for HostAdaptor {
                 dst: dst.0,
                 value,
                 n,
+            },
+        )
+    }
+
+    unsafe fn reduce_async(
+        &self,
+        dst: DevicePtr,
+        a: DevicePtr,
+        b: DevicePtr,
+        count: usize,
+        dtype: DataType,
+        step: ReduceStep,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const OP: &str = "reduce_async";
+        let s = self.stream(stream)?;
+        let caps = self.capabilities().reduce_types;
+        let bytes = reduce::check_operands(Vendor::Host, caps, dst, a, b, count, dtype, step)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        {
+            let reg = registry();
+            reg.check(OP, dst.0, bytes)?;
+            reg.check(OP, a.0, bytes)?;
+            if matches!(step, ReduceStep::Combine(_)) {
+                reg.check(OP, b.0, bytes)?;
+            }
+        }
+        self.push(
+            OP,
+            &s,
+            Op::Reduce {
+                dst: dst.0,
+                a: a.0,
+                b: b.0,
+                count,
+                dtype,
+                step,
             },
         )
     }

@@ -12,6 +12,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use flagcx_adaptor::quiet::QuietCondvar;
+use flagcx_adaptor::reduce::{DataType, ReduceStep};
 use flagcx_adaptor::{HostFn, WaitCondition};
 
 use crate::copy::copy_bytes;
@@ -34,6 +35,15 @@ pub(crate) enum Op {
         src: u64,
         len_at: u64,
         cap: usize,
+    },
+    /// One reduction step (`flagcx_adaptor::reduce::reduce_raw`) over `count` elements.
+    Reduce {
+        dst: u64,
+        a: u64,
+        b: u64,
+        count: usize,
+        dtype: DataType,
+        step: ReduceStep,
     },
     HostFn(HostFn),
     Record {
@@ -390,6 +400,7 @@ fn inline_ok(op: &Op, max: usize) -> bool {
     match op {
         Op::Copy { n, .. } | Op::Memset { n, .. } => *n <= max,
         Op::SizedCopy { cap, .. } => *cap <= max,
+        Op::Reduce { count, dtype, .. } => count.saturating_mul(dtype.size()) <= max,
         Op::Record { .. } | Op::WriteValue { .. } => true,
         Op::WaitEvent { event, gen } => event.reached(*gen),
         Op::WaitValue {
@@ -452,6 +463,28 @@ fn run(op: Op, stop: &AtomicBool) -> Option<String> {
             if n <= cap as u64 {
                 // SAFETY: `n <= cap`, inside the checked ranges.
                 unsafe { copy_bytes(dst, src, n as usize) }
+            }
+        }
+        Op::Reduce {
+            dst,
+            a,
+            b,
+            count,
+            dtype,
+            step,
+        } => {
+            // SAFETY: the adaptor checked the ranges (inside live allocations, `dst` equal to
+            // or disjoint from each input) and the step when the op was enqueued; the caller's
+            // contract keeps them valid until the op completes.
+            unsafe {
+                flagcx_adaptor::reduce::reduce_raw(
+                    dst as *mut u8,
+                    a as *const u8,
+                    b as *const u8,
+                    count,
+                    dtype,
+                    step,
+                )
             }
         }
         Op::HostFn(f) => {

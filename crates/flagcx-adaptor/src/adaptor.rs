@@ -1,6 +1,7 @@
 //! The [`DeviceAdaptor`] trait: everything flagcx-rs needs from a vendor runtime.
 
 use crate::error::Result;
+use crate::reduce::{DataType, ReduceStep};
 use crate::types::{
     Capabilities, CaptureMode, DeviceProperties, DevicePtr, EventHandle, GateHandle, IpcFdHandle,
     IpcMemHandle, SlotStep, StreamHandle, Vendor, WaitCondition,
@@ -175,6 +176,35 @@ pub trait DeviceAdaptor: Clone + Send + Sync + 'static {
         Err(crate::AdaptorError::Unsupported {
             vendor: self.vendor(),
             op: "memcpy_sized_async",
+        })
+    }
+
+    /// Enqueues one reduction step over `count` elements of `dtype` on `stream`:
+    /// `dst[i] = a[i] op b[i]` for [`ReduceStep::Combine`], the averaging step for
+    /// [`ReduceStep::Average`] (`b` unused), with the bit-exact rules of [`crate::reduce`]
+    /// (16-bit floats combined in f32 and rounded once to nearest even, no FMA, denormals
+    /// kept, one canonical NaN, max/min propagating NaN and ordering -0.0 below +0.0).
+    /// `dst` may equal `a` or `b`; a partial overlap is `InvalidArgument`. A type missing from
+    /// [`crate::Capabilities::reduce_types`] is `Unsupported` (the default, for every type).
+    ///
+    /// # Safety
+    /// `a` and `b` (Combine only) are readable and `dst` writable device memory of this
+    /// adaptor for `count * dtype.size()` bytes until the step completes on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn reduce_async(
+        &self,
+        dst: DevicePtr,
+        a: DevicePtr,
+        b: DevicePtr,
+        count: usize,
+        dtype: DataType,
+        step: ReduceStep,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        let _ = (dst, a, b, count, dtype, step, stream);
+        Err(crate::AdaptorError::Unsupported {
+            vendor: self.vendor(),
+            op: "reduce_async",
         })
     }
 

@@ -37,7 +37,9 @@ pub const SKIP_LOG_ENV: &str = "FLAGCX_SKIP_LOG";
 /// Environment variable listing capabilities the adaptor must report (comma-separated field
 /// names of [`crate::Capabilities`]), for runs on a machine whose hardware is known.
 pub const EXPECT_CAPS_ENV: &str = "FLAGCX_EXPECT_CAPS";
+mod reduce;
 mod slots;
+pub use reduce::{reduction_operands_are_checked, reductions_match_the_host_reference};
 pub use slots::slot_steps_move_messages;
 
 const CHILD_ROLE_ENV: &str = "FLAGCX_CONFORMANCE_CHILD";
@@ -1684,7 +1686,8 @@ macro_rules! conformance_tests {
                 host_addressable_memory, host_register_shared_mapping, host_pin_shared_mapping,
                 stream_memory_ops, stream_value_writes_in_device_memory,
                 sized_copies_read_their_length_late, slot_steps_move_messages, peer_access,
-                capture_mode_guard, ipc_fd_same_process, ipc_fd_foreign, shareable_on_a_chosen_device);
+                capture_mode_guard, ipc_fd_same_process, ipc_fd_foreign, shareable_on_a_chosen_device,
+                reductions_match_the_host_reference, reduction_operands_are_checked);
 
             #[test]
             fn ipc_bytes_two_process() {

@@ -25,6 +25,7 @@ pub mod gpu;
 pub mod hostmem;
 pub mod quiet;
 pub mod raii;
+pub mod reduce;
 pub mod spin;
 pub mod tracking;
 mod types;
@@ -37,6 +38,7 @@ pub mod testing;
 pub use adaptor::{slot_steps_in_order, DeviceAdaptor, HostFn};
 pub use error::{clone_io_error, AdaptorError, Result};
 pub use raii::{CaptureModeGuard, DeviceBuffer, Event, IpcMapping, PinnedBuffer, Stream};
+pub use reduce::{DataType, ReduceOp, ReduceStep};
 pub use types::{
     Capabilities, CaptureMode, DeviceProperties, DevicePtr, EventHandle, GateHandle, IpcFdHandle,
     IpcMemHandle, SlotInbox, SlotStep, StreamHandle, Vendor, WaitCondition, IPC_HANDLE_BYTES,

@@ -248,6 +248,22 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         // SAFETY: forwarded contract.
         unsafe { self.inner.memset_async(dst, value, n, stream) }
     }
+    unsafe fn reduce_async(
+        &self,
+        dst: DevicePtr,
+        a_: DevicePtr,
+        b: DevicePtr,
+        count: usize,
+        dtype: crate::reduce::DataType,
+        step: crate::reduce::ReduceStep,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.inner
+                .reduce_async(dst, a_, b, count, dtype, step, stream)
+        }
+    }
     fn stream_create(&self) -> Result<StreamHandle> {
         self.inner.stream_create()
     }

@@ -245,6 +245,10 @@ pub struct Capabilities {
     /// `mem_alloc_shareable` + `ipc_export_fd` export). Which runtimes' fds it takes is the
     /// driver's affair, so callers try the import and fall back where it fails.
     pub ipc_fd_foreign: bool,
+    /// The element types [`crate::DeviceAdaptor::reduce_async`] reduces exactly, as a mask of
+    /// [`crate::DataType::bit`] (0: no reductions). A type missing here is `Unsupported`,
+    /// never a different result.
+    pub reduce_types: u16,
 }
 
 /// One side of a small message through a slot both ends reach, as

@@ -80,6 +80,8 @@ fn bits_caps(b: u32) -> Capabilities {
         host_gates: f(11),
         concurrent_processes: f(12),
         ipc_fd_foreign: f(13),
+        // Carried beside the bits (`PeerInfo::encode`).
+        reduce_types: 0,
     }
 }
 
@@ -116,6 +118,7 @@ impl PeerInfo {
             .str(&self.host_id)
             .u32(self.pid)
             .u32(caps_bits(&self.caps))
+            .u32(u32::from(self.caps.reduce_types))
             .u8(self.p2p_disable as u8)
             .u8(self.ipc_copier.code())
             .u8(self.host_direct.code())
@@ -142,7 +145,14 @@ impl PeerInfo {
                 "peer info: unknown capability bits {bits:#x}"
             )));
         }
-        let caps = bits_caps(bits);
+        let mut caps = bits_caps(bits);
+        let types = r.u32()?;
+        caps.reduce_types = u16::try_from(types)
+            .ok()
+            .filter(|t| t & !flagcx_adaptor::reduce::ALL_TYPES == 0)
+            .ok_or_else(|| {
+                CommError::Protocol(format!("peer info: unknown reduction types {types:#x}"))
+            })?;
         let p2p_disable = match r.u8()? {
             0 => false,
             1 => true,
@@ -343,8 +353,13 @@ mod tests {
         p.host_id = String::new();
         p.pci_bus_id = None;
         let mut b = p.encode();
-        let caps_at = b.len() - 9;
-        b[caps_at + 1] |= 0x04; // bit 10 (bit 9 is host_pin)
+        // The capability bits, then the reduction types, then six one-byte settings.
+        let caps_at = b.len() - 14;
+        let mut unknown = b.clone();
+        unknown[caps_at + 1] |= 0x80; // bit 15: past CAP_BITS
+        assert!(PeerInfo::decode(&unknown).is_err());
+        // A reduction type bit past the last type.
+        b[caps_at + 5] |= 0x04; // bit 10 of the types
         assert!(PeerInfo::decode(&b).is_err());
     }
 

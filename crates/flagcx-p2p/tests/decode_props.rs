@@ -65,6 +65,11 @@ fn peer_info() -> impl Strategy<Value = PeerInfo> {
                         host_gates: c[11],
                         concurrent_processes: c[12],
                         ipc_fd_foreign: c[13],
+                        reduce_types: if c[0] {
+                            flagcx_adaptor::reduce::ALL_TYPES
+                        } else {
+                            0
+                        },
                     },
                     p2p_disable,
                     ipc_copier: IpcCopier::from_code(copier).expect("0..3 are codes"),

@@ -14,8 +14,8 @@ const MAGIC: &[u8; 8] = b"FLAGCXv1";
 /// The version of the frames and shared-memory layouts ranks exchange, sent in every hello:
 /// ranks of builds that disagree refuse each other there, naming both versions, instead of
 /// misreading a later frame. Bumped with every such change (2: the staged ring's split in the
-/// channel descriptor).
-pub const PROTOCOL_VERSION: u32 = 2;
+/// channel descriptor; 3: the reduction types in the peer information).
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Presents this rank to rank `q` on a fresh socket (over TCP with this rank's host and the
 /// port it listens on) and waits for the acknowledgement.
