@@ -27,6 +27,7 @@
 compile_error!("enable at least one vendor feature of `flagcx` (host, cuda, hip, opencl)");
 
 pub use flagcx_adaptor as adaptor;
+pub use flagcx_adaptor::reduce::{DataType, ReduceOp, ReduceStep};
 pub use flagcx_adaptor::slot_steps_in_order;
 pub use flagcx_adaptor::{
     AdaptorError, Capabilities, CaptureMode, DeviceAdaptor, DeviceBuffer, DeviceProperties,

@@ -18,6 +18,8 @@ use common::flagcx_run;
 mod client;
 #[path = "common/netns.rs"]
 mod netns;
+#[path = "common/reductions.rs"]
+mod reductions;
 #[path = "common/stacks.rs"]
 mod stacks;
 
@@ -264,6 +266,11 @@ fn rank_worker() {
     match scenario.as_str() {
         "collectives" => collectives(&r, big),
         "client" => client::client(&r.adaptor, &r.comm, &r.stream),
+        "reductions" => {
+            let calls = reductions::reductions(&r.adaptor, &r.comm, &r.stream, big);
+            println!("reductions: rank {me} of {n}: {calls} calls, every byte right");
+        }
+        "reductions_refused" => reductions::refused(&r.comm, &r.stream),
         "ring" => {
             let mut sizes = scenario_sizes();
             sizes.push(big);
@@ -2223,6 +2230,8 @@ fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) -> String 
             "early sends:",
             "port channel",
             "the lane",
+            "reductions",
+            "client pattern",
         ]
         .iter()
         .any(|k| l.contains(k))
@@ -3218,6 +3227,43 @@ fn direct_path_between_host_ranks() {
     pieces.truncate(direct.len());
     pieces.push(("FLAGCX_P2P_HOST_PIN_PIECE", "64K"));
     job(4, "host", "random", &pieces);
+}
+
+/// All-reduce, reduce-scatter and reduce (`common/reductions.rs`): every type and op, counts
+/// 0, 1, 7, 4099 and past the ring's slices, in place and not, unaligned, bit for bit against
+/// the reference in the algorithm's order on every rank: 2, 3, 4 and 8 host ranks, each
+/// algorithm forced, the staged transport, and the vendor pair of `FLAGCX_P2P_TEST_VENDORS`.
+#[test]
+fn reductions_on_2_3_4_and_8_ranks() {
+    let max = ("FLAGCX_TEST_MAX", "9437187");
+    for n in [2, 3, 4] {
+        job(n, "host", "reductions", &[max]);
+    }
+    job(8, "host", "reductions", &[("FLAGCX_TEST_MAX", "1048583")]);
+    job(
+        3,
+        "host",
+        "reductions",
+        &[max, ("FLAGCX_REDUCE_ALGO", "ring")],
+    );
+    job(
+        2,
+        "host",
+        "reductions",
+        &[max, ("FLAGCX_REDUCE_ALGO", "direct")],
+    );
+    job(3, "host", "reductions", &[max, ("FLAGCX_P2P_DISABLE", "1")]);
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    if v != "host" {
+        job(2, &v, "reductions", &[max]);
+    }
+}
+
+/// A job where one rank's vendor cannot reduce (OpenCL until its kernels exist): every rank's
+/// reduction fails at once with `Unsupported`, none hangs, and the job goes on.
+#[test]
+fn reductions_a_rank_cannot_do_fail_on_every_rank() {
+    job(2, "host,opencl", "reductions_refused", &[]);
 }
 
 /// The way real clients call (`common/client.rs`): their own stream ordered against the

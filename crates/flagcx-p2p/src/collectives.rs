@@ -29,7 +29,7 @@ use crate::error::{CommError, Result};
 use crate::transport::eager::Move;
 
 /// One message of a collective: peer, send (else receive), buffer, bytes.
-type Block = (usize, bool, DevicePtr, usize);
+pub(crate) type Block = (usize, bool, DevicePtr, usize);
 
 /// How long a host rank's small collective waits in its posting thread for a peer's block
 /// before handing the receive to the proxy (`Comm::eager_blocks`), where a point-to-point
@@ -95,6 +95,12 @@ impl Collective {
                 .map_or(true, |l| (l.query)().unwrap_or(true))
     }
 
+    /// Takes over `other`'s requests (a call made of several groups); its local copy is
+    /// ordered on the stream before whatever `self` tracks last.
+    pub(crate) fn absorb(&mut self, mut other: Collective) {
+        self.requests.append(&mut other.requests);
+    }
+
     /// The point-to-point requests the call posted (none for a one-rank job); the local copy
     /// is ordered on the stream.
     pub fn into_requests(mut self) -> Vec<Request> {
@@ -145,9 +151,16 @@ impl<A: DeviceAdaptor> Comm<A> {
         if bytes == 0 || dst == src {
             return Ok(());
         }
-        let a = self.adaptor().clone();
         // SAFETY: the caller's contract.
-        unsafe { a.memcpy_d2d_async(dst, src, bytes, stream) }?;
+        unsafe { self.adaptor().memcpy_d2d_async(dst, src, bytes, stream) }?;
+        self.track_stream_end(c, stream)
+    }
+
+    /// Records an event at the current end of `stream` into `c`, so [`Collective::wait`] and
+    /// [`Collective::is_done`] cover the work the call enqueued on the stream itself (a local
+    /// copy, a reduction step).
+    pub(crate) fn track_stream_end(&self, c: &mut Collective, stream: StreamHandle) -> Result<()> {
+        let a = self.adaptor().clone();
         // Where the CPU copies (host-addressable memory), a copy enqueued on an idle stream ran
         // before the call returned: a stream with nothing left has nothing to wait for, and
         // an event made, recorded, waited for and destroyed per call was a tenth of a small
@@ -159,6 +172,9 @@ impl<A: DeviceAdaptor> Comm<A> {
         if let Err(e) = a.event_record(ev, stream) {
             let _ = a.event_destroy(ev);
             return Err(e.into());
+        }
+        if let Some(earlier) = c.local.take() {
+            (earlier.release)();
         }
         let (q, w, r) = (a.clone(), a.clone(), a);
         c.local = Some(LocalCopy {
@@ -180,7 +196,7 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// # Safety
     /// As [`Comm::send_raw`] and [`Comm::recv_raw`] for every operation, and as
     /// [`Comm::local_copy`] for `local`.
-    unsafe fn post_group(
+    pub(crate) unsafe fn post_group(
         &self,
         ops: &[Block],
         stream: StreamHandle,

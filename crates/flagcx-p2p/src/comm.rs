@@ -119,6 +119,8 @@ pub struct Comm<A: DeviceAdaptor> {
     pub(crate) ports: crate::port::PortSlot<A>,
     /// The posting threads' pinned bounce buffer for eager messages (see `transport::eager`).
     pub(crate) bounce: Mutex<crate::transport::eager::Bounce>,
+    /// Device scratch memory of the reductions (`crate::scratch`), made at the first one.
+    pub(crate) scratch: Mutex<crate::scratch::Scratch>,
 }
 
 impl<A: DeviceAdaptor> std::fmt::Debug for Comm<A> {
@@ -643,6 +645,8 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
         }
         self.page.release(&self.adaptor);
         lock(&self.bounce).release(&self.adaptor);
+        let wait = self.config.timeout.unwrap_or(Duration::from_secs(30));
+        lock(&self.scratch).release(&self.adaptor, wait);
         for l in self.streamed.iter().flatten() {
             l.release(&self.adaptor);
         }

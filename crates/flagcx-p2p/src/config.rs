@@ -227,6 +227,10 @@ pub struct Config {
     /// (`FLAGCX_NET_STAGING=auto|always`, default auto: only where neither holds). For
     /// testing the staging path.
     pub net_staging: bool,
+    /// The reductions' algorithm, forced (`FLAGCX_REDUCE_ALGO=auto|ring|direct`, default auto:
+    /// [`crate::reduction::choose`] decides from the ranks, count and type). Must be set alike
+    /// on every rank.
+    pub reduce_algo: Option<crate::reduction::Algorithm>,
 }
 
 /// Defaults, documented in the README's environment table.
@@ -273,6 +277,7 @@ impl Default for Config {
             rejoin_wait: DEFAULT_REJOIN_WAIT,
             profile: false,
             net_staging: false,
+            reduce_algo: None,
         }
     }
 }
@@ -425,6 +430,19 @@ impl Config {
             }
         }
         c.profile = var("FLAGCX_PROFILE").is_some();
+        if let Some(v) = var("FLAGCX_REDUCE_ALGO") {
+            use crate::reduction::Algorithm;
+            c.reduce_algo = parse_choice(
+                "FLAGCX_REDUCE_ALGO",
+                &v,
+                &[
+                    ("auto", None),
+                    ("ring", Some(Algorithm::Ring)),
+                    ("direct", Some(Algorithm::Direct)),
+                ],
+                "expected auto, ring or direct",
+            )?;
+        }
         if let Some(v) = var("FLAGCX_NET_STAGING") {
             c.net_staging = parse_choice(
                 "FLAGCX_NET_STAGING",

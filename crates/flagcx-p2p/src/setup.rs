@@ -707,6 +707,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             net,
             ports: Default::default(),
             bounce,
+            scratch: Default::default(),
         })
     }
 }

@@ -1,0 +1,627 @@
+//! Reductions — all-reduce, reduce-scatter, reduce — with NCCL's meaning, over any mix of
+//! vendors.
+//!
+//! A call is a **plan**: a list of steps that depends only on (kind, rank, ranks, count, type,
+//! op, algorithm, in place), enqueued in order on the caller's stream. A step is an exchange
+//! (one group of sends and receives, through whatever transport each pair has), a reduction
+//! step ([`DeviceAdaptor::reduce_async`]: each rank combines what it received on its own
+//! device, so no vendor ever reads another's memory) or a local copy. Like every collective,
+//! a call enqueues and returns; the stream sees the result when it reaches that point.
+//!
+//! **Algorithms** ([`choose`], a pure function, so every rank picks the same one;
+//! `FLAGCX_REDUCE_ALGO=ring|direct` forces one, and must then be set alike on every rank):
+//! - *direct*, where a rank's block is at most [`DIRECT_MAX_BYTES`] and `ranks × block` fits the
+//!   scratch: every rank sends its block to every rank that needs it in one exchange, and each
+//!   receiver combines the blocks in rank order `((x0 ∘ x1) ∘ x2) ∘ …` — one round trip;
+//! - *ring* otherwise: a reduce-scatter around the ring (`n − 1` steps, each rank receiving a
+//!   segment from the previous rank and combining it with its own), then for all-reduce an
+//!   all-gather around the ring, for reduce a gather to the root. Segment `j` is combined in
+//!   the order `x(j+1) ∘ x(j+2) ∘ … ∘ x(j)` (ranks modulo `n`). Each segment moves in slices of
+//!   at most [`SCRATCH_BYTES`]` / 2`, one ring pass per slice.
+//!
+//! **The same bits on every rank**: a value is combined once, on one rank, in the order above,
+//! and then only copied, so every rank ends with identical bits whatever its vendor (every
+//! vendor's reduction step follows `flagcx_adaptor::reduce`'s rules bit for bit). An average
+//! is a sum followed by one [`ReduceStep::Average`] on the combined value: integers divide
+//! truncating toward zero, floats multiply by `1/n` rounded to the element type (applied
+//! after the sum, not to each input as NCCL does, so a sum that overflows stays infinite).
+//!
+//! **Scratch**: [`SCRATCH_BYTES`] of device memory per communicator, allocated at its first
+//! reduction and freed with it (`crate::scratch`); calls on different streams take turns.
+//!
+//! Out of scope: user-defined and pre-multiplied-sum ops, float8, reductions inside a group.
+
+use std::str::FromStr;
+
+use flagcx_adaptor::reduce::{DataType, ReduceOp, ReduceStep};
+use flagcx_adaptor::{AdaptorError, DeviceAdaptor, DevicePtr, StreamHandle};
+
+use crate::collectives::{Block, Collective};
+use crate::comm::Comm;
+use crate::engine::lock;
+use crate::error::{CommError, Result};
+
+/// Device scratch memory per communicator: the ring's two slices (each received segment slice
+/// lands in one while the other is sent on), or the direct algorithm's received blocks.
+pub const SCRATCH_BYTES: usize = 8 << 20;
+
+/// A rank's block (bytes) up to which the direct algorithm is chosen: one exchange beats the
+/// ring's `2(n − 1)` dependent steps while the blocks are small enough that sending all of
+/// them to every rank costs less than those steps' latencies.
+pub const DIRECT_MAX_BYTES: usize = 64 << 10;
+
+const SLICE_BYTES: usize = SCRATCH_BYTES / 2;
+
+/// How a reduction moves its data (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    /// Reduce-scatter around the ring, then all-gather (or gather to the root).
+    Ring,
+    /// Every block to every rank that needs it at once, combined in rank order.
+    Direct,
+}
+
+impl FromStr for Algorithm {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "ring" => Ok(Algorithm::Ring),
+            "direct" => Ok(Algorithm::Direct),
+            _ => Err(format!("expected ring or direct, got {s:?}")),
+        }
+    }
+}
+
+/// Which reduction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    AllReduce,
+    /// `count` is the count each rank receives.
+    ReduceScatter,
+    Reduce {
+        root: usize,
+    },
+}
+
+/// The algorithm for a call: `forced` where given (direct only where its blocks fit the
+/// scratch), else direct for blocks up to [`DIRECT_MAX_BYTES`], else the ring. `count` is the
+/// element count of the call (for reduce-scatter, each rank's received count).
+pub fn choose(
+    nranks: usize,
+    count: usize,
+    dtype: DataType,
+    forced: Option<Algorithm>,
+) -> Algorithm {
+    let block = count.saturating_mul(dtype.size());
+    let fits = nranks.saturating_mul(block) <= SCRATCH_BYTES;
+    match forced {
+        Some(Algorithm::Direct) if fits => Algorithm::Direct,
+        Some(_) => Algorithm::Ring,
+        None if fits && block <= DIRECT_MAX_BYTES => Algorithm::Direct,
+        None => Algorithm::Ring,
+    }
+}
+
+/// The ranks in the order their contributions to segment `j` are combined: rank order for the
+/// direct algorithm, `j + 1, j + 2, …, j` (modulo the ranks) around the ring. What a reference
+/// implementation follows to get the same bits.
+pub fn combine_order(algo: Algorithm, nranks: usize, j: usize) -> Vec<usize> {
+    match algo {
+        Algorithm::Direct => (0..nranks).collect(),
+        Algorithm::Ring => (1..=nranks).map(|k| (j + k) % nranks).collect(),
+    }
+}
+
+/// Segment `j` of an all-reduce or reduce of `count` elements over `nranks` ranks: (first
+/// element, elements); the first `count % nranks` segments have one element more. (The
+/// segments of a reduce-scatter are the ranks' blocks.)
+pub fn segment(count: usize, nranks: usize, j: usize) -> (usize, usize) {
+    let (base, extra) = (count / nranks, count % nranks);
+    (j * base + j.min(extra), base + usize::from(j < extra))
+}
+
+/// The buffers a plan names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Buf {
+    Send,
+    Recv,
+    Scratch,
+}
+
+/// A byte offset in one of the buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct At(pub(crate) Buf, pub(crate) usize);
+
+/// One step of a plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// One group: (peer, send?, where, bytes).
+    Exchange(Vec<(usize, bool, At, usize)>),
+    /// A reduction step over `count` elements.
+    Reduce {
+        dst: At,
+        a: At,
+        b: At,
+        count: usize,
+        step: ReduceStep,
+    },
+    /// A local copy.
+    Copy { dst: At, src: At, bytes: usize },
+}
+
+/// Everything a plan depends on.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Shape {
+    pub(crate) kind: Kind,
+    pub(crate) rank: usize,
+    pub(crate) nranks: usize,
+    pub(crate) count: usize,
+    pub(crate) dtype: DataType,
+    pub(crate) op: ReduceOp,
+    pub(crate) algo: Algorithm,
+    pub(crate) in_place: bool,
+}
+
+impl Shape {
+    fn combine(&self) -> ReduceStep {
+        ReduceStep::Combine(match self.op {
+            ReduceOp::Avg => ReduceOp::Sum,
+            op => op,
+        })
+    }
+
+    fn finish(&self) -> Option<ReduceStep> {
+        (self.op == ReduceOp::Avg).then_some(ReduceStep::Average {
+            n: self.nranks as u32,
+        })
+    }
+
+    /// Segment `j` of the data: (first element, elements) in the send buffer's numbering.
+    fn segment(&self, j: usize) -> (usize, usize) {
+        match self.kind {
+            Kind::ReduceScatter => (j * self.count, self.count),
+            _ => segment(self.count, self.nranks, j),
+        }
+    }
+}
+
+/// The plan of one call (`count > 0`).
+pub(crate) fn plan(sh: &Shape) -> Vec<Step> {
+    let sz = sh.dtype.size();
+    if sh.nranks == 1 {
+        // Nothing to combine: the data is the result (an average of one is itself).
+        let bytes = sh.count * sz;
+        return match (sh.kind, sh.in_place) {
+            (_, true) => vec![],
+            _ => vec![Step::Copy {
+                dst: At(Buf::Recv, 0),
+                src: At(Buf::Send, 0),
+                bytes,
+            }],
+        };
+    }
+    match sh.algo {
+        Algorithm::Direct => direct(sh),
+        Algorithm::Ring => ring(sh),
+    }
+}
+
+fn direct(sh: &Shape) -> Vec<Step> {
+    let (r, n, sz) = (sh.rank, sh.nranks, sh.dtype.size());
+    // A rank's block: the whole data, or (reduce-scatter) one rank's part of it.
+    let count = sh.count;
+    let bytes = count * sz;
+    let slot = |q: usize| At(Buf::Scratch, if q < r { q } else { q - 1 } * bytes);
+    // Where rank q's contribution to this rank's result starts in q's send buffer.
+    let mine_in = |q: usize| match sh.kind {
+        Kind::ReduceScatter => At(Buf::Send, q * bytes),
+        _ => At(Buf::Send, 0),
+    };
+    let mut steps = Vec::new();
+    let gets = match sh.kind {
+        Kind::Reduce { root } => r == root,
+        _ => true,
+    };
+    let mut ex = Vec::new();
+    for q in (0..n).filter(|&q| q != r) {
+        let sends = match sh.kind {
+            Kind::Reduce { root } => q == root,
+            _ => true,
+        };
+        if sends {
+            ex.push((q, true, mine_in(q), bytes));
+        }
+        if gets {
+            ex.push((q, false, slot(q), bytes));
+        }
+    }
+    steps.push(Step::Exchange(ex));
+    if !gets {
+        return steps;
+    }
+    // In place, this rank's own block is the result buffer, which the chain's first step
+    // overwrites: from rank 2 on, the block is needed after that, so it is copied aside.
+    let mut own = mine_in(r);
+    if sh.in_place && r >= 2 {
+        let aside = At(Buf::Scratch, (n - 1) * bytes);
+        steps.push(Step::Copy {
+            dst: aside,
+            src: own,
+            bytes,
+        });
+        own = aside;
+    }
+    let x = |q: usize| if q == r { own } else { slot(q) };
+    let out = At(Buf::Recv, 0);
+    for k in 1..n {
+        steps.push(Step::Reduce {
+            dst: out,
+            a: if k == 1 { x(0) } else { out },
+            b: x(k),
+            count,
+            step: sh.combine(),
+        });
+    }
+    if let Some(f) = sh.finish() {
+        steps.push(Step::Reduce {
+            dst: out,
+            a: out,
+            b: out,
+            count,
+            step: f,
+        });
+    }
+    steps
+}
+
+fn ring(sh: &Shape) -> Vec<Step> {
+    let (r, n, sz) = (sh.rank, sh.nranks, sh.dtype.size());
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let seg = |j: usize| sh.segment(j % n);
+    let chunk = (SLICE_BYTES / sz).max(1);
+    let longest = (0..n).map(|j| seg(j).1).max().unwrap_or(0);
+    let rounds = longest.div_ceil(chunk);
+    let bufs = [At(Buf::Scratch, 0), At(Buf::Scratch, SLICE_BYTES)];
+    // Modulo n without underflow: ranks and steps are below n.
+    let back = |k: usize| (r + 2 * n - k) % n;
+    let mut steps = Vec::new();
+    for round in 0..rounds {
+        // This round's slice of segment j: (first element, elements).
+        let part = |j: usize| {
+            let (first, len) = seg(j);
+            let from = (round * chunk).min(len);
+            (first + from, (len - from).min(chunk))
+        };
+        let in_send = |j: usize| At(Buf::Send, part(j).0 * sz);
+        let in_recv = |j: usize| At(Buf::Recv, part(j).0 * sz);
+        let fin = match sh.kind {
+            Kind::AllReduce => in_recv(r),
+            Kind::ReduceScatter => At(Buf::Recv, (part(r).0 - seg(r).0) * sz),
+            Kind::Reduce { root } if root == r => in_recv(r),
+            Kind::Reduce { .. } => bufs[(n - 2) % 2],
+        };
+        for s in 0..n - 1 {
+            let (sj, rj) = (back(s + 1), back(s + 2));
+            let src = if s == 0 {
+                in_send(sj)
+            } else {
+                bufs[(s - 1) % 2]
+            };
+            let mut ex = Vec::new();
+            if part(sj).1 > 0 {
+                ex.push((next, true, src, part(sj).1 * sz));
+            }
+            if part(rj).1 > 0 {
+                ex.push((prev, false, bufs[s % 2], part(rj).1 * sz));
+            }
+            if !ex.is_empty() {
+                steps.push(Step::Exchange(ex));
+            }
+            if part(rj).1 > 0 {
+                steps.push(Step::Reduce {
+                    dst: if s == n - 2 { fin } else { bufs[s % 2] },
+                    a: bufs[s % 2],
+                    b: in_send(rj),
+                    count: part(rj).1,
+                    step: sh.combine(),
+                });
+            }
+        }
+        if let (Some(f), true) = (sh.finish(), part(r).1 > 0) {
+            steps.push(Step::Reduce {
+                dst: fin,
+                a: fin,
+                b: fin,
+                count: part(r).1,
+                step: f,
+            });
+        }
+        match sh.kind {
+            Kind::AllReduce => {
+                for s in 0..n - 1 {
+                    let (sj, rj) = (back(s), back(s + 1));
+                    let mut ex = Vec::new();
+                    if part(sj).1 > 0 {
+                        ex.push((next, true, in_recv(sj), part(sj).1 * sz));
+                    }
+                    if part(rj).1 > 0 {
+                        ex.push((prev, false, in_recv(rj), part(rj).1 * sz));
+                    }
+                    if !ex.is_empty() {
+                        steps.push(Step::Exchange(ex));
+                    }
+                }
+            }
+            Kind::ReduceScatter => {}
+            Kind::Reduce { root } => {
+                let ex: Vec<_> = if r == root {
+                    (0..n)
+                        .filter(|&q| q != r && part(q).1 > 0)
+                        .map(|q| (q, false, in_recv(q), part(q).1 * sz))
+                        .collect()
+                } else if part(r).1 > 0 {
+                    vec![(root, true, fin, part(r).1 * sz)]
+                } else {
+                    vec![]
+                };
+                if !ex.is_empty() {
+                    steps.push(Step::Exchange(ex));
+                }
+            }
+        }
+    }
+    steps
+}
+
+impl<A: DeviceAdaptor> Comm<A> {
+    /// All-reduce: every rank's `count` elements of `dtype` at `send`, combined with `op`
+    /// element by element, arrive in every rank's `recv` (in place when `send == recv`). Every
+    /// rank gets the same bits. Enqueued on `stream`; the returned [`Collective`] lets the host
+    /// wait. A type that some rank's vendor cannot reduce fails on every rank (`Unsupported`).
+    ///
+    /// # Safety
+    /// `send` and `recv` hold `count` elements of device memory of this adaptor, valid until
+    /// the stream passes the call; `send` is not modified meanwhile.
+    pub unsafe fn all_reduce_raw(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: StreamHandle,
+    ) -> Result<Collective> {
+        let in_place = send == recv;
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.reduction(
+                Kind::AllReduce,
+                (send, recv),
+                count,
+                dtype,
+                op,
+                in_place,
+                stream,
+            )
+        }
+    }
+
+    /// Reduce-scatter: the ranks' `nranks × recvcount` elements at `send` are combined with
+    /// `op`, and rank `q` receives elements `q × recvcount ..` of the result in `recv` (in
+    /// place when `recv == send + rank × recvcount × size`).
+    ///
+    /// # Safety
+    /// As [`Comm::all_reduce_raw`]; `send` holds `nranks × recvcount` elements, `recv`
+    /// `recvcount`.
+    pub unsafe fn reduce_scatter_raw(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        recvcount: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: StreamHandle,
+    ) -> Result<Collective> {
+        let mine = (self.rank() * recvcount)
+            .checked_mul(dtype.size())
+            .and_then(|off| send.0.checked_add(off as u64))
+            .ok_or_else(|| CommError::InvalidArgument("buffer offset overflows".into()))?;
+        let in_place = recv.0 == mine;
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.reduction(
+                Kind::ReduceScatter,
+                (send, recv),
+                recvcount,
+                dtype,
+                op,
+                in_place,
+                stream,
+            )
+        }
+    }
+
+    /// Reduce: every rank's `count` elements at `send`, combined with `op`, arrive in the
+    /// root's `recv` (in place when the root passes `send == recv`); `recv` is not used on
+    /// other ranks and may be null there.
+    ///
+    /// # Safety
+    /// As [`Comm::all_reduce_raw`] (`recv` on the root only).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn reduce_raw(
+        &self,
+        send: DevicePtr,
+        recv: DevicePtr,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        root: usize,
+        stream: StreamHandle,
+    ) -> Result<Collective> {
+        if root >= self.nranks() {
+            return Err(CommError::InvalidArgument(format!(
+                "root {root} is out of range (the job has {} ranks)",
+                self.nranks()
+            )));
+        }
+        let in_place = self.rank() == root && send == recv;
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.reduction(
+                Kind::Reduce { root },
+                (send, recv),
+                count,
+                dtype,
+                op,
+                in_place,
+                stream,
+            )
+        }
+    }
+
+    /// Checks, plans and enqueues one reduction.
+    ///
+    /// # Safety
+    /// As the public calls.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn reduction(
+        &self,
+        kind: Kind,
+        (send, recv): (DevicePtr, DevicePtr),
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        in_place: bool,
+        stream: StreamHandle,
+    ) -> Result<Collective> {
+        if lock(&self.group).contains_key(&crate::posting::thread_number()) {
+            return Err(CommError::InvalidArgument(
+                "reductions cannot be posted inside a group yet: post them outside it".into(),
+            ));
+        }
+        if let Some(q) =
+            (0..self.nranks()).find(|&q| self.infos[q].caps.reduce_types & dtype.bit() == 0)
+        {
+            let vendor = self.infos[q].vendor;
+            tracing::warn!(
+                "rank {q} ({vendor}) cannot reduce {dtype}: the reduction fails on every rank"
+            );
+            return Err(AdaptorError::Unsupported {
+                vendor,
+                op: "reduce_async",
+            }
+            .into());
+        }
+        if count == 0 {
+            return Ok(Collective::default());
+        }
+        let bytes = count
+            .checked_mul(dtype.size())
+            .and_then(|b| b.checked_mul(self.nranks()))
+            .ok_or_else(|| CommError::InvalidArgument(format!("{count} {dtype} overflow")))?
+            / self.nranks();
+        let send_len = match kind {
+            Kind::ReduceScatter => bytes * self.nranks(),
+            _ => bytes,
+        };
+        let gets = !matches!(kind, Kind::Reduce { root } if root != self.rank());
+        let overlap = send.0 < recv.0.saturating_add(bytes as u64)
+            && recv.0 < send.0.saturating_add(send_len as u64);
+        if gets && overlap && !in_place {
+            return Err(CommError::InvalidArgument(format!(
+                "the receive buffer {recv} overlaps the send buffer {send} without being the \
+                 in-place position"
+            )));
+        }
+        let algo = choose(self.nranks(), count, dtype, self.config.reduce_algo);
+        let shape = Shape {
+            kind,
+            rank: self.rank(),
+            nranks: self.nranks(),
+            count,
+            dtype,
+            op,
+            algo,
+            in_place,
+        };
+        let steps = plan(&shape);
+        let needs_scratch = steps.iter().any(|s| s.touches(Buf::Scratch));
+        let mut scratch = lock(&self.scratch);
+        let scratch_ptr = if needs_scratch {
+            scratch.take(self.adaptor(), SCRATCH_BYTES, stream)?
+        } else {
+            DevicePtr(0)
+        };
+        let at = |At(buf, off): At| {
+            let base = match buf {
+                Buf::Send => send,
+                Buf::Recv => recv,
+                Buf::Scratch => scratch_ptr,
+            };
+            DevicePtr(base.0 + off as u64)
+        };
+        let mut c = Collective::default();
+        let mut tail = false;
+        for step in &steps {
+            match step {
+                Step::Exchange(ex) => {
+                    let blocks: Vec<Block> =
+                        ex.iter().map(|&(q, s, w, b)| (q, s, at(w), b)).collect();
+                    // SAFETY: every block lies in the caller's buffers (its contract) or in the
+                    // scratch, which this call holds until the stream passes it.
+                    c.absorb(unsafe { self.post_group(&blocks, stream, None) }?);
+                    tail = false;
+                }
+                &Step::Reduce {
+                    dst,
+                    a,
+                    b,
+                    count,
+                    step,
+                } => {
+                    // SAFETY: as above.
+                    unsafe {
+                        self.adaptor().reduce_async(
+                            at(dst),
+                            at(a),
+                            at(b),
+                            count,
+                            dtype,
+                            step,
+                            stream,
+                        )
+                    }?;
+                    tail = true;
+                }
+                &Step::Copy { dst, src, bytes } => {
+                    // SAFETY: as above.
+                    unsafe {
+                        self.adaptor()
+                            .memcpy_d2d_async(at(dst), at(src), bytes, stream)
+                    }?;
+                    tail = true;
+                }
+            }
+        }
+        if needs_scratch {
+            scratch.used(self.adaptor(), stream)?;
+        }
+        if tail {
+            self.track_stream_end(&mut c, stream)?;
+        }
+        Ok(c)
+    }
+}
+
+impl Step {
+    fn touches(&self, buf: Buf) -> bool {
+        match self {
+            Step::Exchange(ex) => ex.iter().any(|&(_, _, At(b, _), _)| b == buf),
+            Step::Reduce { dst, a, b, .. } => [dst, a, b].iter().any(|At(x, _)| *x == buf),
+            Step::Copy { dst, src, .. } => dst.0 == buf || src.0 == buf,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,373 @@
+//! The plans, run by a simulator of the ranks (host memory, message queues per directed pair):
+//! every rank's result is the reference combined in the order the module docs promise, every
+//! rank of a call ends with the same bits, and no plan deadlocks or reads what it never wrote.
+
+use std::collections::{HashMap, VecDeque};
+
+use flagcx_adaptor::reduce::{reduce_slices, DataType, ReduceOp, ReduceStep};
+
+use super::{choose, plan, Algorithm, At, Buf, Kind, Shape, Step, SCRATCH_BYTES};
+
+/// A rank's buffers.
+struct Mem {
+    send: Vec<u8>,
+    recv: Vec<u8>,
+    scratch: Vec<u8>,
+}
+
+impl Mem {
+    fn buf(&mut self, b: Buf, in_place: Option<usize>) -> &mut Vec<u8> {
+        match (b, in_place) {
+            // In place, `recv` is a view of `send` at an offset: the simulator keeps one
+            // buffer and shifts offsets (see `resolve`).
+            (Buf::Recv, Some(_)) | (Buf::Send, _) => &mut self.send,
+            (Buf::Recv, None) => &mut self.recv,
+            (Buf::Scratch, _) => &mut self.scratch,
+        }
+    }
+}
+
+/// Where `at` lies: (buffer, byte offset), with `recv` redirected into `send` in place.
+fn resolve(at: At, in_place: Option<usize>) -> (Buf, usize) {
+    match (at.0, in_place) {
+        (Buf::Recv, Some(shift)) => (Buf::Send, at.1 + shift),
+        _ => (at.0, at.1),
+    }
+}
+
+fn read(m: &mut Mem, at: At, len: usize, ip: Option<usize>) -> Vec<u8> {
+    let (b, off) = resolve(at, ip);
+    m.buf(b, ip)[off..off + len].to_vec()
+}
+
+fn write(m: &mut Mem, at: At, data: &[u8], ip: Option<usize>) {
+    let (b, off) = resolve(at, ip);
+    m.buf(b, ip)[off..off + data.len()].copy_from_slice(data);
+}
+
+/// The scratch bytes a plan reaches (at most [`SCRATCH_BYTES`], asserted).
+fn scratch_needed(steps: &[Step], sz: usize) -> usize {
+    let end = |at: At, len: usize| if at.0 == Buf::Scratch { at.1 + len } else { 0 };
+    let need = steps
+        .iter()
+        .map(|s| match s {
+            Step::Exchange(ex) => ex
+                .iter()
+                .map(|&(_, _, at, b)| end(at, b))
+                .max()
+                .unwrap_or(0),
+            &Step::Reduce {
+                dst, a, b, count, ..
+            } => [dst, a, b]
+                .iter()
+                .map(|&x| end(x, count * sz))
+                .max()
+                .unwrap_or(0),
+            &Step::Copy { dst, src, bytes } => end(dst, bytes).max(end(src, bytes)),
+        })
+        .max()
+        .unwrap_or(0);
+    assert!(
+        need <= SCRATCH_BYTES,
+        "a plan reaches {need} bytes of scratch"
+    );
+    need
+}
+
+/// Runs every rank's plan to the end; returns each rank's memory.
+fn simulate(shapes: &[Shape], mut mems: Vec<Mem>, in_place: &[Option<usize>]) -> Vec<Mem> {
+    let n = shapes.len();
+    let plans: Vec<Vec<Step>> = shapes.iter().map(plan).collect();
+    let mut pc = vec![0usize; n];
+    let mut sent = vec![false; n];
+    let mut queues: HashMap<(usize, usize), VecDeque<Vec<u8>>> = HashMap::new();
+    loop {
+        let mut moved = false;
+        for r in 0..n {
+            while pc[r] < plans[r].len() {
+                let sz = shapes[r].dtype.size();
+                let ip = in_place[r];
+                match &plans[r][pc[r]] {
+                    Step::Exchange(ex) => {
+                        if !sent[r] {
+                            for &(q, s, at, bytes) in ex {
+                                if s {
+                                    let data = read(&mut mems[r], at, bytes, ip);
+                                    queues.entry((r, q)).or_default().push_back(data);
+                                }
+                            }
+                            sent[r] = true;
+                        }
+                        let ready = ex.iter().filter(|e| !e.1).all(|&(q, _, _, bytes)| {
+                            queues
+                                .get(&(q, r))
+                                .and_then(|v| v.front())
+                                .is_some_and(|m| {
+                                    assert_eq!(m.len(), bytes, "rank {r}: size from {q}");
+                                    true
+                                })
+                        });
+                        if !ready {
+                            break;
+                        }
+                        for &(q, s, at, _) in ex {
+                            if !s {
+                                let m = queues.get_mut(&(q, r)).unwrap().pop_front().unwrap();
+                                write(&mut mems[r], at, &m, ip);
+                            }
+                        }
+                        sent[r] = false;
+                    }
+                    &Step::Reduce {
+                        dst,
+                        a,
+                        b,
+                        count,
+                        step,
+                    } => {
+                        let x = read(&mut mems[r], a, count * sz, ip);
+                        let y = read(&mut mems[r], b, count * sz, ip);
+                        let mut out = vec![0u8; count * sz];
+                        reduce_slices(&mut out, &x, &y, shapes[r].dtype, step);
+                        write(&mut mems[r], dst, &out, ip);
+                    }
+                    &Step::Copy { dst, src, bytes } => {
+                        let x = read(&mut mems[r], src, bytes, ip);
+                        write(&mut mems[r], dst, &x, ip);
+                    }
+                }
+                pc[r] += 1;
+                moved = true;
+            }
+        }
+        if (0..n).all(|r| pc[r] == plans[r].len()) {
+            break;
+        }
+        assert!(moved, "the plans deadlocked at steps {pc:?}");
+    }
+    assert!(
+        queues.values().all(VecDeque::is_empty),
+        "messages sent and never received"
+    );
+    mems
+}
+
+/// Deterministic operands: rank `r`'s bytes, with some NaN-prone bit patterns for floats.
+fn operand(r: usize, len: usize, seed: u64) -> Vec<u8> {
+    let mut x = (r as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+/// Combines `count` elements of `inputs` in `order` with `op`, then averages: the reference.
+fn reference(
+    inputs: &[Vec<u8>],
+    range: std::ops::Range<usize>,
+    order: &[usize],
+    dtype: DataType,
+    op: ReduceOp,
+) -> Vec<u8> {
+    let sz = dtype.size();
+    let bytes = range.start * sz..range.end * sz;
+    let combine = ReduceStep::Combine(if op == ReduceOp::Avg {
+        ReduceOp::Sum
+    } else {
+        op
+    });
+    let mut acc = inputs[order[0]][bytes.clone()].to_vec();
+    for &q in &order[1..] {
+        let mut out = vec![0u8; acc.len()];
+        reduce_slices(&mut out, &acc, &inputs[q][bytes.clone()], dtype, combine);
+        acc = out;
+    }
+    if op == ReduceOp::Avg && inputs.len() > 1 {
+        let mut out = vec![0u8; acc.len()];
+        let n = inputs.len() as u32;
+        reduce_slices(&mut out, &acc, &[], dtype, ReduceStep::Average { n });
+        acc = out;
+    }
+    acc
+}
+
+/// One call on `n` simulated ranks, checked against the reference in the algorithm's order.
+fn check(
+    kind: Kind,
+    n: usize,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    algo: Algorithm,
+    ip: bool,
+) {
+    let sz = dtype.size();
+    let (send_elems, recv_elems) = match kind {
+        Kind::ReduceScatter => (n * count, count),
+        _ => (count, count),
+    };
+    let inputs: Vec<Vec<u8>> = (0..n)
+        .map(|r| operand(r, send_elems * sz, count as u64 * 31 + n as u64))
+        .collect();
+    let shapes: Vec<Shape> = (0..n)
+        .map(|rank| Shape {
+            kind,
+            rank,
+            nranks: n,
+            count,
+            dtype,
+            op,
+            algo,
+            in_place: ip
+                && match kind {
+                    Kind::Reduce { root } => rank == root,
+                    _ => true,
+                },
+        })
+        .collect();
+    let in_place: Vec<Option<usize>> = shapes
+        .iter()
+        .map(|s| {
+            s.in_place.then_some(match kind {
+                Kind::ReduceScatter => s.rank * count * sz,
+                _ => 0,
+            })
+        })
+        .collect();
+    let mems = (0..n)
+        .map(|r| Mem {
+            send: inputs[r].clone(),
+            recv: vec![0xEE; recv_elems * sz],
+            scratch: vec![0xDD; scratch_needed(&plan(&shapes[r]), sz)],
+        })
+        .collect();
+    let mut mems = simulate(&shapes, mems, &in_place);
+    let what = format!("{kind:?} n={n} count={count} {dtype} {op} {algo:?} in_place={ip}");
+    // The order segment j is combined in, and the elements it covers.
+    let order = |j: usize| -> Vec<usize> {
+        match algo {
+            Algorithm::Direct => (0..n).collect(),
+            Algorithm::Ring => (1..=n).map(|k| (j + k) % n).collect(),
+        }
+    };
+    for r in 0..n {
+        let got: Vec<u8> = {
+            let len = recv_elems * sz;
+            match in_place[r] {
+                Some(shift) => mems[r].send[shift..shift + len].to_vec(),
+                None => std::mem::take(&mut mems[r].recv),
+            }
+        };
+        let wants_result = match kind {
+            Kind::Reduce { root } => r == root,
+            _ => true,
+        };
+        if !wants_result {
+            continue;
+        }
+        let want: Vec<u8> = match kind {
+            Kind::ReduceScatter => {
+                reference(&inputs, r * count..(r + 1) * count, &order(r), dtype, op)
+            }
+            _ => {
+                let sh = &shapes[r];
+                let mut all = Vec::new();
+                for j in 0..n {
+                    let (first, len) = sh.segment(j);
+                    let o = if algo == Algorithm::Direct || n == 1 {
+                        order(0)
+                    } else {
+                        order(j)
+                    };
+                    all.extend(reference(&inputs, first..first + len, &o, dtype, op));
+                }
+                all
+            }
+        };
+        if n == 1 {
+            // Nothing is combined: the input itself.
+            assert_eq!(got, inputs[0][..recv_elems * sz], "{what}");
+            continue;
+        }
+        assert!(got == want, "{what}: rank {r} differs from the reference");
+    }
+}
+
+#[test]
+fn every_plan_gives_the_reference_on_every_rank() {
+    for n in 1..=5 {
+        for count in [1usize, 2, 7, 13, 64] {
+            for algo in [Algorithm::Ring, Algorithm::Direct] {
+                for ip in [false, true] {
+                    for (dtype, op) in [
+                        (DataType::F32, ReduceOp::Sum),
+                        (DataType::BF16, ReduceOp::Avg),
+                        (DataType::I8, ReduceOp::Prod),
+                        (DataType::F64, ReduceOp::Max),
+                        (DataType::U32, ReduceOp::Avg),
+                    ] {
+                        for kind in [
+                            Kind::AllReduce,
+                            Kind::ReduceScatter,
+                            Kind::Reduce { root: 0 },
+                            Kind::Reduce { root: n - 1 },
+                        ] {
+                            check(kind, n, count, dtype, op, algo, ip);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Segments longer than a slice move in several ring passes.
+#[test]
+fn the_ring_slices_long_segments() {
+    let count = 3 * (SCRATCH_BYTES / 2) / 4 + 5;
+    for kind in [Kind::AllReduce, Kind::Reduce { root: 1 }] {
+        check(
+            kind,
+            2,
+            2 * count,
+            DataType::F32,
+            ReduceOp::Sum,
+            Algorithm::Ring,
+            false,
+        );
+    }
+    check(
+        Kind::ReduceScatter,
+        3,
+        count,
+        DataType::I32,
+        ReduceOp::Min,
+        Algorithm::Ring,
+        true,
+    );
+}
+
+#[test]
+fn the_choice_depends_only_on_its_inputs() {
+    assert_eq!(choose(2, 16, DataType::F32, None), Algorithm::Direct);
+    assert_eq!(choose(2, 1 << 20, DataType::F32, None), Algorithm::Ring);
+    assert_eq!(choose(8, 1 << 14, DataType::F32, None), Algorithm::Direct);
+    assert_eq!(
+        choose(8, (1 << 14) + 1, DataType::F32, None),
+        Algorithm::Ring
+    );
+    // Forced direct where the blocks do not fit the scratch: the ring.
+    let big = SCRATCH_BYTES;
+    assert_eq!(
+        choose(2, big, DataType::I8, Some(Algorithm::Direct)),
+        Algorithm::Ring
+    );
+    assert_eq!(
+        choose(2, 16, DataType::I8, Some(Algorithm::Ring)),
+        Algorithm::Ring
+    );
+}

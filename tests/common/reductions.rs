@@ -1,0 +1,238 @@
+//! Reductions checked bit for bit on every rank against a host reference that combines the
+//! ranks' inputs in the order the chosen algorithm promises (`flagcx::p2p::reduction`).
+//! Every rank can compute every rank's input (a function of rank, call and element), so the
+//! reference needs no communication.
+
+use flagcx::p2p::reduction::{choose, combine_order, segment, Algorithm};
+use flagcx::{Adaptor, Comm, DataType, DeviceBuffer, DevicePtr, ReduceOp, ReduceStep, Stream};
+
+/// Which reduction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    AllReduce,
+    ReduceScatter,
+    Reduce(usize),
+}
+
+/// Rank `r`'s input bytes for call `tag`: `elems` elements of `dtype`. Mostly small values
+/// (so sums and products mean something), with every special bit pattern mixed in.
+pub fn input(r: usize, tag: u64, elems: usize, dtype: DataType) -> Vec<u8> {
+    let sz = dtype.size();
+    let mut x = (r as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ tag.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    let mut out = Vec::with_capacity(elems * sz);
+    for i in 0..elems {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let bits: u64 = match (i % 11, dtype) {
+            // Raw bits: NaNs, infinities, denormals, extremes, whatever comes.
+            (0, _) => x,
+            (_, DataType::F32) => f32::to_bits((x % 2001) as f32 / 8.0 - 125.0) as u64,
+            (_, DataType::F64) => f64::to_bits((x % 2001) as f64 / 8.0 - 125.0),
+            (_, DataType::F16) => {
+                half::f16::from_f32((x % 201) as f32 / 4.0 - 25.0).to_bits() as u64
+            }
+            (_, DataType::BF16) => {
+                half::bf16::from_f32((x % 201) as f32 / 4.0 - 25.0).to_bits() as u64
+            }
+            _ => x % 7,
+        };
+        out.extend_from_slice(&bits.to_le_bytes()[..sz]);
+    }
+    out
+}
+
+/// What `me` must hold after the call (`None`: nothing, a non-root of reduce). `count` is the
+/// call's count (reduce-scatter: per rank).
+pub fn expected(
+    kind: Kind,
+    me: usize,
+    n: usize,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+    algo: Algorithm,
+    inputs: &[Vec<u8>],
+) -> Option<Vec<u8>> {
+    let sz = dtype.size();
+    let part = |first: usize, len: usize, order: &[usize]| -> Vec<u8> {
+        let bytes = first * sz..(first + len) * sz;
+        let mut acc = inputs[order[0]][bytes.clone()].to_vec();
+        if n == 1 {
+            return acc;
+        }
+        let combine = ReduceStep::Combine(if op == ReduceOp::Avg {
+            ReduceOp::Sum
+        } else {
+            op
+        });
+        for &q in &order[1..] {
+            let mut out = vec![0u8; acc.len()];
+            flagcx::adaptor::reduce::reduce_slices(
+                &mut out,
+                &acc,
+                &inputs[q][bytes.clone()],
+                dtype,
+                combine,
+            );
+            acc = out;
+        }
+        if op == ReduceOp::Avg {
+            let mut out = vec![0u8; acc.len()];
+            let step = ReduceStep::Average { n: n as u32 };
+            flagcx::adaptor::reduce::reduce_slices(&mut out, &acc, &[], dtype, step);
+            acc = out;
+        }
+        acc
+    };
+    match kind {
+        Kind::Reduce(root) if root != me => None,
+        Kind::ReduceScatter => Some(part(me * count, count, &combine_order(algo, n, me))),
+        _ => Some(
+            (0..n)
+                .flat_map(|j| {
+                    let (first, len) = segment(count, n, j);
+                    part(first, len, &combine_order(algo, n, j))
+                })
+                .collect(),
+        ),
+    }
+}
+
+/// Every type × op × kind on small and odd counts, in place and out of place at unaligned
+/// addresses, and one large all-reduce per type family through the ring's slices; each result
+/// checked bit for bit on every rank. Returns the number of calls checked.
+pub fn reductions(
+    adaptor: &Adaptor,
+    comm: &Comm<Adaptor>,
+    s: &Stream<Adaptor>,
+    big: usize,
+) -> usize {
+    let (me, n) = (comm.rank(), comm.nranks());
+    let forced = comm.config().reduce_algo;
+    let mut calls = 0;
+    let mut tag = 0u64;
+    let mut run = |kind: Kind,
+                   count: usize,
+                   dtype: DataType,
+                   op: ReduceOp,
+                   in_place: bool,
+                   shift: usize| {
+        tag += 1;
+        let sz = dtype.size();
+        let send_elems = if kind == Kind::ReduceScatter {
+            n * count
+        } else {
+            count
+        };
+        let inputs: Vec<Vec<u8>> = (0..n).map(|r| input(r, tag, send_elems, dtype)).collect();
+        let buf = DeviceBuffer::new(adaptor, 2 * send_elems * sz + 64 + shift).expect("alloc");
+        let send = DevicePtr(buf.ptr().0 + shift as u64);
+        let recv_off = shift + send_elems * sz + 32;
+        let recv = match (kind, in_place) {
+            (Kind::ReduceScatter, true) => DevicePtr(send.0 + (me * count * sz) as u64),
+            (_, true) => send,
+            (Kind::Reduce(root), false) if root != me => DevicePtr(0),
+            _ => DevicePtr(buf.ptr().0 + recv_off as u64),
+        };
+        buf.write(shift, &inputs[me], s).expect("write the input");
+        let h = s.handle();
+        // SAFETY: both ranges lie in `buf`, which outlives the wait below.
+        let c = unsafe {
+            match kind {
+                Kind::AllReduce => comm.all_reduce_raw(send, recv, count, dtype, op, h),
+                Kind::ReduceScatter => comm.reduce_scatter_raw(send, recv, count, dtype, op, h),
+                Kind::Reduce(root) => comm.reduce_raw(send, recv, count, dtype, op, root, h),
+            }
+        };
+        let what = format!("rank {me}: {kind:?} of {count} {dtype} {op} (in place {in_place}, +{shift} B, tag {tag})");
+        c.and_then(|c| c.wait())
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let algo = choose(n, count, dtype, forced);
+        if let Some(want) = expected(kind, me, n, count, dtype, op, algo, &inputs) {
+            let mut got = vec![0u8; want.len()];
+            let at = (recv.0 - buf.ptr().0) as usize;
+            buf.read(at, &mut got, s).expect("read the result");
+            if let Some(i) = (0..want.len()).find(|&i| got[i] != want[i]) {
+                panic!(
+                    "{what} ({algo:?}): byte {i} is {:#04x}, want {:#04x}",
+                    got[i], want[i]
+                );
+            }
+        }
+        calls += 1;
+    };
+    let kinds = [
+        Kind::AllReduce,
+        Kind::ReduceScatter,
+        Kind::Reduce(0),
+        Kind::Reduce(n - 1),
+    ];
+    for dtype in DataType::ALL {
+        for op in ReduceOp::ALL {
+            for (i, kind) in kinds.into_iter().enumerate() {
+                let count = [1, 7, 4099][i % 3];
+                run(
+                    kind,
+                    count,
+                    dtype,
+                    op,
+                    i % 2 == 1,
+                    usize::from(dtype.size() > 1),
+                );
+            }
+        }
+        // The ring with odd counts and several slices (where `big` allows).
+        let count = (big / dtype.size()).max(1) + 3;
+        run(Kind::AllReduce, count, dtype, ReduceOp::Sum, false, 0);
+        run(
+            Kind::ReduceScatter,
+            count / n + 1,
+            dtype,
+            ReduceOp::Max,
+            true,
+            0,
+        );
+    }
+    // Count 0 is a no-op everywhere.
+    for kind in kinds {
+        run(kind, 0, DataType::F32, ReduceOp::Sum, false, 0);
+    }
+    calls
+}
+
+/// Every rank's reductions fail with `Unsupported` where some rank's vendor cannot reduce the
+/// type (its `Capabilities::reduce_types`), and the communicator still works afterwards.
+pub fn refused(comm: &Comm<Adaptor>, s: &Stream<Adaptor>) {
+    let me = comm.rank();
+    let missing = (0..comm.nranks()).any(|q| {
+        comm.peer_info(q)
+            .is_some_and(|p| p.caps.reduce_types & DataType::F32.bit() == 0)
+    });
+    assert!(
+        missing,
+        "rank {me}: the job was meant to have a rank that cannot reduce"
+    );
+    let buf = DeviceBuffer::new(comm.adaptor(), 64).expect("alloc");
+    for kind in [Kind::AllReduce, Kind::ReduceScatter, Kind::Reduce(0)] {
+        let (p, h, f) = (buf.ptr(), s.handle(), DataType::F32);
+        // SAFETY: `buf` holds 64 bytes; refused before anything is enqueued.
+        let r = unsafe {
+            match kind {
+                Kind::AllReduce => comm.all_reduce_raw(p, p, 4, f, ReduceOp::Sum, h),
+                Kind::ReduceScatter => comm.reduce_scatter_raw(p, p, 2, f, ReduceOp::Sum, h),
+                Kind::Reduce(root) => comm.reduce_raw(p, p, 4, f, ReduceOp::Sum, root, h),
+            }
+        };
+        match r {
+            Err(flagcx::CommError::Adaptor(flagcx::AdaptorError::Unsupported { .. })) => {}
+            other => panic!("rank {me}: {kind:?} where a rank cannot reduce: {other:?}"),
+        }
+    }
+    // The communicator is intact: a barrier still completes.
+    comm.barrier(s.handle())
+        .expect("barrier after the refusals");
+    s.synchronize().expect("synchronize");
+    println!("reductions refused: rank {me}: every kind Unsupported, barrier ok");
+}
