@@ -155,6 +155,20 @@ fn c_collectives_on_host_ranks() {
     }
 }
 
+/// The reductions from C (`tests/capi/reductions.c`): every integer type, float32 and float64,
+/// every operator, all-reduce, reduce-scatter and reduce, in place and not, on 2, 3 and 4
+/// host ranks; argument errors.
+#[test]
+fn c_reductions_on_host_ranks() {
+    let Some(p) = prefix("capi::c_reductions_on_host_ranks") else {
+        return;
+    };
+    let exe = compile(&p, "cc", "reductions.c");
+    for n in [2, 3, 4] {
+        run_ranks(&exe, n, &["host"], "capi reductions ok");
+    }
+}
+
 /// Port channels from C (host ranks drive the FIFO themselves): a put with a signal checked
 /// byte for byte, a poisoned channel releasing the peer, the calls' argument errors.
 #[test]

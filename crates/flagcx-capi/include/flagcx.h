@@ -15,9 +15,10 @@
  * - One order per communicator: a stream waits for its operation and every operation posted
  *   before it on the communicator, on any stream. As with NCCL, do not post on one
  *   communicator from several threads at once: ranks could then wait on each other.
- * - Functions of FlagCX's header that flagcx-rs does not implement yet (reductions, suspend
- *   and resume) are exported and return flagcxNotSupported, with flagcxGetLastError naming
- *   what is missing.
+ * - Functions of FlagCX's header that flagcx-rs does not implement yet (suspend and resume)
+ *   are exported and return flagcxNotSupported, with flagcxGetLastError naming what is
+ *   missing. A reduction of a type that some rank's vendor cannot reduce exactly is
+ *   flagcxNotSupported on every rank.
  */
 #ifndef FLAGCX_H_
 #define FLAGCX_H_
@@ -64,14 +65,38 @@ typedef enum {
   flagcxNumTypes = 10
 } flagcxDataType_t;
 
-/* Reduction operations (reductions are not implemented yet). */
+/* Reduction operations. Avg sums, then divides by the rank count (integers truncate toward
+ * zero; floats multiply by 1/nranks rounded to the element type). flagcxRedNoOp and the
+ * values past it are FlagCX's markers, not operations (flagcxInvalidArgument). */
+typedef enum { flagcxNumRedOps_dummy = 5 } flagcxRedOp_dummy_t;
 typedef enum {
   flagcxSum = 0,
   flagcxProd = 1,
   flagcxMax = 2,
   flagcxMin = 3,
-  flagcxAvg = 4
+  flagcxAvg = 4,
+  flagcxRedNoOp = 5,
+  flagcxNumRedOps = 5,
+  flagcxMaxRedOp = 0x7fffffff >> (32 - 8 * sizeof(flagcxRedOp_dummy_t))
 } flagcxRedOp_t;
+
+/* The kinds of communication call, as FlagCX numbers them (plugins key plans and caches by
+ * them; no call of this library takes one). */
+typedef enum {
+  flagcxCommOpSend = 0,
+  flagcxCommOpRecv = 1,
+  flagcxCommOpBroadcast = 2,
+  flagcxCommOpGather = 3,
+  flagcxCommOpScatter = 4,
+  flagcxCommOpReduce = 5,
+  flagcxCommOpAllReduce = 6,
+  flagcxCommOpAllGather = 7,
+  flagcxCommOpReduceScatter = 8,
+  flagcxCommOpAlltoAll = 9,
+  flagcxCommOpAlltoAllv = 10,
+  flagcxCommNoOp = 11,
+  flagcxNumCommOps = 12
+} flagcxCommOp_t;
 
 /* Direction of deviceMemcpy. */
 typedef enum {
@@ -325,7 +350,9 @@ flagcxResult_t flagcxPortChannelCheck(flagcxPortChannel_t channel);
  * the channel's failure if it had one. */
 flagcxResult_t flagcxPortChannelClose(flagcxPortChannel_t channel);
 
-/* Reduce: not implemented yet (flagcxNotSupported). */
+/* Reduce: every rank's count elements combined with op into the root's recvbuff (in place when
+ * the root passes sendbuff == recvbuff; recvbuff may be NULL off the root). Enqueued on stream;
+ * a type some rank's vendor cannot reduce is flagcxNotSupported on every rank. */
 flagcxResult_t flagcxReduce(const void *sendbuff, void *recvbuff, size_t count,
                             flagcxDataType_t datatype, flagcxRedOp_t op, int root,
                             flagcxComm_t comm, flagcxStream_t stream);
@@ -344,11 +371,14 @@ flagcxResult_t flagcxScatter(const void *sendbuff, void *recvbuff, size_t count,
 flagcxResult_t flagcxBroadcast(const void *sendbuff, void *recvbuff, size_t count,
                                flagcxDataType_t datatype, int root, flagcxComm_t comm,
                                flagcxStream_t stream);
-/* All-reduce: not implemented yet (flagcxNotSupported). */
+/* All-reduce: every rank's count elements combined element by element with op into every
+ * rank's recvbuff (in place when sendbuff == recvbuff); every rank gets the same bits. */
 flagcxResult_t flagcxAllReduce(const void *sendbuff, void *recvbuff, size_t count,
                                flagcxDataType_t datatype, flagcxRedOp_t op, flagcxComm_t comm,
                                flagcxStream_t stream);
-/* Reduce-scatter: not implemented yet (flagcxNotSupported). */
+/* Reduce-scatter: the ranks' nranks * recvcount elements combined with op; rank q receives
+ * elements q * recvcount .. of the result (in place when recvbuff == sendbuff + rank *
+ * recvcount). */
 flagcxResult_t flagcxReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount,
                                    flagcxDataType_t datatype, flagcxRedOp_t op,
                                    flagcxComm_t comm, flagcxStream_t stream);

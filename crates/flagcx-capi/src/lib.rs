@@ -24,8 +24,8 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use flagcx_rs::p2p::{Config, UniqueId};
 use flagcx_rs::{
-    Adaptor, AdaptorError, Collective, Comm, CommError, DeviceAdaptor, DevicePtr, EventHandle,
-    IpcMemHandle, Request, StreamHandle, Vendor,
+    Adaptor, AdaptorError, Collective, Comm, CommError, DataType, DeviceAdaptor, DevicePtr,
+    EventHandle, IpcMemHandle, ReduceOp, Request, StreamHandle, Vendor,
 };
 
 mod device;
@@ -905,6 +905,103 @@ pub unsafe extern "C" fn flagcxScatter(
     }
 }
 
+/// The element type and operator of a reduction, checked.
+fn reduction_args(
+    datatype: flagcxDataType_t,
+    op: flagcxRedOp_t,
+) -> Result<(DataType, ReduceOp), CommError> {
+    let t = DataType::from_flagcx(datatype)
+        .ok_or_else(|| CommError::InvalidArgument(format!("unknown data type {datatype}")))?;
+    let o = ReduceOp::from_flagcx(op).ok_or_else(|| {
+        CommError::InvalidArgument(format!(
+            "reduction operator {op} is not one of sum, prod, max, min, avg (0-4)"
+        ))
+    })?;
+    Ok((t, o))
+}
+
+/// All-reduce: every rank's `count` elements at `sendbuff`, combined element by element with
+/// `op`, into every rank's `recvbuff` (in place when `sendbuff == recvbuff`); every rank gets
+/// the same bits. A type some rank's vendor cannot reduce is `flagcxNotSupported` on every
+/// rank.
+///
+/// # Safety
+/// As [`flagcxBroadcast`]; both buffers hold `count` elements.
+#[no_mangle]
+pub unsafe extern "C" fn flagcxAllReduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: flagcxDataType_t,
+    op: flagcxRedOp_t,
+    comm: *mut flagcxComm,
+    stream: *mut flagcxStream,
+) -> flagcxResult_t {
+    // SAFETY: forwarded contract.
+    unsafe {
+        collective(comm, stream, |c, s| {
+            let (t, o) = reduction_args(datatype, op)?;
+            c.comm
+                .all_reduce_raw(dp(sendbuff), dp(recvbuff), count, t, o, s)
+        })
+    }
+}
+
+/// Reduce-scatter: the ranks' `nranks * recvcount` elements at `sendbuff` combined with `op`;
+/// rank `q` receives elements `q * recvcount ..` of the result in `recvbuff` (in place when
+/// `recvbuff == sendbuff + rank * recvcount`).
+///
+/// # Safety
+/// As [`flagcxBroadcast`]; `sendbuff` holds `nranks * recvcount` elements, `recvbuff`
+/// `recvcount`.
+#[no_mangle]
+pub unsafe extern "C" fn flagcxReduceScatter(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    recvcount: usize,
+    datatype: flagcxDataType_t,
+    op: flagcxRedOp_t,
+    comm: *mut flagcxComm,
+    stream: *mut flagcxStream,
+) -> flagcxResult_t {
+    // SAFETY: forwarded contract.
+    unsafe {
+        collective(comm, stream, |c, s| {
+            let (t, o) = reduction_args(datatype, op)?;
+            c.comm
+                .reduce_scatter_raw(dp(sendbuff), dp(recvbuff), recvcount, t, o, s)
+        })
+    }
+}
+
+/// Reduce: every rank's `count` elements combined with `op` into the root's `recvbuff` (in
+/// place when the root passes `sendbuff == recvbuff`; `recvbuff` may be NULL off the root).
+///
+/// # Safety
+/// As [`flagcxBroadcast`]; both buffers hold `count` elements (`recvbuff` on the root).
+#[no_mangle]
+pub unsafe extern "C" fn flagcxReduce(
+    sendbuff: *const c_void,
+    recvbuff: *mut c_void,
+    count: usize,
+    datatype: flagcxDataType_t,
+    op: flagcxRedOp_t,
+    root: c_int,
+    comm: *mut flagcxComm,
+    stream: *mut flagcxStream,
+) -> flagcxResult_t {
+    // SAFETY: forwarded contract.
+    unsafe {
+        collective(comm, stream, |c, s| {
+            let (t, o) = reduction_args(datatype, op)?;
+            let root = usize::try_from(root)
+                .map_err(|_| CommError::InvalidArgument(format!("root {root}")))?;
+            c.comm
+                .reduce_raw(dp(sendbuff), dp(recvbuff), count, t, o, root, s)
+        })
+    }
+}
+
 /// All-gather: every rank's `sendcount` elements into every rank's `recvbuff` at
 /// `rank * sendcount` (in place when `sendbuff == recvbuff + rank * sendcount`).
 ///
@@ -1138,9 +1235,6 @@ macro_rules! not_supported {
 }
 
 not_supported! {
-    flagcxReduce(s: *const c_void, r: *mut c_void, n: usize, t: flagcxDataType_t, op: flagcxRedOp_t, root: c_int, comm: *mut flagcxComm, st: *mut flagcxStream) => "reduction";
-    flagcxAllReduce(s: *const c_void, r: *mut c_void, n: usize, t: flagcxDataType_t, op: flagcxRedOp_t, comm: *mut flagcxComm, st: *mut flagcxStream) => "reduction";
-    flagcxReduceScatter(s: *const c_void, r: *mut c_void, n: usize, t: flagcxDataType_t, op: flagcxRedOp_t, comm: *mut flagcxComm, st: *mut flagcxStream) => "reduction";
     flagcxCommSuspend(comm: *mut flagcxComm) => "suspending a communicator";
     flagcxCommResume(comm: *mut flagcxComm) => "resuming a communicator";
 }
