@@ -3,7 +3,9 @@
 // bad peer and for mismatched sizes.
 #include <flagcx/comm.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -66,6 +68,32 @@ int main() {
     comm.read(host.data(), r, bytes);
     for (std::size_t i = 0; i < bytes; i++)
       EXPECT(host[i] == (unsigned char)(i * 13 + prev * 101), "byte " << i);
+
+    // All-reduce of int32 sums, in place: element i is the sum over ranks of i + rank.
+    const std::size_t count = 100003;
+    std::vector<std::int32_t> ints(count);
+    for (std::size_t i = 0; i < count; i++) ints[i] = (std::int32_t)(i + rank);
+    comm.write(s, ints.data(), count * 4);
+    comm.all_reduce(s, s, count, flagcx::DataType::Int32, flagcx::ReduceOp::Sum);
+    comm.wait_all();
+    comm.read(ints.data(), s, count * 4);
+    for (std::size_t i = 0; i < count; i++)
+      EXPECT(ints[i] == (std::int32_t)(n * i + n * (n - 1) / 2), "all-reduce element " << i);
+    // Reduce of float maxima to the last rank, recv nullptr elsewhere.
+    std::vector<float> fl(count);
+    for (std::size_t i = 0; i < count; i++) fl[i] = (float)((i * 7 + rank * 3) % 11);
+    comm.write(s, fl.data(), count * 4);
+    comm.reduce(s, rank == n - 1 ? r : nullptr, count, flagcx::DataType::Float32,
+                flagcx::ReduceOp::Max, n - 1);
+    comm.wait_all();
+    if (rank == n - 1) {
+      comm.read(fl.data(), r, count * 4);
+      for (std::size_t i = 0; i < count; i++) {
+        float m = 0;
+        for (int q = 0; q < n; q++) m = std::max(m, (float)((i * 7 + q * 3) % 11));
+        EXPECT(fl[i] == m, "reduce element " << i);
+      }
+    }
 
     try {
       comm.send(s, bytes, n);

@@ -9,7 +9,9 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use flagcx_rs::p2p::{Config, UniqueId};
-use flagcx_rs::{Adaptor, Comm, CommError, DeviceAdaptor, DevicePtr, Request, StreamHandle};
+use flagcx_rs::{
+    Adaptor, Comm, CommError, DataType, DeviceAdaptor, DevicePtr, ReduceOp, Request, StreamHandle,
+};
 
 #[cxx::bridge(namespace = "flagcx::ffi")]
 mod ffi {
@@ -45,6 +47,21 @@ mod ffi {
             ptr: usize,
             bytes: usize,
             peer: usize,
+            stream: usize,
+        ) -> Result<()>;
+        /// A reduction of `count` elements of type `dtype` (FlagCX's numbering) with operator
+        /// `op` (sum, prod, max, min, avg: 0-4), ordered on `stream` like `send`: `kind` 0 is
+        /// all-reduce, 1 reduce-scatter (`count` per rank), 2 reduce to `root`.
+        #[allow(clippy::too_many_arguments)]
+        fn reduce(
+            self: &RustComm,
+            kind: u8,
+            send: usize,
+            recv: usize,
+            count: usize,
+            dtype: u8,
+            op: u8,
+            root: usize,
             stream: usize,
         ) -> Result<()>;
         /// Opens a group.
@@ -204,6 +221,41 @@ impl RustComm {
 
     fn recv(&self, ptr: usize, bytes: usize, peer: usize, stream: usize) -> Result<(), Failure> {
         self.post(false, ptr, bytes, peer, stream)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn reduce(
+        &self,
+        kind: u8,
+        send: usize,
+        recv: usize,
+        count: usize,
+        dtype: u8,
+        op: u8,
+        root: usize,
+        stream: usize,
+    ) -> Result<(), Failure> {
+        let bad = |what: String| Failure::from(CommError::InvalidArgument(what));
+        let t = DataType::from_flagcx(i32::from(dtype))
+            .ok_or_else(|| bad(format!("unknown data type {dtype}")))?;
+        let o = ReduceOp::from_flagcx(i32::from(op))
+            .ok_or_else(|| bad(format!("unknown reduction operator {op}")))?;
+        let s = self.stream(stream)?;
+        let (sp, rp) = (DevicePtr(send as u64), DevicePtr(recv as u64));
+        // SAFETY: the C++ caller keeps both buffers valid until the stream passes the call
+        // (comm.hpp's contract, as NCCL's).
+        let c = unsafe {
+            match kind {
+                0 => self.comm.all_reduce_raw(sp, rp, count, t, o, s),
+                1 => self.comm.reduce_scatter_raw(sp, rp, count, t, o, s),
+                2 => self.comm.reduce_raw(sp, rp, count, t, o, root, s),
+                _ => return Err(bad(format!("unknown reduction kind {kind}"))),
+            }
+        }?;
+        let mut pending = lock(&self.pending);
+        pending.retain(|r| !r.is_done());
+        pending.extend(c.into_requests());
+        Ok(())
     }
 
     fn group_begin(&self) -> Result<(), Failure> {

@@ -68,6 +68,16 @@ auto call(F &&f) -> decltype(f()) {
 }
 }  // namespace detail
 
+// Element types of reductions, numbered as FlagCX's flagcxDataType_t.
+enum class DataType : std::uint8_t {
+  Int8 = 0, Uint8 = 1, Int32 = 2, Uint32 = 3, Int64 = 4, Uint64 = 5,
+  Float16 = 6, Float32 = 7, Float64 = 8, Bfloat16 = 9,
+};
+
+// Reduction operators, numbered as FlagCX's flagcxRedOp_t. Avg sums, then divides by the rank
+// count (integers truncate toward zero; floats multiply by 1/n rounded to the type).
+enum class ReduceOp : std::uint8_t { Sum = 0, Prod = 1, Max = 2, Min = 3, Avg = 4 };
+
 // A communicator: one rank of a job on this node. Not copyable; movable.
 class Comm {
  public:
@@ -114,6 +124,26 @@ class Comm {
       inner_->recv(reinterpret_cast<std::size_t>(buf), bytes, static_cast<std::size_t>(peer),
                    reinterpret_cast<std::size_t>(stream));
     });
+  }
+
+  // All-reduce: every rank's `count` elements at `send`, combined with `op`, into every rank's
+  // `recv` (in place when send == recv); every rank gets the same bits. Ordered on `stream`
+  // like send(); both buffers stay valid until the stream passes the call.
+  void all_reduce(const void *send, void *recv, std::size_t count, DataType type, ReduceOp op,
+                  void *stream = nullptr) {
+    reduce_call(0, send, recv, count, type, op, 0, stream);
+  }
+  // Reduce-scatter: the ranks' size() * `recvcount` elements combined with `op`; rank q gets
+  // elements q * recvcount .. in `recv` (in place at send + rank() * recvcount elements).
+  void reduce_scatter(const void *send, void *recv, std::size_t recvcount, DataType type,
+                      ReduceOp op, void *stream = nullptr) {
+    reduce_call(1, send, recv, recvcount, type, op, 0, stream);
+  }
+  // Reduce: every rank's `count` elements combined with `op` into the root's `recv` (which
+  // other ranks may pass as nullptr).
+  void reduce(const void *send, void *recv, std::size_t count, DataType type, ReduceOp op,
+              int root, void *stream = nullptr) {
+    reduce_call(2, send, recv, count, type, op, root, stream);
   }
 
   // Runs `f`, posting its sends and receives as one group (they progress together; use it for
@@ -168,6 +198,16 @@ class Comm {
   }
 
  private:
+  void reduce_call(std::uint8_t kind, const void *send, void *recv, std::size_t count,
+                   DataType type, ReduceOp op, int root, void *stream) {
+    detail::call([&] {
+      inner_->reduce(kind, reinterpret_cast<std::size_t>(send), reinterpret_cast<std::size_t>(recv),
+                     count, static_cast<std::uint8_t>(type), static_cast<std::uint8_t>(op),
+                     static_cast<std::size_t>(root < 0 ? 0 : root),
+                     reinterpret_cast<std::size_t>(stream));
+    });
+  }
+
   rust::Box<ffi::RustComm> inner_;
 };
 
