@@ -191,8 +191,12 @@ unsafe impl Driver for CudaDriver {
             host_gates: false,
             concurrent_processes: mps_client(cu_device),
             ipc_fd_foreign: false,
-            // No reduction kernels yet: every type is `Unsupported`.
-            reduce_types: 0,
+            // Every type, where `kernels/reduce.ptx` loaded.
+            reduce_types: if sized.is_some_and(|k| k.reduce.is_some()) {
+                flagcx_adaptor::reduce::ALL_TYPES
+            } else {
+                0
+            },
         };
         let driver = CudaDriver {
             cu_device,
@@ -715,6 +719,26 @@ unsafe impl Driver for CudaDriver {
             None => Err(AdaptorError::Unsupported {
                 vendor: Vendor::Cuda,
                 op: "memcpy_sized_async",
+            }),
+        }
+    }
+
+    unsafe fn reduce(
+        &self,
+        stream: u64,
+        dst: u64,
+        a: u64,
+        b: u64,
+        count: usize,
+        dtype: flagcx_adaptor::DataType,
+        step: flagcx_adaptor::ReduceStep,
+    ) -> Result<()> {
+        match self.sized {
+            // SAFETY: forwarded contract; the core checked the operands and bound the context.
+            Some(k) => unsafe { k.launch_reduce(stream, dst, a, b, count, dtype, step) },
+            None => Err(AdaptorError::Unsupported {
+                vendor: Vendor::Cuda,
+                op: "reduce_async",
             }),
         }
     }

@@ -24,6 +24,15 @@ use crate::error::check;
 /// The PTX of `kernels/stream.cu`.
 const PTX: &str = concat!(include_str!("../kernels/stream.ptx"), "\0");
 
+/// The PTX of `kernels/reduce.cu` (built with `--fmad=false`).
+const REDUCE_PTX: &str = concat!(include_str!("../kernels/reduce.ptx"), "\0");
+
+/// Threads per block of `flagcx_reduce`.
+const REDUCE_BLOCK: u32 = 512;
+/// At most this many blocks of `flagcx_reduce` (a grid-stride loop covers the rest): enough to
+/// fill the SMs of the largest GPUs several times over.
+const REDUCE_MAX_GRID: u64 = 1024;
+
 /// Threads per block.
 const BLOCK: u32 = 256;
 /// At most this many blocks: a stream-ordered message is small (a slot), and more blocks only
@@ -74,6 +83,9 @@ pub(crate) struct SizedKernel {
     step: sys::CUfunction,
     /// `flagcx_copy`: a device-to-device copy by the SMs (`FLAGCX_CUDA_COPY_KERNEL`).
     copy: sys::CUfunction,
+    /// `flagcx_reduce` (`kernels/reduce.cu`), from its own module: `None` where that module
+    /// did not load (reductions are then `Unsupported`, the rest works).
+    pub(crate) reduce: Option<sys::CUfunction>,
 }
 
 // SAFETY: module and function handles are driver objects usable from any thread on which
@@ -144,6 +156,7 @@ impl SizedKernel {
             steps,
             step,
             copy,
+            reduce: got.is_ok().then(load_reduce).flatten(),
         };
         if let Err(e) = got.and_then(|()| k.warm_up()) {
             // SAFETY: loaded above, used by nothing.
@@ -185,6 +198,21 @@ impl SizedKernel {
                 // SAFETY: a copy of zero bytes touches no memory.
                 self.launch_copy(word, word, 0, 1, stream as u64)
             }?;
+            if self.reduce.is_some() {
+                let sum = flagcx_adaptor::ReduceStep::Combine(flagcx_adaptor::ReduceOp::Sum);
+                // SAFETY: one byte in place on the 8-byte word (its value does not matter).
+                unsafe {
+                    self.launch_reduce(
+                        stream as u64,
+                        word,
+                        word,
+                        word,
+                        1,
+                        flagcx_adaptor::DataType::U8,
+                        sum,
+                    )
+                }?;
+            }
             // SAFETY: the stream created above.
             check("cuStreamSynchronize", unsafe {
                 sys::cuStreamSynchronize(stream)
@@ -324,6 +352,76 @@ pub(crate) unsafe fn launch_1d(
             std::ptr::null_mut(),
         )
     })
+}
+
+/// Loads `kernels/reduce.ptx` into the current context and finds `flagcx_reduce`; `None`
+/// where the driver refuses it (the adaptor then claims no reduction types).
+fn load_reduce() -> Option<sys::CUfunction> {
+    let mut module = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer and a NUL-terminated PTX image; the context is current.
+    let loaded = check("cuModuleLoadData", unsafe {
+        sys::cuModuleLoadData(&mut module, REDUCE_PTX.as_ptr().cast())
+    });
+    let mut func = std::ptr::null_mut();
+    let got = loaded.and_then(|()| {
+        // SAFETY: valid out-pointer, the module loaded above, a NUL-terminated name.
+        check("cuModuleGetFunction", unsafe {
+            sys::cuModuleGetFunction(&mut func, module, c"flagcx_reduce".as_ptr())
+        })
+    });
+    got.ok().map(|()| func)
+}
+
+impl SizedKernel {
+    /// Launches `flagcx_reduce` over `count` elements (`count > 0`); `step` and the scales as
+    /// `kernels/reduce.cu` reads them.
+    ///
+    /// # Safety
+    /// The contract of `DeviceAdaptor::reduce_async` (operands checked by the core); the
+    /// context is current.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn launch_reduce(
+        &self,
+        stream: u64,
+        dst: u64,
+        a: u64,
+        b: u64,
+        count: usize,
+        dtype: flagcx_adaptor::DataType,
+        step: flagcx_adaptor::ReduceStep,
+    ) -> Result<()> {
+        let Some(func) = self.reduce else {
+            return Err(AdaptorError::Unsupported {
+                vendor: flagcx_adaptor::Vendor::Cuda,
+                op: "reduce_async",
+            });
+        };
+        let (mut code, mut n, mut s32, mut s64) = match step {
+            flagcx_adaptor::ReduceStep::Combine(op) => (op as i32, 1u32, 0f32, 0f64),
+            flagcx_adaptor::ReduceStep::Average { n } => {
+                let s = flagcx_adaptor::reduce::average_scale(dtype, n).unwrap_or(0.0);
+                (4, n, s as f32, s)
+            }
+        };
+        let (mut d, mut x, mut y, mut c, mut t) = (dst, a, b, count as u64, dtype as i32);
+        let grid = (count as u64)
+            .div_ceil(REDUCE_BLOCK as u64 * 4)
+            .clamp(1, REDUCE_MAX_GRID) as u32;
+        let mut params: [*mut c_void; 9] = [
+            (&mut d as *mut u64).cast(),
+            (&mut x as *mut u64).cast(),
+            (&mut y as *mut u64).cast(),
+            (&mut c as *mut u64).cast(),
+            (&mut t as *mut i32).cast(),
+            (&mut code as *mut i32).cast(),
+            (&mut n as *mut u32).cast(),
+            (&mut s32 as *mut f32).cast(),
+            (&mut s64 as *mut f64).cast(),
+        ];
+        // SAFETY: nine pointers to values of the kernel's parameter types (u64 x4, s32, s32,
+        // u32, f32, f64), alive for the call; the memory it touches is the caller's contract.
+        unsafe { launch_1d(func, grid, REDUCE_BLOCK, stream, &mut params) }
+    }
 }
 
 /// A step as the kernel reads it (`kernels/stream.cu`).
@@ -503,7 +601,22 @@ impl KernelCopies {
 
 #[cfg(test)]
 mod tests {
-    use super::{copy_kernel_mode, RawStep, RawSteps, PTX};
+    use super::{copy_kernel_mode, RawStep, RawSteps, PTX, REDUCE_PTX};
+
+    #[test]
+    fn the_shipped_reduction_ptx_takes_nine_parameters_and_never_contracts() {
+        assert!(REDUCE_PTX.contains(".entry flagcx_reduce("));
+        assert!(REDUCE_PTX.contains("flagcx_reduce_param_8"));
+        assert!(!REDUCE_PTX.contains("flagcx_reduce_param_9"));
+        // Built with --fmad=false: no fused multiply-add may round differently from the host.
+        for fused in ["fma.", "mad."] {
+            assert!(!REDUCE_PTX.contains(fused), "reduce.ptx contains {fused}");
+        }
+        assert!(
+            REDUCE_PTX.contains(".version 7.0"),
+            "lowered to 7.0 for CUDA 11 drivers"
+        );
+    }
 
     #[test]
     fn the_shipped_ptx_takes_the_steps_as_rust_lays_them_out() {

@@ -203,6 +203,23 @@ impl ReduceStep {
     }
 }
 
+/// The scale of [`ReduceStep::Average`] for floating types: `1/n` rounded to the element
+/// type, widened exactly to `f64` (for float16 and bfloat16 the `f32` value they are multiplied
+/// by). Device kernels take it from here, so every vendor multiplies by the same number. `None`
+/// for integer types (they divide) and `n == 0`.
+pub fn average_scale(dtype: DataType, n: u32) -> Option<f64> {
+    if n == 0 {
+        return None;
+    }
+    match dtype {
+        DataType::F64 => Some(<f64 as Lane>::scale(n)),
+        DataType::F32 => Some(f64::from(<f32 as Lane>::scale(n))),
+        DataType::F16 => Some(f64::from(<f16 as Half16>::scale(n))),
+        DataType::BF16 => Some(f64::from(<bf16 as Half16>::scale(n))),
+        _ => None,
+    }
+}
+
 /// Every [`DataType`]'s bit: a [`crate::Capabilities::reduce_types`] mask for a vendor that
 /// reduces all of them.
 pub const ALL_TYPES: u16 = (1 << DataType::ALL.len()) - 1;

@@ -269,6 +269,30 @@ pub unsafe trait Driver: Send + Sync + Sized + 'static {
         })
     }
 
+    /// Enqueues one reduction step as the vendor's kernel (the core checked the operands:
+    /// device memory of this context, `count > 0`, a type the vendor claims; `b` equals `a`
+    /// for an averaging step); `Unsupported` (the default) where it has none.
+    ///
+    /// # Safety
+    /// As for [`crate::DeviceAdaptor::reduce_async`]; the context is current.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn reduce(
+        &self,
+        stream: u64,
+        dst: u64,
+        a: u64,
+        b: u64,
+        count: usize,
+        dtype: crate::reduce::DataType,
+        step: crate::reduce::ReduceStep,
+    ) -> Result<()> {
+        let _ = (stream, dst, a, b, count, dtype, step);
+        Err(crate::AdaptorError::Unsupported {
+            vendor: Self::VENDOR,
+            op: "reduce_async",
+        })
+    }
+
     /// Enqueues [`crate::DeviceAdaptor::stream_slot_steps`]'s steps as the vendor's own
     /// operation (a kernel); `Unsupported` (the default) before anything is enqueued where it
     /// has none, and the core then enqueues them as separate stream operations.

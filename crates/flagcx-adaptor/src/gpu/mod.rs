@@ -548,6 +548,43 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
         unsafe { d.sized_copy(s, dst.0, src.0, len_at.0, cap) }
     }
 
+    unsafe fn reduce_async(
+        &self,
+        dst: DevicePtr,
+        a: DevicePtr,
+        b: DevicePtr,
+        count: usize,
+        dtype: crate::reduce::DataType,
+        step: crate::reduce::ReduceStep,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const OP: &str = "reduce_async";
+        let types = self.inner.info.caps.reduce_types;
+        let bytes = crate::reduce::check_operands(D::VENDOR, types, dst, a, b, count, dtype, step)?;
+        let s = self.stream(stream)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        let combine = matches!(step, crate::reduce::ReduceStep::Combine(_));
+        // A kernel that touched memory outside this context would kill the context: every
+        // operand is checked to lie inside one allocation (ours, an IPC mapping, or the
+        // application's) before the launch.
+        for p in [dst, a, b].into_iter().take(if combine { 3 } else { 2 }) {
+            let (base, len) = self.mem_get_range(p)?;
+            if p.0 - base.0 + bytes as u64 > len as u64 {
+                return Err(AdaptorError::invalid(
+                    OP,
+                    format!("{bytes} bytes at {p} run past the end of its {len}-byte allocation"),
+                ));
+            }
+        }
+        let d = self.bound()?;
+        let b = if combine { b } else { a };
+        // SAFETY: the operands were checked above; the caller keeps them valid until the step
+        // completes on the stream.
+        unsafe { d.reduce(s, dst.0, a.0, b.0, count, dtype, step) }
+    }
+
     unsafe fn memcpy_d2d_async(
         &self,
         dst: DevicePtr,
