@@ -216,6 +216,7 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
     std::fs::create_dir_all(out.join("capi")).map_err(|e| e.to_string())?;
     for (from, to) in [
         (root().join("tests/capi/mpi_ring.c"), "mpi_ring.c"),
+        (root().join("tests/capi/client_cuda.c"), "client_cuda.c"),
         (root().join("tests/capi/common.h"), "common.h"),
         (
             root().join("tests/capi/port_pingpong.cu"),
@@ -241,6 +242,22 @@ FLAGCX_RANK=0 FLAGCX_NRANKS=2 FLAGCX_LOCAL_RANK=0 FLAGCX_TEST_ID_FILE=$id "$here
 FLAGCX_RANK=1 FLAGCX_NRANKS=2 FLAGCX_LOCAL_RANK=1 FLAGCX_TEST_ID_FILE=$id "$here/bin/cxx-ring" & b=$!
 wait $a; ra=$?; wait $b; rb=$?; rm -f "$id"
 [ $ra -eq 0 ] && [ $rb -eq 0 ] || exit 1
+# The way torch's process groups call libflagcx (tests/capi/client_cuda.c): their own stream
+# ordered by events, tensors at offsets in cudaMalloc segments freed and allocated again, a
+# cudaMallocAsync pool; built against this host's CUDA runtime.
+cuda_inc=${CUDA_HOME:-/usr/local/cuda}/include cuda_lib=${CUDA_HOME:-/usr/local/cuda}/lib64
+if [ -f "$cuda_inc/cuda_runtime.h" ]; then
+  logs=${FLAGCX_BUNDLE_LOGS:-$here/logs}; mkdir -p "$logs"
+  cc -O2 -I"$here/capi" -I"$cuda_inc" -o "$logs/client-cuda" "$here/capi/client_cuda.c" \
+    "$here/lib/libflagcx.so.0" -L"$cuda_lib" -lcudart -Wl,-rpath,"$here/lib" -Wl,-rpath,"$cuda_lib" || exit 1
+  FLAGCX_RANK=0 FLAGCX_NRANKS=2 FLAGCX_LOCAL_RANK=0 FLAGCX_DEVICE=0 FLAGCX_TEST_ID_FILE=$id "$logs/client-cuda" & a=$!
+  FLAGCX_RANK=1 FLAGCX_NRANKS=2 FLAGCX_LOCAL_RANK=1 FLAGCX_DEVICE=0 FLAGCX_TEST_ID_FILE=$id "$logs/client-cuda" & b=$!
+  wait $a; ra=$?; wait $b; rb=$?; rm -f "$id"
+  [ $ra -eq 0 ] && [ $rb -eq 0 ] || exit 1
+else
+  echo "skipped: no CUDA runtime headers at $cuda_inc: the torch-pattern client did not run"
+  [ -n "${FLAGCX_SKIP_LOG:-}" ] && printf 'cuda\tcapi::client_cuda\tno cuda_runtime.h\n' >> "$FLAGCX_SKIP_LOG"
+fi
 # The unique id through MPI_Bcast (tests/capi/mpi_ring.c), built with this host's mpicc.
 if command -v mpicc >/dev/null && command -v mpirun >/dev/null; then
   logs=${FLAGCX_BUNDLE_LOGS:-$here/logs}; mkdir -p "$logs"
