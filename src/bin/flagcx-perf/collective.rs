@@ -1,9 +1,41 @@
 //! The collectives `flagcx-perf` times: how one is posted, where it reads and writes (out of
 //! place, or in place as nccl-tests' second column), and how its result is checked.
 
-use flagcx::{Adaptor, Comm, DevicePtr, StreamHandle};
+use flagcx::p2p::reduction::{choose, combine_order, segment, Algorithm};
+use flagcx::{Adaptor, Comm, DataType, DevicePtr, ReduceOp, ReduceStep, StreamHandle};
 
 use super::byte;
+
+/// A reduction's type, operator and forced algorithm (`FLAGCX_REDUCE_ALGO`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Red {
+    pub(crate) dtype: DataType,
+    pub(crate) op: ReduceOp,
+    pub(crate) forced: Option<Algorithm>,
+}
+
+/// `size` rounded down to what a reduction moves: whole elements, for reducescatter whole
+/// elements per rank (other tests: `size` as it is).
+pub(crate) fn whole_elements(test: &str, n: usize, size: usize, dtype: DataType) -> usize {
+    match test {
+        "reducescatter" => size / (n * dtype.size()) * n * dtype.size(),
+        t if is_reduction(t) => size / dtype.size() * dtype.size(),
+        _ => size,
+    }
+}
+
+/// Whether `test` is a reduction.
+fn is_reduction(test: &str) -> bool {
+    matches!(test, "allreduce" | "reducescatter" | "reduce")
+}
+
+/// The element count of a reduction of `size` bytes (reducescatter: each rank's count).
+fn red_count(test: &str, n: usize, size: usize, dtype: DataType) -> usize {
+    match test {
+        "reducescatter" => size / n / dtype.size(),
+        _ => size / dtype.size(),
+    }
+}
 
 /// Posts one collective of `size` bytes (rooted at `root` where it has a root) from `send`
 /// into `recv`.
@@ -17,13 +49,19 @@ pub(crate) unsafe fn run_collective(
     recv: DevicePtr,
     size: usize,
     root: usize,
+    red: Red,
     h: StreamHandle,
 ) -> Result<flagcx::Collective, flagcx::CommError> {
     let n = comm.nranks();
     let block = size / n;
+    let (t, o) = (red.dtype, red.op);
+    let count = red_count(test, n, size, t);
     // SAFETY: the caller's contract covers every block named below.
     unsafe {
         match test {
+            "allreduce" => comm.all_reduce_raw(send, recv, count, t, o, h),
+            "reducescatter" => comm.reduce_scatter_raw(send, recv, count, t, o, h),
+            "reduce" => comm.reduce_raw(send, recv, count, t, o, root, h),
             "broadcast" => comm.broadcast_raw(send, recv, size, root, h),
             "gather" => comm.gather_raw(send, recv, block, root, h),
             "scatter" => comm.scatter_raw(send, recv, block, root, h),
@@ -63,7 +101,11 @@ pub(crate) fn collective_wrong(
     n: usize,
     size: usize,
     root: usize,
+    red: Red,
 ) -> usize {
+    if is_reduction(test) {
+        return reduction_wrong(test, got, me, n, size, root, red);
+    }
     let block = size / n;
     let mut wrong = 0;
     let mut expect = |at: usize, want: u8| wrong += usize::from(got[at] != want);
@@ -96,10 +138,75 @@ pub(crate) fn collective_wrong(
     wrong
 }
 
-/// Whether `test` has an in-place form (`--in-place`): the rooted collectives and all-gather.
-/// All-to-all has none, in flagcx as in NCCL.
+/// Wrong bytes of a reduction's result (every rank's input is `byte(rank, size, i)`): the
+/// reference combines the inputs in the order of the algorithm the library chose, so every
+/// bit must match.
+fn reduction_wrong(
+    test: &str,
+    got: &[u8],
+    me: usize,
+    n: usize,
+    size: usize,
+    root: usize,
+    red: Red,
+) -> usize {
+    let (t, sz) = (red.dtype, red.dtype.size());
+    let count = red_count(test, n, size, t);
+    if count == 0 || (test == "reduce" && me != root) {
+        return 0;
+    }
+    let algo = choose(n, count, t, red.forced);
+    let input = |q: usize, first: usize, len: usize| -> Vec<u8> {
+        (first * sz..(first + len) * sz)
+            .map(|i| byte(q, size, i))
+            .collect()
+    };
+    let combine = ReduceStep::Combine(if red.op == ReduceOp::Avg {
+        ReduceOp::Sum
+    } else {
+        red.op
+    });
+    let part = |first: usize, len: usize, order: Vec<usize>| -> Vec<u8> {
+        let mut acc = input(order[0], first, len);
+        for &q in &order[1..] {
+            let mut out = vec![0u8; acc.len()];
+            flagcx::adaptor::reduce::reduce_slices(
+                &mut out,
+                &acc,
+                &input(q, first, len),
+                t,
+                combine,
+            );
+            acc = out;
+        }
+        if red.op == ReduceOp::Avg && n > 1 {
+            let mut out = vec![0u8; acc.len()];
+            let step = ReduceStep::Average { n: n as u32 };
+            flagcx::adaptor::reduce::reduce_slices(&mut out, &acc, &[], t, step);
+            acc = out;
+        }
+        acc
+    };
+    let want: Vec<u8> = if test == "reducescatter" {
+        part(me * count, count, combine_order(algo, n, me))
+    } else {
+        (0..n)
+            .flat_map(|j| {
+                let (first, len) = segment(count, n, j);
+                part(first, len, combine_order(algo, n, j))
+            })
+            .collect()
+    };
+    want.iter().zip(got).filter(|(w, g)| w != g).count()
+}
+
+/// Whether `test` has an in-place form (`--in-place`): the rooted collectives, all-gather and
+/// the reductions. All-to-all has none, in flagcx as in NCCL.
 pub(crate) fn has_in_place(test: &str) -> bool {
-    matches!(test, "broadcast" | "gather" | "scatter" | "allgather")
+    matches!(
+        test,
+        "broadcast" | "gather" | "scatter" | "allgather" | "allreduce" | "reducescatter" | "reduce"
+    )
 }
 
 /// Where rank `me` runs one collective of `size` bytes (rooted at `root`) over its buffers `send` and
@@ -122,6 +229,10 @@ pub(crate) fn placement(
         (true, "gather", true) => (DevicePtr(recv.0 + me as u64 * block), recv, false),
         (true, "scatter", true) => (send, DevicePtr(send.0 + me as u64 * block), true),
         (true, "allgather", _) => (DevicePtr(recv.0 + me as u64 * block), recv, false),
+        (true, "allreduce", _) | (true, "reduce", true) => (recv, recv, false),
+        // Reduce-scatter in place: the input is the whole receive buffer, the result this
+        // rank's block of it.
+        (true, "reducescatter", _) => (recv, DevicePtr(recv.0 + me as u64 * block), false),
         _ => (send, recv, false),
     }
 }

@@ -60,8 +60,17 @@ struct Opts {
     /// count it, and bus bandwidth uses nccl-tests' factors.
     #[arg(short = 't', long = "test", default_value = "sendrecv",
           value_parser = ["sendrecv", "pingpong", "pairs", "broadcast", "gather", "scatter",
-                          "allgather", "alltoall", "alltoallv"])]
+                          "allgather", "alltoall", "alltoallv", "allreduce", "reducescatter",
+                          "reduce"])]
     test: String,
+    /// Element type of the reductions (allreduce, reducescatter, reduce): int8, uint8, int32,
+    /// uint32, int64, uint64, float16 (half), float32 (float), float64 (double), bfloat16.
+    /// Sizes are rounded down to whole elements (reducescatter: to whole elements per rank).
+    #[arg(short = 'd', long = "datatype", default_value = "float", value_parser = datatype_arg)]
+    datatype: flagcx::DataType,
+    /// Operator of the reductions: sum, prod, max, min, avg.
+    #[arg(short = 'o', long = "op", default_value = "sum", value_parser = op_arg)]
+    op: flagcx::ReduceOp,
     /// Smallest message size (bytes; K, M, G suffixes).
     #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = size_arg("-b"))]
     min: usize,
@@ -147,6 +156,28 @@ fn size_arg(name: &'static str) -> impl Fn(&str) -> Result<usize, String> + Clon
         Ok(n) => Ok(n),
         Err(e) => Err(e.to_string()),
     }
+}
+
+fn datatype_arg(v: &str) -> Result<flagcx::DataType, String> {
+    let alias = match v {
+        "half" => "float16",
+        "float" => "float32",
+        "double" => "float64",
+        "char" => "int8",
+        "int" => "int32",
+        other => other,
+    };
+    flagcx::DataType::ALL
+        .into_iter()
+        .find(|t| t.name() == alias)
+        .ok_or_else(|| format!("unknown type {v:?}"))
+}
+
+fn op_arg(v: &str) -> Result<flagcx::ReduceOp, String> {
+    flagcx::ReduceOp::ALL
+        .into_iter()
+        .find(|o| o.name() == v)
+        .ok_or_else(|| format!("expected sum, prod, max, min or avg, got {v:?}"))
 }
 
 fn vendor_arg(v: &str) -> Result<String, String> {
@@ -410,6 +441,13 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         if let Some(p) = progress.as_mut() {
             p.start(size);
         }
+        // Reductions move whole elements (reduce-scatter: whole elements per rank).
+        let size = collective::whole_elements(&o.test, n, size, o.datatype);
+        let red = collective::Red {
+            dtype: o.datatype,
+            op: o.op,
+            forced: comm.config().reduce_algo,
+        };
         let (sp, rp, result_in_send) = collective::placement(
             &o.test,
             o.in_place,
@@ -428,7 +466,7 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             } else {
                 // In place: this rank's input sits inside its receive buffer.
                 let len = collective::input_bytes(&o.test, me, n, size, o.root);
-                recvs[0].write((sp.0 - rp.0) as usize, &data[..len], &stream)?;
+                recvs[0].write((sp.0 - recvs[0].ptr().0) as usize, &data[..len], &stream)?;
             }
         }
         // The ceiling in the same traffic pattern: for sendrecv and pairs every rank copies at
@@ -484,7 +522,7 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
                 t if is_collective(t) => {
                     // SAFETY: both buffers hold `max >= size` bytes, every block a collective
                     // of `size` names lies inside them, and they outlive the wait.
-                    let c = unsafe { run_collective(&comm, t, sp, rp, size, o.root, h) }?;
+                    let c = unsafe { run_collective(&comm, t, sp, rp, size, o.root, red, h) }?;
                     inflight.push(Pending::Collective(c));
                 }
                 // SAFETY: every buffer holds `max >= size` bytes and outlives each wait. A
@@ -536,7 +574,7 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             let off = (rp.0 - result.ptr().0) as usize;
             let mut got = vec![0u8; size];
             result.read(off, &mut got[..size - off], &stream)?;
-            wrong += collective_wrong(&o.test, &got, me, n, size, o.root);
+            wrong += collective_wrong(&o.test, &got, me, n, size, o.root, red);
         } else if o.check {
             for (b, &src) in recvs.iter().zip(&froms) {
                 let mut got = vec![0u8; size];
@@ -558,9 +596,10 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         // nccl-tests' bus bandwidth: what each link carries. Gathers, scatters and
         // all-to-alls move (n - 1) / n of the buffer through a rank's links.
         let bus = match o.test.as_str() {
-            "gather" | "scatter" | "allgather" | "alltoall" | "alltoallv" => {
+            "gather" | "scatter" | "allgather" | "alltoall" | "alltoallv" | "reducescatter" => {
                 (n - 1) as f64 / n as f64
             }
+            "allreduce" => 2.0 * (n - 1) as f64 / n as f64,
             _ => 1.0,
         };
         // NCCL after our check (it writes the same receive buffers), with the same formulas.
