@@ -479,12 +479,32 @@ fn bench(vs_mpi: bool) -> Result {
             one_size("alltoall", 4, b, iters.max(5))
         })
         .collect();
+    // All-reduce (sum, float32 and int32; 2 and 4 ranks): each call waited for
+    // (`--blocking`), as `MPI_Allreduce` returns with it done; Open MPI's iteration counts.
+    let allreduce = |ranks: u32, dtype: &str| -> Vec<Vec<String>> {
+        let small = format!(
+            "-t allreduce -N {ranks} -d {dtype} -b 8 -e 524288 -f 16 -n 1000 -w 50 --blocking"
+        );
+        std::iter::once(small.split_whitespace().map(String::from).collect())
+            .chain([8u64 << 20, 128 << 20].into_iter().map(|b| {
+                let mut a = one_size("allreduce", ranks, b, ((2048 << 20) / b).max(5));
+                a.extend(["-d", dtype, "--blocking"].map(String::from));
+                a
+            }))
+            .collect()
+    };
+    let (ar_f2, ar_i2, ar_f4) = (
+        allreduce(2, "float"),
+        allreduce(2, "int32"),
+        allreduce(4, "float"),
+    );
     fn args(v: &[Vec<String>]) -> Vec<Vec<&str>> {
         v.iter()
             .map(|a| a.iter().map(String::as_str).collect())
             .collect()
     }
     let (pingpong_large, alltoall_large) = (args(&pingpong_large), args(&alltoall_large));
+    let (ar_f2, ar_i2, ar_f4) = (args(&ar_f2), args(&ar_i2), args(&ar_f4));
     if !vs_mpi {
         for args in
             std::iter::once(&pingpong_small[..]).chain(pingpong_large.iter().map(Vec::as_slice))
@@ -505,7 +525,7 @@ fn bench(vs_mpi: bool) -> Result {
             "--vs-mpi needs Open MPI: sudo apt-get install openmpi-bin libopenmpi-dev".into(),
         );
     }
-    for source in ["pingpong", "alltoall"] {
+    for source in ["pingpong", "alltoall", "allreduce"] {
         run(
             &format!("mpicc benches/mpi/{source}.c"),
             Command::new("mpicc")
@@ -526,7 +546,8 @@ fn bench(vs_mpi: bool) -> Result {
                 .unwrap_or_default()
         })
     };
-    type Tests<'a> = [(&'a str, Vec<&'a [&'a str]>, &'a str, &'a str); 2];
+    // (name, our sweeps, Open MPI's program, ranks, its extra arguments)
+    type Tests<'a> = [(&'a str, Vec<&'a [&'a str]>, &'a str, &'a str, &'a str); 5];
     let tests: Tests = [
         (
             "ping-pong",
@@ -535,6 +556,7 @@ fn bench(vs_mpi: bool) -> Result {
                 .collect(),
             "pingpong",
             "2",
+            "",
         ),
         (
             "all-to-all, 4 ranks",
@@ -543,14 +565,36 @@ fn bench(vs_mpi: bool) -> Result {
                 .collect(),
             "alltoall",
             "4",
+            "",
+        ),
+        (
+            "all-reduce f32, 2 ranks",
+            ar_f2.iter().map(Vec::as_slice).collect(),
+            "allreduce",
+            "2",
+            "float",
+        ),
+        (
+            "all-reduce i32, 2 ranks",
+            ar_i2.iter().map(Vec::as_slice).collect(),
+            "allreduce",
+            "2",
+            "int",
+        ),
+        (
+            "all-reduce f32, 4 ranks",
+            ar_f4.iter().map(Vec::as_slice).collect(),
+            "allreduce",
+            "4",
+            "float",
         ),
     ];
     // (test, bytes) -> per round (ours, theirs), one time in µs each.
     type Rows = std::collections::BTreeMap<(usize, u64), Vec<(f64, f64)>>;
     let mut rows: Rows = Default::default();
-    const ROUNDS: usize = 3;
+    const ROUNDS: usize = 5;
     for round in 1..=ROUNDS {
-        for (t, (name, sweeps, source, ranks)) in tests.iter().enumerate() {
+        for (t, (name, sweeps, source, ranks, extra)) in tests.iter().enumerate() {
             for args in sweeps {
                 let ours = capture(
                     &format!("round {round}/{ROUNDS}: flagcx-perf, host-vendor {name}"),
@@ -570,7 +614,8 @@ fn bench(vs_mpi: bool) -> Result {
                     mpirun
                         .args(["--oversubscribe", "-n", ranks])
                         .arg(root().join(format!("target/mpi-{source}")))
-                        .args([&lo, &hi]),
+                        .args([&lo, &hi])
+                        .args((!extra.is_empty()).then_some(extra)),
                 )?;
                 // Our JSON rows and MPI's table rows (bytes, time in µs, …), joined on bytes.
                 let mpi: std::collections::HashMap<u64, f64> = theirs
