@@ -270,7 +270,6 @@ fn rank_worker() {
             let calls = reductions::reductions(&r.adaptor, &r.comm, &r.stream, big);
             println!("reductions: rank {me} of {n}: {calls} calls, every byte right");
         }
-        "reductions_refused" => reductions::refused(&r.comm, &r.stream),
         "ring" => {
             let mut sizes = scenario_sizes();
             sizes.push(big);
@@ -3259,11 +3258,23 @@ fn reductions_on_2_3_4_and_8_ranks() {
     }
 }
 
-/// A job where one rank's vendor cannot reduce (OpenCL until its kernels exist): every rank's
-/// reduction fails at once with `Unsupported`, none hangs, and the job goes on.
+/// Reductions across vendors: host and OpenCL ranks (PoCL in CI; `FLAGCX_P2P_TEST_MIXED`, CUDA
+/// and host in the GPU bundle) each combine on their own device, and every rank's result is
+/// the reference bit for bit.
 #[test]
-fn reductions_a_rank_cannot_do_fail_on_every_rank() {
-    job(2, "host,opencl", "reductions_refused", &[]);
+fn reductions_across_vendors_give_the_same_bits() {
+    let max = ("FLAGCX_TEST_MAX", "9437187");
+    job(2, "host,opencl", "reductions", &[max]);
+    job(
+        3,
+        "opencl,host",
+        "reductions",
+        &[("FLAGCX_TEST_MAX", "1048583")],
+    );
+    let mixed = vendors("FLAGCX_P2P_TEST_MIXED");
+    if mixed.contains(',') && mixed != "host,opencl" {
+        job(3, &mixed, "reductions", &[max]);
+    }
 }
 
 /// The way real clients call (`common/client.rs`): their own stream ordered against the

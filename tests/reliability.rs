@@ -748,10 +748,25 @@ fn reliability_worker() {
             let block = 4 << 20;
             let send = Arc::new(DeviceBuffer::new(&adaptor, block).expect("alloc"));
             let recv = Arc::new(DeviceBuffer::new(&adaptor, n * block).expect("alloc"));
+            let reduce = std::env::var("FLAGCX_TEST_COLLECTIVE").as_deref() == Ok("allreduce");
             let gather = || {
                 // SAFETY: both buffers hold what the call names and outlive the wait.
-                unsafe { comm.all_gather_raw(send.ptr(), recv.ptr(), block, stream.handle()) }
-                    .and_then(|c| c.wait())
+                unsafe {
+                    if reduce {
+                        let (f, sum) = (flagcx::DataType::F32, flagcx::ReduceOp::Sum);
+                        comm.all_reduce_raw(
+                            send.ptr(),
+                            send.ptr(),
+                            block / 4,
+                            f,
+                            sum,
+                            stream.handle(),
+                        )
+                    } else {
+                        comm.all_gather_raw(send.ptr(), recv.ptr(), block, stream.handle())
+                    }
+                }
+                .and_then(|c| c.wait())
             };
             gather().expect("the first all-gather");
             if me == 2 {
@@ -778,7 +793,8 @@ fn reliability_worker() {
             drop((comm, stream, send, recv));
             assert_no_leaks(&before, "collective with a killed rank");
             println!(
-                "survivor ok: rank {me}: all-gather failed {} ms after the death: {err}",
+                "survivor ok: rank {me}: the {} failed {} ms after the death: {err}",
+                if reduce { "all-reduce" } else { "all-gather" },
                 t.elapsed().as_millis()
             );
         }
@@ -796,6 +812,7 @@ fn reliability_worker() {
             }
         }
         "join_fault" => join_fault_scenario(adaptor, me, peer, &before),
+        "reduce_fault" => reduce_fault_scenario(adaptor, me, &before),
         "devring_fault" => devring_fault_scenario(adaptor, me, peer, &before),
         "expect_setup_mismatch" => {
             // The ranks were started with different staged ring settings: each must refuse
@@ -1192,6 +1209,77 @@ fn fault_scenario(adaptor: Adaptor, me: usize, peer: usize, before: &Snapshot) {
     drop((comm, stream, buf));
     assert_no_leaks(before, "fault");
     println!("survivor ok: rank {me} saw {}", r.unwrap_err());
+}
+
+/// Three ranks all-reduce 4 MiB of float32 (the ring); rank `FLAGCX_TEST_FAULT_RANK` has a
+/// [`flagcx_adaptor::testing::FaultyAdaptor`] with `FLAGCX_TEST_FAULT_OP`:
+/// - `no_reduce` (its vendor claims no reduction types): every rank's call is refused at once
+///   with `Unsupported`, and the communicator still works (a barrier);
+/// - `reduce` (its second reduction step fails to enqueue, mid-call): it gets the injected
+///   error, the others a failure naming it within seconds — nobody waits for its messages.
+fn reduce_fault_scenario(adaptor: Adaptor, me: usize, before: &Snapshot) {
+    use flagcx::{DataType, ReduceOp};
+    use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor};
+    let faulty: usize = std::env::var("FLAGCX_TEST_FAULT_RANK")
+        .expect("FLAGCX_TEST_FAULT_RANK")
+        .parse()
+        .expect("a rank");
+    let op: FaultOp = std::env::var("FLAGCX_TEST_FAULT_OP")
+        .expect("FLAGCX_TEST_FAULT_OP")
+        .parse()
+        .expect("a fault");
+    let a = if me == faulty {
+        FaultyAdaptor::new(adaptor, op, 1)
+    } else {
+        FaultyAdaptor::new(adaptor, FaultOp::Reduce, usize::MAX >> 1)
+    };
+    let comm = Comm::from_env(a.clone()).expect("comm");
+    let stream = Stream::new(&a).expect("stream");
+    let count = 1 << 20;
+    let buf = Arc::new(DeviceBuffer::new(&a, count * 4).expect("alloc"));
+    buf.write(0, &vec![0u8; count * 4], &stream).expect("fill");
+    let t = Instant::now();
+    // SAFETY: `buf` holds `count` float32 and outlives the wait.
+    let r = unsafe {
+        comm.all_reduce_raw(
+            buf.ptr(),
+            buf.ptr(),
+            count,
+            DataType::F32,
+            ReduceOp::Sum,
+            stream.handle(),
+        )
+    }
+    .and_then(|c| c.wait());
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_secs(15),
+        "rank {me}: the failed all-reduce took {took:?}"
+    );
+    match (op, &r) {
+        (FaultOp::NoReduce, Err(CommError::Adaptor(flagcx::AdaptorError::Unsupported { .. }))) => {
+            comm.barrier(stream.handle())
+                .expect("a barrier after the refused all-reduce");
+        }
+        (FaultOp::Reduce, Err(e)) if me == faulty => {
+            assert!(
+                is_injected(e),
+                "rank {me}: expected the injected fault, got {e}"
+            );
+        }
+        (FaultOp::Reduce, Err(_)) => {}
+        (_, other) => panic!("rank {me}: {op:?} on rank {faulty}: got {other:?}"),
+    }
+    stream
+        .synchronize()
+        .expect("the caller's stream was released");
+    drop((comm, stream, buf));
+    assert_no_leaks(before, "a failed reduction");
+    println!(
+        "survivor ok: rank {me}: {op:?} on rank {faulty}: {} after {} ms",
+        r.unwrap_err(),
+        took.as_millis()
+    );
 }
 
 /// Rank 0's first stream memory wait fails ([`failed_stream_join_fails_the_communicator`]).
@@ -2152,6 +2240,50 @@ fn killed_rank_fails_a_collective_everywhere() {
     );
     assert_survived(&outs[0], "rank 0 of a collective with a killed rank");
     assert_survived(&outs[1], "rank 1 of a collective with a killed rank");
+}
+
+/// A rank whose vendor cannot reduce: every rank's all-reduce is refused at once with
+/// `Unsupported` and the communicator goes on; a rank whose reduction step fails mid-call:
+/// every rank's call fails within seconds, none waits out a timeout or hangs.
+#[test]
+fn failed_reductions_fail_on_every_rank() {
+    if skip_unless_vendor() {
+        return;
+    }
+    for (op, faulty) in [("no_reduce", "2"), ("reduce", "1")] {
+        let id = UniqueId::random().expect("id").to_string();
+        let env = [
+            ("FLAGCX_TEST_FAULT_OP", op),
+            ("FLAGCX_TEST_FAULT_RANK", faulty),
+        ];
+        let ranks: Vec<Child> = (0..3)
+            .map(|r| spawn_rank(r, 3, &id, "reduce_fault", &env))
+            .collect();
+        for (r, c) in ranks.into_iter().enumerate() {
+            let o = finish(c, Duration::from_secs(60));
+            assert_survived(&o, &format!("rank {r}, {op} on rank {faulty}"));
+        }
+    }
+}
+
+/// A rank killed in the middle of all-reduces: the others' calls fail with `PeerLost`.
+#[test]
+fn killed_rank_fails_an_all_reduce_everywhere() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let id = UniqueId::random().expect("id").to_string();
+    let env = [("FLAGCX_TEST_COLLECTIVE", "allreduce")];
+    let ranks: Vec<Child> = (0..3)
+        .map(|r| spawn_rank(r, 3, &id, "collective_killed", &env))
+        .collect();
+    let outs: Vec<Output> = ranks
+        .into_iter()
+        .map(|c| finish(c, Duration::from_secs(60)))
+        .collect();
+    assert_sigkilled(&outs[2], "rank 2");
+    assert_survived(&outs[0], "rank 0 of an all-reduce with a killed rank");
+    assert_survived(&outs[1], "rank 1 of an all-reduce with a killed rank");
 }
 
 #[test]

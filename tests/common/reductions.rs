@@ -102,7 +102,8 @@ pub fn expected(
 
 /// Every type × op × kind on small and odd counts, in place and out of place at unaligned
 /// addresses, and one large all-reduce per type family through the ring's slices; each result
-/// checked bit for bit on every rank. Returns the number of calls checked.
+/// checked bit for bit on every rank; a type some rank cannot reduce must be refused with
+/// `Unsupported` on every rank. Returns the number of calls checked.
 pub fn reductions(
     adaptor: &Adaptor,
     comm: &Comm<Adaptor>,
@@ -112,6 +113,7 @@ pub fn reductions(
     let (me, n) = (comm.rank(), comm.nranks());
     let forced = comm.config().reduce_algo;
     let mut calls = 0;
+    let mut refused = 0;
     let mut tag = 0u64;
     let mut run = |kind: Kind,
                    count: usize,
@@ -147,6 +149,22 @@ pub fn reductions(
             }
         };
         let what = format!("rank {me}: {kind:?} of {count} {dtype} {op} (in place {in_place}, +{shift} B, tag {tag})");
+        // A type some rank's vendor cannot reduce exactly is refused on every rank.
+        let able = (0..n).all(|q| {
+            comm.peer_info(q)
+                .is_some_and(|p| p.caps.reduce_types & dtype.bit() != 0)
+        });
+        if !able {
+            match c {
+                Err(flagcx::CommError::Adaptor(flagcx::AdaptorError::Unsupported { .. })) => {
+                    refused += 1;
+                    return;
+                }
+                other => {
+                    panic!("{what}: a rank cannot reduce {dtype}, yet the call gave {other:?}")
+                }
+            }
+        }
         c.and_then(|c| c.wait())
             .unwrap_or_else(|e| panic!("{what}: {e}"));
         let algo = choose(n, count, dtype, forced);
@@ -199,40 +217,11 @@ pub fn reductions(
     for kind in kinds {
         run(kind, 0, DataType::F32, ReduceOp::Sum, false, 0);
     }
-    calls
-}
-
-/// Every rank's reductions fail with `Unsupported` where some rank's vendor cannot reduce the
-/// type (its `Capabilities::reduce_types`), and the communicator still works afterwards.
-pub fn refused(comm: &Comm<Adaptor>, s: &Stream<Adaptor>) {
-    let me = comm.rank();
-    let missing = (0..comm.nranks()).any(|q| {
-        comm.peer_info(q)
-            .is_some_and(|p| p.caps.reduce_types & DataType::F32.bit() == 0)
-    });
-    assert!(
-        missing,
-        "rank {me}: the job was meant to have a rank that cannot reduce"
-    );
-    let buf = DeviceBuffer::new(comm.adaptor(), 64).expect("alloc");
-    for kind in [Kind::AllReduce, Kind::ReduceScatter, Kind::Reduce(0)] {
-        let (p, h, f) = (buf.ptr(), s.handle(), DataType::F32);
-        // SAFETY: `buf` holds 64 bytes; refused before anything is enqueued.
-        let r = unsafe {
-            match kind {
-                Kind::AllReduce => comm.all_reduce_raw(p, p, 4, f, ReduceOp::Sum, h),
-                Kind::ReduceScatter => comm.reduce_scatter_raw(p, p, 2, f, ReduceOp::Sum, h),
-                Kind::Reduce(root) => comm.reduce_raw(p, p, 4, f, ReduceOp::Sum, root, h),
-            }
-        };
-        match r {
-            Err(flagcx::CommError::Adaptor(flagcx::AdaptorError::Unsupported { .. })) => {}
-            other => panic!("rank {me}: {kind:?} where a rank cannot reduce: {other:?}"),
-        }
+    if refused > 0 {
+        println!(
+            "reductions: rank {me}: {refused} calls refused (a type some rank's vendor cannot \
+             reduce exactly)"
+        );
     }
-    // The communicator is intact: a barrier still completes.
-    comm.barrier(s.handle())
-        .expect("barrier after the refusals");
-    s.synchronize().expect("synchronize");
-    println!("reductions refused: rank {me}: every kind Unsupported, barrier ok");
+    calls
 }

@@ -38,6 +38,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod extmem;
+mod reduce;
 mod split;
 
 use std::collections::{HashMap, HashSet};
@@ -193,6 +194,10 @@ struct Inner {
     next_handle: AtomicU64,
     /// Hands host functions to their thread (see `spawn_host_fn_thread`).
     host_fns: Mutex<std::sync::mpsc::Sender<HostCall>>,
+    /// The element types this device reduces exactly (`reduce::claimed_types`).
+    reduce_types: u16,
+    /// The reduction kernel, built at the first reduction.
+    reducer: reduce::Reducer,
 }
 
 impl std::fmt::Debug for OpenClAdaptor {
@@ -325,6 +330,8 @@ impl OpenClAdaptor {
                 recorded: Mutex::default(),
                 next_handle: AtomicU64::new(0x10_0000),
                 host_fns: Mutex::new(spawn_host_fn_thread()?),
+                reduce_types: reduce::claimed_types(id),
+                reducer: reduce::Reducer::default(),
             }),
         })
     }
@@ -702,6 +709,7 @@ impl DeviceAdaptor for OpenClAdaptor {
             host_gates: true,
             host_pin: true,
             ipc_fd_foreign: self.inner.fd_import,
+            reduce_types: self.inner.reduce_types,
             ..Capabilities::default()
         }
     }
@@ -990,6 +998,47 @@ impl DeviceAdaptor for OpenClAdaptor {
                 )
             }
         })
+    }
+
+    unsafe fn reduce_async(
+        &self,
+        dst: DevicePtr,
+        a: DevicePtr,
+        b: DevicePtr,
+        count: usize,
+        dtype: flagcx_adaptor::DataType,
+        step: flagcx_adaptor::ReduceStep,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        const OP: &str = "reduce_async";
+        let types = self.inner.reduce_types;
+        let bytes =
+            flagcx_adaptor::reduce::check_operands(VENDOR, types, dst, a, b, count, dtype, step)?;
+        let q = self.queue(stream)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        let combine = matches!(step, flagcx_adaptor::ReduceStep::Combine(_));
+        let (d, x) = (self.resolve(OP, dst, bytes)?, self.resolve(OP, a, bytes)?);
+        let y = if combine {
+            self.resolve(OP, b, bytes)?
+        } else {
+            x
+        };
+        // SAFETY: the operands were resolved inside live buffers of this context; the caller
+        // keeps them valid until the command completes.
+        let r = unsafe {
+            self.inner.reducer.enqueue(
+                self.inner.context.0,
+                self.inner.id.0,
+                q,
+                (d, x, y),
+                count,
+                dtype,
+                step,
+            )
+        };
+        self.enqueued("clEnqueueNDRangeKernel", stream, Ok(r?))
     }
 
     unsafe fn memset_async(

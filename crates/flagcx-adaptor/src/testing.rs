@@ -42,6 +42,11 @@ pub enum FaultOp {
     AllocShareable,
     /// `ipc_import_fd`: the export cannot be mapped here (another driver's fd).
     IpcImportFd,
+    /// `reduce_async`: a reduction step fails to enqueue (a kernel launch refused).
+    Reduce,
+    /// Not a failing call: the adaptor claims no reduction types at all
+    /// (`Capabilities::reduce_types` is 0), as a vendor without reduction kernels does.
+    NoReduce,
 }
 
 impl std::str::FromStr for FaultOp {
@@ -58,11 +63,14 @@ impl std::str::FromStr for FaultOp {
             "ipc_open_mapped" => Ok(FaultOp::IpcOpenMapped),
             "alloc_shareable" => Ok(FaultOp::AllocShareable),
             "ipc_import_fd" => Ok(FaultOp::IpcImportFd),
+            "reduce" => Ok(FaultOp::Reduce),
+            "no_reduce" => Ok(FaultOp::NoReduce),
             _ => Err(AdaptorError::invalid(
                 "FaultOp",
                 format!(
                     "{s:?}: expected h2d, d2h, d2d, register, event_query, stream_write, \
-                     stream_wait, ipc_open_mapped, alloc_shareable or ipc_import_fd"
+                     stream_wait, ipc_open_mapped, alloc_shareable, ipc_import_fd, reduce or \
+                     no_reduce"
                 ),
             )),
         }
@@ -148,7 +156,11 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         self.inner.properties(index)
     }
     fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
+        let mut c = self.inner.capabilities();
+        if self.op == FaultOp::NoReduce {
+            c.reduce_types = 0;
+        }
+        c
     }
     fn mem_alloc(&self, size: usize) -> Result<DevicePtr> {
         self.inner.mem_alloc(size)
@@ -258,6 +270,13 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         step: crate::reduce::ReduceStep,
         stream: StreamHandle,
     ) -> Result<()> {
+        if self.op == FaultOp::NoReduce {
+            return Err(AdaptorError::Unsupported {
+                vendor: self.inner.vendor(),
+                op: "reduce_async",
+            });
+        }
+        self.check(FaultOp::Reduce, "reduce_async")?;
         // SAFETY: forwarded contract.
         unsafe {
             self.inner

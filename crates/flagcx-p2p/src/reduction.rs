@@ -545,6 +545,35 @@ impl<A: DeviceAdaptor> Comm<A> {
             in_place,
         };
         let steps = plan(&shape);
+        // From here on a failure is this rank's alone (the scratch, a post, a reduction step
+        // its vendor refused): the other ranks have posted or will post the call's messages
+        // and would wait for this rank's. The communicator is aborted, so every peer's side
+        // fails at once (its pairs with this rank are retired) instead of waiting out a
+        // timeout, as NCCL's communicators are unusable after an error.
+        // SAFETY: the caller's contract.
+        let posted = unsafe { self.enqueue_plan(&steps, dtype, (send, recv), stream) };
+        if posted.is_err() {
+            tracing::warn!(
+                "rank {}: a reduction failed after its checks; aborting the communicator so no \
+                 peer waits for its messages",
+                self.rank()
+            );
+            self.abort();
+        }
+        posted
+    }
+
+    /// Enqueues `steps` on `stream` (the scratch taken for the call where a step names it).
+    ///
+    /// # Safety
+    /// As the public calls.
+    unsafe fn enqueue_plan(
+        &self,
+        steps: &[Step],
+        dtype: DataType,
+        (send, recv): (DevicePtr, DevicePtr),
+        stream: StreamHandle,
+    ) -> Result<Collective> {
         let needs_scratch = steps.iter().any(|s| s.touches(Buf::Scratch));
         let mut scratch = lock(&self.scratch);
         let scratch_ptr = if needs_scratch {
@@ -562,7 +591,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         };
         let mut c = Collective::default();
         let mut tail = false;
-        for step in &steps {
+        for step in steps {
             match step {
                 Step::Exchange(ex) => {
                     let blocks: Vec<Block> =

@@ -177,7 +177,7 @@ pub fn reduction_operands_are_checked<A: DeviceAdaptor>(a: &A) {
             "{what}: {e}"
         );
     };
-    // SAFETY (every call below): refused before anything is enqueued, or zero elements.
+    // SAFETY: every call below is refused before anything is enqueued, or has zero elements.
     unsafe {
         let half = DevicePtr(p.0 + 8);
         invalid(

@@ -1,0 +1,387 @@
+//! The reduction step (`DeviceAdaptor::reduce_async`) as an OpenCL kernel built from source at
+//! the first reduction of each adaptor, following `flagcx_adaptor::reduce`'s rules bit for
+//! bit: `#pragma OPENCL FP_CONTRACT OFF` (no FMA), no `-cl-denorms-are-zero`, compares for
+//! max/min, one canonical NaN, float16 through the core `vload_half`/`vstore_half_rte`,
+//! bfloat16 rounded by hand, integers in 64-bit arithmetic (wrap-around by truncation).
+//!
+//! Which types the device can do exactly decides what the adaptor claims
+//! ([`claimed_types`]): float32 and bfloat16 only where the device keeps single-precision
+//! denormals (`CL_FP_DENORM`), float64 only with `cl_khr_fp64` and double denormals. Anything
+//! else would give other bits than the host reference, so it is `Unsupported` instead.
+
+use std::ffi::CString;
+use std::sync::Mutex;
+
+use cl3::types::{cl_device_id, cl_kernel, cl_mem, cl_program};
+use flagcx_adaptor::reduce::{DataType, ReduceStep};
+use flagcx_adaptor::{AdaptorError, Result};
+
+use crate::{cl_error, Raw};
+
+/// The kernel's source. `FLAGCX_FP64` is defined where the device has `cl_khr_fp64`.
+const SOURCE: &str = r#"
+#pragma OPENCL FP_CONTRACT OFF
+#ifdef FLAGCX_FP64
+#pragma OPENCL EXTENSION cl_khr_fp64 : enable
+#endif
+
+enum { I8, U8, I32, U32, I64, U64, F16, F32, F64, BF16 };
+enum { SUM, PROD, MAX, MIN, AVG };
+
+/* `size` bytes at p as an unsigned integer (little-endian), whatever the alignment. */
+ulong load_bits(__global const uchar *p, int size, int aligned) {
+  if (aligned) {
+    switch (size) {
+      case 1: return *p;
+      case 2: return *(__global const ushort *)p;
+      case 4: return *(__global const uint *)p;
+      default: return *(__global const ulong *)p;
+    }
+  }
+  ulong v = 0;
+  for (int k = 0; k < size; k++) v |= (ulong)p[k] << (8 * k);
+  return v;
+}
+
+void store_bits(__global uchar *p, ulong v, int size, int aligned) {
+  if (aligned) {
+    switch (size) {
+      case 1: *p = (uchar)v; return;
+      case 2: *(__global ushort *)p = (ushort)v; return;
+      case 4: *(__global uint *)p = (uint)v; return;
+      default: *(__global ulong *)p = v; return;
+    }
+  }
+  for (int k = 0; k < size; k++) p[k] = (uchar)(v >> (8 * k));
+}
+
+/* Sign-extends the low `size` bytes. */
+long sext(ulong v, int size) {
+  int shift = 64 - 8 * size;
+  return ((long)(v << shift)) >> shift;
+}
+
+ulong int_step(ulong a, ulong b, int step, uint n, int size, int is_signed) {
+  if (step == SUM) return a + b;
+  if (step == PROD) return a * b;
+  if (step == AVG) {
+    if (is_signed) return (ulong)(sext(a, size) / (long)n);
+    ulong mask = size == 8 ? ~0UL : ((1UL << (8 * size)) - 1);
+    return (a & mask) / (ulong)n;
+  }
+  int a_gt;
+  if (is_signed) a_gt = sext(a, size) > sext(b, size);
+  else {
+    ulong mask = size == 8 ? ~0UL : ((1UL << (8 * size)) - 1);
+    a_gt = (a & mask) > (b & mask);
+  }
+  if (step == MAX) return a_gt ? a : b;
+  return a_gt ? b : a;
+}
+
+float f32_step(float a, float b, int step, float s) {
+  float r;
+  if (step == SUM) r = a + b;
+  else if (step == PROD) r = a * b;
+  else if (step == AVG) r = a * s;
+  else {
+    if (isnan(a) || isnan(b)) return as_float(0x7FC00000u);
+    if (a > b) return step == MAX ? a : b;
+    if (b > a) return step == MAX ? b : a;
+    int a_neg = (int)as_uint(a) < 0;
+    return ((step == MAX) == a_neg) ? b : a;
+  }
+  return isnan(r) ? as_float(0x7FC00000u) : r;
+}
+
+#ifdef FLAGCX_FP64
+double f64_step(double a, double b, int step, double s) {
+  double r;
+  if (step == SUM) r = a + b;
+  else if (step == PROD) r = a * b;
+  else if (step == AVG) r = a * s;
+  else {
+    if (isnan(a) || isnan(b)) return as_double(0x7FF8000000000000UL);
+    if (a > b) return step == MAX ? a : b;
+    if (b > a) return step == MAX ? b : a;
+    int a_neg = (long)as_ulong(a) < 0;
+    return ((step == MAX) == a_neg) ? b : a;
+  }
+  return isnan(r) ? as_double(0x7FF8000000000000UL) : r;
+}
+#endif
+
+float half_bits_to_f32(ushort h) {
+  __private ushort t = h;
+  return vload_half(0, (__private const half *)&t);
+}
+
+ushort f32_to_half_bits(float f) {
+  if (isnan(f)) return 0x7E00;
+  __private ushort t;
+  vstore_half_rte(f, 0, (__private half *)&t);
+  return t;
+}
+
+ushort f32_to_bf16_bits(float f) {
+  if (isnan(f)) return 0x7FC0;
+  uint u = as_uint(f);
+  return (ushort)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+__kernel void flagcx_reduce(__global uchar *dst, ulong dst_off, __global const uchar *a,
+                            ulong a_off, __global const uchar *b, ulong b_off, ulong count,
+                            int dtype, int step, uint n, float s32, ulong s64_bits) {
+  const int sizes[10] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2};
+  int size = sizes[dtype];
+  __global uchar *d = dst + dst_off;
+  __global const uchar *x = a + a_off;
+  __global const uchar *y = b + b_off;
+  int aligned = ((dst_off | a_off | b_off) & (ulong)(size - 1)) == 0;
+  for (ulong i = get_global_id(0); i < count; i += get_global_size(0)) {
+    ulong o = i * (ulong)size;
+    ulong va = load_bits(x + o, size, aligned);
+    ulong vb = step == AVG ? va : load_bits(y + o, size, aligned);
+    ulong r;
+    if (dtype <= U64) {
+      int is_signed = dtype == I8 || dtype == I32 || dtype == I64;
+      r = int_step(va, vb, step, n, size, is_signed);
+    } else if (dtype == F32) {
+      r = as_uint(f32_step(as_float((uint)va), as_float((uint)vb), step, s32));
+    } else if (dtype == F16) {
+      float fa = half_bits_to_f32((ushort)va), fb = half_bits_to_f32((ushort)vb);
+      r = f32_to_half_bits(f32_step(fa, fb, step, s32));
+    } else if (dtype == BF16) {
+      float fa = as_float((uint)va << 16), fb = as_float((uint)vb << 16);
+      r = f32_to_bf16_bits(f32_step(fa, fb, step, s32));
+    } else {
+#ifdef FLAGCX_FP64
+      r = as_ulong(f64_step(as_double(va), as_double(vb), step, as_double(s64_bits)));
+#else
+      r = 0;
+#endif
+    }
+    store_bits(d + o, r, size, aligned);
+  }
+}
+"#;
+
+/// The element types this device reduces exactly (a `Capabilities::reduce_types` mask).
+pub(crate) fn claimed_types(dev: cl_device_id) -> u16 {
+    let has_denorms = |param| {
+        cl3::device::get_device_info(dev, param)
+            .ok()
+            .map(|v| match v {
+                cl3::info_type::InfoType::Ulong(x) => x,
+                _ => 0,
+            })
+            .is_some_and(|bits| bits & cl3::device::CL_FP_DENORM != 0)
+    };
+    let mut mask = [
+        DataType::I8,
+        DataType::U8,
+        DataType::I32,
+        DataType::U32,
+        DataType::I64,
+        DataType::U64,
+        DataType::F16,
+    ]
+    .iter()
+    .fold(0u16, |m, t| m | t.bit());
+    if has_denorms(cl3::device::CL_DEVICE_SINGLE_FP_CONFIG) {
+        mask |= DataType::F32.bit() | DataType::BF16.bit();
+    }
+    if fp64(dev) && has_denorms(cl3::device::CL_DEVICE_DOUBLE_FP_CONFIG) {
+        mask |= DataType::F64.bit();
+    }
+    mask
+}
+
+fn fp64(dev: cl_device_id) -> bool {
+    cl3::device::get_device_data(dev, cl3::device::CL_DEVICE_EXTENSIONS)
+        .map(|b| {
+            String::from_utf8_lossy(&b)
+                .split_whitespace()
+                .any(|e| e == "cl_khr_fp64")
+        })
+        .unwrap_or(false)
+}
+
+/// The built kernel of one adaptor, made at its first reduction. Setting a kernel's arguments
+/// and enqueueing it is not thread safe on one kernel object: both happen under the lock.
+#[derive(Default)]
+pub(crate) struct Reducer {
+    built: Mutex<Option<std::result::Result<Built, Failed>>>,
+}
+
+/// Why the kernel could not be made: the call, the runtime's code, its name and the build log.
+/// Kept, so every later reduction fails with the same typed error instead of building again.
+struct Failed {
+    op: &'static str,
+    code: i64,
+    name: String,
+}
+
+impl Failed {
+    fn error(&self) -> AdaptorError {
+        AdaptorError::Vendor {
+            vendor: flagcx_adaptor::Vendor::OpenCl,
+            op: self.op,
+            code: self.code,
+            name: self.name.clone(),
+        }
+    }
+
+    fn from(e: AdaptorError) -> Self {
+        match e {
+            AdaptorError::Vendor { op, code, name, .. } => Failed { op, code, name },
+            other => Failed {
+                op: "clBuildProgram",
+                code: -11,
+                name: other.to_string(),
+            },
+        }
+    }
+}
+
+struct Built {
+    program: Raw<cl_program>,
+    kernel: Raw<cl_kernel>,
+}
+
+impl Drop for Built {
+    fn drop(&mut self) {
+        // SAFETY: made in `build`, released once here; no launch holds them any more (the
+        // adaptor's queues were finished before its objects are dropped).
+        unsafe {
+            let _ = cl3::kernel::release_kernel(self.kernel.0);
+            let _ = cl3::program::release_program(self.program.0);
+        }
+    }
+}
+
+/// One operand: its buffer and the byte offset in it.
+pub(crate) type Operand = (cl_mem, usize);
+
+impl Reducer {
+    /// Enqueues the step on `queue`: `dst = a op b` over `count` elements (`b` is read only
+    /// for a combine step). Returns the kernel's event.
+    ///
+    /// # Safety
+    /// The operands lie in live buffers of this context (the adaptor resolved them) and stay
+    /// valid until the command completes.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn enqueue(
+        &self,
+        context: cl3::types::cl_context,
+        dev: cl_device_id,
+        queue: cl3::types::cl_command_queue,
+        (dst, a, b): (Operand, Operand, Operand),
+        count: usize,
+        dtype: DataType,
+        step: ReduceStep,
+    ) -> Result<cl3::types::cl_event> {
+        const OP: &str = "clEnqueueNDRangeKernel";
+        let mut g = self.built.lock().unwrap_or_else(|e| e.into_inner());
+        let built = match g.get_or_insert_with(|| build(context, dev).map_err(Failed::from)) {
+            Ok(b) => b,
+            Err(f) => return Err(f.error()),
+        };
+        let k = built.kernel.0;
+        let (code, n, s) = match step {
+            ReduceStep::Combine(op) => (op as i32, 1u32, 0.0f64),
+            ReduceStep::Average { n } => (
+                4,
+                n,
+                flagcx_adaptor::reduce::average_scale(dtype, n).unwrap_or(0.0),
+            ),
+        };
+        let (s32, s64) = (s as f32, s.to_bits());
+        let (count, dt) = (count as u64, dtype as i32);
+        let offs = [dst.1 as u64, a.1 as u64, b.1 as u64];
+        let mems = [dst.0, a.0, b.0];
+        // Arguments in the kernel's order: (buffer, offset) x3, count, dtype, step, n, s32, s64.
+        let set = |i: u32, size: usize, p: *const std::ffi::c_void| {
+            // SAFETY: `p` points at a value of the kernel parameter's size for this call.
+            unsafe { cl3::kernel::set_kernel_arg(k, i, size, p) }
+                .map_err(|c| cl_error("clSetKernelArg", c))
+        };
+        for j in 0..3 {
+            set(
+                2 * j as u32,
+                std::mem::size_of::<cl_mem>(),
+                (&mems[j] as *const cl_mem).cast(),
+            )?;
+            set(2 * j as u32 + 1, 8, (&offs[j] as *const u64).cast())?;
+        }
+        set(6, 8, (&count as *const u64).cast())?;
+        set(7, 4, (&dt as *const i32).cast())?;
+        set(8, 4, (&code as *const i32).cast())?;
+        set(9, 4, (&n as *const u32).cast())?;
+        set(10, 4, (&s32 as *const f32).cast())?;
+        set(11, 8, (&s64 as *const u64).cast())?;
+        // Enough work-items to fill the device several times over; a strided loop covers
+        // the rest.
+        let global: usize = count.clamp(1, 1 << 16) as usize;
+        // SAFETY: the kernel's arguments are set; the caller's contract covers the memory.
+        unsafe {
+            cl3::command_queue::enqueue_nd_range_kernel(
+                queue,
+                k,
+                1,
+                std::ptr::null(),
+                &global,
+                std::ptr::null(),
+                0,
+                std::ptr::null(),
+            )
+        }
+        .map_err(|c| cl_error(OP, c))
+    }
+}
+
+/// Builds the program for `dev` and makes its kernel; the build log is kept in the error.
+fn build(context: cl3::types::cl_context, dev: cl_device_id) -> Result<Built> {
+    let program = cl3::program::create_program_with_source(context, &[SOURCE])
+        .map_err(|c| cl_error("clCreateProgramWithSource", c))?;
+    let options = CString::new(if fp64(dev) { "-DFLAGCX_FP64" } else { "" })
+        .map_err(|_| AdaptorError::invalid("clBuildProgram", "options"))?;
+    if let Err(c) =
+        cl3::program::build_program(program, &[dev], &options, None, std::ptr::null_mut())
+    {
+        let log =
+            cl3::program::get_program_build_data(program, dev, cl3::program::CL_PROGRAM_BUILD_LOG)
+                .map(|b| {
+                    String::from_utf8_lossy(&b)
+                        .trim_end_matches('\0')
+                        .to_string()
+                })
+                .unwrap_or_default();
+        // SAFETY: made above, used by nothing else.
+        unsafe {
+            let _ = cl3::program::release_program(program);
+        }
+        return Err(AdaptorError::Vendor {
+            vendor: flagcx_adaptor::Vendor::OpenCl,
+            op: "clBuildProgram",
+            code: i64::from(c),
+            name: format!(
+                "{} (the reduction kernel; build log: {log})",
+                cl3::error_codes::error_text(c)
+            ),
+        });
+    }
+    match cl3::kernel::create_kernel(program, c"flagcx_reduce") {
+        Ok(kernel) => Ok(Built {
+            program: Raw(program),
+            kernel: Raw(kernel),
+        }),
+        Err(c) => {
+            // SAFETY: as above.
+            unsafe {
+                let _ = cl3::program::release_program(program);
+            }
+            Err(cl_error("clCreateKernel", c))
+        }
+    }
+}
