@@ -90,8 +90,12 @@ pub fn init_logging() {
         }
         _ => filter,
     };
+    // Colours only on a terminal: piped through `flagcx-run` or into a file, escape codes
+    // would be noise in every line.
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
         .with_writer(std::io::stderr)
+        .with_ansi(colour)
         .try_init();
 }

@@ -2164,6 +2164,18 @@ fn marker_path() -> std::path::PathBuf {
 /// Runs `scenario` on `n` ranks of `vendors` and checks that every rank finished; returns the
 /// job's output (empty where the vendor is unavailable and the test was skipped).
 fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) -> String {
+    job_under(n, vendors, scenario, env, &[])
+}
+
+/// [`job`] with every rank started under `wrapper` (a command and its arguments, such as
+/// `taskset -c 0`), and the launcher's own binding off.
+fn job_under(
+    n: usize,
+    vendors: &str,
+    scenario: &str,
+    env: &[(&str, &str)],
+    wrapper: &[&str],
+) -> String {
     for v in vendors.split(',') {
         let vendor: flagcx::Vendor = v.parse().expect("vendor name");
         if let Err(e) = Adaptor::open(vendor, 0) {
@@ -2184,8 +2196,14 @@ fn job(n: usize, vendors: &str, scenario: &str, env: &[(&str, &str)]) -> String 
         vendors,
         "--timeout",
         "240",
-        "--",
     ])
+    .args(if wrapper.is_empty() {
+        &[][..]
+    } else {
+        &["--bind", "off"][..]
+    })
+    .arg("--")
+    .args(wrapper)
     .arg(exe)
     .args([
         "--exact",
@@ -3275,6 +3293,34 @@ fn reductions_across_vendors_give_the_same_bits() {
     if mixed.contains(',') && mixed != "host,opencl" {
         job(3, &mixed, "reductions", &[max]);
     }
+}
+
+/// Ranks bound to one CPU each, as `mpirun --bind-to core` and Slurm's `--cpu-bind=cores`
+/// bind them (here both on CPU 0, the harsher case): the library reads the affinity mask at
+/// init, says so in the log, and its waiters yield so the threads they wait for run; rings of
+/// every size and the client pattern complete with every byte right.
+#[test]
+fn ranks_bound_to_one_cpu_make_progress() {
+    if std::process::Command::new("taskset")
+        .arg("-V")
+        .output()
+        .is_err()
+    {
+        flagcx_adaptor::conformance::report_skip_reason(
+            "p2p::ranks_bound_to_one_cpu_make_progress",
+            "host",
+            "taskset (util-linux) not found",
+        );
+        return;
+    }
+    let debug = [("FLAGCX_DEBUG", "info")];
+    let log = job_under(2, "host", "ring", &debug, &["taskset", "-c", "0"]);
+    for rank in 0..2 {
+        let said = format!("rank {rank} of 2: 1 CPU(s) in its affinity mask, 1 for the job");
+        assert!(log.contains(&said), "no line {said:?} in\n{log}");
+    }
+    assert!(log.contains("yield between polls"), "{log}");
+    job_under(2, "host", "client", &[], &["taskset", "-c", "0"]);
 }
 
 /// The way real clients call (`common/client.rs`): their own stream ordered against the

@@ -438,6 +438,11 @@ pub unsafe extern "C" fn flagcxCommInitRank(
     comm_id: *const flagcxUniqueId,
     rank: c_int,
 ) -> flagcxResult_t {
+    // FLAGCX_DEBUG reaches C programs too: the library's log goes to stderr once asked for
+    // (a logger the application installed first is kept).
+    if std::env::var_os("FLAGCX_DEBUG").is_some() {
+        flagcx_rs::init_logging();
+    }
     guard(None, || {
         if comm.is_null() {
             return Err(invalid("NULL communicator pointer"));
