@@ -217,6 +217,7 @@ pub fn reductions(
     for kind in kinds {
         run(kind, 0, DataType::F32, ReduceOp::Sum, false, 0);
     }
+    calls += in_a_group(adaptor, comm, s);
     if refused > 0 {
         println!(
             "reductions: rank {me}: {refused} calls refused (a type some rank's vendor cannot \
@@ -224,4 +225,58 @@ pub fn reductions(
         );
     }
     calls
+}
+
+/// A ring exchange and an int32 all-reduce posted in one group (the reduction runs at the
+/// group's end, after the exchange): both results right on every rank.
+fn in_a_group(adaptor: &Adaptor, comm: &Comm<Adaptor>, s: &Stream<Adaptor>) -> usize {
+    let (me, n) = (comm.rank(), comm.nranks());
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    let (len, count) = (4099usize, 1000usize);
+    let out = DeviceBuffer::new(adaptor, len).expect("alloc");
+    let back = DeviceBuffer::new(adaptor, len).expect("alloc");
+    let sums = DeviceBuffer::new(adaptor, count * 4).expect("alloc");
+    let pattern = |r: usize| -> Vec<u8> { (0..len).map(|i| (i * 7 + r * 31) as u8).collect() };
+    out.write(0, &pattern(me), s).expect("fill");
+    let mine: Vec<u8> = (0..count)
+        .flat_map(|i| ((i * (me + 1)) as i32).to_le_bytes())
+        .collect();
+    sums.write(0, &mine, s).expect("fill");
+    let h = s.handle();
+    let reqs = comm
+        .group(|| {
+            // SAFETY: the buffers outlive the synchronize below.
+            unsafe {
+                let a = comm.send_raw(out.ptr(), len, next, h)?;
+                let b = comm.recv_raw(back.ptr(), len, prev, h)?;
+                let c = comm.all_reduce_raw(
+                    sums.ptr(),
+                    sums.ptr(),
+                    count,
+                    DataType::I32,
+                    ReduceOp::Sum,
+                    h,
+                )?;
+                Ok((a, b, c))
+            }
+        })
+        .unwrap_or_else(|e| panic!("rank {me}: a group with an all-reduce: {e}"));
+    reqs.0.wait().expect("send");
+    reqs.1.wait().expect("recv");
+    s.synchronize().expect("synchronize");
+    let mut got = vec![0u8; len];
+    back.read(0, &mut got, s).expect("read");
+    assert!(got == pattern(prev), "rank {me}: the group's receive");
+    let mut got = vec![0u8; count * 4];
+    sums.read(0, &mut got, s).expect("read");
+    let tri = (n * (n + 1) / 2) as i32;
+    for i in 0..count {
+        let v = i32::from_le_bytes(got[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+        assert_eq!(
+            v,
+            i as i32 * tri,
+            "rank {me}: the group's all-reduce, element {i}"
+        );
+    }
+    1
 }

@@ -121,7 +121,13 @@ pub struct Comm<A: DeviceAdaptor> {
     pub(crate) bounce: Mutex<crate::transport::eager::Bounce>,
     /// Device scratch memory of the reductions (`crate::scratch`), made at the first one.
     pub(crate) scratch: Mutex<crate::scratch::Scratch>,
+    /// Per thread with a group open: collectives posted in it that run at its end, after its
+    /// point-to-point operations ([`Comm::group_end`]).
+    pub(crate) deferred: Mutex<std::collections::HashMap<u64, Vec<Deferred<A>>>>,
 }
+
+/// A collective kept for the end of the group it was posted in: it enqueues itself then.
+pub(crate) type Deferred<A> = Box<dyn FnOnce(&Comm<A>) -> Result<()> + Send>;
 
 impl<A: DeviceAdaptor> std::fmt::Debug for Comm<A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

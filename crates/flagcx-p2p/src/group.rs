@@ -44,9 +44,35 @@ impl<A: DeviceAdaptor> Comm<A> {
 
     /// Closes the group this thread opened with [`Comm::group_begin`] and hands its operations
     /// over, after moving its small messages itself where the pairs have eager slots (sends
-    /// first; then it waits up to the spin time for the group's eager receives).
+    /// first; then it waits up to the spin time for the group's eager receives). Collectives
+    /// posted inside the group that cannot join it (the reductions, made of dependent steps)
+    /// are enqueued now, after its point-to-point operations, in the order they were posted;
+    /// the first failure of any of them is the result.
     pub fn group_end(&self) -> Result<()> {
-        self.group_end_then(true, || Ok(()))
+        let ended = self.group_end_then(true, || Ok(()));
+        let later = lock(&self.deferred)
+            .remove(&crate::posting::thread_number())
+            .unwrap_or_default();
+        let mut first = ended.err();
+        for post in later {
+            if let Err(e) = post(self) {
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Whether this thread has a group open.
+    pub(crate) fn in_group(&self) -> bool {
+        lock(&self.group).contains_key(&crate::posting::thread_number())
+    }
+
+    /// Keeps `post` for this thread's [`Comm::group_end`] (a group is open).
+    pub(crate) fn defer(&self, post: crate::comm::Deferred<A>) {
+        lock(&self.deferred)
+            .entry(crate::posting::thread_number())
+            .or_default()
+            .push(post);
     }
 
     /// [`Comm::group_end`], running `before_join` once the operations are handed over and

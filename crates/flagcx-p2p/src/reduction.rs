@@ -29,7 +29,15 @@
 //! **Scratch**: [`SCRATCH_BYTES`] of device memory per communicator, allocated at its first
 //! reduction and freed with it (`crate::scratch`); calls on different streams take turns.
 //!
-//! Out of scope: user-defined and pre-multiplied-sum ops, float8, reductions inside a group.
+//! Inside a group ([`Comm::group_begin`]) a reduction is checked when posted and enqueued at
+//! the group's end, after the group's point-to-point operations; its failure is the
+//! `group_end`'s.
+//!
+//! Ranks must pass the same count, type and operator (as NCCL requires): a count that differs
+//! fails the messages' sizes on every rank (`SizeMismatch`); a type or operator that differs
+//! with the same byte count is not detected.
+//!
+//! Out of scope: user-defined and pre-multiplied-sum ops, float8.
 
 use std::str::FromStr;
 
@@ -494,11 +502,6 @@ impl<A: DeviceAdaptor> Comm<A> {
         in_place: bool,
         stream: StreamHandle,
     ) -> Result<Collective> {
-        if lock(&self.group).contains_key(&crate::posting::thread_number()) {
-            return Err(CommError::InvalidArgument(
-                "reductions cannot be posted inside a group yet: post them outside it".into(),
-            ));
-        }
         if let Some(q) =
             (0..self.nranks()).find(|&q| self.infos[q].caps.reduce_types & dtype.bit() == 0)
         {
@@ -532,6 +535,21 @@ impl<A: DeviceAdaptor> Comm<A> {
                 "the receive buffer {recv} overlaps the send buffer {send} without being the \
                  in-place position"
             )));
+        }
+        if self.in_group() {
+            // A reduction is a chain of dependent steps, which cannot join the group's single
+            // hand-over: it is enqueued at the group's end, after the group's point-to-point
+            // operations (their order on every rank, so ranks agree).
+            let post: crate::comm::Deferred<A> = Box::new(move |c: &Comm<A>| {
+                // SAFETY: the caller's contract keeps the buffers valid until the stream
+                // passes the call, which the group's end enqueues.
+                unsafe {
+                    c.reduction(kind, (send, recv), count, dtype, op, in_place, stream)
+                        .map(drop)
+                }
+            });
+            self.defer(post);
+            return Ok(Collective::default());
         }
         let algo = choose(self.nranks(), count, dtype, self.config.reduce_algo);
         let shape = Shape {

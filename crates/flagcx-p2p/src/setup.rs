@@ -709,6 +709,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             ports: Default::default(),
             bounce,
             scratch: Default::default(),
+            deferred: Default::default(),
         })
     }
 }
