@@ -130,8 +130,8 @@ fn call(
     };
     let sentinel = 0xEE;
     let h = s.handle();
-    // SAFETY (this block): `send` lives until `t` is synchronized below; both regions lie
-    // inside the segment the caller holds until both streams passed every call.
+    // SAFETY: `send` lives until `t` is synchronized below; both regions lie inside the
+    // segment the caller holds until both streams passed every call.
     unsafe {
         a.memcpy_h2d_async(input, send.as_ptr(), send.len(), t.handle())
             .expect("write the input on T");

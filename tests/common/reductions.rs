@@ -45,6 +45,7 @@ pub fn input(r: usize, tag: u64, elems: usize, dtype: DataType) -> Vec<u8> {
 
 /// What `me` must hold after the call (`None`: nothing, a non-root of reduce). `count` is the
 /// call's count (reduce-scatter: per rank).
+#[allow(clippy::too_many_arguments)]
 pub fn expected(
     kind: Kind,
     me: usize,

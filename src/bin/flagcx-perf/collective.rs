@@ -42,6 +42,7 @@ fn red_count(test: &str, n: usize, size: usize, dtype: DataType) -> usize {
 ///
 /// # Safety
 /// Both buffers hold at least `size` bytes and stay valid until the collective finished.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn run_collective(
     comm: &Comm<Adaptor>,
     test: &str,
