@@ -58,11 +58,16 @@ enum Task {
         secs: u64,
     },
     /// Criterion benches, a host-vendor flagcx-perf sweep and, with --vs-mpi, Open MPI's
-    /// ping-pong and 4-rank all-to-all (1 KiB to 256 MiB) on the same machine.
+    /// ping-pong, 4-rank all-to-all (1 KiB to 256 MiB) and all-reduce (8 B to 128 MiB) on the
+    /// same machine.
     Bench {
-        /// Also run Open MPI's ping-pong and all-to-all (needs mpicc and mpirun).
+        /// Also run Open MPI's ping-pong, all-to-all and all-reduce (needs mpicc and mpirun).
         #[arg(long)]
         vs_mpi: bool,
+        /// With --vs-mpi: only the tests whose name contains this (e.g. "all-reduce"), and no
+        /// criterion benches.
+        #[arg(long)]
+        only: Option<String>,
         /// Instead: the network transport between two network namespaces next to
         /// `ucx_perftest` (tag_lat, tag_bw) in the same run (needs root, ucx-utils).
         #[arg(long)]
@@ -92,7 +97,7 @@ fn main() -> ExitCode {
         Task::Soak { iters } => soak(iters),
         Task::Fuzz { secs } => fuzz(secs),
         Task::Bench { net: true, .. } => netbench::bench_net(),
-        Task::Bench { vs_mpi, .. } => bench(vs_mpi),
+        Task::Bench { vs_mpi, only, .. } => bench(vs_mpi, only.as_deref()),
         Task::Audit => audit(),
         Task::Capi { vendor } => capi::capi(&vendor).map(|_| ()),
         Task::Completions => completions(),
@@ -431,11 +436,13 @@ fn fuzz(secs: u64) -> Result {
 /// pattern (each all-to-all waited for before the next; ping-pongs wait per round trip anyway). A small VM swings both sides by 2–3×
 /// between sittings (an 8 B Open MPI round trip took 0.20 µs in one and 0.70 µs a few minutes
 /// later on the 2-core machine), so only numbers taken side by side compare.
-fn bench(vs_mpi: bool) -> Result {
-    run(
-        "criterion benches (benches/pieces.rs)",
-        cargo().args(["bench", "-p", "flagcx", "--bench", "pieces"]),
-    )?;
+fn bench(vs_mpi: bool, only: Option<&str>) -> Result {
+    if only.is_none() {
+        run(
+            "criterion benches (benches/pieces.rs)",
+            cargo().args(["bench", "-p", "flagcx", "--bench", "pieces"]),
+        )?;
+    }
     run(
         "building flagcx-perf",
         cargo().args(["build", "--release", "-p", "flagcx", "--bin", "flagcx-perf"]),
@@ -595,6 +602,9 @@ fn bench(vs_mpi: bool) -> Result {
     const ROUNDS: usize = 5;
     for round in 1..=ROUNDS {
         for (t, (name, sweeps, source, ranks, extra)) in tests.iter().enumerate() {
+            if only.is_some_and(|o| !name.contains(o)) {
+                continue;
+            }
             for args in sweeps {
                 let ours = capture(
                     &format!("round {round}/{ROUNDS}: flagcx-perf, host-vendor {name}"),
