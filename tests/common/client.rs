@@ -130,6 +130,9 @@ fn call(
     };
     let sentinel = 0xEE;
     let h = s.handle();
+    if std::env::var_os("FLAGCX_TEST_VERBOSE").is_some() {
+        eprintln!("rank {me}: {op:?} of {len} B (tag {tag}, root {root}) at {input}");
+    }
     // SAFETY: `send` lives until `t` is synchronized below; both regions lie inside the
     // segment the caller holds until both streams passed every call.
     unsafe {
