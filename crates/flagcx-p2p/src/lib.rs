@@ -14,7 +14,11 @@
 //!   **staged** (different vendors or `FLAGCX_P2P_DISABLE=1`: device→host into ring slots,
 //!   host→device out of them, pipelined), **direct** (a staged pair with a host-vendor rank:
 //!   one copy into or out of its mapped buffer) and **eager** (host-addressable pairs: small
-//!   messages copied by the CPU); [`TransportKind`] names the pair's choice.
+//!   messages copied by the CPU); [`TransportKind`] names the pair's choice;
+//! - [`collectives`]: broadcast, gather, scatter, all-gather, all-to-all(v), barrier over the
+//!   transports; [`reduction`]: all-reduce, reduce-scatter and reduce, each rank combining what
+//!   it receives on its own device with `DeviceAdaptor::reduce_async`, so every rank of a
+//!   mixed-vendor job ends with the same bits.
 //!
 //! ```no_run
 //! # use std::sync::Arc;
