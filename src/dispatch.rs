@@ -8,7 +8,8 @@ use flagcx_adaptor::{
 
 /// Environment variable naming the vendor to use (`host`, `cuda`, `hip`, `opencl`).
 pub const VENDOR_ENV: &str = "FLAGCX_VENDOR";
-/// Environment variable naming the device index to open (default 0).
+/// Environment variable naming the device index to open (default: the local rank's device, see
+/// [`Adaptor::from_env`]).
 pub const DEVICE_ENV: &str = "FLAGCX_DEVICE";
 
 /// A device of any compiled-in vendor.
@@ -74,7 +75,8 @@ impl Adaptor {
 
     /// Opens the vendor named by `FLAGCX_VENDOR`, else the first compiled-in vendor that has
     /// a device (GPUs before the host vendor). The device is `FLAGCX_DEVICE` if set, else the
-    /// local rank's (`FLAGCX_LOCAL_RANK`, `LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_RANK`) device,
+    /// local rank's (`FLAGCX_LOCAL_RANK`, `LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_RANK`,
+    /// `SLURM_LOCALID`) device,
     /// modulo the device count, in PCI bus order where every device reports a bus id, else 0 —
     /// so the ranks of a node spread over its devices, and ranks of different vendors count
     /// the same physical GPUs alike.
@@ -104,6 +106,7 @@ impl Adaptor {
             "FLAGCX_LOCAL_RANK",
             "LOCAL_RANK",
             "OMPI_COMM_WORLD_LOCAL_RANK",
+            "SLURM_LOCALID",
         ] {
             if let Some(v) = index(name)? {
                 local = Some(v);

@@ -247,7 +247,7 @@ fn bad_arguments_exit_2_naming_the_option() {
     for (bin, args, named) in [
         (
             env!("CARGO_BIN_EXE_flagcx-perf"),
-            &["-t", "allreduce"][..],
+            &["-t", "alltoallw"][..],
             "--test",
         ),
         (
@@ -334,6 +334,27 @@ fn staged_transport_is_honoured_under_flagcx_run() {
         "the pair was not staged:\n{t}"
     );
     assert!(t.contains("# wrong bytes in all: 0"), "{t}");
+}
+
+/// The reductions of the perf tool, 3 ranks, out of place and in place, with a 16-bit type
+/// and an average: every element checked bit for bit against the reference.
+#[test]
+fn reduction_tests_run_checked() {
+    for test in ["allreduce", "reducescatter", "reduce"] {
+        for place in [None, Some("--in-place")] {
+            let mut args = vec![
+                "-t", test, "-N", "3", "-r", "1", "-d", "bfloat16", "-o", "avg", "-b", "3K", "-e",
+                "3M", "-f", "32", "-n", "2", "-w", "1", "-c",
+            ];
+            args.extend(place);
+            let t = perf(&args);
+            assert!(
+                t.contains("# wrong bytes in all: 0"),
+                "{test} {place:?}:\n{t}"
+            );
+            assert_eq!(rows(&t), 3, "{test} {place:?}:\n{t}");
+        }
+    }
 }
 
 /// Every collective test of the perf tool, 3 ranks, every byte checked.

@@ -95,8 +95,9 @@ int main(void) {
          "an unknown type");
   EXPECT(flagcxCommCount(NULL, &n) == flagcxInvalidArgument, "a NULL communicator");
   EXPECT(flagcxGroupEnd(comm) == flagcxInvalidUsage, "an end without a start");
-  EXPECT(flagcxAllReduce(sendbuf, recvbuf, count, flagcxFloat, flagcxSum, comm, stream) ==
-             flagcxNotSupported, "reductions are not there yet");
+  EXPECT(flagcxAllReduce(sendbuf, recvbuf, count, flagcxFloat, flagcxRedNoOp, comm, stream) ==
+             flagcxInvalidArgument, "a marker instead of a reduction operator");
+  EXPECT(flagcxCommSuspend(comm) == flagcxNotSupported, "suspending is not there yet");
   EXPECT(strstr(flagcxGetLastError(NULL), "not implemented") != NULL, "%s", flagcxGetLastError(NULL));
   EXPECT(dev->deviceMalloc(&sendbuf, 16, flagcxMemManaged, NULL) == flagcxNotSupported,
          "managed memory");

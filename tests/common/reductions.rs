@@ -3,8 +3,8 @@
 //! Every rank can compute every rank's input (a function of rank, call and element), so the
 //! reference needs no communication.
 
-use flagcx::p2p::reduction::{choose, combine_order, segment, Algorithm};
-use flagcx::{Adaptor, Comm, DataType, DeviceBuffer, DevicePtr, ReduceOp, ReduceStep, Stream};
+use flagcx::p2p::reduction::{choose, reference, Algorithm};
+use flagcx::{Adaptor, Comm, DataType, DeviceBuffer, DevicePtr, ReduceOp, Stream};
 
 /// Which reduction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,59 +45,19 @@ pub fn input(r: usize, tag: u64, elems: usize, dtype: DataType) -> Vec<u8> {
 
 /// What `me` must hold after the call (`None`: nothing, a non-root of reduce). `count` is the
 /// call's count (reduce-scatter: per rank).
-#[allow(clippy::too_many_arguments)]
 pub fn expected(
     kind: Kind,
     me: usize,
-    n: usize,
     count: usize,
     dtype: DataType,
     op: ReduceOp,
     algo: Algorithm,
     inputs: &[Vec<u8>],
 ) -> Option<Vec<u8>> {
-    let sz = dtype.size();
-    let part = |first: usize, len: usize, order: &[usize]| -> Vec<u8> {
-        let bytes = first * sz..(first + len) * sz;
-        let mut acc = inputs[order[0]][bytes.clone()].to_vec();
-        if n == 1 {
-            return acc;
-        }
-        let combine = ReduceStep::Combine(if op == ReduceOp::Avg {
-            ReduceOp::Sum
-        } else {
-            op
-        });
-        for &q in &order[1..] {
-            let mut out = vec![0u8; acc.len()];
-            flagcx::adaptor::reduce::reduce_slices(
-                &mut out,
-                &acc,
-                &inputs[q][bytes.clone()],
-                dtype,
-                combine,
-            );
-            acc = out;
-        }
-        if op == ReduceOp::Avg {
-            let mut out = vec![0u8; acc.len()];
-            let step = ReduceStep::Average { n: n as u32 };
-            flagcx::adaptor::reduce::reduce_slices(&mut out, &acc, &[], dtype, step);
-            acc = out;
-        }
-        acc
-    };
     match kind {
         Kind::Reduce(root) if root != me => None,
-        Kind::ReduceScatter => Some(part(me * count, count, &combine_order(algo, n, me))),
-        _ => Some(
-            (0..n)
-                .flat_map(|j| {
-                    let (first, len) = segment(count, n, j);
-                    part(first, len, &combine_order(algo, n, j))
-                })
-                .collect(),
-        ),
+        Kind::ReduceScatter => Some(reference(inputs, me, Some(count), dtype, op, algo)),
+        _ => Some(reference(inputs, me, None, dtype, op, algo)),
     }
 }
 
@@ -169,7 +129,7 @@ pub fn reductions(
         c.and_then(|c| c.wait())
             .unwrap_or_else(|e| panic!("{what}: {e}"));
         let algo = choose(n, count, dtype, forced);
-        if let Some(want) = expected(kind, me, n, count, dtype, op, algo, &inputs) {
+        if let Some(want) = expected(kind, me, count, dtype, op, algo, &inputs) {
             let mut got = vec![0u8; want.len()];
             let at = (recv.0 - buf.ptr().0) as usize;
             buf.read(at, &mut got, s).expect("read the result");

@@ -177,17 +177,12 @@ pub(crate) fn claimed_types(dev: cl_device_id) -> u16 {
             })
             .is_some_and(|bits| bits & cl3::device::CL_FP_DENORM != 0)
     };
-    let mut mask = [
-        DataType::I8,
-        DataType::U8,
-        DataType::I32,
-        DataType::U32,
-        DataType::I64,
-        DataType::U64,
-        DataType::F16,
-    ]
-    .iter()
-    .fold(0u16, |m, t| m | t.bit());
+    // Integers and float16 (widened to float32, whose normal range holds every float16 value
+    // and every result of combining two): exact on any device.
+    let mut mask = DataType::ALL
+        .iter()
+        .filter(|t| !matches!(t, DataType::F32 | DataType::F64 | DataType::BF16))
+        .fold(0u16, |m, t| m | t.bit());
     if has_denorms(cl3::device::CL_DEVICE_SINGLE_FP_CONFIG) {
         mask |= DataType::F32.bit() | DataType::BF16.bit();
     }

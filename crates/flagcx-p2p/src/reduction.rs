@@ -128,6 +128,58 @@ pub fn segment(count: usize, nranks: usize, j: usize) -> (usize, usize) {
     (j * base + j.min(extra), base + usize::from(j < extra))
 }
 
+/// What a reduction leaves on a rank, computed on the host in the order the library combines
+/// (for tests and tools that check results bit for bit): `inputs[q]` is rank `q`'s send
+/// buffer; `recvcount` is `Some(c)` for a reduce-scatter (each rank's share, `c` elements) and
+/// `None` for an all-reduce or reduce of the whole buffer. The averaging step follows the sum,
+/// as on the devices; one rank's result is its input.
+pub fn reference(
+    inputs: &[Vec<u8>],
+    me: usize,
+    recvcount: Option<usize>,
+    dtype: DataType,
+    op: ReduceOp,
+    algo: Algorithm,
+) -> Vec<u8> {
+    use flagcx_adaptor::reduce::reduce_slices;
+    let (n, sz) = (inputs.len(), dtype.size());
+    let combine = ReduceStep::Combine(match op {
+        ReduceOp::Avg => ReduceOp::Sum,
+        op => op,
+    });
+    let part = |first: usize, len: usize, order: &[usize]| -> Vec<u8> {
+        let bytes = first * sz..(first + len) * sz;
+        let mut acc = inputs[order[0]][bytes.clone()].to_vec();
+        if n == 1 {
+            return acc;
+        }
+        for &q in &order[1..] {
+            let mut out = vec![0u8; acc.len()];
+            reduce_slices(&mut out, &acc, &inputs[q][bytes.clone()], dtype, combine);
+            acc = out;
+        }
+        if op == ReduceOp::Avg {
+            let mut out = vec![0u8; acc.len()];
+            let step = ReduceStep::Average { n: n as u32 };
+            reduce_slices(&mut out, &acc, &[], dtype, step);
+            acc = out;
+        }
+        acc
+    };
+    match recvcount {
+        Some(c) => part(me * c, c, &combine_order(algo, n, me)),
+        None => {
+            let count = inputs[0].len() / sz;
+            (0..n)
+                .flat_map(|j| {
+                    let (first, len) = segment(count, n, j);
+                    part(first, len, &combine_order(algo, n, j))
+                })
+                .collect()
+        }
+    }
+}
+
 /// The buffers a plan names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Buf {

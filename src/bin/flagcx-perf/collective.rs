@@ -1,8 +1,8 @@
 //! The collectives `flagcx-perf` times: how one is posted, where it reads and writes (out of
 //! place, or in place as nccl-tests' second column), and how its result is checked.
 
-use flagcx::p2p::reduction::{choose, combine_order, segment, Algorithm};
-use flagcx::{Adaptor, Comm, DataType, DevicePtr, ReduceOp, ReduceStep, StreamHandle};
+use flagcx::p2p::reduction::{choose, reference, Algorithm};
+use flagcx::{Adaptor, Comm, DataType, DevicePtr, ReduceOp, StreamHandle};
 
 use super::byte;
 
@@ -25,7 +25,7 @@ pub(crate) fn whole_elements(test: &str, n: usize, size: usize, dtype: DataType)
 }
 
 /// Whether `test` is a reduction.
-fn is_reduction(test: &str) -> bool {
+pub(crate) fn is_reduction(test: &str) -> bool {
     matches!(test, "allreduce" | "reducescatter" | "reduce")
 }
 
@@ -157,47 +157,16 @@ fn reduction_wrong(
         return 0;
     }
     let algo = choose(n, count, t, red.forced);
-    let input = |q: usize, first: usize, len: usize| -> Vec<u8> {
-        (first * sz..(first + len) * sz)
-            .map(|i| byte(q, size, i))
-            .collect()
-    };
-    let combine = ReduceStep::Combine(if red.op == ReduceOp::Avg {
-        ReduceOp::Sum
+    let send_len = if test == "reducescatter" {
+        n * count
     } else {
-        red.op
-    });
-    let part = |first: usize, len: usize, order: Vec<usize>| -> Vec<u8> {
-        let mut acc = input(order[0], first, len);
-        for &q in &order[1..] {
-            let mut out = vec![0u8; acc.len()];
-            flagcx::adaptor::reduce::reduce_slices(
-                &mut out,
-                &acc,
-                &input(q, first, len),
-                t,
-                combine,
-            );
-            acc = out;
-        }
-        if red.op == ReduceOp::Avg && n > 1 {
-            let mut out = vec![0u8; acc.len()];
-            let step = ReduceStep::Average { n: n as u32 };
-            flagcx::adaptor::reduce::reduce_slices(&mut out, &acc, &[], t, step);
-            acc = out;
-        }
-        acc
-    };
-    let want: Vec<u8> = if test == "reducescatter" {
-        part(me * count, count, combine_order(algo, n, me))
-    } else {
-        (0..n)
-            .flat_map(|j| {
-                let (first, len) = segment(count, n, j);
-                part(first, len, combine_order(algo, n, j))
-            })
-            .collect()
-    };
+        count
+    } * sz;
+    let inputs: Vec<Vec<u8>> = (0..n)
+        .map(|q| (0..send_len).map(|i| byte(q, size, i)).collect())
+        .collect();
+    let share = (test == "reducescatter").then_some(count);
+    let want = reference(&inputs, me, share, t, red.op, algo);
     want.iter().zip(got).filter(|(w, g)| w != g).count()
 }
 

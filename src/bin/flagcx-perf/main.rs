@@ -108,7 +108,8 @@ struct Opts {
     /// Also time NCCL (libnccl.so.2, loaded at run time) right after us on the same buffers,
     /// stream and sizes, in columns nccl_us, nccl_gbs and vs_nccl (our bus bandwidth ÷ NCCL's);
     /// `n/a` with the reason where it cannot run (not all CUDA ranks, two ranks on one GPU,
-    /// no library). sendrecv, pingpong, pairs, allgather, broadcast and alltoall.
+    /// no library). sendrecv, pingpong, pairs, allgather, broadcast, alltoall and the
+    /// reductions (with -d and -o).
     #[arg(long)]
     vs_nccl: bool,
     /// Ranks to start when not under a launcher.
@@ -349,7 +350,12 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
     let setup_ms = t0.elapsed().as_secs_f64() * 1e3;
     let place = ceiling::placement(&comm, me, next);
     let nccl = if o.vs_nccl {
-        Some(nccl::Nccl::open(&comm, &stream, &o.test)?)
+        let red = collective::Red {
+            dtype: o.datatype,
+            op: o.op,
+            forced: comm.config().reduce_algo,
+        };
+        Some(nccl::Nccl::open(&comm, &stream, &o.test, red)?)
     } else {
         None
     };
@@ -457,7 +463,7 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             o.root,
             (sends[0].ptr(), recvs[0].ptr()),
         );
-        if o.check {
+        let fill = || -> Result<(), Error> {
             let data: Vec<u8> = (0..size).map(|i| byte(me, size, i)).collect();
             if sp == sends[0].ptr() {
                 for b in &sends {
@@ -468,6 +474,10 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
                 let len = collective::input_bytes(&o.test, me, n, size, o.root);
                 recvs[0].write((sp.0 - recvs[0].ptr().0) as usize, &data[..len], &stream)?;
             }
+            Ok(())
+        };
+        if o.check {
+            fill()?;
         }
         // The ceiling in the same traffic pattern: for sendrecv and pairs every rank copies at
         // once (on one GPU they share its memory bandwidth); for pingpong one copy at a time.
@@ -567,6 +577,16 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         let path = path_taken(before, comm.stats(), ops);
         let t = start.elapsed().as_secs_f64() / o.iters as f64;
         let mut wrong = 0;
+        if o.check && o.in_place && collective::is_reduction(&o.test) {
+            // An in-place reduction combined its own result again on every iteration: the
+            // input is written afresh and one more call is checked (as nccl-tests does).
+            barrier(&comm, &stream, next, prev)?;
+            fill()?;
+            barrier(&comm, &stream, next, prev)?;
+            // SAFETY: as in the timed loop.
+            unsafe { run_collective(&comm, &o.test, sp, rp, size, o.root, red, h) }?.wait()?;
+            stream.synchronize()?;
+        }
         if o.check && is_collective(&o.test) {
             // The result starts at the receive pointer passed (an in-place scatter's root:
             // its own block of the send buffer).

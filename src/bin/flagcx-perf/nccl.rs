@@ -46,7 +46,31 @@ struct Api {
         CommT,
         *mut c_void,
     ) -> Res,
+    /// `ncclAllReduce` and `ncclReduceScatter` (same shape: count, type, op).
+    all_reduce: RedFn,
+    reduce_scatter: RedFn,
+    reduce: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        c_int,
+        CommT,
+        *mut c_void,
+    ) -> Res,
 }
+
+/// `ncclAllReduce`'s signature (send, recv, count, type, op, comm, stream).
+type RedFn = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+    CommT,
+    *mut c_void,
+) -> Res;
 
 impl Api {
     /// Loads `libnccl.so.2` and resolves every entry point, or says why not.
@@ -81,6 +105,9 @@ impl Api {
                 recv: func(sym(c"ncclRecv")?),
                 all_gather: func(sym(c"ncclAllGather")?),
                 broadcast: func(sym(c"ncclBroadcast")?),
+                all_reduce: func(sym(c"ncclAllReduce")?),
+                reduce_scatter: func(sym(c"ncclReduceScatter")?),
+                reduce: func(sym(c"ncclReduce")?),
             }
         };
         let mut v = 0;
@@ -114,6 +141,9 @@ unsafe fn func<F: Copy>(p: *mut c_void) -> F {
 pub(crate) struct Nccl {
     api: Api,
     comm: CommT,
+    /// The reductions' type and operator, numbered as NCCL numbers them (FlagCX's numbers are
+    /// NCCL's), and the type's size.
+    red: (c_int, c_int, usize),
     /// "NCCL 2.28.3", for the header.
     pub(crate) version: String,
 }
@@ -130,7 +160,15 @@ impl Drop for Nccl {
 fn supported(test: &str) -> bool {
     matches!(
         test,
-        "sendrecv" | "pingpong" | "pairs" | "allgather" | "broadcast" | "alltoall"
+        "sendrecv"
+            | "pingpong"
+            | "pairs"
+            | "allgather"
+            | "broadcast"
+            | "alltoall"
+            | "allreduce"
+            | "reducescatter"
+            | "reduce"
     )
 }
 
@@ -140,6 +178,7 @@ impl Nccl {
         comm: &Comm<Adaptor>,
         stream: &Stream<Adaptor>,
         test: &str,
+        red: crate::collective::Red,
     ) -> Result<Result<Nccl, String>, Error> {
         let (me, n) = (comm.rank(), comm.nranks());
         if !supported(test) {
@@ -199,6 +238,7 @@ impl Nccl {
         Ok(Ok(Nccl {
             api,
             comm: nc,
+            red: (red.dtype as c_int, red.op as c_int, red.dtype.size()),
             version,
         }))
     }
@@ -278,6 +318,27 @@ impl Nccl {
                         "ncclAllGather",
                         (a.all_gather)(sp, rp, block, INT8, self.comm, s),
                     ),
+                    "allreduce" => {
+                        let (t, o, sz) = self.red;
+                        a.check(
+                            "ncclAllReduce",
+                            (a.all_reduce)(sp, rp, size / sz, t, o, self.comm, s),
+                        )
+                    }
+                    "reducescatter" => {
+                        let (t, o, sz) = self.red;
+                        a.check(
+                            "ncclReduceScatter",
+                            (a.reduce_scatter)(sp, rp, size / n / sz, t, o, self.comm, s),
+                        )
+                    }
+                    "reduce" => {
+                        let (t, o, sz) = self.red;
+                        a.check(
+                            "ncclReduce",
+                            (a.reduce)(sp, rp, size / sz, t, o, root as c_int, self.comm, s),
+                        )
+                    }
                     _ => a.check(
                         "ncclBroadcast",
                         (a.broadcast)(sp, rp, size, INT8, root as c_int, self.comm, s),
