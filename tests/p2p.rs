@@ -3321,7 +3321,18 @@ fn ranks_bound_to_one_cpu_make_progress() {
     }
     assert!(log.contains("yield between polls"), "{log}");
     job_under(2, "host", "client", &[], &["taskset", "-c", "0"]);
+    // The vendor pair too (CUDA in the GPU bundle), one CPU each, as `mpirun --bind-to core`
+    // places two ranks.
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    if v != "host" {
+        let log = job_under(2, &v, "ring", &debug, &["sh", "-c", BIND_ONE_CPU, "bind"]);
+        assert!(log.contains("1 CPU(s) in its affinity mask"), "{log}");
+        job_under(2, &v, "client", &[], &["sh", "-c", BIND_ONE_CPU, "bind"]);
+    }
 }
+
+/// Runs the rank's command bound to CPU `FLAGCX_RANK` (a wrapper for [`job_under`]).
+const BIND_ONE_CPU: &str = r#"exec taskset -c "$FLAGCX_RANK" "$@""#;
 
 /// The way real clients call (`common/client.rs`): their own stream ordered against the
 /// library's with events, buffers at offsets inside one allocation that is freed and allocated

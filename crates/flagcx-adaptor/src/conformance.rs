@@ -39,7 +39,10 @@ pub const SKIP_LOG_ENV: &str = "FLAGCX_SKIP_LOG";
 pub const EXPECT_CAPS_ENV: &str = "FLAGCX_EXPECT_CAPS";
 mod reduce;
 mod slots;
-pub use reduce::{reduction_operands_are_checked, reductions_match_the_host_reference};
+pub use reduce::{
+    reduction_operands_are_checked, reductions_match_the_host_reference,
+    reductions_past_2_pow_31_elements,
+};
 pub use slots::slot_steps_move_messages;
 
 const CHILD_ROLE_ENV: &str = "FLAGCX_CONFORMANCE_CHILD";
@@ -1687,7 +1690,8 @@ macro_rules! conformance_tests {
                 stream_memory_ops, stream_value_writes_in_device_memory,
                 sized_copies_read_their_length_late, slot_steps_move_messages, peer_access,
                 capture_mode_guard, ipc_fd_same_process, ipc_fd_foreign, shareable_on_a_chosen_device,
-                reductions_match_the_host_reference, reduction_operands_are_checked);
+                reductions_match_the_host_reference, reduction_operands_are_checked,
+                reductions_past_2_pow_31_elements);
 
             #[test]
             fn ipc_bytes_two_process() {

@@ -213,3 +213,54 @@ pub fn reduction_operands_are_checked<A: DeviceAdaptor>(a: &A) {
     }
     s.synchronize().expect("synchronize");
 }
+
+/// Counts past 2^31 (64-bit indexing): `uint8` sum of 2^31 + 5 elements in place, checked at
+/// the start, around element 2^31 and at the end. Skipped (counted) where the device has no
+/// room for two 2 GiB buffers or the vendor does not reduce `uint8`.
+pub fn reductions_past_2_pow_31_elements<A: DeviceAdaptor>(a: &A) {
+    const TEST: &str = "reductions_past_2_pow_31_elements";
+    let count = (1usize << 31) + 5;
+    let vendor = a.vendor().name();
+    if a.capabilities().reduce_types & DataType::U8.bit() == 0 {
+        super::report_skip_reason(TEST, vendor, "the vendor does not reduce uint8");
+        return;
+    }
+    let room = a.properties(a.device()).map_or(0, |p| p.total_memory);
+    if room < 3 * count as u64 {
+        super::report_skip_reason(TEST, vendor, "less than 6 GiB of device memory");
+        return;
+    }
+    let (x, y) = match (DeviceBuffer::new(a, count), DeviceBuffer::new(a, count)) {
+        (Ok(x), Ok(y)) => (x, y),
+        (Err(e), _) | (_, Err(e)) => {
+            super::report_skip_reason(TEST, vendor, &format!("two 2 GiB buffers: {e}"));
+            return;
+        }
+    };
+    let s = Stream::new(a).expect("stream");
+    x.fill(1, &s).expect("fill");
+    y.fill(2, &s).expect("fill");
+    let sum = ReduceStep::Combine(ReduceOp::Sum);
+    // SAFETY: both buffers hold `count` bytes and outlive the reads below (which synchronize).
+    unsafe {
+        a.reduce_async(
+            x.ptr(),
+            x.ptr(),
+            y.ptr(),
+            count,
+            DataType::U8,
+            sum,
+            s.handle(),
+        )
+    }
+    .expect("reduce 2^31 + 5 elements");
+    for at in [0, (1usize << 31) - 64, count - 64] {
+        let mut got = [0u8; 64];
+        x.read(at, &mut got, &s).expect("read");
+        assert!(
+            got.iter().all(|&v| v == 3),
+            "elements {at}..{}: {got:?}",
+            at + 64
+        );
+    }
+}
