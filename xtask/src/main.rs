@@ -6,6 +6,8 @@
 //! - `bundle --vendor cuda` — stripped release test binaries plus a `run.sh`, for a GPU host with
 //!   no Rust toolchain (see README).
 
+// tidy: long file: every xtask command's driver in one place (test, ci, bench, soak, fuzz), each a short sequence of cargo and tool runs.
+
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

@@ -12,6 +12,8 @@
 //!   machine look like a node; all of them share the host's memory, so peers can always reach
 //!   each other.
 
+// tidy: long file: the host vendor's one implementation of the DeviceAdaptor contract, which Rust keeps in one impl block.
+
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod copy;

@@ -47,7 +47,7 @@ impl Pairing {
     /// The choices of `rank` in a job whose ranks are `infos`; logged at `info`.
     pub(crate) fn choose(rank: usize, infos: &[PeerInfo]) -> Self {
         let nranks = infos.len();
-        log_cpus(rank, nranks);
+        crate::numa::log_cpus(rank, nranks);
         let mut transports = vec![None; nranks];
         for q in (0..nranks).filter(|&q| q != rank) {
             let (t, why) = choose_transport(&infos[rank], &infos[q]);
@@ -767,29 +767,6 @@ fn undo_streamed<A: DeviceAdaptor>(
         // SAFETY: no copy was ever issued on these rings, and the channels go with the error.
         unsafe { conn.release_rings(adaptor) };
     }
-}
-
-/// Says at `info` which CPUs this rank's threads (the caller, the proxy, the vendor's workers)
-/// share and how its waiters behave there: under `mpirun --bind-to core` or Slurm's
-/// `--cpu-bind=cores` a rank gets one CPU, and a waiter that spun there would keep the very
-/// thread it waits for off that CPU, so waiters yield between polls below 8 CPUs
-/// (`flagcx_adaptor::spin::relax`).
-fn log_cpus(rank: usize, nranks: usize) {
-    let own = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let job = flagcx_adaptor::spin::cores_from_env();
-    let yields = job < 8;
-    tracing::info!(
-        rank,
-        cpus = own,
-        job_cpus = job,
-        "rank {rank} of {nranks}: {own} CPU(s) in its affinity mask, {job} for the job: waiting \
-         threads {}",
-        if yields {
-            "yield between polls (fewer than 8 CPUs), so the thread waited for gets the CPU"
-        } else {
-            "spin with CPU pauses"
-        }
-    );
 }
 
 #[cfg(test)]

@@ -18,6 +18,8 @@
 //! at once for `sendrecv` and `pairs`, one copy at a time for `pingpong`) — with our
 //! bandwidth as a fraction of it.
 
+// tidy: long file: the perf tool's options and its one timed loop over every traffic pattern; the patterns' own logic lives in collective.rs, ceiling.rs and nccl.rs.
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
