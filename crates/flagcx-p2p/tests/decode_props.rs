@@ -93,9 +93,10 @@ fn protocol_message<T: std::fmt::Debug>(r: Result<T, CommError>) -> Result<Strin
 }
 
 /// Byte offsets of `PeerInfo::encode`'s fixed fields from the end: the capability bits, the
-/// staged flag, the copier code, the host-direct code, the stream-order code, the late-copy
-/// code and the shared-queue flag close the frame.
-const CAPS_FROM_END: usize = 10;
+/// reduction types, the staged flag, the copier code, the host-direct code, the stream-order
+/// code, the late-copy code and the shared-queue flag close the frame.
+const CAPS_FROM_END: usize = 14;
+const TYPES_FROM_END: usize = 10;
 const P2P_FROM_END: usize = 6;
 const COPIER_FROM_END: usize = 5;
 const DIRECT_FROM_END: usize = 4;
@@ -136,7 +137,7 @@ proptest! {
 
     /// A valid frame with one field made invalid is refused, with that field named.
     #[test]
-    fn peer_info_names_the_one_bad_field(info in peer_info(), field in 0usize..9, junk in any::<u8>()) {
+    fn peer_info_names_the_one_bad_field(info in peer_info(), field in 0usize..10, junk in any::<u8>()) {
         let mut b = info.encode();
         let n = b.len();
         let expected = match field {
@@ -180,6 +181,12 @@ proptest! {
                 let x = junk.max(2);
                 b[n - SHARES_QUEUE_FROM_END] = x;
                 format!("peer info: flag {x}")
+            }
+            8 => {
+                let types = u32::from_le_bytes(b[n - TYPES_FROM_END..n - TYPES_FROM_END + 4].try_into().unwrap())
+                    | (1 << (10 + junk as u32 % 22));
+                b[n - TYPES_FROM_END..n - TYPES_FROM_END + 4].copy_from_slice(&types.to_le_bytes());
+                format!("peer info: unknown reduction types {types:#x}")
             }
             _ => {
                 b.push(junk);
