@@ -203,7 +203,8 @@ class Comm {
     detail::call([&] {
       inner_->reduce(kind, reinterpret_cast<std::size_t>(send), reinterpret_cast<std::size_t>(recv),
                      count, static_cast<std::uint8_t>(type), static_cast<std::uint8_t>(op),
-                     static_cast<std::size_t>(root < 0 ? 0 : root),
+                     // A negative root is out of range like one past the last rank.
+                     root < 0 ? SIZE_MAX : static_cast<std::size_t>(root),
                      reinterpret_cast<std::size_t>(stream));
     });
   }
