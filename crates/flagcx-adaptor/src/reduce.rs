@@ -254,14 +254,13 @@ pub fn check_operands(
         return Ok(0);
     }
     let combine = matches!(step, ReduceStep::Combine(_));
-    let mut inputs = vec![("a", a)];
-    if combine {
-        inputs.push(("b", b));
-    }
+    // No allocation: this check runs on every step of every reduction.
+    let both = [("a", a), ("b", b)];
+    let inputs = &both[..if combine { 2 } else { 1 }];
     if dst.is_null() || inputs.iter().any(|(_, p)| p.is_null()) {
         return Err(crate::AdaptorError::invalid(OP, "null operand"));
     }
-    for (name, p) in inputs {
+    for &(name, p) in inputs {
         let disjoint =
             dst.0.saturating_add(bytes as u64) <= p.0 || p.0.saturating_add(bytes as u64) <= dst.0;
         if dst != p && !disjoint {

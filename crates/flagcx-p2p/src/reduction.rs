@@ -143,10 +143,7 @@ pub fn reference(
 ) -> Vec<u8> {
     use flagcx_adaptor::reduce::reduce_slices;
     let (n, sz) = (inputs.len(), dtype.size());
-    let combine = ReduceStep::Combine(match op {
-        ReduceOp::Avg => ReduceOp::Sum,
-        op => op,
-    });
+    let combine = combine_step(op);
     let part = |first: usize, len: usize, order: &[usize]| -> Vec<u8> {
         let bytes = first * sz..(first + len) * sz;
         let mut acc = inputs[order[0]][bytes.clone()].to_vec();
@@ -178,6 +175,15 @@ pub fn reference(
                 .collect()
         }
     }
+}
+
+/// The step that combines two contributions for `op`: an average sums, and divides once at
+/// the end ([`ReduceStep::Average`]).
+fn combine_step(op: ReduceOp) -> ReduceStep {
+    ReduceStep::Combine(match op {
+        ReduceOp::Avg => ReduceOp::Sum,
+        op => op,
+    })
 }
 
 /// The buffers a plan names.
@@ -224,10 +230,7 @@ pub(crate) struct Shape {
 
 impl Shape {
     fn combine(&self) -> ReduceStep {
-        ReduceStep::Combine(match self.op {
-            ReduceOp::Avg => ReduceOp::Sum,
-            op => op,
-        })
+        combine_step(self.op)
     }
 
     fn finish(&self) -> Option<ReduceStep> {
