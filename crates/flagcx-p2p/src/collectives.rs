@@ -86,6 +86,32 @@ impl Collective {
         first.map_or(Ok(()), Err)
     }
 
+    /// Waits up to `timeout` for every operation of the call (the local copy included)
+    /// without taking results, as [`Request::settle`]; whether all finished.
+    pub fn settle(&self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let left = || deadline.saturating_duration_since(std::time::Instant::now());
+        if !self.requests.iter().all(|r| r.settle(left())) {
+            return false;
+        }
+        let Some(l) = &self.local else {
+            return true;
+        };
+        let mut polls = 0u32;
+        while !(l.query)().unwrap_or(true) {
+            if left().is_zero() {
+                return false;
+            }
+            if polls < 64 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+            polls += 1;
+        }
+        true
+    }
+
     /// True once every operation finished, the local copy included.
     pub fn is_done(&self) -> bool {
         self.requests.iter().all(Request::is_done)
@@ -601,6 +627,12 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// Returns once every rank reached it (a zero-byte exchange with every other rank); the
     /// stream is ordered after it too.
     pub fn barrier(&self, stream: StreamHandle) -> Result<()> {
+        self.barrier_async(stream)?.wait()
+    }
+
+    /// [`Comm::barrier`] without the wait: the returned [`Collective`] finishes once every
+    /// rank reached it (for callers that wait in turns, such as the Python binding).
+    pub fn barrier_async(&self, stream: StreamHandle) -> Result<Collective> {
         let (me, n) = (self.rank(), self.nranks());
         let ops: Vec<_> = (0..n)
             .filter(|&q| q != me)
@@ -612,6 +644,6 @@ impl<A: DeviceAdaptor> Comm<A> {
             })
             .collect();
         // SAFETY: zero bytes move; no memory is touched.
-        unsafe { self.post_group(&ops, stream, None) }?.wait()
+        unsafe { self.post_group(&ops, stream, None) }
     }
 }

@@ -55,6 +55,17 @@ impl Request {
         }
     }
 
+    /// Waits up to `timeout` for the operation to finish without taking its result (a later
+    /// [`Request::wait`] returns it at once); whether it finished. A caller that must stay
+    /// responsive — a Python thread that looks at its signal handlers between turns — waits in
+    /// such turns, spinning as [`Request::wait`] does.
+    pub fn settle(&self, timeout: Duration) -> bool {
+        match &self.state {
+            State::Done(_) => true,
+            State::Pending(slot) => slot.settle(Some(timeout), self.spin),
+        }
+    }
+
     /// True once the operation finished.
     pub fn is_done(&self) -> bool {
         match &self.state {

@@ -1,0 +1,239 @@
+//! Staging: host buffers that the rank's device cannot name travel through device memory.
+//!
+//! A numpy array beside an OpenCL or CUDA rank lives in pageable host memory the runtime's
+//! operations cannot use, and even beside a host-vendor rank a peer process can only reach
+//! memory that rank allocated (memfd-backed, [`crate::memory::Memory`]). Such a buffer gets a
+//! staging buffer from the communicator's [`Pool`]: its contents are copied in on the
+//! operation's stream before the operation (unless the operation overwrites all of it), and
+//! copied back after it where the operation writes it. An event recorded behind the copies
+//! back says when the caller's buffer holds the result ([`Outbound`]).
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use flagcx::{Adaptor, DeviceAdaptor, DeviceBuffer, DevicePtr, Event, StreamHandle, Vendor};
+use pyo3::PyResult;
+
+use crate::dlpack::Imported;
+use crate::errors::comm_err;
+use crate::lock;
+
+/// Staging buffers kept for reuse (at most this many; the largest are kept).
+const POOL_KEEP: usize = 8;
+/// The smallest staging buffer (smaller requests round up, so small messages share sizes).
+const MIN_STAGE: usize = 4096;
+
+/// How an operation uses a buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Use {
+    /// Read only.
+    In,
+    /// Written whole (a collective's output): nothing to copy in.
+    Out,
+    /// Read, or written only in part (a receive may be short; in-place operations read it).
+    InOut,
+}
+
+/// A communicator's staging buffers.
+pub struct Pool {
+    adaptor: Adaptor,
+    free: Mutex<Vec<DeviceBuffer<Adaptor>>>,
+}
+
+impl Pool {
+    /// An empty pool over `adaptor`'s device.
+    pub fn new(adaptor: Adaptor) -> Self {
+        Pool {
+            adaptor,
+            free: Mutex::default(),
+        }
+    }
+
+    /// The adaptor whose device memory the pool hands out.
+    pub fn adaptor(&self) -> &Adaptor {
+        &self.adaptor
+    }
+
+    fn take(&self, bytes: usize) -> flagcx::Result<DeviceBuffer<Adaptor>> {
+        {
+            let mut free = lock(&self.free);
+            let best = free
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.len() >= bytes)
+                .min_by_key(|(_, b)| b.len())
+                .map(|(i, _)| i);
+            if let Some(i) = best {
+                return Ok(free.swap_remove(i));
+            }
+        }
+        let len = bytes
+            .max(MIN_STAGE)
+            .checked_next_power_of_two()
+            .unwrap_or(bytes);
+        DeviceBuffer::new(&self.adaptor, len)
+    }
+
+    fn give(&self, bufs: impl IntoIterator<Item = DeviceBuffer<Adaptor>>) {
+        let mut free = lock(&self.free);
+        free.extend(bufs);
+        if free.len() > POOL_KEEP {
+            free.sort_by_key(|b| std::cmp::Reverse(b.len()));
+            free.truncate(POOL_KEEP);
+        }
+    }
+}
+
+/// Where an operation finds a buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct Resolved {
+    /// The pointer the operation uses: the buffer itself, or its staging.
+    pub ptr: DevicePtr,
+}
+
+struct Entry {
+    buf: DeviceBuffer<Adaptor>,
+    user: u64,
+    bytes: usize,
+    back: bool,
+}
+
+/// One call's staging.
+#[derive(Default)]
+pub struct Staging {
+    entries: Vec<Entry>,
+}
+
+impl Staging {
+    /// Where the operation finds `imp`, used as `how`. `on_device`: the buffer is this rank's
+    /// device memory (used in place). A buffer inside one staged earlier in the call (an
+    /// in-place reduce-scatter's output) shares its staging.
+    pub fn resolve(
+        &mut self,
+        pool: &Pool,
+        imp: &Imported,
+        on_device: bool,
+        how: Use,
+        stream: StreamHandle,
+    ) -> PyResult<Resolved> {
+        let bytes = imp.bytes();
+        let here = Resolved {
+            ptr: DevicePtr(imp.addr),
+        };
+        if on_device || bytes == 0 || shareable(pool.adaptor(), imp.addr, bytes) {
+            return Ok(here);
+        }
+        for e in &mut self.entries {
+            if imp.addr >= e.user && imp.addr + bytes as u64 <= e.user + e.bytes as u64 {
+                e.back |= how != Use::In;
+                return Ok(Resolved {
+                    ptr: DevicePtr(e.buf.ptr().0 + (imp.addr - e.user)),
+                });
+            }
+        }
+        let buf = pool.take(bytes).map_err(|e| comm_err(e.into()))?;
+        if how != Use::Out {
+            // SAFETY: `imp` keeps `bytes` of host memory at `addr` alive until the operation
+            // finished (the call holds it); the staging buffer holds at least `bytes`.
+            unsafe {
+                pool.adaptor()
+                    .memcpy_h2d_async(buf.ptr(), imp.addr as *const u8, bytes, stream)
+            }
+            .map_err(|e| comm_err(e.into()))?;
+        }
+        let ptr = buf.ptr();
+        self.entries.push(Entry {
+            buf,
+            user: imp.addr,
+            bytes,
+            back: how != Use::In,
+        });
+        Ok(Resolved { ptr })
+    }
+
+    /// After the operation was enqueued: copies back what it wrote, and the event that says
+    /// when those copies (and so the operation) are done. `None` where nothing was staged.
+    pub fn copy_back(
+        mut self,
+        pool: &Pool,
+        stream: StreamHandle,
+    ) -> flagcx::p2p::Result<Option<Outbound>> {
+        if self.entries.is_empty() {
+            return Ok(None);
+        }
+        let a = pool.adaptor();
+        let entries = std::mem::take(&mut self.entries);
+        for e in entries.iter().filter(|e| e.back) {
+            // SAFETY: the caller's buffer outlives the returned `Outbound` (the call holds
+            // its producer's reference), and nothing else writes it until the event passed.
+            unsafe { a.memcpy_d2h_async(e.user as *mut u8, e.buf.ptr(), e.bytes, stream) }?;
+        }
+        let event = Event::new(a, false)?;
+        a.event_record(event.handle(), stream)?;
+        Ok(Some(Outbound {
+            event,
+            bufs: entries.into_iter().map(|e| e.buf).collect(),
+        }))
+    }
+
+    /// The call failed before enqueueing: the staging buffers go back to the pool (copies in
+    /// that were enqueued only read the caller's buffers, which the stream finishes first).
+    pub fn abandon(mut self, pool: &Pool, stream: StreamHandle) {
+        if self.entries.is_empty() {
+            return;
+        }
+        // The copies in may still run; the buffers are reused only after they did.
+        let _ = pool.adaptor().stream_synchronize(stream);
+        pool.give(std::mem::take(&mut self.entries).into_iter().map(|e| e.buf));
+    }
+}
+
+/// Whether `bytes` at `addr` are memory of this host-vendor rank that a peer process can map
+/// (device memory from the adaptor): then no staging is needed.
+fn shareable(a: &Adaptor, addr: u64, bytes: usize) -> bool {
+    a.vendor() == Vendor::Host
+        && a.mem_get_range(DevicePtr(addr)).is_ok_and(|(base, len)| {
+            addr + bytes as u64 <= base.0 + len as u64 && a.ipc_get_handle(base).is_ok()
+        })
+}
+
+/// The staging of an enqueued operation: done when `event` completed.
+pub struct Outbound {
+    event: Event<Adaptor>,
+    bufs: Vec<DeviceBuffer<Adaptor>>,
+}
+
+impl Outbound {
+    /// True once the copies back ran.
+    pub fn is_done(&self) -> bool {
+        self.event.query().unwrap_or(true)
+    }
+
+    /// Waits up to `t` for the copies back.
+    pub fn settle(&self, t: Duration) -> bool {
+        let t0 = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            if self.is_done() {
+                return true;
+            }
+            if t0.elapsed() >= t {
+                return false;
+            }
+            // Short turns first: the copies back follow the operation by microseconds.
+            if polls < 64 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            polls += 1;
+        }
+    }
+
+    /// Hands the staging buffers back (after `settle` said done).
+    pub fn finish(self, pool: &Pool) -> flagcx::p2p::Result<()> {
+        self.event.synchronize()?;
+        pool.give(self.bufs);
+        Ok(())
+    }
+}
