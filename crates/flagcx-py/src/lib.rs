@@ -50,7 +50,9 @@ struct Inner {
     pool: Pool,
     orphans: Mutex<Vec<Pending>>,
     /// Per posting thread, whether a group is open (posts in it do not wait).
-    groups: Mutex<HashMap<std::thread::ThreadId, usize>>,
+    /// Per thread with a group open: the staging of its calls, copied back at `group_end`
+    /// (the group's operations are enqueued only then).
+    groups: Mutex<HashMap<std::thread::ThreadId, Vec<Arc<Mutex<Late>>>>>,
 }
 
 impl Inner {
@@ -93,11 +95,27 @@ impl Inner {
     }
 }
 
+/// Drops a reference to a rank's state without the GIL where it is the last one: tearing the
+/// communicator down joins its progress thread, which may be logging through Python and need
+/// the GIL meanwhile.
+fn release(inner: Arc<Inner>) {
+    if Arc::strong_count(&inner) > 1 {
+        return;
+    }
+    let mut inner = Some(inner);
+    let _ = Python::try_attach(|py| {
+        let i = inner.take();
+        py.detach(move || drop(i));
+    });
+    // The interpreter is gone or going: no Python thread can hold the GIL against us.
+    drop(inner);
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
         // Operations nobody waited for still use their buffers: let them finish (or fail on
-        // the abort) before the buffers' owners get them back.
-        self.comm.abort();
+        // the communicator's timeout) before the buffers' owners get them back. No abort: a
+        // peer may still be finishing an operation with this rank that ours saw complete.
         for p in std::mem::take(&mut *lock(&self.orphans)) {
             let _ = p.settle(Duration::from_secs(5));
         }
@@ -111,8 +129,8 @@ impl Drop for Inner {
 /// An enqueued operation: what tells it finished, and everything it uses until then.
 struct Pending {
     ops: Ops,
-    /// Staging copies back to the caller's buffers, done when this event completes.
-    staged: Option<stage::Outbound>,
+    /// Staging copies back to the caller's buffers (enqueued behind the operation).
+    staged: Option<Arc<Mutex<Late>>>,
     /// The imported buffers (their producers' memory stays alive while these live).
     _held: Vec<Imported>,
 }
@@ -128,7 +146,7 @@ impl Pending {
             Ops::Requests(r) => r.iter().all(Request::is_done),
             Ops::Collective(c) => c.is_done(),
         };
-        ops && self.staged.as_ref().map_or(true, stage::Outbound::is_done)
+        ops && self.staged.as_ref().map_or(true, |l| lock(l).is_done())
     }
 
     /// Waits up to `t` for every part to finish without taking results.
@@ -139,7 +157,10 @@ impl Pending {
             Ops::Requests(r) => r.iter().all(|r| r.settle(left())),
             Ops::Collective(c) => c.settle(left()),
         };
-        ops && self.staged.as_ref().map_or(true, |s| s.settle(left()))
+        ops && self
+            .staged
+            .as_ref()
+            .map_or(true, |l| lock(l).settle(left()))
     }
 
     /// The results (after `settle` said done): bytes of a single request, else `None`.
@@ -157,10 +178,72 @@ impl Pending {
             }
             Ops::Collective(c) => c.wait().map(|()| None),
         };
-        if let Some(s) = self.staged {
-            s.finish(pool)?;
+        if let Some(l) = self.staged {
+            let late = std::mem::replace(&mut *lock(&l), Late::Taken);
+            late.finish(pool)?;
         }
         result
+    }
+}
+
+/// A call's staging copies back: enqueued with the call, or (inside a group, whose
+/// operations are enqueued at its end) at `group_end`.
+enum Late {
+    /// In a group not ended yet: what to copy back, on which stream.
+    Waiting(stage::Staging, StreamHandle),
+    /// Enqueued.
+    Ready(stage::Outbound),
+    /// The group failed or its copies could not be enqueued.
+    Failed(flagcx::p2p::CommError),
+    /// Finished.
+    Taken,
+}
+
+impl Late {
+    fn is_done(&self) -> bool {
+        match self {
+            Late::Waiting(..) => false,
+            Late::Ready(o) => o.is_done(),
+            Late::Failed(_) | Late::Taken => true,
+        }
+    }
+
+    fn settle(&self, t: Duration) -> bool {
+        match self {
+            Late::Ready(o) => o.settle(t),
+            other => other.is_done(),
+        }
+    }
+
+    /// The group ended: enqueue the copies back (or give the staging up where it failed).
+    fn enqueue(&mut self, pool: &Pool, group: &flagcx::p2p::Result<()>) {
+        if let Late::Waiting(staging, stream) = std::mem::replace(self, Late::Taken) {
+            *self = match group {
+                Ok(()) => match staging.copy_back(pool, stream) {
+                    Ok(Some(o)) => Late::Ready(o),
+                    Ok(None) => Late::Taken,
+                    Err(e) => Late::Failed(e),
+                },
+                Err(e) => {
+                    staging.abandon(pool, stream);
+                    Late::Failed(e.clone())
+                }
+            };
+        }
+    }
+
+    fn finish(self, pool: &Pool) -> flagcx::p2p::Result<()> {
+        match self {
+            Late::Ready(o) => o.finish(pool),
+            Late::Failed(e) => Err(e),
+            Late::Taken => Ok(()),
+            Late::Waiting(staging, stream) => {
+                staging.abandon(pool, stream);
+                Err(flagcx::p2p::CommError::InvalidArgument(
+                    "the call's group never ended (call group_end)".into(),
+                ))
+            }
+        }
     }
 }
 
@@ -171,9 +254,11 @@ impl Pending {
 /// the buffers alive until it finishes.
 #[pyclass(module = "flagcx._flagcx", name = "Work")]
 pub struct Work {
-    inner: Arc<Inner>,
+    /// `None` only while dropping.
+    inner: Option<Arc<Inner>>,
     pending: Mutex<Option<Pending>>,
-    result: Mutex<Option<Option<usize>>>,
+    /// The outcome, once a waiter took it.
+    result: Mutex<Option<flagcx::p2p::Result<Option<usize>>>>,
 }
 
 #[pymethods]
@@ -182,29 +267,29 @@ impl Work {
     /// `None`; raises the operation's failure. Waiting again returns the same result.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<usize>> {
-        if let Some(r) = *lock(&self.result) {
-            return Ok(r);
+        if let Some(r) = lock(&self.result).clone() {
+            return r.map_err(comm_err);
         }
         let limit = timeout.map(Duration::from_secs_f64);
         let t0 = std::time::Instant::now();
         loop {
-            let settled = {
-                let p = lock(&self.pending);
-                match p.as_ref() {
-                    None => true,
-                    Some(p) => {
-                        let turn = limit
-                            .map_or(SIGNAL_TURN, |l| l.saturating_sub(t0.elapsed()))
-                            .min(SIGNAL_TURN);
-                        py.detach(|| p.settle(turn))
-                    }
-                }
-            };
+            let turn = limit
+                .map_or(SIGNAL_TURN, |l| l.saturating_sub(t0.elapsed()))
+                .min(SIGNAL_TURN);
+            // The lock is taken without the GIL: another thread (a completion thread of the
+            // torch backend) may hold it while it waits, and needs the GIL to return.
+            let settled = py.detach(|| {
+                lock(&self.pending)
+                    .as_ref()
+                    .map_or(true, |p| p.settle(turn))
+            });
             if settled {
                 break;
             }
             if let Err(e) = py.check_signals() {
-                self.inner.comm.abort();
+                if let Some(i) = &self.inner {
+                    i.comm.abort();
+                }
                 return Err(e);
             }
             if limit.is_some_and(|l| t0.elapsed() >= l) {
@@ -214,17 +299,33 @@ impl Work {
                 )));
             }
         }
-        let Some(p) = lock(&self.pending).take() else {
-            return Ok(lock(&self.result).flatten());
-        };
-        let r = p.finish(&self.inner.pool).map_err(comm_err)?;
-        *lock(&self.result) = Some(r);
-        Ok(r)
+        // Taking, finishing and storing under the lock: a second waiter sees the stored
+        // outcome, the failure included.
+        py.detach(|| {
+            let mut pending = lock(&self.pending);
+            if let Some(p) = pending.take() {
+                let r = match &self.inner {
+                    Some(i) => p.finish(&i.pool),
+                    None => Ok(None),
+                };
+                *lock(&self.result) = Some(r);
+            }
+            drop(pending);
+            lock(&self.result).clone().unwrap_or(Ok(None))
+        })
+        .map_err(comm_err)
     }
 
     /// True once the operation finished (successfully or not); never blocks.
     fn is_completed(&self) -> bool {
-        lock(&self.pending).as_ref().map_or(true, Pending::is_done)
+        // A waiter holding the lock has not finished yet (and may need the GIL to let go).
+        match self.pending.try_lock() {
+            Ok(p) => p.as_ref().map_or(true, Pending::is_done),
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                p.into_inner().as_ref().map_or(true, Pending::is_done)
+            }
+            Err(std::sync::TryLockError::WouldBlock) => false,
+        }
     }
 
     fn __repr__(&self) -> String {
@@ -241,13 +342,16 @@ impl Work {
 
 impl Drop for Work {
     fn drop(&mut self) {
+        let inner = self.inner.take();
+        let Some(inner) = inner else { return };
         if let Some(p) = lock(&self.pending).take() {
             if p.is_done() {
-                let _ = p.finish(&self.inner.pool);
+                let _ = p.finish(&inner.pool);
             } else {
-                lock(&self.inner.orphans).push(p);
+                lock(&inner.orphans).push(p);
             }
         }
+        release(inner);
     }
 }
 
@@ -271,6 +375,17 @@ fn vendors() -> Vec<&'static str> {
         .iter()
         .map(|v| v.name())
         .collect()
+}
+
+/// How many devices `vendor` (`"host"`, `"cuda"`, `"opencl"`) has here; raises
+/// `Unavailable` with the reason where its runtime or device is missing.
+#[pyfunction]
+fn device_count(py: Python<'_>, vendor: &str) -> PyResult<usize> {
+    let v: Vendor = vendor
+        .parse()
+        .map_err(|e: flagcx::AdaptorError| invalid(e.to_string()))?;
+    py.detach(|| Adaptor::open(v, 0).and_then(|a| a.device_count()))
+        .map_err(|e| comm_err(e.into()))
 }
 
 /// A communicator: this process as one rank of a job.
@@ -412,17 +527,28 @@ impl Call {
 
     /// After the operation was enqueued: staging copies back, and the `Work`.
     fn finish(mut self, py: Python<'_>, ops: Ops, wait: bool) -> PyResult<Py<PyAny>> {
-        let staged = self
-            .staging
-            .copy_back(&self.inner.pool, self.stream)
-            .map_err(comm_err)?;
+        let staging = std::mem::take(&mut self.staging);
+        let staged = if staging.is_empty() {
+            None
+        } else if self.inner.in_group() {
+            let late = Arc::new(Mutex::new(Late::Waiting(staging, self.stream)));
+            if let Some(g) = lock(&self.inner.groups).get_mut(&std::thread::current().id()) {
+                g.push(late.clone());
+            }
+            Some(late)
+        } else {
+            let out = staging
+                .copy_back(&self.inner.pool, self.stream)
+                .map_err(comm_err)?;
+            out.map(|o| Arc::new(Mutex::new(Late::Ready(o))))
+        };
         let pending = Pending {
             ops,
             staged,
             _held: std::mem::take(&mut self.args),
         };
         let work = Work {
-            inner: self.inner.clone(),
+            inner: Some(self.inner.clone()),
             pending: Mutex::new(Some(pending)),
             result: Mutex::new(None),
         };
@@ -964,9 +1090,9 @@ impl PyComm {
     fn group_begin(&self) -> PyResult<()> {
         let inner = self.inner()?;
         inner.comm.group_begin().map_err(comm_err)?;
-        *lock(&inner.groups)
+        lock(&inner.groups)
             .entry(std::thread::current().id())
-            .or_default() += 1;
+            .or_default();
         Ok(())
     }
 
@@ -978,8 +1104,17 @@ impl PyComm {
     /// Ends this thread's group: its operations are enqueued together.
     fn group_end(&self, py: Python<'_>) -> PyResult<()> {
         let inner = self.inner()?;
-        lock(&inner.groups).remove(&std::thread::current().id());
-        py.detach(|| inner.comm.group_end()).map_err(comm_err)
+        let late = lock(&inner.groups)
+            .remove(&std::thread::current().id())
+            .unwrap_or_default();
+        py.detach(|| {
+            let r = inner.comm.group_end();
+            for l in &late {
+                lock(l).enqueue(&inner.pool, &r);
+            }
+            r
+        })
+        .map_err(comm_err)
     }
 
     /// Aborts: every pending and later operation of this communicator fails (`Aborted`), and
@@ -1066,7 +1201,7 @@ impl Drop for PyComm {
         // Tearing down joins the progress thread, which may be logging through Python:
         // release the GIL meanwhile.
         if let Some(inner) = lock(&self.inner).take() {
-            Python::attach(|py| py.detach(move || drop(inner)));
+            release(inner);
         }
     }
 }
@@ -1090,11 +1225,40 @@ impl Group {
     }
 }
 
+static LOG_RESET: std::sync::OnceLock<pyo3_log::ResetHandle> = std::sync::OnceLock::new();
+
+/// Makes the library's logs follow Python's logging levels again after they changed (levels
+/// are cached per logger).
+#[pyfunction]
+fn reset_logging() {
+    if let Some(h) = LOG_RESET.get() {
+        h.reset();
+    }
+}
+
 /// The extension module.
 #[pymodule]
 fn _flagcx(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    // Library logs (`FLAGCX_DEBUG`-style levels through `logging.getLogger("flagcx_p2p")`).
-    let _ = pyo3_log::try_init();
+    // Library logs go to Python's `logging` (loggers `flagcx_p2p.setup`, …). Records below
+    // info are not even formed unless `FLAGCX_DEBUG` asks for them (some sit on hot paths);
+    // Python's levels are cached per logger: `flagcx.reset_logging()` after changing them.
+    let level = match std::env::var("FLAGCX_DEBUG")
+        .as_deref()
+        .map(str::to_ascii_lowercase)
+    {
+        Ok(l) if l == "trace" => log::LevelFilter::Trace,
+        Ok(l) if l == "debug" => log::LevelFilter::Debug,
+        _ => log::LevelFilter::Info,
+    };
+    if let Ok(handle) = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::LoggersAndLevels)
+        .map(|l| l.filter(level))
+        .and_then(|l| {
+            l.install()
+                .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))
+        })
+    {
+        let _ = LOG_RESET.set(handle);
+    }
     m.add_class::<PyComm>()?;
     m.add_class::<Work>()?;
     m.add_class::<Group>()?;
@@ -1102,6 +1266,8 @@ fn _flagcx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(unique_id, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(vendors, m)?)?;
+    m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_logging, m)?)?;
     errors::register(m)?;
     Ok(())
 }

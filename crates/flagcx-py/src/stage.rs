@@ -105,6 +105,11 @@ pub struct Staging {
 }
 
 impl Staging {
+    /// Whether nothing was staged.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
     /// Where the operation finds `imp`, used as `how`. `on_device`: the buffer is this rank's
     /// device memory (used in place). A buffer inside one staged earlier in the call (an
     /// in-place reduce-scatter's output) shares its staging.

@@ -15,7 +15,9 @@ Quick start (two ranks, started by ``flagcx-run -n 2 python3 script.py``, ``torc
         comm.all_reduce(x)            # in place; every rank now holds [3, 3, 3, 3]
 
 Errors are exceptions derived from :class:`FlagcxError` (:class:`PeerLost`, :class:`Timeout`,
-...). Library logs go to Python's ``logging`` under the loggers ``flagcx_p2p`` and ``flagcx``.
+...). Library logs go to Python's ``logging`` under the loggers ``flagcx_p2p`` and ``flagcx``
+(info and above; ``FLAGCX_DEBUG=debug`` or ``trace`` for more); call :func:`reset_logging` after
+changing their levels.
 """
 
 from ._flagcx import (
@@ -37,6 +39,8 @@ from ._flagcx import (
     Unavailable,
     Unsupported,
     Work,
+    device_count,
+    reset_logging,
     unique_id,
     vendors,
     version,
@@ -61,8 +65,10 @@ __all__ = [
     "Unavailable",
     "Unsupported",
     "Work",
+    "device_count",
     "empty",
     "from_store",
+    "reset_logging",
     "unique_id",
     "vendors",
     "version",

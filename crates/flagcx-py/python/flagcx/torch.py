@@ -1,0 +1,507 @@
+"""A ``torch.distributed`` backend over flagcx, for CPU and CUDA ranks in one job.
+
+Importing this module registers the backend ``"flagcx"`` for the ``cpu`` and ``cuda``
+devices::
+
+    import torch.distributed as dist
+    import flagcx.torch  # registers "flagcx"
+    dist.init_process_group("flagcx")  # torchrun's environment, or rank=/world_size=/store=
+
+Each rank opens one device: ``FLAGCX_VENDOR`` if set (``host`` for a CPU rank, ``cuda``), else
+CUDA where ``torch.cuda.is_available()``, else the host vendor. A CPU rank and a CUDA rank of
+one job exchange data (the library stages between the runtimes). A rank's tensors are its
+device's: CUDA tensors on a CUDA rank (CPU tensors there are staged through device memory),
+CPU tensors on a host rank.
+
+Semantics follow NCCL's backend:
+
+* CUDA tensors: an operation is enqueued on the stream current at the call, in order after
+  the work already there; ``Work.wait()`` makes the stream current at that time wait for it
+  (no host wait), and ``get_future()`` is a CUDA future completed on that stream.
+* CPU tensors: the operation runs on the communicator's own stream; ``Work.wait()`` blocks
+  (the GIL released) and raises the operation's failure; futures are completed by a
+  completion thread.
+* A watchdog thread polls the communicator's asynchronous error (a lost peer, a timeout,
+  ``FLAGCX_TIMEOUT_MS``) and aborts it, so every rank's pending and later calls raise
+  instead of hanging. ``destroy_process_group`` (``shutdown``) and ``abort`` free everything.
+
+Reduction ops: SUM, AVG, PRODUCT, MIN, MAX. BAND, BOR, BXOR and PREMUL_SUM raise
+:class:`flagcx.Unsupported`.
+"""
+
+import os
+import queue
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _C10dBackend
+
+import flagcx
+
+__all__ = ["FlagcxBackend", "BACKEND_NAME"]
+
+#: The name ``init_process_group`` takes.
+BACKEND_NAME = "flagcx"
+
+_RED = dist.ReduceOp.RedOpType
+_OPS = {
+    _RED.SUM: "sum",
+    _RED.AVG: "avg",
+    _RED.PRODUCT: "prod",
+    _RED.MIN: "min",
+    _RED.MAX: "max",
+}
+
+
+def _op_name(reduce_op):
+    op = getattr(reduce_op, "op", reduce_op)
+    try:
+        return _OPS[op]
+    except KeyError:
+        name = getattr(op, "name", str(op))
+        raise flagcx.Unsupported(
+            f"flagcx backend: ReduceOp.{name} is not supported (SUM, AVG, PRODUCT, MIN and "
+            "MAX are)"
+        ) from None
+
+
+def _seconds(timeout):
+    """A torch timeout (``timedelta``; negative or zero: unset) in seconds, or ``None``."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        s = timeout.total_seconds()
+    else:
+        s = float(timeout)
+    return s if s > 0 else None
+
+
+class _Work(dist.Work):
+    """What a call returns: the flagcx operations it enqueued and its result tensors.
+
+    ``wait()`` follows NCCL's meaning (see the module's doc); ``get_future()`` gives a future
+    whose value is the list of result tensors (what DDP's reducer reads).
+    """
+
+    def __init__(self, backend, works, outputs, cuda_stream=None, after=None):
+        super().__init__()
+        self._backend = backend
+        self._works = [w for w in works if isinstance(w, flagcx.Work)]
+        self._outputs = outputs
+        self._after = after  # runs once the operations finished (copies out of temporaries)
+        self._event = None
+        self._device = None
+        self._stream = cuda_stream
+        if cuda_stream is not None:
+            self._device = cuda_stream.device
+            self._event = torch.cuda.Event()
+            self._event.record(cuda_stream)
+        self._future = None
+        self._lock = threading.Lock()
+        self._done = False
+        self._error = None
+
+    def _finish(self, timeout=None):
+        """Host side: waits for the operations (CPU), runs the epilogue once."""
+        with self._lock:
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                return
+            try:
+                if self._event is None:
+                    for w in self._works:
+                        w.wait(timeout)
+                if self._after is not None:
+                    self._after()
+            except BaseException as e:  # noqa: BLE001 - kept for every later waiter
+                self._error = e
+                self._done = True
+                self._backend._note(e)
+                raise
+            self._works = []
+            self._done = True
+
+    def wait(self, timeout=None):
+        """Blocks until the operation finished (CPU), or orders the current CUDA stream after
+        it; raises its failure. Returns True."""
+        self._backend._raise_if_failed()
+        self._finish(_seconds(timeout))
+        if self._event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._event)
+        return True
+
+    def get_future(self):
+        """A ``torch.futures.Future`` completed with the list of result tensors."""
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            if self._event is not None:
+                fut = torch.futures.Future(devices=[self._device])
+            else:
+                fut = torch.futures.Future()
+            self._future = fut
+        if self._event is not None:
+            # Completed now, while the operation's stream is current: the future records
+            # its own event there and waiters synchronize with it, not with the host.
+            self._finish()
+            with torch.cuda.stream(self._stream):
+                fut.set_result(self._outputs)
+        else:
+            self._backend._complete_later(self, fut)
+        return fut
+
+    def is_completed(self):
+        """True once the operations finished."""
+        if self._done:
+            return True
+        if self._event is not None:
+            return self._event.query()
+        return all(w.is_completed() for w in self._works)
+
+
+class FlagcxBackend(_C10dBackend):
+    """The process group backend. ``torch.distributed`` makes one per group through
+    :func:`_create`; each holds one :class:`flagcx.Comm` joined through the group's store."""
+
+    def __init__(self, store, rank, size, timeout):
+        super().__init__(rank, size)
+        self._timeout = _seconds(timeout)
+        vendor = os.environ.get("FLAGCX_VENDOR") or (
+            "cuda" if torch.cuda.is_available() else "host"
+        )
+        device = None
+        if vendor == "cuda" and torch.cuda.is_available():
+            device = torch.cuda.current_device()
+        self._comm = flagcx.from_store(store, rank, size, key="flagcx/unique_id",
+                                       vendor=vendor, device=device)
+        self._coalescing = None
+        self._failure = None
+        self._queue = None
+        self._threads = []
+        self._stop = threading.Event()
+        watchdog = threading.Thread(target=self._watch, name="flagcx-watchdog", daemon=True)
+        watchdog.start()
+        self._threads.append(watchdog)
+
+    # ---- plumbing ----
+
+    def getBackendName(self):
+        """``"flagcx"``."""
+        return BACKEND_NAME
+
+    def _watch(self):
+        while not self._stop.wait(0.1):
+            comm = self._comm
+            if comm is None:
+                return
+            try:
+                err = comm.async_error()
+            except flagcx.Aborted:
+                return
+            if err is not None:
+                self._note(err)
+                comm.abort()
+                return
+
+    def _note(self, err):
+        if self._failure is None and isinstance(
+            err, (flagcx.PeerLost, flagcx.Timeout, flagcx.RemoteFailure, flagcx.DeviceError)
+        ):
+            self._failure = err
+
+    def _raise_if_failed(self):
+        if self._failure is not None:
+            raise flagcx.Aborted(
+                f"flagcx backend: the communicator was aborted after: {self._failure}"
+            ) from self._failure
+
+    def _complete_later(self, work, fut):
+        if self._queue is None:
+            self._queue = queue.Queue()
+            t = threading.Thread(target=self._completer, name="flagcx-completion", daemon=True)
+            t.start()
+            self._threads.append(t)
+        self._queue.put((work, fut))
+
+    def _completer(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            work, fut = item
+            try:
+                work._finish()
+                fut.set_result(work._outputs)
+            except BaseException as e:  # noqa: BLE001 - handed to the future's waiters
+                fut.set_exception(e)
+
+    def _kw(self, tensor):
+        """The stream keyword for a call on ``tensor``: CUDA tensors run on the current
+        stream."""
+        if tensor.is_cuda:
+            return torch.cuda.current_stream(tensor.device)
+        return None
+
+    def _run(self, tensors, outputs, post, after=None):
+        """Posts ``post(stream_kw)`` (one or several flagcx calls) and wraps them in a Work.
+        Inside a coalescing block the call is queued and the block's Work covers it."""
+        self._raise_if_failed()
+        stream = self._kw(tensors[0]) if tensors else None
+        kw = {"async_op": True}
+        if stream is not None:
+            kw["stream"] = stream.cuda_stream
+        if self._coalescing is not None:
+            self._coalescing.append((post, kw, after, outputs, stream))
+            return _Work(self, [], outputs)
+        works = post(kw)
+        if not isinstance(works, list):
+            works = [works]
+        return _Work(self, works, outputs, cuda_stream=stream, after=after)
+
+    @staticmethod
+    def _flat(t):
+        if not t.is_contiguous():
+            raise flagcx.InvalidArgument(
+                "flagcx backend: tensors must be contiguous (call .contiguous())"
+            )
+        return t.detach()
+
+    # ---- collectives ----
+
+    def allreduce(self, tensors, opts):
+        """``dist.all_reduce``."""
+        op = _op_name(opts.reduceOp)
+        ts = [self._flat(t) for t in tensors]
+        return self._run(ts, tensors, lambda kw: self._group(
+            [lambda t=t: self._comm.all_reduce(t, op, **kw) for t in ts]))
+
+    def allreduce_coalesced(self, tensors, opts):
+        """``dist.all_reduce_coalesced`` and ``_coalescing_manager``: one group."""
+        return self.allreduce(tensors, opts)
+
+    def _group(self, calls):
+        if len(calls) == 1:
+            return [calls[0]()]
+        with self._comm.group():
+            return [c() for c in calls]
+
+    def reduce(self, tensors, opts):
+        """``dist.reduce``."""
+        op = _op_name(opts.reduceOp)
+        t = self._flat(tensors[0])
+        root = opts.rootRank
+        return self._run([t], tensors, lambda kw: self._comm.reduce(t, root, op, **kw))
+
+    def broadcast(self, tensors, opts):
+        """``dist.broadcast``."""
+        ts = [self._flat(t) for t in tensors]
+        root = opts.rootRank
+        return self._run(ts, tensors, lambda kw: self._group(
+            [lambda t=t: self._comm.broadcast(t, root, **kw) for t in ts]))
+
+    def all_gather_single(self, output, input, opts):
+        """``dist.all_gather_into_tensor`` / ``_all_gather_base``."""
+        o, i = self._flat(output), self._flat(input)
+        return self._run([i], [output], lambda kw: self._comm.all_gather(i, o, **kw))
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts):
+        """``all_gather_into_tensor`` inside ``_coalescing_manager``."""
+        pairs = [(self._flat(o), self._flat(i)) for o, i in zip(outputs, inputs)]
+        return self._run([p[1] for p in pairs], outputs, lambda kw: self._group(
+            [lambda p=p: self._comm.all_gather(p[1], p[0], **kw) for p in pairs]))
+
+    def allgather(self, output_tensors, input_tensors, opts):
+        """``dist.all_gather`` (a list of outputs): gathered into one tensor, then copied
+        out."""
+        i = self._flat(input_tensors[0])
+        outs = output_tensors[0]
+        tmp = torch.empty((len(outs),) + tuple(i.shape), dtype=i.dtype, device=i.device)
+
+        def after():
+            for k, o in enumerate(outs):
+                o.copy_(tmp[k])
+
+        return self._run([i], output_tensors, lambda kw: self._comm.all_gather(i, tmp, **kw),
+                         after=after)
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts):
+        """``dist.all_gather_coalesced``."""
+        works = [self.allgather([o], [i], opts) for o, i in zip(output_lists, input_tensors)]
+        return _Chain(self, works, output_lists)
+
+    def reduce_scatter_single(self, output, input, opts):
+        """``dist.reduce_scatter_tensor`` / ``_reduce_scatter_base``."""
+        op = _op_name(opts.reduceOp)
+        o, i = self._flat(output), self._flat(input)
+        return self._run([i], [output], lambda kw: self._comm.reduce_scatter(i, o, op, **kw))
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
+        """``reduce_scatter_tensor`` inside ``_coalescing_manager``."""
+        op = _op_name(opts.reduceOp)
+        pairs = [(self._flat(o), self._flat(i)) for o, i in zip(outputs, inputs)]
+        return self._run([p[1] for p in pairs], outputs, lambda kw: self._group(
+            [lambda p=p: self._comm.reduce_scatter(p[1], p[0], op, **kw) for p in pairs]))
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts):
+        """``dist.reduce_scatter`` (a list of inputs): packed into one tensor first."""
+        op = _op_name(opts.reduceOp)
+        o = self._flat(output_tensors[0])
+        ins = input_tensors[0]
+        tmp = torch.stack([t.detach() for t in ins]).contiguous()
+        return self._run([tmp], output_tensors,
+                         lambda kw: self._comm.reduce_scatter(tmp, o, op, **kw))
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
+        """``dist.all_to_all_single`` (even, or uneven with split sizes along dim 0)."""
+        o, i = self._flat(output), self._flat(input)
+        if not output_split_sizes and not input_split_sizes:
+            return self._run([i], [output], lambda kw: self._comm.all_to_all(i, o, **kw))
+        n = self.size()
+        row_i = i[0].numel() if i.dim() > 0 and i.shape[0] else 1
+        row_o = o[0].numel() if o.dim() > 0 and o.shape[0] else 1
+        ins = [s * row_i for s in input_split_sizes] or [i.numel() // n] * n
+        outs = [s * row_o for s in output_split_sizes] or [o.numel() // n] * n
+        return self._run([i], [output],
+                         lambda kw: self._comm.all_to_all(i, o, ins, outs, **kw))
+
+    def alltoall(self, output_tensors, input_tensors, opts):
+        """``dist.all_to_all`` (lists): packed, exchanged with split sizes, copied out."""
+        ref = input_tensors[0]
+        flat_in = torch.cat([t.detach().reshape(-1) for t in input_tensors])
+        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=ref.dtype,
+                               device=ref.device)
+        ins = [t.numel() for t in input_tensors]
+        outs = [t.numel() for t in output_tensors]
+
+        def after():
+            at = 0
+            for t in output_tensors:
+                t.copy_(flat_out[at:at + t.numel()].view_as(t))
+                at += t.numel()
+
+        return self._run([flat_in], output_tensors,
+                         lambda kw: self._comm.all_to_all(flat_in, flat_out, ins, outs, **kw),
+                         after=after)
+
+    def gather(self, output_tensors, input_tensors, opts):
+        """``dist.gather``: into one tensor on the root, then copied out."""
+        i = self._flat(input_tensors[0])
+        root = opts.rootRank
+        if self.rank() == root:
+            outs = output_tensors[0]
+            tmp = torch.empty((len(outs),) + tuple(i.shape), dtype=i.dtype, device=i.device)
+
+            def after():
+                for k, o in enumerate(outs):
+                    o.copy_(tmp[k])
+        else:
+            tmp, after = None, None
+        return self._run([i], output_tensors,
+                         lambda kw: self._comm.gather(i, tmp, root, **kw), after=after)
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        """``dist.scatter``: the root's list packed into one tensor first."""
+        o = self._flat(output_tensors[0])
+        root = opts.rootRank
+        tmp = None
+        if self.rank() == root:
+            tmp = torch.stack([t.detach() for t in input_tensors[0]]).contiguous()
+        return self._run([o], output_tensors,
+                         lambda kw: self._comm.scatter(tmp, o, root, **kw))
+
+    def barrier(self, opts):
+        """``dist.barrier``."""
+        self._raise_if_failed()
+        return _Work(self, [self._comm.barrier(async_op=True)], [])
+
+    # ---- point to point ----
+
+    def send(self, tensors, dstRank, tag):
+        """``dist.send`` / ``isend`` (tags are not matched: messages pair in posting order)."""
+        t = self._flat(tensors[0])
+        return self._run([t], tensors, lambda kw: self._comm.send(t, dstRank, **kw))
+
+    def recv(self, tensors, srcRank, tag):
+        """``dist.recv`` / ``irecv`` from ``srcRank``."""
+        t = self._flat(tensors[0])
+        return self._run([t], tensors, lambda kw: self._comm.recv(t, srcRank, **kw))
+
+    @property
+    def supports_coalescing(self):
+        """True: ``batch_isend_irecv`` posts its operations as one flagcx group."""
+        return True
+
+    def start_coalescing(self):
+        """Opens a coalescing block: calls until ``end_coalescing`` are posted together."""
+        self._coalescing = []
+
+    def end_coalescing(self):
+        """Posts the block's calls in one flagcx group; one Work for all of them."""
+        calls, self._coalescing = self._coalescing or [], None
+        if not calls:
+            return _Work(self, [], [])
+        works, afters, outputs = [], [], []
+        with self._comm.group():
+            for post, kw, after, outs, _ in calls:
+                w = post(kw)
+                works.extend(w if isinstance(w, list) else [w])
+                if after is not None:
+                    afters.append(after)
+                outputs.extend(outs)
+        stream = next((c[4] for c in calls if c[4] is not None), None)
+
+        def after_all():
+            for a in afters:
+                a()
+
+        return _Work(self, works, outputs, cuda_stream=stream,
+                     after=after_all if afters else None)
+
+    # ---- teardown ----
+
+    def shutdown(self):
+        """``destroy_process_group``: stops the threads and frees the communicator."""
+        self._stop.set()
+        if self._queue is not None:
+            self._queue.put(None)
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.close()
+
+    def abort(self):
+        """Aborts the communicator: every rank's pending operations with this one fail."""
+        comm = self._comm
+        if comm is not None:
+            comm.abort()
+        self.shutdown()
+
+
+class _Chain(_Work):
+    """Several Works as one."""
+
+    def __init__(self, backend, works, outputs):
+        super().__init__(backend, [], outputs)
+        self._parts = works
+
+    def _finish(self, timeout=None):
+        for w in self._parts:
+            w._finish(timeout)
+
+    def wait(self, timeout=None):
+        for w in self._parts:
+            w.wait(timeout)
+        return True
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self._parts)
+
+
+def _create(store, rank, size, timeout):
+    return FlagcxBackend(store, rank, size, timeout)
+
+
+if not hasattr(dist.Backend, BACKEND_NAME.upper()):
+    dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
