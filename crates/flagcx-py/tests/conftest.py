@@ -39,6 +39,7 @@ def start_job(script, args, vendors, env=None):
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(HERE / script), *args],
+                cwd=str(HERE),
                 env=e,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -29,9 +29,11 @@ Reduction ops: SUM, AVG, PRODUCT, MIN, MAX. BAND, BOR, BXOR and PREMUL_SUM raise
 :class:`flagcx.Unsupported`.
 """
 
+import atexit
 import os
 import queue
 import threading
+import weakref
 from datetime import timedelta
 
 import torch
@@ -178,6 +180,7 @@ class FlagcxBackend(_C10dBackend):
         self._comm = flagcx.from_store(store, rank, size, key="flagcx/unique_id",
                                        vendor=vendor, device=device)
         self._coalescing = None
+        self._grouped = False
         self._failure = None
         self._queue = None
         self._threads = []
@@ -283,8 +286,10 @@ class FlagcxBackend(_C10dBackend):
         return self.allreduce(tensors, opts)
 
     def _group(self, calls):
-        if len(calls) == 1:
-            return [calls[0]()]
+        """Posts several calls as one flagcx group (inside a coalescing block's group, as
+        part of that one: groups do not nest)."""
+        if len(calls) == 1 or self._grouped:
+            return [c() for c in calls]
         with self._comm.group():
             return [c() for c in calls]
 
@@ -444,13 +449,12 @@ class FlagcxBackend(_C10dBackend):
         if not calls:
             return _Work(self, [], [])
         works, afters, outputs = [], [], []
-        with self._comm.group():
-            for post, kw, after, outs, _ in calls:
-                w = post(kw)
-                works.extend(w if isinstance(w, list) else [w])
-                if after is not None:
-                    afters.append(after)
-                outputs.extend(outs)
+        self._grouped = True
+        try:
+            with self._comm.group():
+                works, afters, outputs = self._post_all(calls)
+        finally:
+            self._grouped = False
         stream = next((c[4] for c in calls if c[4] is not None), None)
 
         def after_all():
@@ -460,6 +464,17 @@ class FlagcxBackend(_C10dBackend):
         return _Work(self, works, outputs, cuda_stream=stream,
                      after=after_all if afters else None)
 
+    @staticmethod
+    def _post_all(calls):
+        works, afters, outputs = [], [], []
+        for post, kw, after, outs, _ in calls:
+            w = post(kw)
+            works.extend(w if isinstance(w, list) else [w])
+            if after is not None:
+                afters.append(after)
+            outputs.extend(outs)
+        return works, afters, outputs
+
     # ---- teardown ----
 
     def shutdown(self):
@@ -467,9 +482,17 @@ class FlagcxBackend(_C10dBackend):
         self._stop.set()
         if self._queue is not None:
             self._queue.put(None)
+        # Joined, not left to the interpreter's exit: a daemon thread stopped there inside
+        # the extension's code takes the process down with it.
+        me = threading.current_thread()
+        for t in self._threads:
+            if t is not me:
+                t.join(timeout=5)
+        self._threads = []
         comm, self._comm = self._comm, None
         if comm is not None:
             comm.close()
+        _LIVE.discard(self)
 
     def abort(self):
         """Aborts the communicator: every rank's pending operations with this one fail."""
@@ -499,8 +522,23 @@ class _Chain(_Work):
         return all(w.is_completed() for w in self._parts)
 
 
+#: Backends not shut down yet: shut down at exit (``destroy_process_group`` not called).
+_LIVE = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all():
+    for b in list(_LIVE):
+        try:
+            b.shutdown()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+
+
 def _create(store, rank, size, timeout):
-    return FlagcxBackend(store, rank, size, timeout)
+    b = FlagcxBackend(store, rank, size, timeout)
+    _LIVE.add(b)
+    return b
 
 
 if not hasattr(dist.Backend, BACKEND_NAME.upper()):
