@@ -114,6 +114,8 @@ pub struct Imported {
     pub count: usize,
     /// The element type.
     pub element: Element,
+    /// `DLDeviceType` and device number.
+    pub device: (i32, i32),
 }
 
 // SAFETY: the tensor is owned by this value alone once imported (the capsule was renamed), and
@@ -177,7 +179,21 @@ pub fn import(obj: &Bound<'_, PyAny>, what: &str, stream: Option<u64>) -> PyResu
             e
         }
     })?;
-    let capsule = capsule.cast::<PyCapsule>()?;
+    let imported = from_capsule(capsule.cast::<PyCapsule>()?, what)?;
+    if stream.is_none() && !matches!(imported.device.0, CPU | CUDA_HOST) {
+        return Err(PyValueError::new_err(format!(
+            "{what}: __dlpack_device__ said host memory, the tensor says device type {} ({})",
+            imported.device.0, imported.device.1
+        )));
+    }
+    Ok(imported)
+}
+
+/// Takes the tensor of a `"dltensor"` capsule (one from `__dlpack__`, or passed by a caller
+/// that made it, e.g. `torch.utils.dlpack.to_dlpack`: then no stream handshake happened,
+/// and the caller orders the producer's work itself).
+pub fn from_capsule(capsule: &Bound<'_, PyCapsule>, what: &str) -> PyResult<Imported> {
+    let py = capsule.py();
     const NAME: &CStr = c"dltensor";
     let raw = capsule
         .pointer_checked(Some(NAME))
@@ -199,13 +215,8 @@ pub fn import(obj: &Bound<'_, PyAny>, what: &str, stream: Option<u64>) -> PyResu
             code: t.dtype.code,
             bits: t.dtype.bits,
         },
+        device: (t.device.device_type, t.device.device_id),
     };
-    if stream.is_none() && !matches!(t.device.device_type, CPU | CUDA_HOST) {
-        return Err(PyValueError::new_err(format!(
-            "{what}: __dlpack_device__ said host memory, the tensor says device type {} ({})",
-            t.device.device_type, t.device.device_id
-        )));
-    }
     if t.dtype.lanes != 1 || t.dtype.bits % 8 != 0 || t.dtype.bits == 0 {
         return Err(PyValueError::new_err(format!(
             "{what}: element type code {} of {} bits × {} lanes is not a scalar of whole bytes",

@@ -490,7 +490,17 @@ impl Call {
 
     /// Imports `obj` (argument `what`), used by the operation as `how`.
     fn arg(&mut self, obj: &Bound<'_, PyAny>, what: &str, how: Use) -> PyResult<Arg> {
-        let (dev_type, dev_id) = dlpack::device_of(obj)?;
+        // A DLPack capsule itself (the torch backend passes them: no Python-level
+        // `__dlpack__` per call), else an object exporting one.
+        let capsule = obj.cast::<pyo3::types::PyCapsule>().ok();
+        let early = match capsule {
+            Some(c) => Some(dlpack::from_capsule(c, what)?),
+            None => None,
+        };
+        let (dev_type, dev_id) = match &early {
+            Some(i) => i.device,
+            None => dlpack::device_of(obj)?,
+        };
         let vendor = self.inner.adaptor().vendor();
         let on_device = match (vendor, dev_type) {
             (_, dlpack::CPU | dlpack::CUDA_HOST) => false,
@@ -512,7 +522,10 @@ impl Call {
                 )))
             }
         };
-        let imported = dlpack::import(obj, what, on_device.then_some(self.native).flatten())?;
+        let imported = match early {
+            Some(i) => i,
+            None => dlpack::import(obj, what, on_device.then_some(self.native).flatten())?,
+        };
         let resolved =
             self.staging
                 .resolve(&self.inner.pool, &imported, on_device, how, self.stream)?;
