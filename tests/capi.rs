@@ -2,7 +2,8 @@
 //! (`cargo xtask capi`, which `cargo xtask test` runs first and names in
 //! `FLAGCX_CAPI_PREFIX`) and run as real jobs: a ring on 2 and 4 ranks, mixed host and
 //! OpenCL ranks where the library has OpenCL, a killed peer, and the unique id passed by
-//! MPI_Bcast under `mpirun` where Open MPI is installed.
+//! MPI_Bcast under `mpirun` where Open MPI is installed; and every name of FlagCX's header
+//! checked at compile time.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -395,4 +396,30 @@ fn header_and_library_export_the_same_functions() {
     }
     assert_eq!(exported, declared, "exported vs declared");
     assert!(declared.len() > 30, "{declared:?}");
+}
+
+/// Every name of FlagCX's `flagcx.h` (API 0.13, FlagCX commit 0c721293) is in ours with
+/// FlagCX's value, layout and signature (`tests/capi/header_names.c` asserts them at compile
+/// time and links a pointer to every function), and the calls flagcx-rs does not implement
+/// return `flagcxNotSupported` without touching their NULL arguments.
+#[test]
+fn c_header_declares_every_flagcx_name() {
+    let Some(p) = prefix("capi::c_header_declares_every_flagcx_name") else {
+        return;
+    };
+    let exe = compile(&p, "cc", "header_names.c");
+    let o = finish(
+        Command::new(&exe)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start header_names"),
+        Duration::from_secs(60),
+    );
+    let t = text(&o);
+    assert!(
+        o.status.success() && t.contains("capi header names ok"),
+        "{}:\n{t}",
+        exe.display()
+    );
 }

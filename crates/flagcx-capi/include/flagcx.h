@@ -15,9 +15,9 @@
  * - One order per communicator: a stream waits for its operation and every operation posted
  *   before it on the communicator, on any stream. As with NCCL, do not post on one
  *   communicator from several threads at once: ranks could then wait on each other.
- * - Functions of FlagCX's header that flagcx-rs does not implement yet (suspend and resume)
- *   are exported and return flagcxNotSupported, with flagcxGetLastError naming what is
- *   missing. A reduction of a type that some rank's vendor cannot reduce exactly is
+ * - Functions of FlagCX's header that flagcx-rs does not implement yet (suspend and resume,
+ *   window registration and the one-sided calls) are exported and return flagcxNotSupported,
+ *   with flagcxGetLastError naming what is missing. A reduction of a type that some rank's vendor cannot reduce exactly is
  *   flagcxNotSupported on every rank.
  */
 #ifndef FLAGCX_H_
@@ -25,6 +25,14 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+/* The FlagCX API version this header follows (0.13.0); FLAGCX_VERSION_CODE is what
+ * flagcxGetVersion reports: major * 10000 + minor * 100 + patch. */
+#define FLAGCX_VERSION_MAJOR 0
+#define FLAGCX_VERSION_MINOR 13
+#define FLAGCX_VERSION_PATCH 0
+#define FLAGCX_VERSION_CODE                                                                \
+  (FLAGCX_VERSION_MAJOR * 10000 + FLAGCX_VERSION_MINOR * 100 + FLAGCX_VERSION_PATCH)
 
 #ifdef __cplusplus
 extern "C" {
@@ -118,6 +126,14 @@ typedef enum {
   flagcxEventDisableTiming = 1
 } flagcxEventType_t;
 
+/* Vendor numbers of FlagCX's plugins (no call of this library takes one). */
+typedef enum {
+  FLAGCX_VENDOR_NVIDIA = 0,
+  FLAGCX_VENDOR_ILUVATAR_COREX = 1,
+  FLAGCX_VENDOR_MLU = 2,
+  FLAGCX_VENDOR_METAX = 3
+} flagcxVendorType;
+
 /* Allocators for flagcxMemAlloc and buffer registration. */
 typedef enum {
   flagcxMemCCL = 0,  /* device memory that IPC can share */
@@ -138,6 +154,22 @@ typedef struct flagcxComm *flagcxComm_t;
 typedef struct flagcxStream *flagcxStream_t;
 typedef struct flagcxEvent *flagcxEvent_t;
 typedef struct flagcxIpcMemHandle *flagcxIpcMemHandle_t;
+/* Window handles of FlagCX's symmetric and one-sided API; opaque, and never made by this
+ * library (window registration is flagcxNotSupported). */
+struct flagcxInnerWindow;
+typedef struct flagcxInnerWindow *flagcxInnerWindow_t;
+struct flagcxSymWindow;
+typedef struct flagcxSymWindow *flagcxSymWindow_t;
+struct flagcxWindow;
+typedef struct flagcxWindow *flagcxWindow_t;
+
+/* A kernel launch's context for FlagCX's device functions: the stream it runs on, the event
+ * to record, and its argument list (no call of this library takes one). */
+typedef struct {
+  flagcxStream_t stream;
+  flagcxEvent_t event;
+  void **argList;
+} flagcxFuncArgs;
 
 /* The device runtime of the vendor FLAGCX_VENDOR names (host, cuda, hip, opencl), else the
  * first compiled-in vendor with a device. A NULL stream means the synchronous form. */
@@ -308,6 +340,30 @@ flagcxResult_t flagcxCommDeregister(const flagcxComm_t comm, void *handle,
 #endif
 );
 
+/* winFlags of flagcxCommWindowRegister: a plain window, or one for symmetric collectives. */
+#define FLAGCX_WIN_DEFAULT 0x00
+#define FLAGCX_WIN_COLL_SYMMETRIC 0x01
+
+/* Registers size bytes at buff as a window for symmetric and one-sided operations, *win its
+ * handle (not supported: flagcxNotSupported, *win untouched). */
+flagcxResult_t flagcxCommWindowRegister(flagcxComm_t comm, void *buff, size_t size,
+                                        flagcxWindow_t *win, int winFlags,
+                                        flagcxMemAllocator_t allocator
+#ifdef __cplusplus
+                                        = flagcxMemCCL
+#endif
+);
+/* Releases a window flagcxCommWindowRegister made (not supported: flagcxNotSupported). */
+flagcxResult_t flagcxCommWindowDeregister(flagcxComm_t comm, flagcxWindow_t win,
+                                          flagcxMemAllocator_t allocator
+#ifdef __cplusplus
+                                          = flagcxMemCCL
+#endif
+);
+/* Registers size bytes at buff with every rank for flagcxGet and flagcxPut; collective (not
+ * supported: flagcxNotSupported). */
+flagcxResult_t flagcxOneSideRegister(flagcxComm_t comm, void *buff, size_t size);
+
 /* ---- port channels: device-initiated transfers (a flagcx-rs extension) ---------------------
  * Kernels put data into the peer's registered buffers, signal it and wait for its signals
  * through flagcx/device.cuh, without returning to the host. */
@@ -402,6 +458,55 @@ flagcxResult_t flagcxAlltoAllv(const void *sendbuff, size_t *sendcounts, size_t 
 /* Suspends or resumes a communicator (not supported). */
 flagcxResult_t flagcxCommSuspend(flagcxComm_t comm);
 flagcxResult_t flagcxCommResume(flagcxComm_t comm);
+
+/* ---- one-sided operations (FlagCX's RDMA API; none supported by flagcx-rs yet) ----------- */
+
+/* Registers size bytes at buff as the signal buffer of one-sided operations; ptrType says
+ * whether it is device or pinned host memory. Collective (not supported). */
+flagcxResult_t flagcxOneSideSignalRegister(const flagcxComm_t comm, void *buff, size_t size,
+                                           int ptrType);
+/* Registers size bytes of pinned host memory at buff as the staging buffer of one-sided
+ * value puts. Collective (not supported). */
+flagcxResult_t flagcxOneSideStagingRegister(const flagcxComm_t comm, void *buff, size_t size);
+/* Releases the staging buffer's registration (not supported). */
+flagcxResult_t flagcxOneSideStagingDeregister(const flagcxComm_t comm);
+/* Reads size bytes of peer's registration srcMrIdx at srcOffset into this rank's registration
+ * dstMrIdx at dstOffset (not supported). */
+flagcxResult_t flagcxGet(flagcxComm_t comm, int peer, size_t srcOffset, size_t dstOffset,
+                         size_t size, int srcMrIdx, int dstMrIdx);
+/* Writes size bytes of this rank's registration srcMrIdx at srcOffset into peer's
+ * registration dstMrIdx at dstOffset (not supported). */
+flagcxResult_t flagcxPut(flagcxComm_t comm, int peer, size_t srcOffset, size_t dstOffset,
+                         size_t size, int srcMrIdx, int dstMrIdx);
+/* count flagcxPut transfers to peer at once, entry i from the i-th element of each array
+ * (not supported). */
+flagcxResult_t flagcxBatchPut(flagcxComm_t comm, int peer, const size_t *srcOffsets,
+                              const size_t *dstOffsets, const size_t *sizes,
+                              const int *srcMrIdxs, const int *dstMrIdxs, size_t count);
+/* Writes count elements at localbuff into peer's window peerWin at byte peerWinOffset, then
+ * signals peer; ordered on stream. flags must be 0 (not supported). */
+flagcxResult_t flagcxPutSignal(const void *localbuff, size_t count, flagcxDataType_t datatype,
+                               int peer, flagcxWindow_t peerWin, size_t peerWinOffset,
+                               unsigned int flags, flagcxComm_t comm, flagcxStream_t stream);
+/* Signals peer without data, ordered on stream; flags must be 0 (not supported). */
+flagcxResult_t flagcxSignal(int peer, unsigned int flags, flagcxComm_t comm,
+                            flagcxStream_t stream);
+
+/* One entry of flagcxWaitSignal: wait until peer's opCnt signals arrived. */
+typedef struct {
+  uint64_t opCnt;
+  int peer;
+} flagcxWaitSignalDesc_t;
+
+/* Makes stream wait for the nDesc entries of signalDescs (signalDescs may be NULL when nDesc
+ * is 0) (not supported). */
+flagcxResult_t flagcxWaitSignal(int nDesc, const flagcxWaitSignalDesc_t *signalDescs,
+                                flagcxComm_t comm, flagcxStream_t stream);
+/* The count of completed one-sided operations of comm in *count (not supported). */
+flagcxResult_t flagcxReadCounter(flagcxComm_t comm, uint64_t *count);
+/* Waits until comm's count of completed one-sided operations reaches target (not
+ * supported). */
+flagcxResult_t flagcxWaitCounter(flagcxComm_t comm, uint64_t target);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -30,8 +30,10 @@ use flagcx_rs::{
 
 mod device;
 mod port;
+mod unsupported;
 pub use device::*;
 pub use port::*;
+pub use unsupported::*;
 
 /// `flagcxResult_t`.
 #[repr(C)]
@@ -1218,28 +1220,4 @@ pub unsafe extern "C" fn flagcxCommDeregister(
         let _ = (reg.ptr, reg.size);
         Ok(())
     })
-}
-
-// ---- not implemented yet -----------------------------------------------------------------------
-
-macro_rules! not_supported {
-    ($($name:ident($($arg:ident: $ty:ty),*) => $what:literal;)*) => {$(
-        #[doc = concat!("Not implemented yet: returns `flagcxNotSupported` (", $what, ").")]
-        ///
-        /// # Safety
-        /// None of the arguments is read.
-        #[no_mangle]
-        pub unsafe extern "C" fn $name($($arg: $ty),*) -> flagcxResult_t {
-            $(let _ = $arg;)*
-            guard(None, || Err(Failure(
-                flagcxNotSupported,
-                concat!(stringify!($name), ": ", $what, " is not implemented in flagcx-rs yet").into(),
-            )))
-        }
-    )*};
-}
-
-not_supported! {
-    flagcxCommSuspend(comm: *mut flagcxComm) => "suspending a communicator";
-    flagcxCommResume(comm: *mut flagcxComm) => "resuming a communicator";
 }
