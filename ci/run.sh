@@ -35,4 +35,16 @@ fi
 
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 
+# The Python package's suite (`cargo xtask test` builds the wheel with maturin and runs
+# crates/flagcx-py/tests under pytest): numpy for host and PoCL ranks, torch from PyPI (the
+# only index CI reaches; its CUDA build imports and runs on CPU) for the torch backend.
+py_missing=()
+for m in maturin pytest numpy torch; do
+  python3 -c "import $m" 2>/dev/null || py_missing+=("$m")
+done
+if [ ${#py_missing[@]} -gt 0 ]; then
+  echo "ci: pip installing ${py_missing[*]}"
+  python3 -m pip install --quiet --disable-pip-version-check "${py_missing[@]}"
+fi
+
 cargo xtask ci

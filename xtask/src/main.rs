@@ -17,7 +17,8 @@ mod bundle;
 mod capi;
 mod netbench;
 
-const VENDORS: [&str; 4] = ["host", "cuda", "hip", "opencl"];
+/// Suites beside the vendors': the Python package (`crates/flagcx-py`) under pytest.
+const SUITES: [&str; 5] = ["host", "cuda", "hip", "opencl", "python"];
 
 /// The project's tasks, runnable anywhere with just cargo.
 #[derive(clap::Parser)]
@@ -32,9 +33,10 @@ enum Task {
     /// Run the vendor suites (default: every vendor this machine can build); each ends with
     /// a table of passed and skipped tests, skips with their reasons.
     Test {
-        /// host, cuda, hip, opencl or all; a list with commas.
+        /// host, cuda, hip, opencl, python (the Python package under pytest) or all; a
+        /// list with commas.
         #[arg(long, visible_alias = "vendors", value_delimiter = ',',
-              value_parser = ["host", "cuda", "hip", "opencl", "all"])]
+              value_parser = ["host", "cuda", "hip", "opencl", "python", "all"])]
         vendor: Vec<String>,
     },
     /// What CI runs: fmt check, clippy -D warnings, docs with warnings denied, then test.
@@ -124,8 +126,8 @@ fn parse_vendors(values: &[String]) -> Result<Option<Vec<String>>> {
     for v in values {
         let v = v.trim().to_ascii_lowercase();
         if v == "all" {
-            out.extend(VENDORS.iter().map(|s| s.to_string()));
-        } else if VENDORS.contains(&v.as_str()) {
+            out.extend(SUITES.iter().map(|s| s.to_string()));
+        } else if SUITES.contains(&v.as_str()) {
             out.push(v);
         } else {
             return Err(format!(
@@ -198,13 +200,19 @@ fn test(vendors: &Option<Vec<String>>, strict_all: bool) -> Result {
     let explicit = vendors.is_some();
     let list = vendors
         .clone()
-        .unwrap_or_else(|| VENDORS.iter().map(|s| s.to_string()).collect());
+        .unwrap_or_else(|| SUITES.iter().map(|s| s.to_string()).collect());
     let skip_dir = root().join("target/xtask");
     std::fs::create_dir_all(&skip_dir).map_err(|e| e.to_string())?;
     let mut outcomes = Vec::new();
     let mut failed = false;
     let mut capi_prefix = None;
     for v in &list {
+        if v == "python" {
+            let o = python_suite(strict_all || explicit);
+            failed |= o.status == "FAILED";
+            outcomes.push(o);
+            continue;
+        }
         if v == "hip" && hip_root().is_none() {
             if explicit || strict_all {
                 return Err(format!("cannot build the hip vendor: {HIP_INSTALL_HINT}"));
@@ -256,6 +264,117 @@ fn test(vendors: &Option<Vec<String>>, strict_all: bool) -> Result {
     } else {
         Ok(())
     }
+}
+
+/// The Python package's suite: the wheel built with maturin (debug profile: the test
+/// binaries' artifacts are reused where they can be), installed into `target/xtask/python`
+/// (not into the interpreter's site-packages), and `crates/flagcx-py/tests` under pytest,
+/// whose passed and skipped counts (skips with their reasons) join the summary. Where python3
+/// lacks maturin, pytest or numpy the suite is one visible skip — unless `strict` (CI, or
+/// `--vendor python`), which fails instead.
+fn python_suite(strict: bool) -> Outcome {
+    let outcome = |status, passed, skipped, note: String| Outcome {
+        vendor: "python".into(),
+        status,
+        passed,
+        skipped,
+        note,
+    };
+    let missing: Vec<&str> = ["maturin", "pytest", "numpy"]
+        .into_iter()
+        .filter(|m| {
+            !Command::new("python3")
+                .args(["-c", &format!("import {m}")])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        })
+        .collect();
+    if !missing.is_empty() {
+        let why = format!(
+            "python3 lacks {} (`python3 -m pip install maturin pytest numpy`, and torch for \
+             the backend's tests)",
+            missing.join(", ")
+        );
+        if strict {
+            eprintln!("xtask: python: {why}");
+            return outcome("FAILED", 0, vec![], why);
+        }
+        return outcome("skipped", 0, vec![("python".into(), why)], String::new());
+    }
+    let wheels = root().join("target/wheels");
+    let site = root().join("target/xtask/python");
+    let _ = std::fs::remove_dir_all(&wheels);
+    let _ = std::fs::remove_dir_all(&site);
+    let built = run(
+        "python: build the wheel",
+        Command::new("python3")
+            .args(["-m", "maturin", "build", "--compatibility", "linux", "-o"])
+            .arg(&wheels)
+            .arg("-m")
+            .arg(root().join("crates/flagcx-py/Cargo.toml")),
+    )
+    .and_then(|()| {
+        let wheel = std::fs::read_dir(&wheels)
+            .map_err(|e| e.to_string())?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| p.extension().is_some_and(|x| x == "whl"))
+            .ok_or("maturin made no wheel")?;
+        run(
+            "python: install the wheel",
+            Command::new("python3")
+                .args(["-m", "pip", "install", "--quiet", "--no-deps", "--target"])
+                .arg(&site)
+                .arg(wheel),
+        )
+    });
+    if let Err(e) = built {
+        eprintln!("xtask: python: {e}");
+        return outcome("FAILED", 0, vec![], e);
+    }
+    let mut cmd = Command::new("python3");
+    cmd.args(["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"])
+        .arg(root().join("crates/flagcx-py/tests"))
+        .env("PYTHONPATH", &site);
+    eprintln!("xtask: python: {cmd:?}");
+    let out = match cmd.stderr(Stdio::inherit()).output() {
+        Ok(o) => o,
+        Err(e) => return outcome("FAILED", 0, vec![], format!("pytest: {e}")),
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    print!("{text}");
+    let (passed, skipped) = pytest_counts(&text);
+    let status = if out.status.success() { "ok" } else { "FAILED" };
+    outcome(status, passed, skipped, String::new())
+}
+
+/// Passed count and skips (test, reason) from pytest's `-q -rs` output: the summary line
+/// (`12 passed, 2 skipped in 3.1s`) and the `SKIPPED [n] file:line: reason` lines.
+fn pytest_counts(text: &str) -> (usize, Vec<(String, String)>) {
+    let mut passed = 0;
+    let mut skipped = Vec::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("SKIPPED [") {
+            if let Some((n, rest)) = rest.split_once("] ") {
+                let (place, reason) = rest.split_once(": ").unwrap_or((rest, ""));
+                for _ in 0..n.parse::<usize>().unwrap_or(1) {
+                    skipped.push((place.to_string(), reason.to_string()));
+                }
+            }
+        }
+        if line.contains(" in ") && (line.contains("passed") || line.contains("failed")) {
+            for part in line.split([',', '=']) {
+                if let Some(n) = part.trim().strip_suffix(" passed") {
+                    passed = n.trim().parse().unwrap_or(passed);
+                }
+                if let Some((n, _)) = part.trim().split_once(" passed in ") {
+                    passed = n.trim().parse().unwrap_or(passed);
+                }
+            }
+        }
+    }
+    (passed, skipped)
 }
 
 /// The cargo invocations that make up one vendor's suite.
@@ -804,4 +923,21 @@ fn ci() -> Result {
             .env("RUSTDOCFLAGS", "-D warnings"),
     )?;
     test(&None, true)
+}
+
+#[cfg(test)]
+mod pytest_tests {
+    use super::pytest_counts;
+
+    #[test]
+    fn counts_from_pytest_output() {
+        let text = "....s\nSKIPPED [2] tests/test_comm.py:70: no opencl device: gone\n\
+                    =========== 23 passed, 2 skipped in 3.10s ===========\n";
+        let (passed, skipped) = pytest_counts(text);
+        assert_eq!(passed, 23);
+        assert_eq!(skipped.len(), 2);
+        assert_eq!(skipped[0].1, "no opencl device: gone");
+        assert_eq!(pytest_counts("25 passed in 24.95s").0, 25);
+        assert_eq!(pytest_counts("1 failed, 4 passed in 2.00s").0, 4);
+    }
 }
