@@ -119,8 +119,9 @@ def main():
             rl = nn.functional.mse_loss(reference(x[step]), y[step])
             rl.backward()
             ropt.step()
-            if abs(float(rl) - losses[step]) > tol * abs(float(rl)) + 1e-6:
-                print(f"step {step}: loss {losses[step]:.8f}, one process {float(rl):.8f}",
+            one = rl.item()
+            if abs(one - losses[step]) > tol * abs(one) + 1e-6:
+                print(f"step {step}: loss {losses[step]:.8f}, one process {one:.8f}",
                       flush=True)
                 ok = False
         if ok:

@@ -90,3 +90,23 @@ def test_ctrl_c_ends_a_blocked_receive():
     finish(procs[1:], timeout=30)
     assert "INTERRUPTED" in text and rc == 0, text
     assert waited < 5, f"^C took {waited:.1f} s to end the receive"
+
+
+def test_stubs_match_the_module():
+    """The .pyi names every class, function and Comm method the module has, and no more."""
+    import ast
+    from pathlib import Path
+
+    from flagcx import _flagcx
+
+    stub = ast.parse((Path(flagcx.__file__).parent / "_flagcx.pyi").read_text())
+    top = {n.name for n in stub.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    public = {n for n in dir(_flagcx) if not n.startswith("_")}
+    assert top == public, (top ^ public)
+    comm = next(n for n in stub.body if isinstance(n, ast.ClassDef) and n.name == "Comm")
+    methods = {n.name for n in comm.body if isinstance(n, ast.FunctionDef)}
+    real = {n for n in dir(_flagcx.Comm) if not n.startswith("_") or n in ("__enter__", "__exit__")}
+    real.add("__init__")
+    assert methods == real, (methods ^ real)
+    for name in public:
+        assert getattr(_flagcx, name).__doc__, f"{name} has no docstring"
