@@ -16,6 +16,7 @@ use std::process::{Command, ExitCode, Stdio};
 mod bundle;
 mod capi;
 mod netbench;
+mod pybench;
 
 /// Suites beside the vendors': the Python package (`crates/flagcx-py`) under pytest.
 const SUITES: [&str; 5] = ["host", "cuda", "hip", "opencl", "python"];
@@ -76,6 +77,10 @@ enum Task {
         /// `ucx_perftest` (tag_lat, tag_bw) in the same run (needs root, ucx-utils).
         #[arg(long)]
         net: bool,
+        /// Instead: the Python package against the Rust API, and the torch backend against
+        /// the package and gloo (needs maturin and torch).
+        #[arg(long)]
+        python: bool,
     },
     /// cargo-deny: bans, licenses, sources (deny.toml), then advisories.
     Audit,
@@ -101,6 +106,7 @@ fn main() -> ExitCode {
         Task::Soak { iters } => soak(iters),
         Task::Fuzz { secs } => fuzz(secs),
         Task::Bench { net: true, .. } => netbench::bench_net(),
+        Task::Bench { python: true, .. } => pybench::bench_python(),
         Task::Bench { vs_mpi, only, .. } => bench(vs_mpi, only.as_deref()),
         Task::Audit => audit(),
         Task::Capi { vendor } => capi::capi(&vendor).map(|_| ()),

@@ -85,7 +85,18 @@ pub struct PyComm {
 
 fn open_adaptor(vendor: Option<&str>, device: Option<usize>) -> PyResult<Adaptor> {
     let r = match vendor {
-        None if device.is_none() => Adaptor::from_env(),
+        // FLAGCX_VENDOR, else a GPU (CUDA first, spread over the node's GPUs by local
+        // rank), else the host vendor — an OpenCL device only when asked for: on a machine
+        // without a GPU, OpenCL is a CPU device (PoCL), a poorer place for host data than
+        // the host vendor.
+        None if device.is_none() => {
+            let asked = std::env::var("FLAGCX_VENDOR").is_ok_and(|v| !v.trim().is_empty());
+            if asked || Adaptor::open(Vendor::Cuda, 0).is_ok() {
+                Adaptor::from_env()
+            } else {
+                Adaptor::open(Vendor::Host, 0)
+            }
+        }
         None => Adaptor::detect(device.unwrap_or(0)),
         Some(v) => {
             let v: Vendor = v
@@ -140,8 +151,9 @@ impl PyComm {
 #[pymethods]
 impl PyComm {
     /// Joins job `unique_id` (from [`unique_id`]) as `rank` of `nranks`, on the device of
-    /// `vendor` (`"host"`, `"cuda"`, `"opencl"`; default: `FLAGCX_VENDOR`, else the first
-    /// with a device) numbered `device` (default: `FLAGCX_DEVICE`, else the local rank's).
+    /// `vendor` (`"host"`, `"cuda"`, `"opencl"`; default: `FLAGCX_VENDOR`, else CUDA where
+    /// there is a GPU, else the host vendor) numbered `device` (default: `FLAGCX_DEVICE`,
+    /// else the local rank's).
     /// Every rank of the job calls it; it returns once all have.
     #[new]
     #[pyo3(signature = (rank, nranks, unique_id, vendor=None, device=None))]
