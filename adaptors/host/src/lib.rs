@@ -98,9 +98,63 @@ impl std::fmt::Debug for HostAdaptor {
     }
 }
 
+/// Every `FLAGCX_*` variable the host vendor reads, checked when a device opens: a malformed
+/// value is an error naming the variable, not a silent fall back to the default (the
+/// settings themselves are read lazily, where they are used). Blank counts as unset.
+fn check_env(var: impl Fn(&str) -> Option<String>) -> Result<()> {
+    let bad = |name: &str, v: &str, what: &str| {
+        Err(AdaptorError::invalid(
+            "HostAdaptor::open",
+            format!("{name}={v:?} is not {what}"),
+        ))
+    };
+    let count = |v: &str| v.trim().parse::<usize>().ok();
+    for (name, what, ok) in [
+        (
+            stream::QUEUES_ENV,
+            "a number of queues (0: a worker per stream)",
+            &(|v: &str| count(v).is_some()) as &dyn Fn(&str) -> bool,
+        ),
+        (
+            copy::COPY_THREADS_ENV,
+            "a number of copy threads",
+            &|v: &str| count(v).is_some(),
+        ),
+        (
+            stream::INLINE_MAX_ENV,
+            "a byte count (optionally with K, M or G)",
+            &|v: &str| copy::parse_size(v.trim()).is_some(),
+        ),
+        (
+            copy::STREAMING_MIN_ENV,
+            "a byte count (optionally with K, M or G) or off",
+            &|v: &str| v.trim().eq_ignore_ascii_case("off") || copy::parse_size(v.trim()).is_some(),
+        ),
+        (freesync::FREE_SYNC_ENV, "0 or 1", &|v: &str| {
+            matches!(v.trim(), "0" | "1")
+        }),
+        (
+            flagcx_adaptor::spin::JOB_CPUS_ENV,
+            "a CPU count ≥ 1",
+            &|v: &str| count(v).is_some_and(|n| n >= 1),
+        ),
+        ("FLAGCX_NRANKS", "a rank count ≥ 1", &|v: &str| {
+            count(v).is_some_and(|n| n >= 1)
+        }),
+    ] {
+        if let Some(v) = var(name).filter(|v| !v.trim().is_empty()) {
+            if !ok(&v) {
+                return bad(name, &v, what);
+            }
+        }
+    }
+    Ok(())
+}
+
 impl HostAdaptor {
     /// Opens host device `device`, presenting as many devices as `FLAGCX_HOST_DEVICES` says.
     pub fn open(device: usize) -> Result<Self> {
+        check_env(|name| std::env::var(name).ok())?;
         let count = match std::env::var(DEVICES_ENV) {
             Err(_) => DEFAULT_DEVICES,
             Ok(v) => v
@@ -839,5 +893,39 @@ impl DeviceAdaptor for HostAdaptor {
             wide: true,
         };
         self.enqueue_value_op(OP, stream, work)
+    }
+}
+
+#[cfg(test)]
+mod env_tests {
+    use super::check_env;
+
+    #[test]
+    fn malformed_settings_are_errors_naming_the_variable() {
+        let with = |name: &'static str, value: &'static str| {
+            check_env(move |n| (n == name).then(|| value.to_string()))
+        };
+        for (name, value) in [
+            ("FLAGCX_HOST_QUEUES", "two"),
+            ("FLAGCX_HOST_COPY_THREADS", "-1"),
+            ("FLAGCX_HOST_INLINE_MAX", "64Q"),
+            ("FLAGCX_HOST_COPY_NT_MIN", "sometimes"),
+            ("FLAGCX_HOST_FREE_SYNC", "yes"),
+            ("FLAGCX_JOB_CPUS", "0"),
+            ("FLAGCX_NRANKS", "x"),
+        ] {
+            let e = with(name, value).expect_err(name).to_string();
+            assert!(e.contains(name) && e.contains(value), "{e}");
+        }
+        for (name, value) in [
+            ("FLAGCX_HOST_QUEUES", "2"),
+            ("FLAGCX_HOST_INLINE_MAX", "64K"),
+            ("FLAGCX_HOST_COPY_NT_MIN", "off"),
+            ("FLAGCX_HOST_FREE_SYNC", "1"),
+            ("FLAGCX_JOB_CPUS", " 4 "),
+            ("FLAGCX_NRANKS", ""),
+        ] {
+            assert!(with(name, value).is_ok(), "{name}={value}");
+        }
     }
 }
