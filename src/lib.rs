@@ -90,9 +90,10 @@ pub fn init_logging() {
         }
         _ => filter,
     };
-    // Colours only on a terminal: piped through `flagcx-run` or into a file, escape codes
-    // would be noise in every line.
-    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    // Colours only on a terminal and without NO_COLOR (no-color.org): piped through
+    // `flagcx-run` or into a file, escape codes would be noise in every line.
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").map_or(true, |v| v.is_empty());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
         .with_writer(std::io::stderr)

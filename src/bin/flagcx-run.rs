@@ -93,6 +93,7 @@ fn vendor_arg(v: &str) -> Result<String, String> {
 }
 
 fn main() -> ExitCode {
+    flagcx::init_logging();
     let version: &'static str = Box::leak(flagcx::version_line().into_boxed_str());
     let m = Args::command().version(version).get_matches();
     let a = Args::from_arg_matches(&m).unwrap_or_else(|e| e.exit());

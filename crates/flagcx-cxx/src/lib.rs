@@ -145,6 +145,10 @@ fn unique_id() -> Result<String, Failure> {
 }
 
 fn comm_init(nranks: usize, rank: usize, id: &str) -> Result<Box<RustComm>, Failure> {
+    // FLAGCX_DEBUG reaches C++ programs too, as it does C ones through libflagcx.
+    if std::env::var_os("FLAGCX_DEBUG").is_some() {
+        flagcx_rs::init_logging();
+    }
     let id: UniqueId = id.parse()?;
     let adaptor = Adaptor::from_env()?;
     let own = adaptor.stream_create()?;

@@ -13,8 +13,13 @@
 //!   **IPC** (same vendor: one copy straight into or out of the peer's exported buffer),
 //!   **staged** (different vendors or `FLAGCX_P2P_DISABLE=1`: device→host into ring slots,
 //!   host→device out of them, pipelined), **direct** (a staged pair with a host-vendor rank:
-//!   one copy into or out of its mapped buffer) and **eager** (host-addressable pairs: small
-//!   messages copied by the CPU); [`TransportKind`] names the pair's choice;
+//!   one copy into or out of its mapped buffer), **devring** (a staged pair whose runtimes
+//!   share one GPU: the ring in device memory), **eager** (small messages through the
+//!   channel's slots, copied by the CPU or through a bounce buffer), **streamed** (small
+//!   messages as stream operations on the callers' streams, `FLAGCX_P2P_STREAM`), **late**
+//!   (IPC pairs whose streams share one work queue: the copy claimed by the second poster)
+//!   and **net** (pairs on different hosts, over UCX); [`TransportKind`] names the pair's
+//!   choice (IPC, staged or net), the others are paths within those;
 //! - [`collectives`]: broadcast, gather, scatter, all-gather, all-to-all(v), barrier over the
 //!   transports; [`reduction`]: all-reduce, reduce-scatter and reduce, each rank combining what
 //!   it receives on its own device with `DeviceAdaptor::reduce_async`, so every rank of a
