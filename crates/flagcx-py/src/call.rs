@@ -112,8 +112,11 @@ impl Call {
             }
             Some(late)
         } else {
-            let out = staging
-                .copy_back(&self.inner.pool, self.stream)
+            // Without the GIL: a copy into pageable memory may block until the stream
+            // reached it (CUDA), which is after the operation.
+            let (pool, stream) = (&self.inner.pool, self.stream);
+            let out = py
+                .detach(|| staging.copy_back(pool, stream))
                 .map_err(comm_err)?;
             out.map(|o| Arc::new(Mutex::new(Late::Ready(o))))
         };

@@ -1,12 +1,12 @@
 //! `flagcx._flagcx`: the Python extension module under the `flagcx` package.
 //!
 //! One [`PyComm`] is one `flagcx::Comm` over the device this process opened, with a stream of
-//! its own. Every call imports its buffers through DLPack ([`dlpack`]), enqueues the operation
-//! and returns a [`Work`] (or waits for it: the default). Buffers in host memory that the
+//! its own. Every call imports its buffers through DLPack (module `dlpack`), enqueues the operation
+//! and returns a `Work` (or waits for it: the default). Buffers in host memory that the
 //! rank's device cannot name (a numpy array beside an OpenCL or CUDA rank, or any numpy array
 //! beside a host-vendor rank whose "device" memory is shareable memfd memory) travel through
-//! staging buffers of device memory ([`stage`]), copied in and out on the operation's stream;
-//! device buffers and buffers from [`PyComm::empty`] are used in place.
+//! staging buffers of device memory (module `stage`), copied in and out on the operation's stream;
+//! device buffers and buffers from `Comm.empty` are used in place.
 //!
 //! Waiting releases the GIL and wakes every 100 ms to let Python run its signal handlers: ^C
 //! aborts the communicator (every rank's pending work fails) and raises `KeyboardInterrupt`.
