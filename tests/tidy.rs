@@ -143,7 +143,7 @@ fn architecture_module_table_matches_the_p2p_crate() {
 }
 
 /// Test names the reliability document cites (`name` in its tables; `a_{b, c}` stands for
-/// `a_b` and `a_c`) exist as test functions.
+/// `a_b` and `a_c`) exist as test functions (Rust, or Python in the package's tests).
 #[test]
 fn tests_cited_in_the_reliability_doc_exist() {
     let doc = read(&root().join("docs/reliability.md"));
@@ -156,6 +156,16 @@ fn tests_cited_in_the_reliability_doc_exist() {
         for f in rust_files(&dir) {
             code.push_str(&read(&f));
         }
+    }
+    // The Python package's tests are Python functions: `def name(` reads as `fn name(`.
+    for f in std::fs::read_dir(root().join("crates/flagcx-py/tests"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "py"))
+    {
+        code.push_str(&read(&f).replace("def ", "fn "));
     }
     let mut cited = BTreeSet::new();
     for line in doc.lines().filter(|l| l.starts_with('|')) {
