@@ -159,6 +159,51 @@ def report(rows, args):
         print(f"{row['bytes']:>10} " + " ".join(f"{row[c]:>11.2f}" for c in cols), flush=True)
 
 
+def floor(args):
+    """torch's own cost of reaching a Python backend, next to ours, in one process: a
+    one-rank group whose backend returns a finished ``Work`` at once, then a one-rank group of
+    the ``flagcx`` backend (whose collectives have nothing to move there)."""
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import Backend
+
+    import flagcx.torch as _registers  # noqa: F401  (the "flagcx" backend)
+
+    class Done(dist.Work):
+        def __init__(self):
+            super().__init__()
+
+        def wait(self, timeout=None):
+            return True
+
+    class Noop(Backend):
+        def __init__(self, store, rank, size, timeout):
+            super().__init__(rank, size)
+
+        def getBackendName(self):
+            return "flagcx-noop"
+
+        def allreduce(self, tensors, opts):
+            return Done()
+
+    if not hasattr(dist.Backend, "FLAGCX_NOOP"):
+        dist.Backend.register_backend("flagcx-noop", Noop, devices=["cpu"])
+    t = torch.zeros(2)
+    rows = {}
+    for name in ("flagcx-noop", "flagcx"):
+        dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1)
+        rows[name] = timed(lambda: dist.all_reduce(t), args.iters * 10, args.warmup,
+                           args.rounds) * 1e6
+        dist.destroy_process_group()
+    if args.json:
+        print(json.dumps({"test": "floor", "noop_us": rows["flagcx-noop"],
+                          "flagcx_us": rows["flagcx"]}))
+    else:
+        print(f"one-rank dist.all_reduce of 8 bytes, median of {args.rounds} rounds: "
+              f"a no-op Python backend {rows['flagcx-noop']:.2f} µs (torch's floor), "
+              f"flagcx {rows['flagcx']:.2f} µs")
+
+
 def launch(args, argv):
     uid = flagcx.unique_id()
     vendors = (args.vendor or "host").split(",")
@@ -186,8 +231,13 @@ def main(argv=None):
     ap.add_argument("--vendor", help="vendor per rank, comma-separated (default host)")
     ap.add_argument("--torch", action="store_true",
                     help="also torch.distributed over flagcx and over gloo")
+    ap.add_argument("--floor", action="store_true",
+                    help="instead: torch's cost of reaching any Python backend, in one process")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.floor:
+        floor(args)
+        return 0
     if "FLAGCX_RANK" not in os.environ:
         return launch(args, argv)
     rank_main(args)
