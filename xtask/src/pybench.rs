@@ -165,7 +165,26 @@ pub fn bench_python() -> Result {
         }
     }
 
-    // 2. torch.distributed over flagcx, next to the package and to gloo.
+    // 2. torch.distributed over flagcx, next to the package and to gloo; first what torch
+    // itself costs to reach any Python backend (the floor under the added-latency target).
+    let mut floor = (Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        let mut c = Command::new("python3");
+        c.args(python()[1..].iter())
+            .args(["--floor", "--json", "-r", "3"])
+            .env("PYTHONPATH", &site);
+        c.env_remove("FLAGCX_RANK");
+        for r in json_rows(&mut c)? {
+            floor.0.push(num(&r, "noop_us"));
+            floor.1.push(num(&r, "flagcx_us"));
+        }
+    }
+    md.push_str(&format!(
+        "\nOne-rank `dist.all_reduce` of 8 bytes in one process (`flagcx-py-perf --floor`): a \
+         no-op Python backend {:.2} µs (torch's floor for any Python backend), flagcx {:.2} µs.\n",
+        median(floor.0),
+        median(floor.1)
+    ));
     md.push_str(
         "\n| test | ranks | bytes | package µs | torch+flagcx µs | added µs | gloo µs | \
          gloo ÷ ours | verdict |\n|---|---|---|---|---|---|---|---|---|\n",
