@@ -136,13 +136,20 @@ impl Call {
         Ok(Py::new(py, work)?.into_any())
     }
 
-    /// Releases the staging taken so far (the call failed before enqueueing).
-    pub(crate) fn abandon(self) {
-        self.staging.abandon(&self.inner.pool, self.stream);
+}
+
+impl Drop for Call {
+    /// A call that failed before its operation was enqueued (a bad later argument, a refused
+    /// post): copies into its staging may be in flight, so the staging goes back to the pool
+    /// only after the stream ran them (never freed under a running copy).
+    fn drop(&mut self) {
+        let staging = std::mem::take(&mut self.staging);
+        staging.abandon(&self.inner.pool, self.stream);
     }
 }
 
-/// Runs `post` (which enqueues the operation), finishing or abandoning `call`.
+/// Runs `post` (which enqueues the operation), finishing `call` (or dropping it, which gives
+/// its staging back).
 pub(crate) fn run(
     py: Python<'_>,
     call: Call,
@@ -154,7 +161,7 @@ pub(crate) fn run(
     match py.detach(|| post(&inner.comm, stream)) {
         Ok(ops) => call.finish(py, ops, wait),
         Err(e) => {
-            call.abandon();
+            drop(call);
             Err(comm_err(e))
         }
     }

@@ -21,8 +21,7 @@ pub(crate) struct Inner {
     pub(crate) adopted: Mutex<HashMap<u64, StreamHandle>>,
     pub(crate) pool: Pool,
     pub(crate) orphans: Mutex<Vec<Pending>>,
-    /// Per posting thread, whether a group is open (posts in it do not wait).
-    /// Per thread with a group open: the staging of its calls, copied back at `group_end`
+    /// Per thread with a group open (posts in it do not wait): the staging of its calls, copied back at `group_end`
     /// (the group's operations are enqueued only then).
     pub(crate) groups: Mutex<HashMap<std::thread::ThreadId, Vec<Arc<Mutex<Late>>>>>,
 }
