@@ -241,6 +241,11 @@ impl HostStream {
     /// lock is held so no other op can slip in — and a worker-thread hand-off (a futex wake
     /// and a poll) is saved, which is most of a small message's latency on a busy host.
     pub fn push(&self, op: Op) -> bool {
+        self.push_inline_up_to(op, inline_max())
+    }
+
+    /// [`HostStream::push`] with the inline limit given (tests drive both paths).
+    fn push_inline_up_to(&self, op: Op, inline_limit: usize) -> bool {
         let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         let Some(tx) = tx.as_ref() else { return false };
         let mut st = self
@@ -255,7 +260,7 @@ impl HostStream {
             .as_ref()
             .map(|q| q.lock().unwrap_or_else(|e| e.into_inner()));
         let queue_idle = queued.as_ref().map_or(true, |n| **n == 0);
-        if st.completed == st.submitted && queue_idle && inline_ok(&op, inline_max()) {
+        if st.completed == st.submitted && queue_idle && inline_ok(&op, inline_limit) {
             // Runs under the progress lock (and the queue's): the worker is idle (its queue is
             // empty) and will not look at this op.
             let fault = run(op, &self.shutdown);
@@ -678,20 +683,27 @@ mod tests {
     fn an_inline_copy_is_done_when_push_returns_and_a_queued_one_after_synchronize() {
         let s = HostStream::spawn("flagcx-host-test".into()).expect("a stream");
         let src: Vec<u8> = (0..100_000u32).map(|i| (i * 7 + 3) as u8).collect();
-        let mut dst = vec![0u8; src.len()];
-        let op = Op::Copy {
-            dst: dst.as_mut_ptr() as u64,
-            src: src.as_ptr() as u64,
-            n: src.len(),
-        };
-        // 100 000 bytes is over the small limit: it runs inline only where cores are short.
-        let inline = inline_ok(&op, super::inline_max());
-        assert!(s.push(op));
-        if inline {
-            assert!(s.idle(), "an inline copy left work on the stream");
+        // Both paths every run, whatever this machine's cores make the default limit.
+        for (limit, inline) in [(usize::MAX, true), (0, false)] {
+            let mut dst = vec![0u8; src.len()];
+            let op = Op::Copy {
+                dst: dst.as_mut_ptr() as u64,
+                src: src.as_ptr() as u64,
+                n: src.len(),
+            };
+            assert_eq!(inline_ok(&op, limit), inline);
+            assert!(s.push_inline_up_to(op, limit));
+            if inline {
+                // Done on this thread before push returned: the stream has nothing of it.
+                assert!(s.idle(), "an inline copy left work on the stream");
+                assert!(
+                    dst == src,
+                    "the inline copy's bytes differ right after push"
+                );
+            }
+            assert_eq!(s.synchronize(), None);
+            assert!(dst == src, "the copy's bytes differ (inline: {inline})");
         }
-        assert_eq!(s.synchronize(), None);
-        assert!(dst == src, "the copy's bytes differ");
         s.join(false);
     }
 

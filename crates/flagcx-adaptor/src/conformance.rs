@@ -816,7 +816,13 @@ pub fn host_functions<A: DeviceAdaptor>(a: &A) {
 /// again once the stream is idle, or on a stream that never had work, it completes.
 pub fn events_follow_earlier_work<A: DeviceAdaptor>(a: &A) {
     if !a.capabilities().host_functions {
-        return; // nothing can hold a stream at a known point from the host
+        // Nothing can hold a stream at a known point from the host: a counted skip.
+        report_skip_reason(
+            "events_follow_earlier_work",
+            a.vendor().name(),
+            "the vendor has no host functions to hold a stream at a known point",
+        );
+        return;
     }
     let fresh = Stream::new(a).expect("stream");
     let never = Event::new(a, false).expect("event");

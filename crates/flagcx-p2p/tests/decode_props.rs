@@ -108,7 +108,8 @@ const VENDOR_AT: usize = 4;
 
 proptest! {
     #[test]
-    fn headers_round_trip(tag in 1u32..=5, len in 0usize..=MAX_PAYLOAD) {
+    fn headers_round_trip(tag in 1u32..=10, len in 0usize..=MAX_PAYLOAD) {
+        // Every tag the wire has (1..=10; the test of `Tag::from_u32` below pins the set).
         let tag = Tag::from_u32(tag).unwrap();
         let h = wire::header(tag, len).unwrap();
         prop_assert_eq!(wire::parse_header(&h).unwrap(), (tag, len));
@@ -123,7 +124,7 @@ proptest! {
     }
 
     #[test]
-    fn headers_reject_an_oversized_length_exactly(tag in 1u32..=5, len in (MAX_PAYLOAD as u32 + 1)..=u32::MAX) {
+    fn headers_reject_an_oversized_length_exactly(tag in 1u32..=10, len in (MAX_PAYLOAD as u32 + 1)..=u32::MAX) {
         let mut h = wire::header(Tag::from_u32(tag).unwrap(), 0).unwrap();
         h[4..].copy_from_slice(&len.to_le_bytes());
         let m = protocol_message(wire::parse_header(&h))?;
@@ -210,9 +211,10 @@ proptest! {
     }
 
     #[test]
-    fn peer_info_rejects_every_truncation(info in peer_info(), cut in 0usize..64) {
+    fn peer_info_rejects_every_truncation(info in peer_info(), cut in any::<proptest::sample::Index>()) {
+        // A cut anywhere in the encoding, its tail included (not only the first 64 bytes).
         let b = info.encode();
-        let cut = cut.min(b.len().saturating_sub(1));
+        let cut = cut.index(b.len());
         let m = protocol_message(PeerInfo::decode(&b[..cut]))?;
         prop_assert!(m.starts_with("peer info: truncated"), "{}", m);
     }
@@ -264,8 +266,33 @@ proptest! {
 
     #[test]
     fn ipc_handles_decode_safely(bytes in proptest::collection::vec(any::<u8>(), 0..80)) {
+        // Arbitrary bytes (almost never a valid handle) decode to an error, never a panic.
         if let Ok(h) = IpcMemHandle::from_wire(&bytes) {
             prop_assert_eq!(h.to_wire().to_vec(), bytes);
+        }
+    }
+
+    #[test]
+    fn ipc_handles_round_trip(
+        code in 0u8..8,
+        payload in proptest::collection::vec(any::<u8>(), flagcx_adaptor::IPC_HANDLE_BYTES),
+        cut in 0usize..(flagcx_adaptor::IPC_HANDLE_BYTES + 2),
+    ) {
+        // A well-formed wire form (a vendor code, then the handle's bytes) round-trips in every
+        // case, not in the 1-in-thousands a random vector happens to be well formed; an
+        // unknown vendor code or a cut one is an error.
+        let mut wire = vec![code];
+        wire.extend_from_slice(&payload);
+        match (Vendor::from_code(code), IpcMemHandle::from_wire(&wire)) {
+            (Some(v), Ok(h)) => {
+                prop_assert_eq!(h.vendor, v);
+                prop_assert_eq!(h.to_wire().to_vec(), wire.clone());
+            }
+            (None, Err(_)) => {}
+            (known, got) => prop_assert!(false, "code {code}: vendor {known:?}, decoded {got:?}"),
+        }
+        if cut < wire.len() {
+            prop_assert!(IpcMemHandle::from_wire(&wire[..cut]).is_err());
         }
     }
 
