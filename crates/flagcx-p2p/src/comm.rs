@@ -630,9 +630,13 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
                 // vendor call: it is left behind with what it may touch when it comes back
                 // (the watermark page, the bounce buffer, the stream-ordered links, the
                 // joined streams' events), so that dropping the communicator does not hang.
+                let wher = crate::engine::BlockedIn::describe(
+                    self.shared.blocked_in.load(Ordering::Relaxed),
+                )
+                .unwrap_or_else(|| "inside a runtime call".into());
                 tracing::warn!(
-                    "rank {}: the progress thread is still blocked inside a vendor call; \
-                     leaving it and the communicator's pages behind",
+                    "rank {}: the progress thread is still {wher}; leaving it and the \
+                     communicator's pages behind",
                     self.rank
                 );
                 // A post that raced with the guard took a number after its release.

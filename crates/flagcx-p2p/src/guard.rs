@@ -137,15 +137,24 @@ fn watch(shared: &Shared, window: Duration, rank: usize) -> Option<CommError> {
             .flatten()
             .any(|p| p.load(Ordering::Acquire) > 0);
         if let Some(stalled) = stall.look(beats, busy, slept) {
+            let blocked = shared.blocked_in.load(Ordering::Relaxed);
+            // Name the call where the proxy knows it is in one; else say what it may be.
+            let (peer, wher) = match crate::engine::BlockedIn::describe(blocked) {
+                Some(w) => (Some((blocked >> 8) as usize), w),
+                None => (
+                    None,
+                    "in none of its own waits: inside a runtime call (on CUDA and HIP typically \
+                     behind another thread's cudaFree, cudaFreeHost or cudaHostUnregister while \
+                     a stream waits for this communicator), or off the CPU"
+                        .to_string(),
+                ),
+            };
             return Some(CommError::Timeout {
                 ms: window.as_millis() as u64,
-                peer: None,
+                peer,
                 what: format!(
                     "rank {rank}'s progress thread took no step for {} ms with operations in \
-                     flight (blocked inside a vendor call: on CUDA and HIP typically behind \
-                     another thread's cudaFree, cudaFreeHost or cudaHostUnregister while a \
-                     stream waits for this communicator); the communicator is aborted and its \
-                     streams released",
+                     flight, {wher}; the communicator is aborted and its streams released",
                     stalled.as_millis()
                 ),
             });

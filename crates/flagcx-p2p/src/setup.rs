@@ -504,6 +504,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             caller_handoffs: Default::default(),
             eager_declined: Default::default(),
             beats: AtomicU64::new(0),
+            blocked_in: AtomicU64::new(0),
             helped_us: Default::default(),
             waiter_moves: Default::default(),
             epoch: std::time::Instant::now(),

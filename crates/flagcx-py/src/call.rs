@@ -135,7 +135,6 @@ impl Call {
         }
         Ok(Py::new(py, work)?.into_any())
     }
-
 }
 
 impl Drop for Call {

@@ -566,6 +566,14 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             }
             if o.blocking {
                 settle(&mut inflight)?;
+            } else if i % 64 == 63 {
+                // Enqueued back to back, a failure (a peer that stopped, a timeout) would show
+                // only at the final wait, millions of posts later: look every 64 iterations,
+                // and stop once what is in flight has ended.
+                if let Some(e) = comm.async_error() {
+                    let _ = settle(&mut inflight);
+                    return Err(e.into());
+                }
             }
         }
         settle(&mut inflight)?;
