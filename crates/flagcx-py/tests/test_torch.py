@@ -13,14 +13,22 @@ from conftest import finish, run_job, start_job  # noqa: E402
 EXAMPLE = Path(__file__).parent.parent / "examples" / "ddp.py"
 
 
+# The backend subclasses c10d's Backend where torch lets Python construct one, else
+# ProcessGroup (torch 2.11): both are run here, the second forced.
+BASES = {"backend": {}, "processgroup": {"FLAGCX_TORCH_BASE": "processgroup"}}
+
+
+@pytest.mark.parametrize("base", BASES)
 @pytest.mark.parametrize("n", [2, 3])
-def test_every_op_through_torch_distributed(n):
-    run_job("ops", ["host"] * n, script="torch_ranks.py")
+def test_every_op_through_torch_distributed(n, base):
+    run_job("ops", ["host"] * n, script="torch_ranks.py", env=BASES[base])
 
 
-def test_ddp_example_on_two_cpu_ranks():
+@pytest.mark.parametrize("base", BASES)
+def test_ddp_example_on_two_cpu_ranks(base):
     # Gradients and parameters bit-identical on every rank; losses as in one process.
-    texts = run_job("--check", ["host"] * 2, script=str(EXAMPLE), args=("--steps", "15"))
+    texts = run_job("--check", ["host"] * 2, script=str(EXAMPLE), args=("--steps", "15"),
+                    env=BASES[base])
     assert "one-process losses agree" in texts[0], texts[0]
 
 

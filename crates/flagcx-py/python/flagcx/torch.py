@@ -176,7 +176,27 @@ class _Work(dist.Work):
         return all(w.is_completed() for w in self._works)
 
 
-class FlagcxBackend(_C10dBackend):
+def _base():
+    """The class the backend subclasses: c10d's ``Backend`` where torch lets Python construct
+    one (its ``PyBackend`` trampoline: per-device dispatch and ``batch_isend_irecv`` work),
+    else ``ProcessGroup`` (torch 2.11's ``Backend`` has no constructor Python can call; a
+    ``ProcessGroup`` subclass serves every collective, but ``batch_isend_irecv`` needs a
+    per-device backend and is not available there). ``FLAGCX_TORCH_BASE=processgroup``
+    forces the second (tests run both)."""
+    if os.environ.get("FLAGCX_TORCH_BASE", "").lower() == "processgroup":
+        return dist.ProcessGroup
+
+    class _Probe(_C10dBackend):
+        pass
+
+    try:
+        _Probe(0, 1)
+    except TypeError:
+        return dist.ProcessGroup
+    return _C10dBackend
+
+
+class FlagcxBackend(_base()):
     """The process group backend. ``torch.distributed`` makes one per group through
     :func:`_create`; each holds one :class:`flagcx.Comm` joined through the group's store."""
 
@@ -469,11 +489,11 @@ class FlagcxBackend(_C10dBackend):
         """True: ``batch_isend_irecv`` posts its operations as one flagcx group."""
         return True
 
-    def start_coalescing(self):
+    def start_coalescing(self, device=None):
         """Opens a coalescing block: calls until ``end_coalescing`` are posted together."""
         self._coalescing = []
 
-    def end_coalescing(self):
+    def end_coalescing(self, device=None):
         """Posts the block's calls in one flagcx group; one Work for all of them."""
         calls, self._coalescing = self._coalescing or [], None
         if not calls:
