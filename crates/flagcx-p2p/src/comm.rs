@@ -630,7 +630,7 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
                 // vendor call: it is left behind with what it may touch when it comes back
                 // (the watermark page, the bounce buffer, the stream-ordered links, the
                 // joined streams' events), so that dropping the communicator does not hang.
-                let wher = crate::engine::BlockedIn::describe(
+                let wher = crate::guard::BlockedIn::describe(
                     self.shared.blocked_in.load(Ordering::Relaxed),
                 )
                 .unwrap_or_else(|| "inside a runtime call".into());

@@ -96,7 +96,7 @@ pub(crate) struct Shared {
     /// Passes of the engine's loop, for the stall guard (`crate::guard`); the verdict every
     /// waiting request takes once an abort or the guard gives it.
     pub beats: AtomicU64,
-    /// Where the proxy waits inside a runtime call of its own (a [`BlockedIn`] code, 0:
+    /// Where the proxy waits inside a runtime call of its own (a [`crate::guard::BlockedIn`] code, 0:
     /// none), with the peer it concerns: the guard names it rather than guess.
     pub blocked_in: AtomicU64,
     /// When a thread waiting for an operation last ran an engine pass ([`crate::drive`]), in
@@ -647,7 +647,7 @@ impl<A: DeviceAdaptor> Engine<A> {
             Dir::Send => self.send_stream,
             Dir::Recv => self.recv_stream,
         };
-        let _in = BlockedIn::AbandonChunks.mark(&self.shared, p);
+        let _in = crate::guard::BlockedIn::AbandonChunks.mark(&self.shared, p);
         let _ = self.adaptor.stream_synchronize(stream);
         drop(_in);
         if let Some(conn) = self.peers[p].as_mut() {
@@ -796,46 +796,4 @@ fn fail_locally(conn: &mut PeerConn, shared: &Shared, dir: Dir, index: u64, e: &
     };
     ch.store(counter, index + 1);
     conn.retire(shared, format!("a local {dir:?} failed: {e}"));
-}
-
-/// A runtime call the proxy makes that may wait for long, named for the stall guard's message
-/// (`Shared::blocked_in`: the code in the low byte, the peer above it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub(crate) enum BlockedIn {
-    /// `stream_synchronize` of the proxy's copy stream after an operation with the peer failed
-    /// ([`Engine::abandon_chunks`]): its copies touch the caller's buffer, so they must end
-    /// first.
-    AbandonChunks = 1,
-}
-
-impl BlockedIn {
-    /// Records that the proxy enters this call for `peer`, until the guard drops.
-    pub(crate) fn mark(self, shared: &Shared, peer: usize) -> Unmark<'_> {
-        shared
-            .blocked_in
-            .store(self as u64 | ((peer as u64) << 8), Ordering::Relaxed);
-        Unmark(shared)
-    }
-
-    /// What a stored value names, in words.
-    pub(crate) fn describe(v: u64) -> Option<String> {
-        let peer = v >> 8;
-        match v & 0xff {
-            1 => Some(format!(
-                "inside the runtime's stream synchronize of its copy stream, after an operation \
-                 with rank {peer} failed: a copy or wait on that stream has not ended"
-            )),
-            _ => None,
-        }
-    }
-}
-
-/// Clears [`Shared::blocked_in`] when dropped.
-pub(crate) struct Unmark<'a>(&'a Shared);
-
-impl Drop for Unmark<'_> {
-    fn drop(&mut self) {
-        self.0.blocked_in.store(0, Ordering::Relaxed);
-    }
 }

@@ -139,7 +139,7 @@ fn watch(shared: &Shared, window: Duration, rank: usize) -> Option<CommError> {
         if let Some(stalled) = stall.look(beats, busy, slept) {
             let blocked = shared.blocked_in.load(Ordering::Relaxed);
             // Name the call where the proxy knows it is in one; else say what it may be.
-            let (peer, wher) = match crate::engine::BlockedIn::describe(blocked) {
+            let (peer, wher) = match BlockedIn::describe(blocked) {
                 Some(w) => (Some((blocked >> 8) as usize), w),
                 None => (
                     None,
@@ -295,5 +295,47 @@ mod tests {
         // wait did not sleep on towards anything longer (generous, for a loaded machine).
         assert!(t.elapsed() >= Duration::from_millis(5), "{:?}", t.elapsed());
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    }
+}
+
+/// A runtime call the proxy makes that may wait for long, named for the stall guard's message
+/// (`crate::engine::Shared::blocked_in`: the code in the low byte, the peer above it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum BlockedIn {
+    /// `stream_synchronize` of the proxy's copy stream after an operation with the peer failed
+    /// (`Engine::abandon_chunks`): its copies touch the caller's buffer, so they must end
+    /// first.
+    AbandonChunks = 1,
+}
+
+impl BlockedIn {
+    /// Records that the proxy enters this call for `peer`, until the guard drops.
+    pub(crate) fn mark(self, shared: &crate::engine::Shared, peer: usize) -> Unmark<'_> {
+        shared
+            .blocked_in
+            .store(self as u64 | ((peer as u64) << 8), Ordering::Relaxed);
+        Unmark(shared)
+    }
+
+    /// What a stored value names, in words.
+    pub(crate) fn describe(v: u64) -> Option<String> {
+        let peer = v >> 8;
+        match v & 0xff {
+            1 => Some(format!(
+                "inside the runtime's stream synchronize of its copy stream, after an operation \
+                 with rank {peer} failed: a copy or wait on that stream has not ended"
+            )),
+            _ => None,
+        }
+    }
+}
+
+/// Clears [`crate::engine::Shared::blocked_in`] when dropped.
+pub(crate) struct Unmark<'a>(&'a crate::engine::Shared);
+
+impl Drop for Unmark<'_> {
+    fn drop(&mut self) {
+        self.0.blocked_in.store(0, Ordering::Relaxed);
     }
 }
