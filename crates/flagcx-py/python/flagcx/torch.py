@@ -142,9 +142,11 @@ class _Work(dist.Work):
         """Blocks until the operation finished (CPU), or orders the current CUDA stream after
         it; raises its failure. Returns True."""
         self._backend._raise_if_failed()
-        self._finish(_seconds(timeout))
         if self._event is not None:
+            # First the order, then the epilogue: its copies out of temporaries run on the
+            # current stream, which must be behind the operation.
             torch.cuda.current_stream(self._device).wait_event(self._event)
+        self._finish(_seconds(timeout))
         return True
 
     def get_future(self):
@@ -160,8 +162,8 @@ class _Work(dist.Work):
         if self._event is not None:
             # Completed now, while the operation's stream is current: the future records
             # its own event there and waiters synchronize with it, not with the host.
-            self._finish()
             with torch.cuda.stream(self._stream):
+                self._finish()
                 fut.set_result(self._outputs)
         else:
             self._backend._complete_later(self, fut)
