@@ -309,33 +309,8 @@ fn python_suite(strict: bool) -> Outcome {
         }
         return outcome("skipped", 0, vec![("python".into(), why)], String::new());
     }
-    let wheels = root().join("target/wheels");
     let site = root().join("target/xtask/python");
-    let _ = std::fs::remove_dir_all(&wheels);
-    let _ = std::fs::remove_dir_all(&site);
-    let built = run(
-        "python: build the wheel",
-        Command::new("python3")
-            .args(["-m", "maturin", "build", "--compatibility", "linux", "-o"])
-            .arg(&wheels)
-            .arg("-m")
-            .arg(root().join("crates/flagcx-py/Cargo.toml")),
-    )
-    .and_then(|()| {
-        let wheel = std::fs::read_dir(&wheels)
-            .map_err(|e| e.to_string())?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .find(|p| p.extension().is_some_and(|x| x == "whl"))
-            .ok_or("maturin made no wheel")?;
-        run(
-            "python: install the wheel",
-            Command::new("python3")
-                .args(["-m", "pip", "install", "--quiet", "--no-deps", "--target"])
-                .arg(&site)
-                .arg(wheel),
-        )
-    });
-    if let Err(e) = built {
+    if let Err(e) = build_wheel(false, &root().join("target/wheels"), &site) {
         eprintln!("xtask: python: {e}");
         return outcome("FAILED", 0, vec![], e);
     }
@@ -353,6 +328,37 @@ fn python_suite(strict: bool) -> Outcome {
     let (passed, skipped) = pytest_counts(&text);
     let status = if out.status.success() { "ok" } else { "FAILED" };
     outcome(status, passed, skipped, String::new())
+}
+
+/// Builds the Python package's wheel with maturin into `wheels` (debug, or `release`) and
+/// installs it into `site` (for `PYTHONPATH`; the interpreter's site-packages are left alone),
+/// both emptied first. The test suite and `bench --python` share it.
+pub(crate) fn build_wheel(release: bool, wheels: &Path, site: &Path) -> Result {
+    let _ = std::fs::remove_dir_all(wheels);
+    let _ = std::fs::remove_dir_all(site);
+    let mut maturin = Command::new("python3");
+    maturin.args(["-m", "maturin", "build"]);
+    if release {
+        maturin.arg("--release");
+    }
+    maturin
+        .args(["--compatibility", "linux", "-o"])
+        .arg(wheels)
+        .arg("-m")
+        .arg(root().join("crates/flagcx-py/Cargo.toml"));
+    run("python: build the wheel", &mut maturin)?;
+    let wheel = std::fs::read_dir(wheels)
+        .map_err(|e| e.to_string())?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .ok_or("maturin made no wheel")?;
+    run(
+        "python: install the wheel",
+        Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet", "--no-deps", "--target"])
+            .arg(site)
+            .arg(wheel),
+    )
 }
 
 /// Passed count and skips (test, reason) from pytest's `-q -rs` output: the summary line

@@ -68,38 +68,8 @@ pub fn bench_python() -> Result {
             "flagcx-run",
         ]),
     )?;
-    let wheels = root().join("target/wheels-release");
     let site = root().join("target/xtask/python-release");
-    let _ = std::fs::remove_dir_all(&wheels);
-    let _ = std::fs::remove_dir_all(&site);
-    run(
-        "building the wheel (release)",
-        Command::new("python3")
-            .args([
-                "-m",
-                "maturin",
-                "build",
-                "--release",
-                "--compatibility",
-                "linux",
-                "-o",
-            ])
-            .arg(&wheels)
-            .arg("-m")
-            .arg(root().join("crates/flagcx-py/Cargo.toml")),
-    )?;
-    let wheel = std::fs::read_dir(&wheels)
-        .map_err(|e| e.to_string())?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        .ok_or("maturin made no wheel")?;
-    run(
-        "installing the wheel into target/xtask/python-release",
-        Command::new("python3")
-            .args(["-m", "pip", "install", "--quiet", "--no-deps", "--target"])
-            .arg(&site)
-            .arg(wheel),
-    )?;
+    crate::build_wheel(true, &root().join("target/wheels-release"), &site)?;
     let perf = root().join("target/release/flagcx-perf");
     let mut md = String::new();
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
