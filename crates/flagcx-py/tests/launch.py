@@ -4,14 +4,18 @@ cuda,host [--timeout S] -- SCRIPT ARGS...``.
 Each rank gets FLAGCX_RANK, FLAGCX_NRANKS, FLAGCX_LOCAL_RANK, FLAGCX_UNIQUE_ID and its
 FLAGCX_VENDOR; host-vendor ranks also get ``CUDA_VISIBLE_DEVICES=""`` (a CPU worker on a GPU
 node: torch then puts nothing of theirs on a GPU). Output lines carry ``[rank]``; the exit code
-is the worst rank's. Used by the GPU bundle, where pytest may be missing.
+is the worst rank's. Used by the GPU bundle, where pytest may be missing. A job still running at
+``--timeout`` gets SIGABRT first (the ranks run with ``-X faulthandler``, so each prints every
+thread's Python stack), then SIGKILL two seconds later.
 """
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import flagcx
 
@@ -33,7 +37,7 @@ def main():
                    PYTHONUNBUFFERED="1")
         if vendor == "host":
             env["CUDA_VISIBLE_DEVICES"] = ""
-        procs.append(subprocess.Popen([sys.executable, *cmd], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, "-X", "faulthandler", *cmd], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
 
     def pump(rank, p):
@@ -44,10 +48,17 @@ def main():
     for t in threads:
         t.start()
     worst = 0
+    deadline = time.monotonic() + args.timeout
     for p in procs:
         try:
-            rc = p.wait(timeout=args.timeout)
+            rc = p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            print(f"launch: still running after {args.timeout} s: the ranks' stacks follow",
+                  flush=True)
+            for q in procs:
+                if q.poll() is None:
+                    q.send_signal(signal.SIGABRT)
+            time.sleep(2)
             for q in procs:
                 q.kill()
             rc = 124
