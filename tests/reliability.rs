@@ -583,6 +583,8 @@ fn reliability_worker() {
             };
             let failed = t.elapsed();
             assert!(what.contains("progress thread"), "{what}");
+            // The stalled call is named, with how long it has lasted.
+            assert!(what.contains("inside the runtime call "), "{what}");
             // The guard's window is the timeout, at least 250 ms; it looks every 75 ms.
             assert!(
                 failed >= Duration::from_millis(250) && failed < Duration::from_millis(1300),

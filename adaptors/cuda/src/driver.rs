@@ -13,7 +13,7 @@ use flagcx_adaptor::{
     WaitCondition, IPC_HANDLE_BYTES,
 };
 
-use crate::error::{check, error_name, vendor_error};
+use crate::error::{call, error_name, vendor_error};
 use crate::probe::{has_symbol, mps_client, probe_stream_mem_ops};
 use crate::sized::{raw_step, RawStep, MAX_STEPS};
 
@@ -143,7 +143,9 @@ unsafe impl Driver for CudaDriver {
         }
         let mut n = 0;
         // SAFETY: valid out-pointer.
-        check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
+        call("cuDeviceGetCount", || unsafe {
+            sys::cuDeviceGetCount(&mut n)
+        })?;
         let count = n.max(0) as usize;
         if count == 0 {
             return Err(unavailable("the driver reports no CUDA devices"));
@@ -153,15 +155,13 @@ unsafe impl Driver for CudaDriver {
         let mut ctx = std::ptr::null_mut();
         // SAFETY: valid out-pointers; the device index was range-checked.
         unsafe {
-            check(
-                "cuDeviceGet",
-                sys::cuDeviceGet(&mut cu_device, device as i32),
-            )?;
-            check(
-                "cuDevicePrimaryCtxRetain",
-                sys::cuDevicePrimaryCtxRetain(&mut ctx, cu_device),
-            )?;
-            check("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx))?;
+            call("cuDeviceGet", || {
+                sys::cuDeviceGet(&mut cu_device, device as i32)
+            })?;
+            call("cuDevicePrimaryCtxRetain", || {
+                sys::cuDevicePrimaryCtxRetain(&mut ctx, cu_device)
+            })?;
+            call("cuCtxSetCurrent", || sys::cuCtxSetCurrent(ctx))?;
         }
         let granularity = vmm_granularity(cu_device).unwrap_or(0);
         let (ops32, ops64) = probe_stream_mem_ops();
@@ -217,7 +217,7 @@ unsafe impl Driver for CudaDriver {
 
     fn bind(&self) -> Result<()> {
         // SAFETY: the context is retained until `close`.
-        check("cuCtxSetCurrent", unsafe {
+        call("cuCtxSetCurrent", || unsafe {
             sys::cuCtxSetCurrent(self.ctx.0)
         })
     }
@@ -229,19 +229,16 @@ unsafe impl Driver for CudaDriver {
         let mut total = 0usize;
         // SAFETY: valid out-pointers and buffer lengths.
         unsafe {
-            check("cuDeviceGet", sys::cuDeviceGet(&mut dev, index as i32))?;
-            check(
-                "cuDeviceGetName",
-                sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev),
-            )?;
-            check(
-                "cuDeviceTotalMem",
-                sys::cuDeviceTotalMem_v2(&mut total, dev),
-            )?;
-            check(
-                "cuDeviceGetPCIBusId",
-                sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, dev),
-            )?;
+            call("cuDeviceGet", || sys::cuDeviceGet(&mut dev, index as i32))?;
+            call("cuDeviceGetName", || {
+                sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev)
+            })?;
+            call("cuDeviceTotalMem", || {
+                sys::cuDeviceTotalMem_v2(&mut total, dev)
+            })?;
+            call("cuDeviceGetPCIBusId", || {
+                sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, dev)
+            })?;
         }
         // SAFETY: the driver NUL-terminates both strings within the given lengths.
         let (name, bus) = unsafe { (CStr::from_ptr(name.as_ptr()), CStr::from_ptr(bus.as_ptr())) };
@@ -257,19 +254,19 @@ unsafe impl Driver for CudaDriver {
     fn mem_alloc(&self, size: usize) -> Result<u64> {
         let mut p = 0;
         // SAFETY: valid out-pointer.
-        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut p, size) })?;
+        call("cuMemAlloc", || unsafe { sys::cuMemAlloc_v2(&mut p, size) })?;
         Ok(p)
     }
 
     unsafe fn mem_free(&self, ptr: u64) -> Result<()> {
         // SAFETY: per the contract, a live allocation no work uses.
-        check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })
+        call("cuMemFree", || unsafe { sys::cuMemFree_v2(ptr) })
     }
 
     fn mem_range(&self, ptr: u64) -> Result<(u64, usize)> {
         let (mut base, mut size) = (0u64, 0usize);
         // SAFETY: valid out-pointers; the driver validates the address.
-        check("cuMemGetAddressRange", unsafe {
+        call("cuMemGetAddressRange", || unsafe {
             sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
         })?;
         Ok((base, size))
@@ -279,7 +276,7 @@ unsafe impl Driver for CudaDriver {
         let mut p: *mut c_void = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: valid out-pointer.
-        check("cuMemHostAlloc", unsafe {
+        call("cuMemHostAlloc", || unsafe {
             sys::cuMemHostAlloc(&mut p, size, flags)
         })?;
         Ok(p.cast())
@@ -287,19 +284,21 @@ unsafe impl Driver for CudaDriver {
 
     unsafe fn host_free(&self, ptr: *mut u8) -> Result<()> {
         // SAFETY: per the contract.
-        check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(ptr.cast()) })
+        call("cuMemFreeHost", || unsafe {
+            sys::cuMemFreeHost(ptr.cast())
+        })
     }
 
     unsafe fn host_register(&self, ptr: *mut u8, size: usize) -> Result<u64> {
         let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
         // SAFETY: the caller guarantees the range is a live mapping.
-        check("cuMemHostRegister", unsafe {
+        call("cuMemHostRegister", || unsafe {
             sys::cuMemHostRegister_v2(ptr.cast(), size, flags)
         })?;
         let mut dev = 0u64;
         // SAFETY: `ptr` was registered with DEVICEMAP just above.
         let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, ptr.cast(), 0) };
-        if let Err(e) = check("cuMemHostGetDevicePointer", r) {
+        if let Err(e) = call("cuMemHostGetDevicePointer", || r) {
             // SAFETY: undo the registration made above.
             unsafe { sys::cuMemHostUnregister(ptr.cast()) };
             return Err(e);
@@ -309,7 +308,7 @@ unsafe impl Driver for CudaDriver {
 
     unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
         // SAFETY: per the contract.
-        check("cuMemHostUnregister", unsafe {
+        call("cuMemHostUnregister", || unsafe {
             sys::cuMemHostUnregister(ptr.cast())
         })
     }
@@ -318,7 +317,7 @@ unsafe impl Driver for CudaDriver {
         let prop = vmm_prop(device as sys::CUdevice);
         let mut handle = 0u64;
         // SAFETY: valid property struct and out-pointer.
-        check("cuMemCreate", unsafe {
+        call("cuMemCreate", || unsafe {
             sys::cuMemCreate(&mut handle, size, &prop, 0)
         })?;
         Ok(handle)
@@ -327,12 +326,12 @@ unsafe impl Driver for CudaDriver {
     unsafe fn vmm_map(&self, handle: u64, size: usize) -> Result<u64> {
         let mut ptr = 0;
         // SAFETY: valid out-pointer; size is a granularity multiple.
-        check("cuMemAddressReserve", unsafe {
+        call("cuMemAddressReserve", || unsafe {
             sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0)
         })?;
         // SAFETY: maps the whole handle (per the contract, at least `size` bytes) into the
         // range just reserved.
-        let mapped = check("cuMemMap", unsafe {
+        let mapped = call("cuMemMap", || unsafe {
             sys::cuMemMap(ptr, size, 0, handle, 0)
         });
         let was_mapped = mapped.is_ok();
@@ -343,7 +342,7 @@ unsafe impl Driver for CudaDriver {
             desc.location.id = self.cu_device;
             desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
             // SAFETY: one valid descriptor for the mapped range.
-            check("cuMemSetAccess", unsafe {
+            call("cuMemSetAccess", || unsafe {
                 sys::cuMemSetAccess(ptr, size, &desc, 1)
             })
         });
@@ -363,22 +362,22 @@ unsafe impl Driver for CudaDriver {
     unsafe fn vmm_unmap(&self, ptr: u64, size: usize, handle: u64) -> Result<()> {
         // SAFETY: per the contract, our mapping and handle, unused.
         unsafe {
-            check("cuMemUnmap", sys::cuMemUnmap(ptr, size))?;
-            check("cuMemAddressFree", sys::cuMemAddressFree(ptr, size))?;
-            check("cuMemRelease", sys::cuMemRelease(handle))
+            call("cuMemUnmap", || sys::cuMemUnmap(ptr, size))?;
+            call("cuMemAddressFree", || sys::cuMemAddressFree(ptr, size))?;
+            call("cuMemRelease", || sys::cuMemRelease(handle))
         }
     }
 
     unsafe fn vmm_release(&self, handle: u64) -> Result<()> {
         // SAFETY: per the contract, a live handle that is not mapped.
-        check("cuMemRelease", unsafe { sys::cuMemRelease(handle) })
+        call("cuMemRelease", || unsafe { sys::cuMemRelease(handle) })
     }
 
     unsafe fn vmm_export_fd(&self, handle: u64) -> Result<OwnedFd> {
         let mut fd: std::ffi::c_int = -1;
         let ty = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
         // SAFETY: for POSIX-fd handles the out-parameter is an int; a live handle.
-        check("cuMemExportToShareableHandle", unsafe {
+        call("cuMemExportToShareableHandle", || unsafe {
             sys::cuMemExportToShareableHandle(
                 (&mut fd as *mut std::ffi::c_int).cast(),
                 handle,
@@ -395,7 +394,7 @@ unsafe impl Driver for CudaDriver {
         let ty = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
         // SAFETY: for POSIX-fd handles the OS handle argument is the fd value itself; the
         // driver duplicates what it needs and does not take ownership.
-        check("cuMemImportFromShareableHandle", unsafe {
+        call("cuMemImportFromShareableHandle", || unsafe {
             sys::cuMemImportFromShareableHandle(&mut h, fd.as_raw_fd() as usize as *mut c_void, ty)
         })?;
         Ok(h)
@@ -413,20 +412,17 @@ unsafe impl Driver for CudaDriver {
         // SAFETY: the caller guarantees both ranges for the copy's lifetime and a live stream.
         unsafe {
             match kind {
-                CopyKind::HostToDevice => check(
-                    "cuMemcpyHtoDAsync",
-                    sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, n, s),
-                ),
-                CopyKind::DeviceToHost => check(
-                    "cuMemcpyDtoHAsync",
-                    sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, n, s),
-                ),
+                CopyKind::HostToDevice => call("cuMemcpyHtoDAsync", || {
+                    sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, n, s)
+                }),
+                CopyKind::DeviceToHost => call("cuMemcpyDtoHAsync", || {
+                    sys::cuMemcpyDtoHAsync_v2(dst as *mut c_void, src, n, s)
+                }),
                 CopyKind::DeviceToDevice => match &self.copies {
                     Some(k) if k.try_copy(dst, src, n, stream)? => Ok(()),
-                    _ => check(
-                        "cuMemcpyDtoDAsync",
-                        sys::cuMemcpyDtoDAsync_v2(dst, src, n, s),
-                    ),
+                    _ => call("cuMemcpyDtoDAsync", || {
+                        sys::cuMemcpyDtoDAsync_v2(dst, src, n, s)
+                    }),
                 },
             }
         }
@@ -434,7 +430,7 @@ unsafe impl Driver for CudaDriver {
 
     unsafe fn memset(&self, dst: u64, value: u8, n: usize, stream: u64) -> Result<()> {
         // SAFETY: the caller guarantees the range and a live stream.
-        check("cuMemsetD8Async", unsafe {
+        call("cuMemsetD8Async", || unsafe {
             sys::cuMemsetD8Async(dst, value, n, stream as sys::CUstream)
         })
     }
@@ -443,7 +439,7 @@ unsafe impl Driver for CudaDriver {
         let mut s: sys::CUstream = std::ptr::null_mut();
         let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
         // SAFETY: valid out-pointer.
-        check("cuStreamCreate", unsafe {
+        call("cuStreamCreate", || unsafe {
             sys::cuStreamCreate(&mut s, flags)
         })?;
         Ok(s as u64)
@@ -451,14 +447,14 @@ unsafe impl Driver for CudaDriver {
 
     unsafe fn stream_destroy(&self, stream: u64) -> Result<()> {
         // SAFETY: a live stream of ours (contract).
-        check("cuStreamDestroy", unsafe {
+        call("cuStreamDestroy", || unsafe {
             sys::cuStreamDestroy_v2(stream as sys::CUstream)
         })
     }
 
     unsafe fn stream_synchronize(&self, stream: u64) -> Result<()> {
         // SAFETY: a live stream (contract).
-        check("cuStreamSynchronize", unsafe {
+        call("cuStreamSynchronize", || unsafe {
             sys::cuStreamSynchronize(stream as sys::CUstream)
         })
     }
@@ -472,7 +468,7 @@ unsafe impl Driver for CudaDriver {
 
     unsafe fn stream_wait_event(&self, stream: u64, event: u64) -> Result<()> {
         // SAFETY: live stream and event (contract).
-        check("cuStreamWaitEvent", unsafe {
+        call("cuStreamWaitEvent", || unsafe {
             sys::cuStreamWaitEvent(stream as sys::CUstream, event as sys::CUevent, 0)
         })
     }
@@ -485,7 +481,7 @@ unsafe impl Driver for CudaDriver {
             sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
         };
         // SAFETY: valid out-pointer.
-        check("cuEventCreate", unsafe {
+        call("cuEventCreate", || unsafe {
             sys::cuEventCreate(&mut e, flags)
         })?;
         Ok(e as u64)
@@ -493,14 +489,14 @@ unsafe impl Driver for CudaDriver {
 
     unsafe fn event_destroy(&self, event: u64) -> Result<()> {
         // SAFETY: a live event of ours (contract).
-        check("cuEventDestroy", unsafe {
+        call("cuEventDestroy", || unsafe {
             sys::cuEventDestroy_v2(event as sys::CUevent)
         })
     }
 
     unsafe fn event_record(&self, event: u64, stream: u64) -> Result<()> {
         // SAFETY: live event and stream (contract).
-        check("cuEventRecord", unsafe {
+        call("cuEventRecord", || unsafe {
             sys::cuEventRecord(event as sys::CUevent, stream as sys::CUstream)
         })
     }
@@ -514,7 +510,7 @@ unsafe impl Driver for CudaDriver {
 
     unsafe fn event_synchronize(&self, event: u64) -> Result<()> {
         // SAFETY: a live event (contract).
-        check("cuEventSynchronize", unsafe {
+        call("cuEventSynchronize", || unsafe {
             sys::cuEventSynchronize(event as sys::CUevent)
         })
     }
@@ -522,7 +518,7 @@ unsafe impl Driver for CudaDriver {
     unsafe fn event_elapsed_ms(&self, start: u64, end: u64) -> Result<f32> {
         let mut ms = 0f32;
         // SAFETY: live events (contract) and a valid out-pointer.
-        check("cuEventElapsedTime", unsafe {
+        call("cuEventElapsedTime", || unsafe {
             sys::cuEventElapsedTime(&mut ms, start as sys::CUevent, end as sys::CUevent)
         })?;
         Ok(ms)
@@ -532,7 +528,7 @@ unsafe impl Driver for CudaDriver {
         // SAFETY: a zeroed POD handle as out-parameter.
         let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
         // SAFETY: `base` is a live cuMemAlloc allocation (contract).
-        check("cuIpcGetMemHandle", unsafe {
+        call("cuIpcGetMemHandle", || unsafe {
             sys::cuIpcGetMemHandle(&mut h, base)
         })?;
         let mut bytes = [0u8; IPC_HANDLE_BYTES];
@@ -551,7 +547,7 @@ unsafe impl Driver for CudaDriver {
         let mut p = 0u64;
         let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
         // SAFETY: valid out-pointer; the driver validates the handle.
-        check("cuIpcOpenMemHandle", unsafe {
+        call("cuIpcOpenMemHandle", || unsafe {
             sys::cuIpcOpenMemHandle_v2(&mut p, h, flags)
         })?;
         Ok(p)
@@ -559,7 +555,7 @@ unsafe impl Driver for CudaDriver {
 
     unsafe fn ipc_close_handle(&self, ptr: u64) -> Result<()> {
         // SAFETY: opened by us, unused (contract).
-        check("cuIpcCloseMemHandle", unsafe {
+        call("cuIpcCloseMemHandle", || unsafe {
             sys::cuIpcCloseMemHandle(ptr)
         })
     }
@@ -569,11 +565,10 @@ unsafe impl Driver for CudaDriver {
         let mut can = 0;
         // SAFETY: valid out-pointers and a range-checked device.
         unsafe {
-            check("cuDeviceGet", sys::cuDeviceGet(&mut pdev, peer as i32))?;
-            check(
-                "cuDeviceCanAccessPeer",
-                sys::cuDeviceCanAccessPeer(&mut can, self.cu_device, pdev),
-            )?;
+            call("cuDeviceGet", || sys::cuDeviceGet(&mut pdev, peer as i32))?;
+            call("cuDeviceCanAccessPeer", || {
+                sys::cuDeviceCanAccessPeer(&mut can, self.cu_device, pdev)
+            })?;
         }
         Ok(can != 0)
     }
@@ -584,11 +579,10 @@ unsafe impl Driver for CudaDriver {
         // SAFETY: valid out-pointers; the retained context is released on error or by
         // `release_peer` at teardown.
         unsafe {
-            check("cuDeviceGet", sys::cuDeviceGet(&mut pdev, peer as i32))?;
-            check(
-                "cuDevicePrimaryCtxRetain",
-                sys::cuDevicePrimaryCtxRetain(&mut pctx, pdev),
-            )?;
+            call("cuDeviceGet", || sys::cuDeviceGet(&mut pdev, peer as i32))?;
+            call("cuDevicePrimaryCtxRetain", || {
+                sys::cuDevicePrimaryCtxRetain(&mut pctx, pdev)
+            })?;
             match sys::cuCtxEnablePeerAccess(pctx, 0) {
                 CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {}
                 r => {
@@ -616,7 +610,7 @@ unsafe impl Driver for CudaDriver {
             CaptureMode::Relaxed => M::CU_STREAM_CAPTURE_MODE_RELAXED,
         };
         // SAFETY: valid in/out pointer.
-        check("cuThreadExchangeStreamCaptureMode", unsafe {
+        call("cuThreadExchangeStreamCaptureMode", || unsafe {
             sys::cuThreadExchangeStreamCaptureMode(&mut m)
         })?;
         Ok(match m {
@@ -628,7 +622,7 @@ unsafe impl Driver for CudaDriver {
 
     unsafe fn launch_host_func(&self, stream: u64, user: *mut c_void) -> Result<()> {
         // SAFETY: a live stream; the driver calls the trampoline once per successful launch.
-        check("cuLaunchHostFunc", unsafe {
+        call("cuLaunchHostFunc", || unsafe {
             sys::cuLaunchHostFunc(stream as sys::CUstream, Some(host_fn_trampoline), user)
         })
     }
@@ -645,15 +639,13 @@ unsafe impl Driver for CudaDriver {
         // SAFETY: the caller guarantees the address; the stream is live.
         unsafe {
             if wide {
-                check(
-                    "cuStreamWaitValue64",
-                    sys::cuStreamWaitValue64_v2(s, addr, value, f),
-                )
+                call("cuStreamWaitValue64", || {
+                    sys::cuStreamWaitValue64_v2(s, addr, value, f)
+                })
             } else {
-                check(
-                    "cuStreamWaitValue32",
-                    sys::cuStreamWaitValue32_v2(s, addr, value as u32, f),
-                )
+                call("cuStreamWaitValue32", || {
+                    sys::cuStreamWaitValue32_v2(s, addr, value as u32, f)
+                })
             }
         }
     }
@@ -663,15 +655,13 @@ unsafe impl Driver for CudaDriver {
         // SAFETY: as above.
         unsafe {
             if wide {
-                check(
-                    "cuStreamWriteValue64",
-                    sys::cuStreamWriteValue64_v2(s, addr, value, 0),
-                )
+                call("cuStreamWriteValue64", || {
+                    sys::cuStreamWriteValue64_v2(s, addr, value, 0)
+                })
             } else {
-                check(
-                    "cuStreamWriteValue32",
-                    sys::cuStreamWriteValue32_v2(s, addr, value as u32, 0),
-                )
+                call("cuStreamWriteValue32", || {
+                    sys::cuStreamWriteValue32_v2(s, addr, value as u32, 0)
+                })
             }
         }
     }
@@ -698,7 +688,7 @@ unsafe impl Driver for CudaDriver {
                 .collect();
             // SAFETY: `ops` holds `chunk.len()` (≤ 64) initialized write operations; the
             // addresses are the caller's (as for `write_value`).
-            check("cuStreamBatchMemOp", unsafe {
+            call("cuStreamBatchMemOp", || unsafe {
                 sys::cuStreamBatchMemOp_v2(s, ops.len() as u32, ops.as_mut_ptr(), 0)
             })?;
         }

@@ -14,6 +14,13 @@ pub(crate) fn check(op: &'static str, r: CUresult) -> Result<()> {
     }
 }
 
+/// Runs driver call `op` with the calling thread marked as inside it (a stall guard watching
+/// the thread names the call: `flagcx_adaptor::incall`), then [`check`]s its result.
+pub(crate) fn call(op: &'static str, f: impl FnOnce() -> CUresult) -> Result<()> {
+    let _in = flagcx_adaptor::incall::enter(op);
+    check(op, f())
+}
+
 pub(crate) fn vendor_error(op: &'static str, r: CUresult) -> AdaptorError {
     AdaptorError::Vendor {
         vendor: Vendor::Cuda,

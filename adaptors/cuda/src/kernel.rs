@@ -8,7 +8,7 @@ use std::ffi::{c_void, CStr, CString};
 use cudarc::driver::sys;
 use flagcx_adaptor::{AdaptorError, Result, StreamHandle, Vendor};
 
-use crate::error::check;
+use crate::error::call;
 use crate::CudaAdaptor;
 
 /// A loaded module; unloaded on drop.
@@ -38,7 +38,7 @@ impl Module {
         adaptor.driver()?;
         let mut module = std::ptr::null_mut();
         // SAFETY: a valid out-pointer and a NUL-terminated image; the context is current.
-        check("cuModuleLoadData", unsafe {
+        call("cuModuleLoadData", || unsafe {
             sys::cuModuleLoadData(&mut module, text.as_ptr().cast())
         })?;
         Ok(Module {
@@ -52,7 +52,7 @@ impl Module {
         self.adaptor.driver()?;
         let mut func = std::ptr::null_mut();
         // SAFETY: valid out-pointer, live module, NUL-terminated name.
-        check("cuModuleGetFunction", unsafe {
+        call("cuModuleGetFunction", || unsafe {
             sys::cuModuleGetFunction(&mut func, self.module, name.as_ptr())
         })?;
         Ok(Function {

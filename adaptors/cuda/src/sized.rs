@@ -19,7 +19,7 @@ use std::sync::Mutex;
 use cudarc::driver::sys;
 use flagcx_adaptor::{AdaptorError, Result, SlotInbox, SlotStep};
 
-use crate::error::check;
+use crate::error::call;
 
 /// The PTX of `kernels/stream.cu`.
 const PTX: &str = concat!(include_str!("../kernels/stream.ptx"), "\0");
@@ -109,7 +109,7 @@ impl SizedKernel {
             .or_insert_with(|| {
                 let mut ctx = std::ptr::null_mut();
                 // SAFETY: a valid out-pointer and device; never released (see the module docs).
-                crate::error::check("cuDevicePrimaryCtxRetain", unsafe {
+                crate::error::call("cuDevicePrimaryCtxRetain", || unsafe {
                     sys::cuDevicePrimaryCtxRetain(&mut ctx, device)
                 })?;
                 Self::load().map(|k| &*Box::leak(Box::new(k)))
@@ -122,32 +122,32 @@ impl SizedKernel {
         let mut module = std::ptr::null_mut();
         // SAFETY: a valid out-pointer and a NUL-terminated PTX image; the caller made the
         // context current.
-        check("cuModuleLoadData", unsafe {
+        call("cuModuleLoadData", || unsafe {
             sys::cuModuleLoadData(&mut module, PTX.as_ptr().cast())
         })?;
         let mut func = std::ptr::null_mut();
         // SAFETY: valid out-pointer, the module loaded above, a NUL-terminated name.
-        let got = check("cuModuleGetFunction", unsafe {
+        let got = call("cuModuleGetFunction", || unsafe {
             sys::cuModuleGetFunction(&mut func, module, c"flagcx_sized_copy".as_ptr())
         });
         let mut steps = std::ptr::null_mut();
         let got = got.and_then(|()| {
             // SAFETY: as above.
-            check("cuModuleGetFunction", unsafe {
+            call("cuModuleGetFunction", || unsafe {
                 sys::cuModuleGetFunction(&mut steps, module, c"flagcx_slot_steps".as_ptr())
             })
         });
         let mut step = std::ptr::null_mut();
         let got = got.and_then(|()| {
             // SAFETY: as above.
-            check("cuModuleGetFunction", unsafe {
+            call("cuModuleGetFunction", || unsafe {
                 sys::cuModuleGetFunction(&mut step, module, c"flagcx_slot_step".as_ptr())
             })
         });
         let mut copy = std::ptr::null_mut();
         let got = got.and_then(|()| {
             // SAFETY: as above.
-            check("cuModuleGetFunction", unsafe {
+            call("cuModuleGetFunction", || unsafe {
                 sys::cuModuleGetFunction(&mut copy, module, c"flagcx_copy".as_ptr())
             })
         });
@@ -173,10 +173,10 @@ impl SizedKernel {
     fn warm_up(&self) -> Result<()> {
         let mut word = 0u64;
         // SAFETY: a valid out-pointer; freed below.
-        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut word, 8) })?;
+        call("cuMemAlloc", || unsafe { sys::cuMemAlloc_v2(&mut word, 8) })?;
         let mut stream = std::ptr::null_mut();
         // SAFETY: valid out-pointer; 1 = CU_STREAM_NON_BLOCKING.
-        let r = check("cuStreamCreate", unsafe {
+        let r = call("cuStreamCreate", || unsafe {
             sys::cuStreamCreate(&mut stream, 1)
         })
         .and_then(|()| {
@@ -214,7 +214,7 @@ impl SizedKernel {
                 }?;
             }
             // SAFETY: the stream created above.
-            check("cuStreamSynchronize", unsafe {
+            call("cuStreamSynchronize", || unsafe {
                 sys::cuStreamSynchronize(stream)
             })
         });
@@ -337,7 +337,7 @@ pub(crate) unsafe fn launch_1d(
     params: &mut [*mut c_void],
 ) -> Result<()> {
     // SAFETY: the caller's contract; the stream handle is the driver's CUstream.
-    check("cuLaunchKernel", unsafe {
+    call("cuLaunchKernel", || unsafe {
         sys::cuLaunchKernel(
             func,
             grid,
@@ -359,13 +359,13 @@ pub(crate) unsafe fn launch_1d(
 fn load_reduce() -> Option<sys::CUfunction> {
     let mut module = std::ptr::null_mut();
     // SAFETY: a valid out-pointer and a NUL-terminated PTX image; the context is current.
-    let loaded = check("cuModuleLoadData", unsafe {
+    let loaded = call("cuModuleLoadData", || unsafe {
         sys::cuModuleLoadData(&mut module, REDUCE_PTX.as_ptr().cast())
     });
     let mut func = std::ptr::null_mut();
     let got = loaded.and_then(|()| {
         // SAFETY: valid out-pointer, the module loaded above, a NUL-terminated name.
-        check("cuModuleGetFunction", unsafe {
+        call("cuModuleGetFunction", || unsafe {
             sys::cuModuleGetFunction(&mut func, module, c"flagcx_reduce".as_ptr())
         })
     });
@@ -534,7 +534,7 @@ impl KernelCopies {
         })?;
         let mut sms = 0;
         // SAFETY: a valid out-pointer and device.
-        check("cuDeviceGetAttribute", unsafe {
+        call("cuDeviceGetAttribute", || unsafe {
             sys::cuDeviceGetAttribute(
                 &mut sms,
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,

@@ -9,7 +9,7 @@ use flagcx_adaptor::{
     IPC_HANDLE_BYTES,
 };
 
-use crate::error::{check, error_name, vendor_error};
+use crate::error::{call, error_name, vendor_error};
 use crate::ffi;
 
 /// One HIP device and the runtime calls on it.
@@ -171,7 +171,7 @@ unsafe impl Driver for HipDriver {
 
     fn bind(&self) -> Result<()> {
         // SAFETY: a device index validated at open.
-        check("hipSetDevice", unsafe { ffi::hipSetDevice(self.device) })
+        call("hipSetDevice", || unsafe { ffi::hipSetDevice(self.device) })
     }
 
     fn properties(&self, index: usize) -> Result<DeviceProperties> {
@@ -181,15 +181,15 @@ unsafe impl Driver for HipDriver {
         let d = index as c_int;
         // SAFETY: valid out-pointers and lengths.
         unsafe {
-            check(
-                "hipDeviceGetName",
-                ffi::hipDeviceGetName(name.as_mut_ptr(), name.len() as c_int, d),
-            )?;
-            check("hipDeviceTotalMem", ffi::hipDeviceTotalMem(&mut total, d))?;
-            check(
-                "hipDeviceGetPCIBusId",
-                ffi::hipDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as c_int, d),
-            )?;
+            call("hipDeviceGetName", || {
+                ffi::hipDeviceGetName(name.as_mut_ptr(), name.len() as c_int, d)
+            })?;
+            call("hipDeviceTotalMem", || {
+                ffi::hipDeviceTotalMem(&mut total, d)
+            })?;
+            call("hipDeviceGetPCIBusId", || {
+                ffi::hipDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as c_int, d)
+            })?;
         }
         // SAFETY: the runtime NUL-terminates both within their lengths.
         let (name, bus) = unsafe { (CStr::from_ptr(name.as_ptr()), CStr::from_ptr(bus.as_ptr())) };
@@ -205,20 +205,20 @@ unsafe impl Driver for HipDriver {
     fn mem_alloc(&self, size: usize) -> Result<u64> {
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
-        check("hipMalloc", unsafe { ffi::hipMalloc(&mut p, size) })?;
+        call("hipMalloc", || unsafe { ffi::hipMalloc(&mut p, size) })?;
         Ok(p as u64)
     }
 
     unsafe fn mem_free(&self, p: u64) -> Result<()> {
         // SAFETY: per the contract, a live allocation no work uses.
-        check("hipFree", unsafe { ffi::hipFree(ptr(p)) })
+        call("hipFree", || unsafe { ffi::hipFree(ptr(p)) })
     }
 
     fn mem_range(&self, p: u64) -> Result<(u64, usize)> {
         let mut base: *mut c_void = std::ptr::null_mut();
         let mut size = 0usize;
         // SAFETY: valid out-pointers; the runtime validates the address.
-        check("hipMemGetAddressRange", unsafe {
+        call("hipMemGetAddressRange", || unsafe {
             ffi::hipMemGetAddressRange(&mut base, &mut size, ptr(p))
         })?;
         Ok((base as u64, size))
@@ -228,7 +228,7 @@ unsafe impl Driver for HipDriver {
         let mut p: *mut c_void = std::ptr::null_mut();
         let flags = ffi::HOST_MALLOC_MAPPED | ffi::HOST_MALLOC_PORTABLE;
         // SAFETY: valid out-pointer.
-        check("hipHostMalloc", unsafe {
+        call("hipHostMalloc", || unsafe {
             ffi::hipHostMalloc(&mut p, size, flags)
         })?;
         Ok(p.cast())
@@ -236,19 +236,19 @@ unsafe impl Driver for HipDriver {
 
     unsafe fn host_free(&self, p: *mut u8) -> Result<()> {
         // SAFETY: per the contract.
-        check("hipHostFree", unsafe { ffi::hipHostFree(p.cast()) })
+        call("hipHostFree", || unsafe { ffi::hipHostFree(p.cast()) })
     }
 
     unsafe fn host_register(&self, p: *mut u8, size: usize) -> Result<u64> {
         let flags = ffi::HOST_REGISTER_MAPPED | ffi::HOST_REGISTER_PORTABLE;
         // SAFETY: the caller guarantees the range is a live mapping.
-        check("hipHostRegister", unsafe {
+        call("hipHostRegister", || unsafe {
             ffi::hipHostRegister(p.cast(), size, flags)
         })?;
         let mut dev: *mut c_void = std::ptr::null_mut();
         // SAFETY: registered with the mapped flag just above.
         let r = unsafe { ffi::hipHostGetDevicePointer(&mut dev, p.cast(), 0) };
-        if let Err(e) = check("hipHostGetDevicePointer", r) {
+        if let Err(e) = call("hipHostGetDevicePointer", || r) {
             // SAFETY: undo the registration above.
             unsafe { ffi::hipHostUnregister(p.cast()) };
             return Err(e);
@@ -258,7 +258,7 @@ unsafe impl Driver for HipDriver {
 
     unsafe fn host_unregister(&self, p: *mut u8) -> Result<()> {
         // SAFETY: per the contract.
-        check("hipHostUnregister", unsafe {
+        call("hipHostUnregister", || unsafe {
             ffi::hipHostUnregister(p.cast())
         })
     }
@@ -267,7 +267,7 @@ unsafe impl Driver for HipDriver {
         let prop = vmm_prop(device as c_int);
         let mut h: ffi::hipMemGenericAllocationHandle_t = std::ptr::null_mut();
         // SAFETY: valid property struct and out-pointer.
-        check("hipMemCreate", unsafe {
+        call("hipMemCreate", || unsafe {
             ffi::hipMemCreate(&mut h, size, &prop, 0)
         })?;
         Ok(h as u64)
@@ -278,12 +278,12 @@ unsafe impl Driver for HipDriver {
         let mut p: *mut c_void = std::ptr::null_mut();
         let h = handle as ffi::hipMemGenericAllocationHandle_t;
         // SAFETY: valid out-pointer; size is a granularity multiple.
-        check("hipMemAddressReserve", unsafe {
+        call("hipMemAddressReserve", || unsafe {
             ffi::hipMemAddressReserve(&mut p, size, 0, std::ptr::null_mut(), 0)
         })?;
         // SAFETY: maps the whole handle (per the contract, at least `size` bytes) into the
         // range just reserved.
-        let mapped = check("hipMemMap", unsafe { ffi::hipMemMap(p, size, 0, h, 0) });
+        let mapped = call("hipMemMap", || unsafe { ffi::hipMemMap(p, size, 0, h, 0) });
         let was_mapped = mapped.is_ok();
         let access = mapped.and_then(|()| {
             // SAFETY: zeroed POD descriptor (0 is a valid variant of each enum), then filled.
@@ -292,7 +292,7 @@ unsafe impl Driver for HipDriver {
             desc.location.id = self.device;
             desc.flags = hipMemAccessFlags::hipMemAccessFlagsProtReadWrite;
             // SAFETY: one valid descriptor for the mapped range.
-            check("hipMemSetAccess", unsafe {
+            call("hipMemSetAccess", || unsafe {
                 ffi::hipMemSetAccess(p, size, &desc, 1)
             })
         });
@@ -312,18 +312,17 @@ unsafe impl Driver for HipDriver {
     unsafe fn vmm_unmap(&self, p: u64, size: usize, handle: u64) -> Result<()> {
         // SAFETY: per the contract, our mapping and handle, unused.
         unsafe {
-            check("hipMemUnmap", ffi::hipMemUnmap(ptr(p), size))?;
-            check("hipMemAddressFree", ffi::hipMemAddressFree(ptr(p), size))?;
-            check(
-                "hipMemRelease",
-                ffi::hipMemRelease(handle as ffi::hipMemGenericAllocationHandle_t),
-            )
+            call("hipMemUnmap", || ffi::hipMemUnmap(ptr(p), size))?;
+            call("hipMemAddressFree", || ffi::hipMemAddressFree(ptr(p), size))?;
+            call("hipMemRelease", || {
+                ffi::hipMemRelease(handle as ffi::hipMemGenericAllocationHandle_t)
+            })
         }
     }
 
     unsafe fn vmm_release(&self, handle: u64) -> Result<()> {
         // SAFETY: per the contract, a live handle that is not mapped.
-        check("hipMemRelease", unsafe {
+        call("hipMemRelease", || unsafe {
             ffi::hipMemRelease(handle as ffi::hipMemGenericAllocationHandle_t)
         })
     }
@@ -331,7 +330,7 @@ unsafe impl Driver for HipDriver {
     unsafe fn vmm_export_fd(&self, handle: u64) -> Result<OwnedFd> {
         let mut fd: c_int = -1;
         // SAFETY: for POSIX-fd handles the out-parameter is an int; a live handle.
-        check("hipMemExportToShareableHandle", unsafe {
+        call("hipMemExportToShareableHandle", || unsafe {
             ffi::hipMemExportToShareableHandle(
                 (&mut fd as *mut c_int).cast(),
                 handle as ffi::hipMemGenericAllocationHandle_t,
@@ -347,7 +346,7 @@ unsafe impl Driver for HipDriver {
         let mut h: ffi::hipMemGenericAllocationHandle_t = std::ptr::null_mut();
         // SAFETY: for POSIX-fd handles the OS handle is the fd value; the runtime does not take
         // ownership of it.
-        check("hipMemImportFromShareableHandle", unsafe {
+        call("hipMemImportFromShareableHandle", || unsafe {
             ffi::hipMemImportFromShareableHandle(
                 &mut h,
                 fd.as_raw_fd() as usize as *mut c_void,
@@ -369,25 +368,22 @@ unsafe impl Driver for HipDriver {
         // SAFETY: the caller guarantees both ranges for the copy's lifetime and a live stream.
         unsafe {
             match kind {
-                CopyKind::HostToDevice => check(
-                    "hipMemcpyHtoDAsync",
-                    ffi::hipMemcpyHtoDAsync(ptr(dst), ptr(src), n, s),
-                ),
-                CopyKind::DeviceToHost => check(
-                    "hipMemcpyDtoHAsync",
-                    ffi::hipMemcpyDtoHAsync(ptr(dst), ptr(src), n, s),
-                ),
-                CopyKind::DeviceToDevice => check(
-                    "hipMemcpyDtoDAsync",
-                    ffi::hipMemcpyDtoDAsync(ptr(dst), ptr(src), n, s),
-                ),
+                CopyKind::HostToDevice => call("hipMemcpyHtoDAsync", || {
+                    ffi::hipMemcpyHtoDAsync(ptr(dst), ptr(src), n, s)
+                }),
+                CopyKind::DeviceToHost => call("hipMemcpyDtoHAsync", || {
+                    ffi::hipMemcpyDtoHAsync(ptr(dst), ptr(src), n, s)
+                }),
+                CopyKind::DeviceToDevice => call("hipMemcpyDtoDAsync", || {
+                    ffi::hipMemcpyDtoDAsync(ptr(dst), ptr(src), n, s)
+                }),
             }
         }
     }
 
     unsafe fn memset(&self, dst: u64, value: u8, n: usize, stream: u64) -> Result<()> {
         // SAFETY: the caller guarantees the range and a live stream.
-        check("hipMemsetD8Async", unsafe {
+        call("hipMemsetD8Async", || unsafe {
             ffi::hipMemsetD8Async(ptr(dst), value, n, stream as ffi::Stream)
         })
     }
@@ -395,7 +391,7 @@ unsafe impl Driver for HipDriver {
     fn stream_create(&self) -> Result<u64> {
         let mut s: ffi::Stream = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
-        check("hipStreamCreateWithFlags", unsafe {
+        call("hipStreamCreateWithFlags", || unsafe {
             ffi::hipStreamCreateWithFlags(&mut s, ffi::STREAM_NON_BLOCKING)
         })?;
         Ok(s as u64)
@@ -403,14 +399,14 @@ unsafe impl Driver for HipDriver {
 
     unsafe fn stream_destroy(&self, stream: u64) -> Result<()> {
         // SAFETY: a live stream of ours (contract).
-        check("hipStreamDestroy", unsafe {
+        call("hipStreamDestroy", || unsafe {
             ffi::hipStreamDestroy(stream as ffi::Stream)
         })
     }
 
     unsafe fn stream_synchronize(&self, stream: u64) -> Result<()> {
         // SAFETY: a live stream (contract).
-        check("hipStreamSynchronize", unsafe {
+        call("hipStreamSynchronize", || unsafe {
             ffi::hipStreamSynchronize(stream as ffi::Stream)
         })
     }
@@ -424,7 +420,7 @@ unsafe impl Driver for HipDriver {
 
     unsafe fn stream_wait_event(&self, stream: u64, event: u64) -> Result<()> {
         // SAFETY: live stream and event (contract).
-        check("hipStreamWaitEvent", unsafe {
+        call("hipStreamWaitEvent", || unsafe {
             ffi::hipStreamWaitEvent(stream as ffi::Stream, event as ffi::Event, 0)
         })
     }
@@ -433,7 +429,7 @@ unsafe impl Driver for HipDriver {
         let mut e: ffi::Event = std::ptr::null_mut();
         let flags = if timing { 0 } else { ffi::EVENT_DISABLE_TIMING };
         // SAFETY: valid out-pointer.
-        check("hipEventCreateWithFlags", unsafe {
+        call("hipEventCreateWithFlags", || unsafe {
             ffi::hipEventCreateWithFlags(&mut e, flags)
         })?;
         Ok(e as u64)
@@ -441,14 +437,14 @@ unsafe impl Driver for HipDriver {
 
     unsafe fn event_destroy(&self, event: u64) -> Result<()> {
         // SAFETY: a live event of ours (contract).
-        check("hipEventDestroy", unsafe {
+        call("hipEventDestroy", || unsafe {
             ffi::hipEventDestroy(event as ffi::Event)
         })
     }
 
     unsafe fn event_record(&self, event: u64, stream: u64) -> Result<()> {
         // SAFETY: live event and stream (contract).
-        check("hipEventRecord", unsafe {
+        call("hipEventRecord", || unsafe {
             ffi::hipEventRecord(event as ffi::Event, stream as ffi::Stream)
         })
     }
@@ -462,7 +458,7 @@ unsafe impl Driver for HipDriver {
 
     unsafe fn event_synchronize(&self, event: u64) -> Result<()> {
         // SAFETY: a live event (contract).
-        check("hipEventSynchronize", unsafe {
+        call("hipEventSynchronize", || unsafe {
             ffi::hipEventSynchronize(event as ffi::Event)
         })
     }
@@ -470,7 +466,7 @@ unsafe impl Driver for HipDriver {
     unsafe fn event_elapsed_ms(&self, start: u64, end: u64) -> Result<f32> {
         let mut ms = 0f32;
         // SAFETY: live events (contract) and a valid out-pointer.
-        check("hipEventElapsedTime", unsafe {
+        call("hipEventElapsedTime", || unsafe {
             ffi::hipEventElapsedTime(&mut ms, start as ffi::Event, end as ffi::Event)
         })?;
         Ok(ms)
@@ -480,7 +476,7 @@ unsafe impl Driver for HipDriver {
         // SAFETY: zeroed POD out-parameter.
         let mut h: ffi::hipIpcMemHandle_t = unsafe { std::mem::zeroed() };
         // SAFETY: `base` is a live hipMalloc allocation (contract).
-        check("hipIpcGetMemHandle", unsafe {
+        call("hipIpcGetMemHandle", || unsafe {
             ffi::hipIpcGetMemHandle(&mut h, ptr(base))
         })?;
         let mut bytes = [0u8; IPC_HANDLE_BYTES];
@@ -498,7 +494,7 @@ unsafe impl Driver for HipDriver {
         }
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer; the runtime validates the handle.
-        check("hipIpcOpenMemHandle", unsafe {
+        call("hipIpcOpenMemHandle", || unsafe {
             ffi::hipIpcOpenMemHandle(&mut p, h, ffi::IPC_LAZY_ENABLE_PEER_ACCESS)
         })?;
         Ok(p as u64)
@@ -506,7 +502,7 @@ unsafe impl Driver for HipDriver {
 
     unsafe fn ipc_close_handle(&self, p: u64) -> Result<()> {
         // SAFETY: opened by us, unused (contract).
-        check("hipIpcCloseMemHandle", unsafe {
+        call("hipIpcCloseMemHandle", || unsafe {
             ffi::hipIpcCloseMemHandle(ptr(p))
         })
     }
@@ -514,7 +510,7 @@ unsafe impl Driver for HipDriver {
     fn can_access_peer(&self, peer: usize) -> Result<bool> {
         let mut can = 0;
         // SAFETY: valid out-pointer and range-checked devices.
-        check("hipDeviceCanAccessPeer", unsafe {
+        call("hipDeviceCanAccessPeer", || unsafe {
             ffi::hipDeviceCanAccessPeer(&mut can, self.device, peer as c_int)
         })?;
         Ok(can != 0)
@@ -535,7 +531,7 @@ unsafe impl Driver for HipDriver {
             CaptureMode::Relaxed => ffi::CAPTURE_RELAXED,
         };
         // SAFETY: valid in/out pointer.
-        check("hipThreadExchangeStreamCaptureMode", unsafe {
+        call("hipThreadExchangeStreamCaptureMode", || unsafe {
             ffi::hipThreadExchangeStreamCaptureMode(&mut m)
         })?;
         Ok(match m {
@@ -547,7 +543,7 @@ unsafe impl Driver for HipDriver {
 
     unsafe fn launch_host_func(&self, stream: u64, user: *mut c_void) -> Result<()> {
         // SAFETY: a live stream; the runtime calls the trampoline once per successful launch.
-        check("hipStreamAddCallback", unsafe {
+        call("hipStreamAddCallback", || unsafe {
             ffi::hipStreamAddCallback(stream as ffi::Stream, host_fn_trampoline, user, 0)
         })
     }
@@ -564,15 +560,13 @@ unsafe impl Driver for HipDriver {
         // SAFETY: the caller guarantees the address; the stream is live.
         unsafe {
             if wide {
-                check(
-                    "hipStreamWaitValue64",
-                    ffi::hipStreamWaitValue64(s, ptr(addr), value, f, u64::MAX),
-                )
+                call("hipStreamWaitValue64", || {
+                    ffi::hipStreamWaitValue64(s, ptr(addr), value, f, u64::MAX)
+                })
             } else {
-                check(
-                    "hipStreamWaitValue32",
-                    ffi::hipStreamWaitValue32(s, ptr(addr), value as u32, f, u32::MAX),
-                )
+                call("hipStreamWaitValue32", || {
+                    ffi::hipStreamWaitValue32(s, ptr(addr), value as u32, f, u32::MAX)
+                })
             }
         }
     }
@@ -582,15 +576,13 @@ unsafe impl Driver for HipDriver {
         // SAFETY: as above.
         unsafe {
             if wide {
-                check(
-                    "hipStreamWriteValue64",
-                    ffi::hipStreamWriteValue64(s, ptr(addr), value, 0),
-                )
+                call("hipStreamWriteValue64", || {
+                    ffi::hipStreamWriteValue64(s, ptr(addr), value, 0)
+                })
             } else {
-                check(
-                    "hipStreamWriteValue32",
-                    ffi::hipStreamWriteValue32(s, ptr(addr), value as u32, 0),
-                )
+                call("hipStreamWriteValue32", || {
+                    ffi::hipStreamWriteValue32(s, ptr(addr), value as u32, 0)
+                })
             }
         }
     }

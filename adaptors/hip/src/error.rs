@@ -28,6 +28,13 @@ pub(crate) fn vendor_error(op: &'static str, e: HipError) -> AdaptorError {
     }
 }
 
+/// Runs runtime call `op` with the calling thread marked as inside it (a stall guard watching
+/// the thread names the call: `flagcx_adaptor::incall`), then [`check`]s its result.
+pub(crate) fn call(op: &'static str, f: impl FnOnce() -> HipError) -> Result<()> {
+    let _in = flagcx_adaptor::incall::enter(op);
+    check(op, f())
+}
+
 /// `Ok` for `hipSuccess`, else an [`AdaptorError::Vendor`] naming `op`.
 pub(crate) fn check(op: &'static str, e: HipError) -> Result<()> {
     if e == ffi::SUCCESS {

@@ -23,6 +23,7 @@ mod adaptor;
 mod error;
 pub mod gpu;
 pub mod hostmem;
+pub mod incall;
 pub mod quiet;
 pub mod raii;
 pub mod reduce;

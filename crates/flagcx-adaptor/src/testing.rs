@@ -124,6 +124,9 @@ impl<A: DeviceAdaptor> FaultyAdaptor<A> {
     fn check(&self, op: FaultOp, name: &'static str) -> Result<()> {
         if op == self.op && self.left.fetch_sub(1, Ordering::AcqRel) == 0 {
             if let Some(d) = self.stall {
+                // A stalled call is marked as a GPU adaptor marks its driver calls, so a stall
+                // guard watching this thread names it.
+                let _in = crate::incall::enter(name);
                 std::thread::sleep(d);
                 return Ok(());
             }

@@ -225,7 +225,7 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// copies of this rank's proxy (IPC or staged pairs, any join but `FLAGCX_STREAM_JOIN=none`;
     /// with the kind of wait those joins make). There an
     /// operation the proxy copies while its caller's stream waits for it would stall
-    /// (docs/performance.md, "one hardware queue stalls the proxy"): IPC pairs copy late
+    /// (git show 7ff18bc:docs/performance.md, "one hardware queue stalls the proxy"): IPC pairs copy late
     /// ([`Comm::copies_late`]), which nothing stalls, and the other pairs' posts wait for
     /// their operations ([`Comm::posts_wait`]).
     pub fn streams_share_queue(&self) -> bool {
@@ -633,7 +633,13 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
                 let wher = crate::guard::BlockedIn::describe(
                     self.shared.blocked_in.load(Ordering::Relaxed),
                 )
-                .unwrap_or_else(|| "inside a runtime call".into());
+                .or_else(|| {
+                    self.shared
+                        .in_call
+                        .current()
+                        .map(|(call, long)| format!("inside {call} ({} ms)", long.as_millis()))
+                })
+                .unwrap_or_else(|| "off the CPU or inside an unmarked runtime call".into());
                 tracing::warn!(
                     "rank {}: the progress thread is still {wher}; leaving it and the \
                      communicator's pages behind",

@@ -90,6 +90,7 @@ pub(crate) fn start<A: DeviceAdaptor>(
     let handle = std::thread::Builder::new()
         .name(format!("flagcx-proxy-{rank}"))
         .spawn(move || {
+            flagcx_adaptor::incall::watch_this_thread(thread_shared.in_call.clone());
             if let Some(c) = cpus {
                 crate::numa::bind_current_thread(&c);
             }
@@ -228,7 +229,10 @@ impl<A: DeviceAdaptor> Help for EngineHelp<A> {
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
             Err(TryLockError::WouldBlock) => return false,
         };
+        // The pass's runtime calls are the progress thread's for the stall guard.
+        let watch = flagcx_adaptor::incall::watching(&self.shared.in_call);
         let pass = engine.pass();
+        drop(watch);
         if pass.moved {
             self.shared.waiter_moves.fetch_add(1, Ordering::Relaxed);
         }

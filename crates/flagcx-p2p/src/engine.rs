@@ -99,6 +99,9 @@ pub(crate) struct Shared {
     /// Where the proxy waits inside a runtime call of its own (a [`crate::guard::BlockedIn`] code, 0:
     /// none), with the peer it concerns: the guard names it rather than guess.
     pub blocked_in: AtomicU64,
+    /// The runtime call the proxy thread is inside, if any (`flagcx_adaptor::incall`: the GPU
+    /// adaptors mark their driver calls), for the stall guard's message.
+    pub in_call: Arc<flagcx_adaptor::incall::CallSlot>,
     /// When a thread waiting for an operation last ran an engine pass ([`crate::drive`]), in
     /// µs after `epoch`: while waiters drive, the proxy thread naps.
     pub helped_us: AtomicU64,

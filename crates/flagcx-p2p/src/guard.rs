@@ -139,13 +139,22 @@ fn watch(shared: &Shared, window: Duration, rank: usize) -> Option<CommError> {
         if let Some(stalled) = stall.look(beats, busy, slept) {
             let blocked = shared.blocked_in.load(Ordering::Relaxed);
             // Name the call where the proxy knows it is in one; else say what it may be.
-            let (peer, wher) = match BlockedIn::describe(blocked) {
-                Some(w) => (Some((blocked >> 8) as usize), w),
-                None => (
+            let (peer, wher) = match (BlockedIn::describe(blocked), shared.in_call.current()) {
+                (Some(w), _) => (Some((blocked >> 8) as usize), w),
+                (None, Some((call, long))) => (
                     None,
-                    "in none of its own waits: inside a runtime call (on CUDA and HIP typically \
-                     behind another thread's cudaFree, cudaFreeHost or cudaHostUnregister while \
-                     a stream waits for this communicator), or off the CPU"
+                    format!(
+                        "inside the runtime call {call} for {} ms (it waits for something \
+                         outside this library: on CUDA typically another thread's synchronous \
+                         copy, cudaFree or cudaHostUnregister while a stream waits for this \
+                         communicator)",
+                        long.as_millis()
+                    ),
+                ),
+                (None, None) => (
+                    None,
+                    "in none of its own waits and in no runtime call the adaptor marks: off \
+                     the CPU (stopped or starved), or inside an unmarked runtime call"
                         .to_string(),
                 ),
             };

@@ -505,6 +505,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             eager_declined: Default::default(),
             beats: AtomicU64::new(0),
             blocked_in: AtomicU64::new(0),
+            in_call: flagcx_adaptor::incall::CallSlot::new(),
             helped_us: Default::default(),
             waiter_moves: Default::default(),
             epoch: std::time::Instant::now(),
