@@ -6,12 +6,24 @@
 //! staging buffer from the communicator's [`Pool`]: its contents are copied in on the
 //! operation's stream before the operation (unless the operation overwrites all of it), and
 //! copied back after it where the operation writes it. An event recorded behind the copies
-//! back says when the caller's buffer holds the result ([`Outbound`]).
+//! back says when they ran ([`Outbound`]).
+//!
+//! On device ranks the copies go through pinned host memory (a bounce buffer from the same pool):
+//! a runtime copy between device memory and pageable memory (a numpy array) is synchronous
+//! on CUDA — the calling thread waits until the stream reaches it — and a copy back enqueued
+//! behind an operation would hold the calling thread until the operation ends, while the
+//! operation may need runtime calls of this rank's progress thread that wait for the calling
+//! thread's copy (found on an H100: the progress thread stalled inside a runtime call). So the
+//! caller's bytes go into the bounce buffer by a plain memcpy before the operation, the
+//! stream copies device ↔ pinned asynchronously, and the last memcpy into the caller's buffer
+//! runs when the operation is waited for ([`Outbound::finish`]).
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use flagcx::{Adaptor, DeviceAdaptor, DeviceBuffer, DevicePtr, Event, StreamHandle, Vendor};
+use flagcx::{
+    Adaptor, DeviceAdaptor, DeviceBuffer, DevicePtr, Event, PinnedBuffer, StreamHandle, Vendor,
+};
 use pyo3::PyResult;
 
 use crate::dlpack::Imported;
@@ -38,6 +50,8 @@ pub enum Use {
 pub struct Pool {
     adaptor: Adaptor,
     free: Mutex<Vec<DeviceBuffer<Adaptor>>>,
+    /// Pinned bounce buffers (device ranks only; see the module doc).
+    pinned: Mutex<Vec<PinnedBuffer<Adaptor>>>,
 }
 
 impl Pool {
@@ -46,7 +60,15 @@ impl Pool {
         Pool {
             adaptor,
             free: Mutex::default(),
+            pinned: Mutex::default(),
         }
+    }
+
+    /// Whether host buffers bounce through pinned memory: on every device runtime (CUDA's
+    /// and HIP's copies to and from pageable memory block the calling thread; an OpenCL
+    /// implementation may do the same), not on the host vendor, whose copies are memcpys.
+    fn bounces(&self) -> bool {
+        self.adaptor.vendor() != Vendor::Host
     }
 
     /// The adaptor whose device memory the pool hands out.
@@ -82,6 +104,35 @@ impl Pool {
             free.truncate(POOL_KEEP);
         }
     }
+
+    fn take_pinned(&self, bytes: usize) -> flagcx::Result<PinnedBuffer<Adaptor>> {
+        {
+            let mut free = lock(&self.pinned);
+            let best = free
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.as_slice().len() >= bytes)
+                .min_by_key(|(_, b)| b.as_slice().len())
+                .map(|(i, _)| i);
+            if let Some(i) = best {
+                return Ok(free.swap_remove(i));
+            }
+        }
+        let len = bytes
+            .max(MIN_STAGE)
+            .checked_next_power_of_two()
+            .unwrap_or(bytes);
+        PinnedBuffer::new(&self.adaptor, len)
+    }
+
+    fn give_pinned(&self, bufs: impl IntoIterator<Item = PinnedBuffer<Adaptor>>) {
+        let mut free = lock(&self.pinned);
+        free.extend(bufs);
+        if free.len() > POOL_KEEP {
+            free.sort_by_key(|b| std::cmp::Reverse(b.as_slice().len()));
+            free.truncate(POOL_KEEP);
+        }
+    }
 }
 
 /// Where an operation finds a buffer.
@@ -93,6 +144,8 @@ pub struct Resolved {
 
 struct Entry {
     buf: DeviceBuffer<Adaptor>,
+    /// The pinned bounce buffer between `buf` and the caller's memory (device ranks).
+    bounce: Option<PinnedBuffer<Adaptor>>,
     user: u64,
     bytes: usize,
     back: bool,
@@ -137,18 +190,37 @@ impl Staging {
             }
         }
         let buf = pool.take(bytes).map_err(|e| comm_err(e.into()))?;
+        let bounce = if pool.bounces() {
+            Some(pool.take_pinned(bytes).map_err(|e| comm_err(e.into()))?)
+        } else {
+            None
+        };
         if how != Use::Out {
-            // SAFETY: `imp` keeps `bytes` of host memory at `addr` alive until the operation
-            // finished (the call holds it); the staging buffer holds at least `bytes`.
+            let src = match &bounce {
+                Some(b) => {
+                    // SAFETY: `imp` keeps `bytes` of host memory at `addr` alive (the call
+                    // holds it) and nothing writes it during the call; the bounce buffer holds
+                    // at least `bytes` and is this call's alone.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(imp.addr as *const u8, b.as_ptr(), bytes)
+                    };
+                    b.as_ptr() as *const u8
+                }
+                None => imp.addr as *const u8,
+            };
+            // SAFETY: `src` (the caller's memory, held by the call, or the bounce buffer, held
+            // by the staging) stays alive until the operation finished; the staging buffer
+            // holds at least `bytes`.
             unsafe {
                 pool.adaptor()
-                    .memcpy_h2d_async(buf.ptr(), imp.addr as *const u8, bytes, stream)
+                    .memcpy_h2d_async(buf.ptr(), src, bytes, stream)
             }
             .map_err(|e| comm_err(e.into()))?;
         }
         let ptr = buf.ptr();
         self.entries.push(Entry {
             buf,
+            bounce,
             user: imp.addr,
             bytes,
             back: how != Use::In,
@@ -169,16 +241,15 @@ impl Staging {
         let a = pool.adaptor();
         let entries = std::mem::take(&mut self.entries);
         for e in entries.iter().filter(|e| e.back) {
+            let dst = e.bounce.as_ref().map_or(e.user as *mut u8, |b| b.as_ptr());
             // SAFETY: the caller's buffer outlives the returned `Outbound` (the call holds
-            // its producer's reference), and nothing else writes it until the event passed.
-            unsafe { a.memcpy_d2h_async(e.user as *mut u8, e.buf.ptr(), e.bytes, stream) }?;
+            // its producer's reference), a bounce buffer lives in it, and nothing else writes
+            // either until the event passed.
+            unsafe { a.memcpy_d2h_async(dst, e.buf.ptr(), e.bytes, stream) }?;
         }
         let event = Event::new(a, false)?;
         a.event_record(event.handle(), stream)?;
-        Ok(Some(Outbound {
-            event,
-            bufs: entries.into_iter().map(|e| e.buf).collect(),
-        }))
+        Ok(Some(Outbound { event, entries }))
     }
 
     /// The call failed before enqueueing: the staging buffers go back to the pool (copies in
@@ -189,8 +260,18 @@ impl Staging {
         }
         // The copies in may still run; the buffers are reused only after they did.
         let _ = pool.adaptor().stream_synchronize(stream);
-        pool.give(std::mem::take(&mut self.entries).into_iter().map(|e| e.buf));
+        give_back(pool, std::mem::take(&mut self.entries));
     }
+}
+
+/// Returns entries' buffers (device and bounce) to the pool.
+fn give_back(pool: &Pool, entries: Vec<Entry>) {
+    let mut pinned = Vec::new();
+    pool.give(entries.into_iter().map(|e| {
+        pinned.extend(e.bounce);
+        e.buf
+    }));
+    pool.give_pinned(pinned);
 }
 
 /// Whether `bytes` at `addr` are memory of this host-vendor rank that a peer process can map
@@ -205,7 +286,7 @@ fn shareable(a: &Adaptor, addr: u64, bytes: usize) -> bool {
 /// The staging of an enqueued operation: done when `event` completed.
 pub struct Outbound {
     event: Event<Adaptor>,
-    bufs: Vec<DeviceBuffer<Adaptor>>,
+    entries: Vec<Entry>,
 }
 
 impl Outbound {
@@ -235,10 +316,19 @@ impl Outbound {
         }
     }
 
-    /// Hands the staging buffers back (after `settle` said done).
+    /// Completes the copies back (a bounce buffer's bytes into the caller's buffer) and hands
+    /// the staging buffers back; call after `settle` said done.
     pub fn finish(self, pool: &Pool) -> flagcx::p2p::Result<()> {
         self.event.synchronize()?;
-        pool.give(self.bufs);
+        for e in self.entries.iter().filter(|e| e.back) {
+            if let Some(b) = &e.bounce {
+                // SAFETY: the stream's copy into the bounce buffer ran (the event passed); the
+                // caller's buffer of `bytes` is alive (the call holds it) and written by
+                // nothing else until this returns.
+                unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), e.user as *mut u8, e.bytes) };
+            }
+        }
+        give_back(pool, self.entries);
         Ok(())
     }
 }

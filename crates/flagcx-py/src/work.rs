@@ -202,15 +202,29 @@ impl Work {
         .map_err(comm_err)
     }
 
-    /// True once the operation finished (successfully or not); never blocks.
+    /// True once the operation finished (successfully or not) and its results are in the
+    /// caller's buffers; never blocks.
     pub(crate) fn is_completed(&self) -> bool {
         // A waiter holding the lock has not finished yet (and may need the GIL to let go).
-        match self.pending.try_lock() {
-            Ok(p) => p.as_ref().map_or(true, Pending::is_done),
-            Err(std::sync::TryLockError::Poisoned(p)) => {
-                p.into_inner().as_ref().map_or(true, Pending::is_done)
+        let mut pending = match self.pending.try_lock() {
+            Ok(p) => p,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
+        match pending.as_ref() {
+            None => true,
+            Some(p) if !p.is_done() => false,
+            Some(_) => {
+                // Done on the stream: the last copies (bounce buffers into the caller's
+                // memory) run now, so a caller that only polls reads the result.
+                let p = pending.take().expect("checked above");
+                let r = match &self.inner {
+                    Some(i) => p.finish(&i.pool),
+                    None => Ok(None),
+                };
+                *lock(&self.result) = Some(r);
+                true
             }
-            Err(std::sync::TryLockError::WouldBlock) => false,
         }
     }
 

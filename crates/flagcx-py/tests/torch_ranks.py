@@ -53,7 +53,9 @@ def ops(r, n):
         except Exception as e:  # torch may wrap it
             check("not supported" in str(e), f"{bad}: {e}")
     try:
-        dist.all_reduce(torch.ones(2, device=dev), op=R.PREMUL_SUM(2.0))
+        # torch's own constructor of a pre-multiplied sum (ReduceOp.PREMUL_SUM is not
+        # callable in every torch version).
+        dist.all_reduce(torch.ones(2, device=dev), op=dist._make_nccl_premul_sum(2.0))
         raise AssertionError("PREMUL_SUM should raise")
     except Exception as e:
         check("not supported" in str(e), f"PREMUL_SUM: {e}")

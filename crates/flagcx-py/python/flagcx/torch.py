@@ -486,6 +486,15 @@ class FlagcxBackend(_base()):
         t = self._flat(tensors[0])
         return self._run([t], tensors, lambda kw: self._comm.recv(_dl(t), srcRank, **kw))
 
+    # The names older torch looks up (2.11's ProcessGroup trampoline, and torch.distributed's
+    # own calls such as ``group._allgather_base``): without them a ProcessGroup subclass falls
+    # through to C++, which finds no backend for the device.
+    _allgather_base = all_gather_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    alltoall_base = all_to_all_single
+
     @property
     def supports_coalescing(self):
         """True: ``batch_isend_irecv`` posts its operations as one flagcx group."""
