@@ -2899,7 +2899,7 @@ fn stream_ordered_pairs() {
         // With every CUDA rank on one GPU, each message is a kernel and copies in
         // time-sliced contexts (185–330 µs on an H200): this set did not finish in 150 s
         // there, and whether that was only slow was not found out. flagcx-perf's
-        // stream-ordered rows ran there, every byte checked (docs/performance.md).
+        // stream-ordered rows ran there, every byte checked (git show 7ff18bc:docs/performance.md).
         let why = match v.as_str() {
             "cuda" if cuda_gpus == 1 => {
                 "stream-ordered CUDA pairs are checked with one rank per GPU; this node has one GPU"

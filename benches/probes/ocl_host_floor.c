@@ -8,7 +8,7 @@
  *           asks of the OpenCL rank,
  * and prints the ratio flagcx-perf would print for that round trip: (bytes / (round / 2)) over
  * the slower of write and read. The reference for host<->OpenCL bandwidth in
- * docs/performance.md; run it in the same sitting as flagcx-perf.
+ * the measurement journal (git show 7ff18bc:docs/performance.md); run it in the same sitting as flagcx-perf.
  * Build: cc -O2 -o ocl_host_floor ocl_host_floor.c -lOpenCL
  * Usage: ocl_host_floor [iterations]   (first platform, first device; OCL_ICD_VENDORS picks) */
 #define _GNU_SOURCE

@@ -2,7 +2,7 @@
  * to a device buffer, waited for three ways (a blocking write, a non-blocking write and
  * clFinish, a non-blocking write and polling its event), then a write and a read back to back
  * (what an eager round trip asks of an OpenCL rank). The reference for host<->OpenCL
- * small-message latency in docs/performance.md; run it in the same sitting as flagcx-perf.
+ * small-message latency in the measurement journal (git show 7ff18bc:docs/performance.md); run it in the same sitting as flagcx-perf.
  * Build: cc -O2 -o ocl_roundtrip ocl_roundtrip.c -lOpenCL
  * Usage: ocl_roundtrip [iterations]   (first platform, first device; OCL_ICD_VENDORS picks) */
 #define CL_TARGET_OPENCL_VERSION 120

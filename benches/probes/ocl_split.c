@@ -4,7 +4,7 @@
  * queue, then cut into `parts` equal pieces on as many queues (flushed together, then each
  * finished). On PoCL, whose worker threads each run one command, the parts run at once; the
  * reference for the OpenCL adaptor's split copies (adaptors/opencl/src/split.rs,
- * docs/performance.md "PoCL copies in parts").
+ * git show 7ff18bc:docs/performance.md, "PoCL copies in parts").
  * Build: cc -O2 -o ocl_split ocl_split.c -lOpenCL
  * Usage: ocl_split [parts] [iterations]   (first platform, first device; OCL_ICD_VENDORS picks) */
 #define CL_TARGET_OPENCL_VERSION 120

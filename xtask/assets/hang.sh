@@ -4,7 +4,7 @@
 # thread per communicator and direction posting at once, streams joined) run RUNS times per
 # setting. On an H100 it stopped in 4-6 of 40-60 runs (rank 0's proxy waiting for CUDA's
 # process-wide lock, held by a cuMemFree of the test's own thread: 2026-12-05,
-# docs/performance.md "Two communicators per rank on CUDA"); since the test frees only between
+# git show 7ff18bc:docs/performance.md, "Two communicators per rank on CUDA"); since the test frees only between
 # runs, every run should pass. Each rank that runs past STACKS_MS prints every thread's frames
 # (tests/common/stacks.rs); the first failing run's frames are shown, its whole log kept under
 # $logs (FLAGCX_BUNDLE_LOGS=$OUT/logs brings it back from the device tool). One GPU suffices.

@@ -5,7 +5,7 @@
 # queues (8 by default); with 1, every stream of the process shares one. A join waits for a word
 # the engine writes once the proxy's copy completed: if that copy queues behind the wait, neither
 # moves. The hypothesis behind the lower copier stopping under MPS (2026-12-04, docs/
-# performance.md): there, clients share the server's queues. Every run has a 5 s operation
+# performance.md at 7ff18bc): there, clients share the server's queues. Every run has a 5 s operation
 # timeout and a 90 s limit, so a stall shows as a failure, not a stuck call. One GPU suffices.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
@@ -58,7 +58,7 @@ for c in 8 1; do
   done
 done
 # Everyday traffic with one queue (late copies) against the default eight (the table in
-# docs/performance.md, "Late copies"), every byte checked; the logs hold the rows.
+# git show 7ff18bc:docs/performance.md, "Late copies"), every byte checked; the logs hold the rows.
 for c in 8 1; do
   for t in sendrecv pingpong alltoall; do
     try "$t, $c queue(s)" env CUDA_DEVICE_MAX_CONNECTIONS=$c \

@@ -63,7 +63,7 @@ done
 # #17: staged CUDA<->CUDA, and a CUDA rank next to an OpenCL rank on the other GPU.
 run staged-pingpong env FLAGCX_VENDOR=cuda "$perf" -t pingpong --transport staged -b 64M -e 1G -f 2 -n 10 -w 3 -c
 # Smaller chunks (4 MiB at 64 MiB) shorten the pipeline's fill and drain; on one GPU they gained
-# 0.03 at 64 MiB under MPS and lost at 8 MiB (docs/performance.md, seventh sitting).
+# 0.03 at 64 MiB under MPS and lost at 8 MiB (git show 7ff18bc:docs/performance.md, seventh sitting).
 run staged-pingpong-split16 env FLAGCX_VENDOR=cuda FLAGCX_P2P_SPLIT=16 "$perf" -t pingpong --transport staged -b 64M -e 1G -f 2 -n 10 -w 3 -c
 # By default the pair's ring lives on the OpenCL rank's GPU (the CUDA rank's copies cross the
 # link into it: FLAGCX_P2P_DEVICE_RING, never run on two GPUs before); the host ring beside it.

@@ -640,7 +640,7 @@ sweep ipc-pingpong-big "$perf" -t pingpong --transport ipc -b 64M -e 1G -f 2 -n 
 sweep ipc-sendrecv-big "$perf" -t sendrecv --transport ipc -b 64M -e 1G -f 2 -n 20 -w 5 -c
 FLAGCX_P2P_IPC_COPIER=sender sweep ipc-sendrecv-push "$perf" -t sendrecv --transport ipc -b 8 -e 1G -f 4 -n 20 -w 5 -c
 FLAGCX_P2P_IPC_COPIER=sender sweep ipc-pingpong-push "$perf" -t pingpong --transport ipc -b 8 -e 1G -f 4 -n 50 -w 10
-# Stream-ordered small messages (opt-in until measured with one rank per GPU: docs/performance.md).
+# Stream-ordered small messages (opt-in until measured with one rank per GPU).
 FLAGCX_P2P_STREAM=on FLAGCX_P2P_IPC_COPIER=sender sweep ipc-sendrecv-stream "$perf" -t sendrecv --transport ipc -b 8 -e 1G -f 4 -n 20 -w 5 -c --vs-nccl
 FLAGCX_P2P_STREAM=on FLAGCX_P2P_IPC_COPIER=sender sweep ipc-pingpong-stream "$perf" -t pingpong --transport ipc -b 8 -e 1G -f 4 -n 50 -w 10 --vs-nccl
 # Small-message IPC latency: moved by the posting threads (default) and by the proxies only.

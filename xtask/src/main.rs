@@ -16,6 +16,7 @@ use std::process::{Command, ExitCode, Stdio};
 mod bundle;
 mod capi;
 mod netbench;
+mod perfpage;
 mod pybench;
 
 /// Suites beside the vendors': the Python package (`crates/flagcx-py`) under pytest.
@@ -81,6 +82,17 @@ enum Task {
         /// the package and gloo (needs maturin and torch).
         #[arg(long)]
         python: bool,
+        /// Also write the run's rows to docs/perf/runs/NAME.json (with --vs-mpi or
+        /// --python), the data `perf-page` builds docs/performance.md from.
+        #[arg(long, value_name = "NAME")]
+        record: Option<String>,
+    },
+    /// Generate docs/performance.md from docs/perf (the runs' rows and the targets); with
+    /// --check, fail where the committed page differs.
+    PerfPage {
+        /// Compare instead of writing.
+        #[arg(long)]
+        check: bool,
     },
     /// cargo-deny: bans, licenses, sources (deny.toml), then advisories.
     Audit,
@@ -106,8 +118,18 @@ fn main() -> ExitCode {
         Task::Soak { iters } => soak(iters),
         Task::Fuzz { secs } => fuzz(secs),
         Task::Bench { net: true, .. } => netbench::bench_net(),
-        Task::Bench { python: true, .. } => pybench::bench_python(),
-        Task::Bench { vs_mpi, only, .. } => bench(vs_mpi, only.as_deref()),
+        Task::Bench {
+            python: true,
+            record,
+            ..
+        } => pybench::bench_python(record.as_deref()),
+        Task::Bench {
+            vs_mpi,
+            only,
+            record,
+            ..
+        } => bench(vs_mpi, only.as_deref(), record.as_deref()),
+        Task::PerfPage { check } => perfpage::perf_page(check),
         Task::Audit => audit(),
         Task::Capi { vendor } => capi::capi(&vendor).map(|_| ()),
         Task::Completions => completions(),
@@ -569,7 +591,7 @@ fn fuzz(secs: u64) -> Result {
 /// pattern (each all-to-all waited for before the next; ping-pongs wait per round trip anyway). A small VM swings both sides by 2–3×
 /// between sittings (an 8 B Open MPI round trip took 0.20 µs in one and 0.70 µs a few minutes
 /// later on the 2-core machine), so only numbers taken side by side compare.
-fn bench(vs_mpi: bool, only: Option<&str>) -> Result {
+fn bench(vs_mpi: bool, only: Option<&str>, record: Option<&str>) -> Result {
     if only.is_none() {
         run(
             "criterion benches (benches/pieces.rs)",
@@ -802,6 +824,7 @@ fn bench(vs_mpi: bool, only: Option<&str>) -> Result {
         "  {:<22} {:>11} {:>10} {:>21} {:>10} {:>21} {:>9} {:>13}",
         "test", "bytes", "flagcx", "", "mpi", "", "mpi/ours", ""
     );
+    let recorded = rows.clone();
     for ((t, bytes), pairs) in rows {
         let ours: Vec<f64> = pairs.iter().map(|p| p.0).collect();
         let theirs: Vec<f64> = pairs.iter().map(|p| p.1).collect();
@@ -818,6 +841,36 @@ fn bench(vs_mpi: bool, only: Option<&str>) -> Result {
         );
     }
     println!("# mpi/ours above 1: flagcx-rs is faster (time ratio; for bandwidth the same number)");
+    if let Some(name) = record {
+        let data = recorded
+            .into_iter()
+            .map(|((t, bytes), pairs)| {
+                let (name, _, _, ranks, extra) = &tests[t];
+                serde_json::json!({
+                    "test": name,
+                    "ranks": ranks.parse::<u32>().unwrap_or(0),
+                    "dtype": extra,
+                    "bytes": bytes,
+                    "ours_us": pairs.iter().map(|p| p.0).collect::<Vec<_>>(),
+                    "peer_us": pairs.iter().map(|p| p.1).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        let command = match only {
+            Some(o) => format!("cargo xtask bench --vs-mpi --only '{o}'"),
+            None => "cargo xtask bench --vs-mpi".into(),
+        };
+        let peer = format!(
+            "{} (shared-memory transport, its own tuning; mpirun binds ranks), run seconds \
+             after ours in each round",
+            perfpage::mpi_version()
+        );
+        let meta = [
+            ("labels", serde_json::json!({"peer": "Open MPI"})),
+            ("references", serde_json::json!({ "peer": peer })),
+        ];
+        perfpage::record(name, &command, &meta, data)?;
+    }
     Ok(())
 }
 
@@ -916,6 +969,7 @@ fn ci() -> Result {
         return Err(format!("CI builds every vendor: {HIP_INSTALL_HINT}"));
     }
     run("fmt", cargo().args(["fmt", "--all", "--", "--check"]))?;
+    perfpage::perf_page(true)?;
     run(
         "clippy",
         cargo().args([

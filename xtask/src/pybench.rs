@@ -54,7 +54,8 @@ fn python() -> [&'static str; 3] {
 }
 
 /// The benchmark; writes the tables to `target/xtask/pybench.md` and prints them.
-pub fn bench_python() -> Result {
+pub fn bench_python(record: Option<&str>) -> Result {
+    let mut data: Vec<serde_json::Value> = Vec::new();
     run(
         "building flagcx-perf and flagcx-run",
         cargo().args([
@@ -125,8 +126,16 @@ pub fn bench_python() -> Result {
             }
         }
         for (b, r) in rust {
-            let (r, p) = (median(r), median(py.remove(&b).unwrap_or_default()));
-            let np = median(numpy.remove(&b).unwrap_or_default());
+            let (pys, nps) = (
+                py.remove(&b).unwrap_or_default(),
+                numpy.remove(&b).unwrap_or_default(),
+            );
+            data.push(serde_json::json!({
+                "group": "python", "test": format!("python {test}"), "ranks": 2, "bytes": b,
+                "ours_us": pys, "rust_us": r, "numpy_us": nps,
+            }));
+            let (r, p) = (median(r), median(pys));
+            let np = median(nps);
             let added = p - r;
             md.push_str(&format!(
                 "| {test} | {b} | {r:.2} | {p:.2} | {added:+.2} | {np:.2} | {} |\n",
@@ -149,6 +158,7 @@ pub fn bench_python() -> Result {
             floor.1.push(num(&r, "flagcx_us"));
         }
     }
+    let floor_rounds = floor.clone();
     md.push_str(&format!(
         "\nOne-rank `dist.all_reduce` of 8 bytes in one process (`flagcx-py-perf --floor`): a \
          no-op Python backend {:.2} µs (torch's floor for any Python backend), flagcx {:.2} µs.\n",
@@ -176,7 +186,13 @@ pub fn bench_python() -> Result {
                 }
             }
             for (b, rs) in rows {
-                let m = |k: &str| median(rs.iter().map(|r| num(r, k)).collect());
+                let all = |k: &str| rs.iter().map(|r| num(r, k)).collect::<Vec<f64>>();
+                data.push(serde_json::json!({
+                    "group": "torch", "test": format!("torch {test}"), "ranks": ranks, "bytes": b,
+                    "ours_us": all("torch_us"), "package_us": all("flagcx_us"),
+                    "gloo_us": all("gloo_us"),
+                }));
+                let m = |k: &str| median(all(k));
                 let (pkg, tor, gloo) = (m("flagcx_us"), m("torch_us"), m("gloo_us"));
                 let added = tor - pkg;
                 let vs_gloo = gloo / tor;
@@ -202,6 +218,29 @@ pub fn bench_python() -> Result {
                 ));
             }
         }
+    }
+    if let Some(name) = record {
+        data.push(serde_json::json!({
+            "group": "floor", "test": "torch floor", "ranks": 1, "bytes": 8,
+            "ours_us": floor_rounds.1, "noop_us": floor_rounds.0,
+        }));
+        let meta = [
+            (
+                "labels",
+                serde_json::json!({"rust": "Rust API", "package": "package", "gloo": "gloo",
+                                   "noop": "no-op backend"}),
+            ),
+            (
+                "references",
+                serde_json::json!({
+                    "rust": "flagcx-perf --blocking, the same ranks and sizes, alternating rounds",
+                    "package": "the package's own call in the same process (flagcx-py-perf --torch)",
+                    "gloo": "torch's gloo group of the same ranks in the same process",
+                    "noop": "torch.distributed over a Python backend that does nothing: torch's own cost",
+                }),
+            ),
+        ];
+        crate::perfpage::record(name, "cargo xtask bench --python", &meta, data)?;
     }
     let out = root().join("target/xtask/pybench.md");
     std::fs::write(&out, &md).map_err(|e| format!("{}: {e}", out.display()))?;

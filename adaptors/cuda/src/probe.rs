@@ -25,7 +25,7 @@ pub(crate) fn has_symbol(name: &CStr) -> bool {
 /// Whether this process is a client of NVIDIA's MPS on `dev`, so that its work and other
 /// processes' run on the device at once instead of in time slices. Only MPS clients can make
 /// contexts limited to a share of the SMs, which the driver reports as execution-affinity
-/// support (checked on an H200 with and without the daemon; docs/performance.md).
+/// support (checked on an H200 with and without the daemon; git show 7ff18bc:docs/performance.md).
 pub(crate) fn mps_client(dev: sys::CUdevice) -> bool {
     if !has_symbol(c"cuDeviceGetExecAffinitySupport") {
         return false;

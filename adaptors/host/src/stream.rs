@@ -131,7 +131,7 @@ pub(crate) struct HostStream {
 /// context's streams, streams take the queues in turn, and a queue runs its ops in the order
 /// they were enqueued, whichever stream they belong to: an op waiting for a value holds up every
 /// later op of its queue. For reproducing on the CPU what a GPU's shared hardware queues do
-/// (`docs/performance.md`, "one hardware queue stalls the proxy").
+/// (`git show 7ff18bc:docs/performance.md`, "one hardware queue stalls the proxy").
 pub const QUEUES_ENV: &str = "FLAGCX_HOST_QUEUES";
 
 /// One worker thread running, in order, the ops of every stream placed on it.

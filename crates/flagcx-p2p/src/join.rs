@@ -124,7 +124,7 @@ const PROBE_HOST_FN_MAX: std::time::Duration = std::time::Duration::from_secs(2)
 /// that another stream of this process enqueues after it: true where the runtime runs all of a
 /// process's streams through one work queue (`CUDA_DEVICE_MAX_CONNECTIONS=1`; the host vendor's
 /// `FLAGCX_HOST_QUEUES=1`). There a join enqueued before the proxy's copy that completes it
-/// stalls both (docs/performance.md, "one hardware queue stalls the proxy"). Found out by doing
+/// stalls both (git show 7ff18bc:docs/performance.md, "one hardware queue stalls the proxy"). Found out by doing
 /// it on two fresh streams: the first waits as a join would (on a word of the watermark page,
 /// a line of its own, not the watermark; in a host function; at a gate), the second sets 4 KiB
 /// of device memory, and the host lets the first go once the second finished or

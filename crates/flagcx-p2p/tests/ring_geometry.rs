@@ -1,6 +1,6 @@
 //! The staged ring's default geometry follows its size: slots of a quarter of the ring, at
 //! most 8 MiB (measured on the H200: 4 slots of 8 MiB beat 8 of 4 MiB for CUDA↔OpenCL and
-//! CUDA↔CUDA pairs from 16 MiB, docs/performance.md), and an explicit slot size wins.
+//! CUDA↔CUDA pairs from 16 MiB: git show 7ff18bc:docs/performance.md), and an explicit slot size wins.
 
 use flagcx_p2p::Config;
 
