@@ -815,6 +815,7 @@ fn reliability_worker() {
         }
         "join_fault" => join_fault_scenario(adaptor, me, peer, &before),
         "reduce_fault" => reduce_fault_scenario(adaptor, me, &before),
+        "reduce_disagree" => reduce_disagree_scenario(adaptor, me, &before),
         "devring_fault" => devring_fault_scenario(adaptor, me, peer, &before),
         "expect_setup_mismatch" => {
             // The ranks were started with different staged ring settings: each must refuse
@@ -1280,6 +1281,53 @@ fn reduce_fault_scenario(adaptor: Adaptor, me: usize, before: &Snapshot) {
     println!(
         "survivor ok: rank {me}: {op:?} on rank {faulty}: {} after {} ms",
         r.unwrap_err(),
+        took.as_millis()
+    );
+}
+
+/// Rank 1 passes another operator or type than the others, with the same byte count
+/// (`FLAGCX_TEST_DISAGREE` = `op` or `type`, `FLAGCX_TEST_COUNT` float32 elements on the
+/// others): every rank's all-reduce must fail, none may hang, every stream is released.
+fn reduce_disagree_scenario(adaptor: Adaptor, me: usize, before: &Snapshot) {
+    use flagcx::{DataType, ReduceOp};
+    let what = std::env::var("FLAGCX_TEST_DISAGREE").expect("FLAGCX_TEST_DISAGREE");
+    let count: usize = std::env::var("FLAGCX_TEST_COUNT")
+        .expect("FLAGCX_TEST_COUNT")
+        .parse()
+        .expect("a count");
+    let (dtype, op) = match (me, what.as_str()) {
+        (1, "op") => (DataType::F32, ReduceOp::Max),
+        (1, "type") => (DataType::I32, ReduceOp::Sum),
+        _ => (DataType::F32, ReduceOp::Sum),
+    };
+    let comm = Comm::from_env(adaptor.clone()).expect("comm");
+    let stream = Stream::new(&adaptor).expect("stream");
+    let buf = DeviceBuffer::new(&adaptor, count * 4).expect("alloc");
+    buf.write(0, &vec![0u8; count * 4], &stream).expect("fill");
+    let t = Instant::now();
+    // SAFETY: `buf` holds `count` elements of 4 bytes and outlives the wait.
+    let r = unsafe { comm.all_reduce_raw(buf.ptr(), buf.ptr(), count, dtype, op, stream.handle()) }
+        .and_then(|c| c.wait());
+    let took = t.elapsed();
+    let e = match r {
+        Err(e) => e,
+        Ok(()) => panic!("rank {me}: an all-reduce whose ranks disagree on its {what} succeeded"),
+    };
+    assert!(
+        took < Duration::from_secs(15),
+        "rank {me}: the failed all-reduce took {took:?}"
+    );
+    stream
+        .synchronize()
+        .expect("the caller's stream was released");
+    assert!(
+        comm.async_error().is_some(),
+        "rank {me}: no async_error after {e}"
+    );
+    drop((comm, stream, buf));
+    assert_no_leaks(before, "a reduction whose ranks disagree");
+    println!(
+        "survivor ok: rank {me}: ranks disagreeing on the {what}, {count} elements: {e} after {} ms",
         took.as_millis()
     );
 }
@@ -2264,6 +2312,32 @@ fn failed_reductions_fail_on_every_rank() {
         for (r, c) in ranks.into_iter().enumerate() {
             let o = finish(c, Duration::from_secs(60));
             assert_survived(&o, &format!("rank {r}, {op} on rank {faulty}"));
+        }
+    }
+}
+
+/// Ranks that disagree on an all-reduce's operator or type with the same byte count: every
+/// rank's call fails (the first exchange's split carries the signature; the ranks that see it
+/// fail their communicators, and the rest through them), none hangs — on the direct algorithm
+/// (small and mid-sized calls, every rank a neighbour of the odd one) and on the ring of four
+/// ranks (rank 3 exchanges nothing with rank 1 until the failure reaches it).
+#[test]
+fn reductions_whose_ranks_disagree_fail_on_every_rank() {
+    if skip_unless_vendor() {
+        return;
+    }
+    for (what, ranks, count) in [("op", 2, "8"), ("op", 3, "1000"), ("type", 4, "1048576")] {
+        let id = UniqueId::random().expect("id").to_string();
+        let env = [("FLAGCX_TEST_DISAGREE", what), ("FLAGCX_TEST_COUNT", count)];
+        let children: Vec<Child> = (0..ranks)
+            .map(|r| spawn_rank(r, ranks, &id, "reduce_disagree", &env))
+            .collect();
+        for (r, c) in children.into_iter().enumerate() {
+            let o = finish(c, Duration::from_secs(60));
+            assert_survived(
+                &o,
+                &format!("rank {r} of {ranks}, {what} differs, {count} elements"),
+            );
         }
     }
 }

@@ -69,6 +69,25 @@ impl std::fmt::Debug for Collective {
 }
 
 impl Collective {
+    /// Marks every request's operation as fatal to the communicator on failure
+    /// ([`crate::op::Slot::make_fatal`]); the first size failure of one that had failed
+    /// already.
+    pub(crate) fn make_fatal(&self) -> Option<CommError> {
+        let mut failed = None;
+        for r in &self.requests {
+            let e = match &r.state {
+                crate::request::State::Done(Err(
+                    e @ (CommError::SizeMismatch { .. } | CommError::RemoteFailure { .. }),
+                )) => Some(e.clone()),
+                crate::request::State::Done(Err(_)) => None,
+                crate::request::State::Done(Ok(_)) => None,
+                crate::request::State::Pending(slot) => slot.make_fatal(),
+            };
+            failed = failed.or(e);
+        }
+        failed
+    }
+
     /// Blocks until every operation of the call finished, the local copy included; the first
     /// failure is the result.
     pub fn wait(mut self) -> Result<()> {

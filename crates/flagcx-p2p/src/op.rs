@@ -60,6 +60,9 @@ pub(crate) struct Slot {
     /// The communicator's verdict (an abort, the stall guard): taken by waiters while the
     /// engine, which fills `result`, is blocked (`crate::guard`).
     verdict: Option<Arc<Verdict>>,
+    /// The operation belongs to a call whose failure fails the communicator (a reduction's
+    /// steps: see [`Slot::make_fatal`]).
+    fatal: AtomicBool,
 }
 
 impl Slot {
@@ -76,13 +79,35 @@ impl Slot {
     pub fn complete(&self, r: Result<usize>) {
         let mut g = lock(&self.result);
         *g = Some(r);
-        self.done.store(true, Ordering::Release);
+        self.done.store(true, Ordering::SeqCst);
         drop(g);
         self.cv.notify_all();
     }
 
     pub fn is_done(&self) -> bool {
         self.done.load(Ordering::Acquire)
+    }
+
+    /// Marks the operation as one whose size failure fails the communicator (the engine
+    /// aborts it when it fails the operation with `SizeMismatch`); returns that failure if it
+    /// had happened already, which the caller then acts on. (The mark and the engine's completion are each a store then a
+    /// load, both sequentially consistent: one side or both see the other.)
+    pub fn make_fatal(&self) -> Option<CommError> {
+        self.fatal.store(true, Ordering::SeqCst);
+        if !self.done.load(Ordering::SeqCst) {
+            return None;
+        }
+        match &*lock(&self.result) {
+            Some(Err(e @ (CommError::SizeMismatch { .. } | CommError::RemoteFailure { .. }))) => {
+                Some(e.clone())
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether [`Slot::make_fatal`] marked it.
+    pub fn is_fatal(&self) -> bool {
+        self.fatal.load(Ordering::SeqCst)
     }
 
     /// Done, or a verdict was given: a wait returns at once.

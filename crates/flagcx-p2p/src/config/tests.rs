@@ -302,3 +302,12 @@ fn ring_geometry_is_validated() {
         &(MAX_EAGER_MAX + 1).to_string(),
     );
 }
+
+#[test]
+fn reduce_check_is_on_unless_turned_off() {
+    assert!(Config::from_lookup(lookup(&[])).unwrap().reduce_check);
+    let off = Config::from_lookup(lookup(&[("FLAGCX_REDUCE_CHECK", "0")])).unwrap();
+    assert!(!off.reduce_check);
+    let e = Config::from_lookup(lookup(&[("FLAGCX_REDUCE_CHECK", "maybe")])).unwrap_err();
+    assert!(e.to_string().contains("FLAGCX_REDUCE_CHECK"), "{e}");
+}
