@@ -185,24 +185,6 @@ impl Shared {
         true
     }
 
-    /// Keeps the first asynchronous failure of any operation (for
-    /// [`crate::Comm::async_error`]); the caller's own errors (a size mismatch, an abort) are
-    /// not kept.
-    pub fn record_error(&self, e: &CommError) {
-        if e.is_async_failure() {
-            self.record_fatal(e);
-        }
-    }
-
-    /// Records `e` for `Comm::async_error` whatever its kind: it failed the communicator (a
-    /// reduction's message that its ranks disagreed on).
-    pub fn record_fatal(&self, e: &CommError) {
-        let mut first = lock(&self.first_error);
-        if first.is_none() {
-            *first = Some(e.clone());
-        }
-    }
-
     /// Records that the pair with `peer` was retired (see [`Shared::lost`]).
     pub fn mark_lost(&self, peer: usize) {
         if let Some(l) = self.lost.get(peer) {
@@ -458,25 +440,6 @@ impl<A: DeviceAdaptor> Engine<A> {
         }
     }
 
-    /// A reduction's message failed its size (its ranks disagreed on the call), or its peer
-    /// failed it for that: the rest of the call would reduce what never arrived and hand it
-    /// on, so the
-    /// communicator fails as an abort fails it — every pending operation, every pair (the
-    /// peers' operations with this rank fail at once, and theirs with others through their own
-    /// reductions), `async_error`.
-    fn fail_communicator(&self, e: CommError, peer: usize) {
-        if self.shared.aborted.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        tracing::warn!(
-            "a reduction's message with rank {peer} failed ({e}): failing the communicator so \
-             that no rank finishes the call on data that never came"
-        );
-        self.shared.record_fatal(&e);
-        self.shared.verdict.give(e);
-        self.shared.wake();
-    }
-
     fn finish(&mut self, op: Op, r: Result<usize>) {
         if let Err(e) = &r {
             self.shared.record_error(e);
@@ -497,16 +460,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         }
         let failed = r.as_ref().err().cloned();
         op.slot.complete(r);
-        // A disagreement, or a peer that failed the call for one (and so retired the pair):
-        // a lost or stopped peer, a timeout or an abort reach every rank by their own paths,
-        // each naming its cause.
-        let disagreed = matches!(
-            failed,
-            Some(CommError::SizeMismatch { .. } | CommError::RemoteFailure { .. })
-        );
-        if let Some(e) = failed.filter(|_| disagreed && op.slot.is_fatal()) {
-            self.fail_communicator(e, op.peer);
-        }
+        crate::guard::after_failure(&self.shared, &op.slot, failed, op.peer);
         self.kept.take(op.keep, op.bytes);
         self.finished.insert(op.seq);
         let mut w = self.watermark;

@@ -171,6 +171,64 @@ fn watch(shared: &Shared, window: Duration, rank: usize) -> Option<CommError> {
     }
 }
 
+/// The first failure kept for `Comm::async_error` (here, beside the other ways a
+/// communicator fails, to keep `engine.rs` short).
+impl crate::engine::Shared {
+    /// Keeps the first asynchronous failure of any operation (for
+    /// [`crate::Comm::async_error`]); the caller's own errors (a size mismatch, an abort) are
+    /// not kept.
+    pub fn record_error(&self, e: &CommError) {
+        if e.is_async_failure() {
+            self.record_fatal(e);
+        }
+    }
+
+    /// Records `e` for `Comm::async_error` whatever its kind (it failed the communicator).
+    pub fn record_fatal(&self, e: &CommError) {
+        let mut first = lock(&self.first_error);
+        if first.is_none() {
+            *first = Some(e.clone());
+        }
+    }
+}
+
+/// After the engine completed an operation with rank `peer` that `failed`: a reduction's
+/// message (`slot` marked fatal) that failed for a disagreement, or whose peer failed it for
+/// one and retired the pair, fails the communicator ([`fail_communicator`]). A lost or stopped
+/// peer, a timeout or an abort reach every rank by their own paths, each naming its cause.
+pub(crate) fn after_failure(
+    shared: &crate::engine::Shared,
+    slot: &crate::op::Slot,
+    failed: Option<CommError>,
+    peer: usize,
+) {
+    let disagreed = matches!(
+        failed,
+        Some(CommError::SizeMismatch { .. } | CommError::RemoteFailure { .. })
+    );
+    if let Some(e) = failed.filter(|_| disagreed && slot.is_fatal()) {
+        fail_communicator(shared, e, peer);
+    }
+}
+
+/// A reduction's message failed its size (its ranks disagreed on the call), or its peer
+/// failed it for that: the rest of the call would reduce what never arrived and hand it on,
+/// so the communicator fails as an abort fails it — every pending operation, every pair (the
+/// peers' operations with this rank fail at once, and theirs with others through their own
+/// reductions), `async_error`. Called by the engine (`Engine::finish`).
+pub(crate) fn fail_communicator(shared: &crate::engine::Shared, e: CommError, peer: usize) {
+    if shared.aborted.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    tracing::warn!(
+        "a reduction's message with rank {peer} failed ({e}): failing the communicator so \
+         that no rank finishes the call on data that never came"
+    );
+    shared.record_fatal(&e);
+    shared.verdict.give(e);
+    shared.wake();
+}
+
 /// The guard's judgement, one look at a time.
 ///
 /// The stall is the time the guard itself saw pass, each look counting for at most two ticks: a
