@@ -40,11 +40,12 @@ const DESC_BYTES: usize = 256;
 /// The fields of a rendezvous descriptor (size, status or offset, handle, offset or mode):
 /// its first two lines, all that is read or written of one; the rest of a send descriptor
 /// carries only eager data.
-const RECV_DESC_BYTES: usize = 128;
+pub const RECV_DESC_BYTES: usize = 128;
 // A receive descriptor's taken word lies past what the sender reads, inside the descriptor,
 // and the late-copy words after it.
 const _: () = assert!(RECV_DESC_BYTES + 8 + 8 * LateWord::COUNT <= DESC_BYTES);
-const SEND_DESC_BYTES: usize = 128;
+/// The fields of a send descriptor (size, status word, handle, span, offset).
+pub const SEND_DESC_BYTES: usize = 128;
 /// Eager messages up to this size travel inside their descriptor, after the 16-byte head
 /// (size, status): the lines the receiver fetches follow the status word it polled, instead of
 /// lying in a slot elsewhere.
@@ -240,6 +241,50 @@ fn encode_desc<const N: usize>(
     out
 }
 
+impl RecvDesc {
+    /// Decodes a receive descriptor's bytes as a peer wrote them: a typed error for anything
+    /// malformed, never a panic.
+    pub fn decode(b: &[u8; RECV_DESC_BYTES]) -> Result<RecvDesc> {
+        let (size, offset, handle, span) = decode_desc(b, "receive")?;
+        let chunks = match b[RECV_DESC_BYTES - 1] {
+            0 => false,
+            1 => true,
+            x => return Err(CommError::Protocol(format!("receive descriptor mode {x}"))),
+        };
+        Ok(RecvDesc {
+            size,
+            handle,
+            offset,
+            span,
+            chunks,
+        })
+    }
+}
+
+impl SendDesc {
+    /// Decodes send descriptor `i`'s bytes as a peer wrote them (the status word carries the
+    /// message number, checked against `i`): a typed error for anything malformed, never a
+    /// panic.
+    pub fn decode(b: &[u8; SEND_DESC_BYTES], i: u64) -> Result<SendDesc> {
+        let (size, status, handle, span) = decode_desc(b, "send")?;
+        if status >> 8 != i.wrapping_add(1) {
+            return Err(CommError::Protocol(format!(
+                "send descriptor {i} carries message number {}",
+                (status >> 8).wrapping_sub(1)
+            )));
+        }
+        let status = SendStatus::from_word(status & 0xFF)?;
+        let offset = u64::from_le_bytes(b[SEND_DESC_BYTES - 8..].try_into().expect("8"));
+        Ok(SendDesc {
+            size,
+            status,
+            handle,
+            offset,
+            span,
+        })
+    }
+}
+
 fn decode_desc(b: &[u8], what: &str) -> Result<(u64, u64, Option<IpcMemHandle>, Span)> {
     let word = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().expect("8"));
     let handle = match b[16] {
@@ -292,6 +337,71 @@ impl Geometry {
     /// True when the segment has no data slots.
     pub fn is_empty(&self) -> bool {
         self.slots == 0
+    }
+}
+
+/// The connect frame: how a rank set up the channel it offers a peer (whether staged, its
+/// geometry and length, and whether a device ring rides along), which the peer checks against
+/// what it expects before mapping anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectMsg {
+    /// A staged channel (a ring of slots), not an IPC one.
+    pub staged: bool,
+    /// The segment's layout.
+    pub geo: Geometry,
+    /// The segment's length in bytes.
+    pub len: u64,
+    /// A device ring: 0 none, 1 its descriptor passed with the frame, 2 in the peer's memory.
+    pub offered: u8,
+    /// The device ring's length.
+    pub ring_len: u64,
+}
+
+impl ConnectMsg {
+    /// The frame payload.
+    pub fn encode(&self) -> Vec<u8> {
+        crate::wire::Writer::new()
+            .u8(self.staged as u8)
+            .u64(self.geo.slots as u64)
+            .u64(self.geo.chunk as u64)
+            .u64(self.geo.split as u64)
+            .u64(self.geo.eager as u64)
+            .u64(self.len)
+            .u8(self.offered)
+            .u64(self.ring_len)
+            .finish()
+    }
+
+    /// Decodes a connect payload: a typed error for anything malformed, never a panic. (The
+    /// values are the peer's claims: the receiver compares them with its own.)
+    pub fn decode(payload: &[u8]) -> Result<ConnectMsg> {
+        let mut r = crate::wire::Reader::new(payload, "connect");
+        let staged = match r.u8()? {
+            0 => false,
+            1 => true,
+            x => return Err(CommError::Protocol(format!("connect: channel kind {x}"))),
+        };
+        let mut word = || -> Result<usize> {
+            usize::try_from(r.u64()?)
+                .map_err(|_| CommError::Protocol("connect: a size past usize".into()))
+        };
+        let geo = Geometry {
+            slots: word()?,
+            chunk: word()?,
+            split: word()?,
+            eager: word()?,
+        };
+        let len = r.u64()?;
+        let offered = r.u8()?;
+        let ring_len = r.u64()?;
+        r.end()?;
+        Ok(ConnectMsg {
+            staged,
+            geo,
+            len,
+            offered,
+            ring_len,
+        })
     }
 }
 
@@ -489,20 +599,7 @@ impl Channel {
 
     /// Reads receive descriptor `i` (sender, after seeing `RecvPosted > i`).
     pub fn read_recv_desc(&self, i: u64) -> Result<RecvDesc> {
-        let b = self.read_desc::<RECV_DESC_BYTES>(self.geo.recv_descs(), i);
-        let (size, offset, handle, span) = decode_desc(&b, "receive")?;
-        let chunks = match b[RECV_DESC_BYTES - 1] {
-            0 => false,
-            1 => true,
-            x => return Err(CommError::Protocol(format!("receive descriptor mode {x}"))),
-        };
-        Ok(RecvDesc {
-            size,
-            handle,
-            offset,
-            span,
-            chunks,
-        })
+        RecvDesc::decode(&self.read_desc::<RECV_DESC_BYTES>(self.geo.recv_descs(), i))
     }
 
     /// Writes send descriptor `i` (sender, before publishing `SendPosted`).
@@ -534,23 +631,10 @@ impl Channel {
                 ))
             });
         }
-        let b = self.read_desc::<SEND_DESC_BYTES>(self.geo.send_descs(), i);
-        let (size, status, handle, span) = decode_desc(&b, "send")?;
-        if status >> 8 != i + 1 {
-            return Err(CommError::Protocol(format!(
-                "send descriptor {i} carries message number {}",
-                (status >> 8).wrapping_sub(1)
-            )));
-        }
-        let status = SendStatus::from_word(status & 0xFF)?;
-        let offset = u64::from_le_bytes(b[SEND_DESC_BYTES - 8..].try_into().expect("8"));
-        Ok(SendDesc {
-            size,
-            status,
-            handle,
-            offset,
-            span,
-        })
+        SendDesc::decode(
+            &self.read_desc::<SEND_DESC_BYTES>(self.geo.send_descs(), i),
+            i,
+        )
     }
 
     /// Whether descriptor slot `i` of either ring (and eager slot `i`) may be written: the

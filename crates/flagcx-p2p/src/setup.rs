@@ -11,7 +11,7 @@ use flagcx_adaptor::tracking::HandleMap;
 use flagcx_adaptor::{DeviceAdaptor, Vendor};
 
 use crate::bootstrap::{Bootstrap, UniqueId};
-use crate::channel::{Channel, Geometry};
+use crate::channel::{Channel, ConnectMsg, Geometry};
 use crate::comm::Comm;
 use crate::config::{Config, HostDirect, StreamJoin, MAX_EAGER_MAX};
 use crate::engine::{Engine, Inbox, Shared, WatermarkWord};
@@ -27,7 +27,7 @@ use crate::transport::late;
 use crate::transport::net::NetState;
 use crate::transport::streamed::{self, StreamLink};
 use crate::transport::{PeerConn, Roles};
-use crate::wire::{Reader, Tag, Writer};
+use crate::wire::Tag;
 
 /// Who does what on each pair, chosen from both ranks' [`PeerInfo`] alone, so both sides
 /// of a pair agree without asking each other. Indexed by peer (`None` at this rank).
@@ -201,16 +201,14 @@ pub(crate) fn connect_channels<A: DeviceAdaptor>(
             }
             _ => (0, None),
         };
-        let desc = Writer::new()
-            .u8(matches!(t, TransportKind::Staged) as u8)
-            .u64(geo.slots as u64)
-            .u64(geo.chunk as u64)
-            .u64(geo.split as u64)
-            .u64(geo.eager as u64)
-            .u64(geo.len() as u64)
-            .u8(ring)
-            .u64(2 * half as u64)
-            .finish();
+        let desc = ConnectMsg {
+            staged: matches!(t, TransportKind::Staged),
+            geo,
+            len: geo.len() as u64,
+            offered: ring,
+            ring_len: 2 * half as u64,
+        }
+        .encode();
         let mut fds = vec![ch.segment().fd()];
         fds.extend(ring_fd.as_ref().map(|f| f.as_fd()));
         boot.send(q, Tag::Connect, &desc, &fds)?;
@@ -317,18 +315,14 @@ pub(crate) fn connect_one<A: DeviceAdaptor>(
 ) -> Result<PeerConn> {
     let t = transports[q].expect("a transport for every peer");
     let (payload, mut fds) = boot.recv(q, Tag::Connect)?;
-    let mut r = Reader::new(&payload, "connect");
-    let staged = r.u8()? == 1;
-    let geo = Geometry {
-        slots: r.u64()? as usize,
-        chunk: r.u64()? as usize,
-        split: r.u64()? as usize,
-        eager: r.u64()? as usize,
-    };
-    let len = r.u64()? as usize;
-    let offered = r.u8()?;
-    let ring_len = r.u64()? as usize;
-    r.end()?;
+    let ConnectMsg {
+        staged,
+        geo,
+        len,
+        offered,
+        ring_len,
+    } = ConnectMsg::decode(&payload)?;
+    let (len, ring_len) = (len as usize, ring_len as usize);
     let want = geometry(q);
     // The receiver sizes the eager slots by its own FLAGCX_P2P_EAGER_MAX; any size within the
     // bounds works for the sender (it sends eagerly up to the smaller of the two settings).

@@ -1,9 +1,12 @@
-//! Property tests of everything that decodes bytes from a peer: frames, peer information,
-//! unique ids, channel descriptors. Arbitrary input must give a typed error, never a panic, and
+//! Property tests of everything that decodes bytes from a peer: frames, the hello, peer
+//! information, the connect frame, the TCP table, unique ids, channel descriptors. Arbitrary input must give a typed error, never a panic, and
 //! what we encode must decode to itself. `cargo xtask fuzz` runs these with many more cases.
 
 use flagcx_adaptor::{Capabilities, IpcMemHandle, Vendor};
-use flagcx_p2p::channel::{Channel, Geometry, RecvDesc, Span};
+use flagcx_p2p::bootstrap::{decode_table, encode_table, Hello};
+use flagcx_p2p::channel::{
+    Channel, ConnectMsg, Geometry, RecvDesc, SendDesc, Span, RECV_DESC_BYTES, SEND_DESC_BYTES,
+};
 use flagcx_p2p::config::{HostDirect, IpcCopier};
 use flagcx_p2p::peer::PeerInfo;
 use flagcx_p2p::wire::{self, Reader, Tag, MAX_PAYLOAD};
@@ -330,6 +333,93 @@ proptest! {
         // SAFETY: the receive descriptors start at 4096 in the live mapping; slot 5 is 128 bytes.
         unsafe { std::ptr::copy_nonoverlapping(garbage.as_ptr(), base.add(4096 + 5 * 128), 128) };
         let _ = ch.read_recv_desc(5);
+    }
+}
+
+proptest! {
+    #[test]
+    fn hellos_round_trip_and_garbage_is_an_error(
+        version in any::<u32>(), rank in any::<u32>(), nranks in any::<u32>(),
+        secret in proptest::collection::vec(any::<u8>(), 0..40),
+        place in proptest::option::of((".{0,20}", any::<u16>())),
+        garbage in proptest::collection::vec(any::<u8>(), 0..120),
+        cut in any::<proptest::sample::Index>(),
+    ) {
+        let tcp = place.is_some();
+        let h = Hello { version, rank, nranks, secret, place };
+        let bytes = h.encode();
+        prop_assert_eq!(Hello::decode(&bytes, tcp).unwrap(), h);
+        // Every strict prefix is short, and one byte more is trailing: both errors.
+        let at = cut.index(bytes.len());
+        prop_assert!(Hello::decode(&bytes[..at], tcp).is_err());
+        let mut longer = bytes.clone();
+        longer.push(0);
+        prop_assert!(Hello::decode(&longer, tcp).is_err());
+        let _ = Hello::decode(&garbage, tcp);
+        let _ = Hello::decode(&garbage, !tcp);
+    }
+
+    #[test]
+    fn connect_frames_round_trip_and_garbage_is_an_error(
+        staged in any::<bool>(), slots in any::<u32>(), chunk in any::<u32>(),
+        split in any::<u16>(), eager in any::<u16>(), len in any::<u64>(),
+        offered in 0u8..3, ring_len in any::<u64>(),
+        garbage in proptest::collection::vec(any::<u8>(), 0..80),
+        cut in any::<proptest::sample::Index>(),
+    ) {
+        let geo = Geometry {
+            slots: slots as usize,
+            chunk: chunk as usize,
+            split: split as usize,
+            eager: eager as usize,
+        };
+        let c = ConnectMsg { staged, geo, len, offered, ring_len };
+        let bytes = c.encode();
+        prop_assert_eq!(ConnectMsg::decode(&bytes).unwrap(), c);
+        prop_assert!(ConnectMsg::decode(&bytes[..cut.index(bytes.len())]).is_err());
+        if let Ok(d) = ConnectMsg::decode(&garbage) {
+            prop_assert_eq!(d.encode(), garbage);
+        }
+    }
+
+    #[test]
+    fn tables_round_trip_and_garbage_is_an_error(
+        hosts in proptest::collection::vec((".{0,12}", any::<[u8; 4]>(), any::<u16>()), 0..6),
+        garbage in proptest::collection::vec(any::<u8>(), 0..120),
+        n in 0usize..1 << 20,
+    ) {
+        let table: Vec<(String, std::net::SocketAddr)> = hosts
+            .into_iter()
+            .map(|(h, ip, port)| (h, std::net::SocketAddr::from((ip, port))))
+            .collect();
+        let bytes = encode_table(&table);
+        prop_assert_eq!(decode_table(&bytes, table.len()).unwrap(), table.clone());
+        // A table of another size than the job's is refused, whichever way it is off.
+        prop_assert!(decode_table(&bytes, table.len() + 1).is_err());
+        if !table.is_empty() {
+            prop_assert!(decode_table(&bytes, table.len() - 1).is_err());
+        }
+        // A huge claimed job size must not allocate for it, nor panic.
+        let _ = decode_table(&garbage, n);
+    }
+
+    #[test]
+    fn descriptors_from_bytes_are_errors_not_panics(
+        recv in proptest::array::uniform32(any::<u8>()),
+        send in proptest::array::uniform32(any::<u8>()),
+        i in any::<u64>(),
+    ) {
+        // The fields live in the first line; the rest is zeros or the same pattern again.
+        let mut r = [0u8; RECV_DESC_BYTES];
+        let mut s = [0u8; SEND_DESC_BYTES];
+        for (k, b) in r.iter_mut().enumerate() {
+            *b = recv[k % 32];
+        }
+        for (k, b) in s.iter_mut().enumerate() {
+            *b = send[k % 32];
+        }
+        let _ = RecvDesc::decode(&r);
+        let _ = SendDesc::decode(&s, i);
     }
 }
 

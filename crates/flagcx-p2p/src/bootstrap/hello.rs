@@ -17,6 +17,70 @@ const MAGIC: &[u8; 8] = b"FLAGCXv1";
 /// channel descriptor; 3: the reduction types in the peer information).
 pub const PROTOCOL_VERSION: u32 = 3;
 
+/// A hello's fields, as a peer's bytes give them ([`Hello::decode`]); the checks against this
+/// job (version, secret, job size) are the receiver's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// The protocol version the connector speaks ([`PROTOCOL_VERSION`] for this build).
+    pub version: u32,
+    /// The connector's rank.
+    pub rank: u32,
+    /// The job size the connector was started with.
+    pub nranks: u32,
+    /// The job's secret, as the connector holds it.
+    pub secret: Vec<u8>,
+    /// Over TCP: the connector's host and listening port.
+    pub place: Option<(String, u16)>,
+}
+
+impl Hello {
+    /// The frame payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.bytes(MAGIC)
+            .u32(self.version)
+            .u32(self.rank)
+            .u32(self.nranks)
+            .bytes(&self.secret);
+        if let Some((host, port)) = &self.place {
+            w.str(host).u32(*port as u32);
+        }
+        w.finish()
+    }
+
+    /// Decodes a hello payload (`tcp`: it carries the place): a typed error for anything
+    /// malformed, never a panic.
+    pub fn decode(payload: &[u8], tcp: bool) -> Result<Hello> {
+        let mut r = Reader::new(payload, "hello");
+        let magic = r.bytes()?;
+        if magic != MAGIC {
+            return Err(CommError::Bootstrap(
+                "not a flagcx hello (wrong magic)".into(),
+            ));
+        }
+        let version = r.u32()?;
+        let rank = r.u32()?;
+        let nranks = r.u32()?;
+        let secret = r.bytes()?.to_vec();
+        let place = if tcp {
+            let host = r.str()?;
+            let port = u16::try_from(r.u32()?)
+                .map_err(|_| CommError::Bootstrap(format!("rank {rank} sent a bad port")))?;
+            Some((host, port))
+        } else {
+            None
+        };
+        r.end()?;
+        Ok(Hello {
+            version,
+            rank,
+            nranks,
+            secret,
+            place,
+        })
+    }
+}
+
 /// Presents this rank to rank `q` on a fresh socket (over TCP with this rank's host and the
 /// port it listens on) and waits for the acknowledgement.
 pub(super) fn say_hello<S: FrameIo + SetReadTimeout>(
@@ -33,16 +97,14 @@ pub(super) fn say_hello<S: FrameIo + SetReadTimeout>(
         .max(Duration::from_millis(100));
     s.read_timeout(left)
         .map_err(|e| CommError::io("socket timeout", e))?;
-    let mut w = Writer::new();
-    w.bytes(MAGIC)
-        .u32(PROTOCOL_VERSION)
-        .u32(rank as u32)
-        .u32(nranks as u32)
-        .bytes(&id.secret);
-    if let Some((host, port)) = tcp {
-        w.str(host).u32(port as u32);
-    }
-    send_frame(s, Tag::Hello, &w.finish(), &[])?;
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        rank: rank as u32,
+        nranks: nranks as u32,
+        secret: id.secret.to_vec(),
+        place: tcp.map(|(h, p)| (h.to_string(), p)),
+    };
+    send_frame(s, Tag::Hello, &hello.encode(), &[])?;
     let (tag, payload, _) = recv_frame(s)
         .map_err(|e| CommError::Bootstrap(format!("rank {q} did not accept rank {rank}: {e}")))?;
     let mut r = Reader::new(&payload, "hello ack");
@@ -86,37 +148,25 @@ pub(super) fn take_hello<S: FrameIo + SetReadTimeout>(
     if tag != Tag::Hello {
         return Err(CommError::Bootstrap(format!("expected hello, got {tag:?}")));
     }
-    let mut r = Reader::new(&payload, "hello");
-    let magic = r.bytes()?;
-    let version = r.u32()?;
-    let q = r.u32()? as usize;
-    let n = r.u32()? as usize;
-    let secret = r.bytes()?;
-    if magic != MAGIC {
-        return Err(CommError::Bootstrap(
-            "not a flagcx hello (wrong magic)".into(),
-        ));
-    }
+    let Hello {
+        version,
+        rank: q,
+        nranks: n,
+        secret,
+        place,
+    } = Hello::decode(&payload, tcp)?;
+    let (q, n) = (q as usize, n as usize);
     if version != PROTOCOL_VERSION {
         return Err(CommError::Bootstrap(format!(
             "rank {q} speaks protocol version {version}, this rank {PROTOCOL_VERSION}: are all \
              ranks the same flagcx build?"
         )));
     }
-    if !ct_eq(secret, &id.secret) {
+    if !ct_eq(&secret, &id.secret) {
         return Err(CommError::Bootstrap(format!(
             "rank {q} presented a wrong secret"
         )));
     }
-    let place = if tcp {
-        let host = r.str()?;
-        let port = u16::try_from(r.u32()?)
-            .map_err(|_| CommError::Bootstrap(format!("rank {q} sent a bad port")))?;
-        Some((host, port))
-    } else {
-        None
-    };
-    r.end()?;
     if n != nranks || q >= nranks {
         return Err(CommError::Bootstrap(format!(
             "peer claims rank {q} of {n}, this job has {nranks} ranks"

@@ -34,10 +34,10 @@ use crate::wire::{self, Tag, HEADER_LEN};
 
 mod hello;
 mod tcp;
-pub use hello::PROTOCOL_VERSION;
 use hello::{say_hello, take_hello};
-pub use tcp::host_id;
+pub use hello::{Hello, PROTOCOL_VERSION};
 use tcp::{admit_tcp, meet_at_root, tcp_connect};
+pub use tcp::{decode_table, encode_table, host_id, Table};
 
 const MAX_FDS_PER_FRAME: usize = 16;
 

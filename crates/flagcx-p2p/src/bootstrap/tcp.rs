@@ -93,7 +93,34 @@ pub(super) fn tcp_connect(
 }
 
 /// Every rank's host and TCP address, as the root hands them out.
-pub(super) type Table = Vec<(String, std::net::SocketAddr)>;
+pub type Table = Vec<(String, std::net::SocketAddr)>;
+
+/// The table frame's payload.
+pub fn encode_table(table: &Table) -> Vec<u8> {
+    let mut w = Writer::new();
+    for (h, a) in table {
+        w.str(h).str(&a.to_string());
+    }
+    w.finish()
+}
+
+/// Decodes the root's table of `nranks` entries: a typed error for anything malformed (a
+/// short or long frame, an address that does not parse), never a panic.
+pub fn decode_table(payload: &[u8], nranks: usize) -> Result<Table> {
+    let mut r = Reader::new(payload, "table");
+    // Every entry takes at least two length words: a frame cannot hold more.
+    let mut table = Table::with_capacity(nranks.min(payload.len() / 8));
+    for _ in 0..nranks {
+        let h = r.str()?;
+        let a = r.str()?;
+        let a = a
+            .parse()
+            .map_err(|_| CommError::Protocol(format!("bad address {a:?} in the table")))?;
+        table.push((h, a));
+    }
+    r.end()?;
+    Ok(table)
+}
 
 /// The TCP phase: binds this rank's listener (the root's address for rank 0, any port
 /// otherwise), then rank 0 collects every rank's hello and sends each the table; the others
@@ -135,17 +162,7 @@ pub(super) fn meet_at_root(
                 "the root sent {tag:?} instead of the table"
             )));
         }
-        let mut r = Reader::new(&payload, "table");
-        let mut table = Table::new();
-        for _ in 0..nranks {
-            let h = r.str()?;
-            let a = r.str()?;
-            let a = a
-                .parse()
-                .map_err(|_| CommError::Protocol(format!("bad address {a:?} in the table")))?;
-            table.push((h, a));
-        }
-        r.end()?;
+        let table = decode_table(&payload, nranks)?;
         links[0] = Some(s);
         return Ok((listener, table, links));
     }
@@ -176,11 +193,7 @@ pub(super) fn meet_at_root(
         }
     }
     let table: Table = table.into_iter().flatten().collect();
-    let mut w = Writer::new();
-    for (h, a) in &table {
-        w.str(h).str(&a.to_string());
-    }
-    let bytes = w.finish();
+    let bytes = encode_table(&table);
     for s in links.iter().flatten() {
         send_frame(s, Tag::Table, &bytes, &[])?;
     }
