@@ -1,7 +1,7 @@
 //! Tidy checks (rust-analyzer's habit): the docs and the code agree, and no file grows past
 //! what one reader holds without saying why. Run with every `cargo xtask test`.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 fn root() -> PathBuf {
@@ -225,6 +225,192 @@ fn long_files_say_why() {
         long.is_empty(),
         "over {LONG_FILE} lines without a `tidy: long file` line saying why: {long:?}"
     );
+}
+
+/// A crate's import graph at the level of its top-level modules (a module and its submodules
+/// are one node): which others each names in code — `use crate::…`, grouped
+/// `use crate::{a, b}`, inline `crate::m::…`, and `super::m` from a top-level file — comments
+/// left out (doc links name modules without importing them).
+fn module_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let top = |f: &Path| -> Option<String> {
+        let rel = f.strip_prefix(src).ok()?;
+        let first = rel.components().next()?.as_os_str().to_str()?;
+        let name = first.trim_end_matches(".rs");
+        (!matches!(name, "lib" | "main")).then(|| name.to_string())
+    };
+    let files = rust_files(src);
+    let tops: BTreeSet<String> = files.iter().filter_map(|f| top(f)).collect();
+    let ident = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect()
+    };
+    let mut graph: BTreeMap<String, BTreeSet<String>> =
+        tops.iter().map(|t| (t.clone(), BTreeSet::new())).collect();
+    for f in &files {
+        let Some(me) = top(f) else { continue };
+        let top_level = f.parent() == Some(src);
+        for line in read(f).lines() {
+            let code = line.split("//").next().unwrap_or_default();
+            let mut names = Vec::new();
+            let prefixes: &[&str] = if top_level {
+                &["crate::", "super::"]
+            } else {
+                &["crate::"]
+            };
+            for prefix in prefixes {
+                for (i, _) in code.match_indices(prefix) {
+                    let rest = &code[i + prefix.len()..];
+                    if let Some(group) = rest.strip_prefix('{') {
+                        let inner = &group[..group.find('}').unwrap_or(group.len())];
+                        names.extend(inner.split(',').map(|p| ident(p.trim())));
+                    } else {
+                        names.push(ident(rest));
+                    }
+                }
+            }
+            for n in names {
+                if n != me && tops.contains(&n) {
+                    graph.get_mut(&me).expect("a node").insert(n);
+                }
+            }
+        }
+    }
+    graph
+}
+
+/// The strongly connected components of more than one module (Tarjan's algorithm).
+fn circles(graph: &BTreeMap<String, BTreeSet<String>>) -> Vec<BTreeSet<String>> {
+    struct T<'a> {
+        g: &'a BTreeMap<String, BTreeSet<String>>,
+        index: BTreeMap<&'a str, usize>,
+        low: BTreeMap<&'a str, usize>,
+        stack: Vec<&'a str>,
+        on: BTreeSet<&'a str>,
+        out: Vec<BTreeSet<String>>,
+    }
+    fn visit<'a>(t: &mut T<'a>, v: &'a str) {
+        let i = t.index.len();
+        t.index.insert(v, i);
+        t.low.insert(v, i);
+        t.stack.push(v);
+        t.on.insert(v);
+        for w in &t.g[v] {
+            let w = w.as_str();
+            if !t.index.contains_key(w) {
+                visit(t, w);
+                let lw = t.low[w];
+                let lv = t.low.get_mut(v).expect("visited");
+                *lv = (*lv).min(lw);
+            } else if t.on.contains(w) {
+                let iw = t.index[w];
+                let lv = t.low.get_mut(v).expect("visited");
+                *lv = (*lv).min(iw);
+            }
+        }
+        if t.low[v] == t.index[v] {
+            let mut c = BTreeSet::new();
+            while let Some(w) = t.stack.pop() {
+                t.on.remove(w);
+                c.insert(w.to_string());
+                if w == v {
+                    break;
+                }
+            }
+            if c.len() > 1 {
+                t.out.push(c);
+            }
+        }
+    }
+    let mut t = T {
+        g: graph,
+        index: BTreeMap::new(),
+        low: BTreeMap::new(),
+        stack: Vec::new(),
+        on: BTreeSet::new(),
+        out: Vec::new(),
+    };
+    for v in graph.keys() {
+        if !t.index.contains_key(v.as_str()) {
+            visit(&mut t, v);
+        }
+    }
+    t.out
+}
+
+/// The one import circle left in the workspace (#59 item 1: `flagcx-p2p`'s engine, transports,
+/// `Comm` and collectives name each other). It may only shrink: a module that leaves it may
+/// not come back, and no other crate may grow one.
+const P2P_CIRCLE: &[&str] = &[
+    "collectives",
+    "comm",
+    "config",
+    "drive",
+    "engine",
+    "guard",
+    "join",
+    "op",
+    "peer",
+    "port",
+    "profile",
+    "reduction",
+    "request",
+    "transport",
+];
+
+#[test]
+fn import_circles_only_shrink() {
+    let r = root();
+    let mut crates = vec![r.join("src"), r.join("xtask/src")];
+    for group in ["crates", "adaptors"] {
+        for e in std::fs::read_dir(r.join(group)).expect(group).flatten() {
+            crates.push(e.path().join("src"));
+        }
+    }
+    let mut bad = Vec::new();
+    for src in crates {
+        let g = module_graph(&src);
+        let name = src.strip_prefix(&r).unwrap().display().to_string();
+        for c in circles(&g) {
+            let allowed = name == "crates/flagcx-p2p/src"
+                && c.iter().all(|m| P2P_CIRCLE.contains(&m.as_str()));
+            if !allowed {
+                let edges: Vec<String> = c
+                    .iter()
+                    .flat_map(|a| {
+                        g[a].iter()
+                            .filter(|b| c.contains(*b))
+                            .map(move |b| format!("{a} -> {b}"))
+                    })
+                    .collect();
+                bad.push(format!("{name}: {c:?} through {edges:?}"));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "import circles: {bad:#?}");
+    // The graph sees what the code names: the p2p circle is there (or has shrunk).
+    let p2p = module_graph(&r.join("crates/flagcx-p2p/src"));
+    assert!(p2p["comm"].contains("engine"), "{:?}", p2p["comm"]);
+}
+
+#[test]
+fn the_import_graph_reads_grouped_and_inline_paths() {
+    let dir = std::env::temp_dir().join(format!("flagcx-tidy-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("c")).unwrap();
+    std::fs::write(dir.join("lib.rs"), "mod a; mod b; mod c;").unwrap();
+    std::fs::write(
+        dir.join("a.rs"),
+        "use crate::{b::X, c};\n// crate::d in a comment\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("b.rs"), "fn f() { super::c::g(); }").unwrap();
+    std::fs::write(dir.join("c/mod.rs"), "fn g() { let _ = crate::a::Y; }").unwrap();
+    let g = module_graph(&dir);
+    assert_eq!(g["a"], ["b", "c"].map(String::from).into());
+    assert_eq!(g["b"], ["c"].map(String::from).into());
+    assert_eq!(g["c"], ["a"].map(String::from).into());
+    assert_eq!(circles(&g), vec![["a", "b", "c"].map(String::from).into()]);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// The delegating adaptors (the facade's `Adaptor`, the tests' `FaultyAdaptor`) forward every

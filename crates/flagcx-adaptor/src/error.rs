@@ -1,6 +1,6 @@
 //! Typed errors shared by every vendor: each keeps the vendor's own code and name.
 
-use crate::types::Vendor;
+use crate::vendor::Vendor;
 
 /// Result of an adaptor operation.
 pub type Result<T, E = AdaptorError> = std::result::Result<T, E>;

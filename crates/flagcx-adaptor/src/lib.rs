@@ -30,6 +30,7 @@ pub mod reduce;
 pub mod spin;
 pub mod tracking;
 mod types;
+mod vendor;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;

@@ -11,8 +11,9 @@ use crate::dlpack::{self, Imported};
 use crate::errors::{self, comm_err, invalid};
 use crate::inner::Inner;
 use crate::lock;
+use crate::pending::{Late, Ops, Pending};
 use crate::stage::{self, Resolved, Use};
-use crate::work::{Late, Ops, Pending, Work};
+use crate::work::Work;
 
 /// A buffer argument: imported and resolved to a device pointer.
 pub(crate) struct Arg {

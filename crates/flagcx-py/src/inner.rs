@@ -9,8 +9,8 @@ use pyo3::prelude::*;
 
 use crate::errors::{comm_err, invalid};
 use crate::lock;
+use crate::pending::{Late, Pending};
 use crate::stage::Pool;
-use crate::work::{Late, Pending};
 
 /// What one rank holds: the communicator, its stream, the streams adopted from callers, the
 /// staging pool, and operations whose `Work` was dropped before they finished.

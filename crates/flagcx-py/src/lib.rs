@@ -16,6 +16,7 @@ mod dlpack;
 mod errors;
 mod inner;
 mod memory;
+mod pending;
 mod stage;
 mod work;
 
@@ -29,8 +30,9 @@ use pyo3::prelude::*;
 use call::{data_type, expect_bytes, reduce_op, run, same_type, Arg, Call};
 use errors::{comm_err, invalid};
 use inner::{release, Inner};
+use pending::Ops;
 use stage::{Pool, Use};
-use work::{Ops, Work};
+use work::Work;
 
 /// Locks, ignoring poison (every guarded update here is a single push, take or insert).
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
