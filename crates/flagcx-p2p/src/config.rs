@@ -230,7 +230,7 @@ pub struct Config {
     /// The reductions' algorithm, forced (`FLAGCX_REDUCE_ALGO=auto|ring|direct`, default auto:
     /// [`crate::reduction::choose`] decides from the ranks, count and type). Must be set alike
     /// on every rank.
-    pub reduce_algo: Option<crate::reduction::Algorithm>,
+    pub reduce_algo: Option<Algorithm>,
     /// Whether a reduction's first message to and from each peer carries the call's type and
     /// operator, so that ranks that disagree fail (`FLAGCX_REDUCE_CHECK`, default on; costs
     /// one more message per peer and call: 0.2–0.3 µs on two host ranks' 8 B all-reduce, see
@@ -437,7 +437,6 @@ impl Config {
         }
         c.profile = var("FLAGCX_PROFILE").is_some();
         if let Some(v) = var("FLAGCX_REDUCE_ALGO") {
-            use crate::reduction::Algorithm;
             c.reduce_algo = parse_choice(
                 "FLAGCX_REDUCE_ALGO",
                 &v,
@@ -692,6 +691,26 @@ fn root_from(
             other,
             "expected unix or tcp",
         )),
+    }
+}
+
+/// How a reduction moves its data (see `crate::reduction`); `FLAGCX_REDUCE_ALGO` forces one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    /// Reduce-scatter around the ring, then all-gather (or gather to the root).
+    Ring,
+    /// Every block to every rank that needs it at once, combined in rank order.
+    Direct,
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "ring" => Ok(Algorithm::Ring),
+            "direct" => Ok(Algorithm::Direct),
+            _ => Err(format!("expected ring or direct, got {s:?}")),
+        }
     }
 }
 

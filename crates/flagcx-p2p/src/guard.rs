@@ -20,7 +20,7 @@
 //! [`MIN_WINDOW`]: no false alarm for a timeout shorter than an idle park.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -32,40 +32,7 @@ use crate::error::{CommError, Result};
 /// The shortest stall the guard reports: longer than the engine's idle park (100 ms).
 pub(crate) const MIN_WINDOW: Duration = Duration::from_millis(250);
 
-/// How often a sleeping waiter looks at the [`Verdict`].
-pub(crate) const VERDICT_POLL: Duration = Duration::from_millis(20);
-
-/// The communicator-wide outcome every pending request takes once given: set by an abort or
-/// by the guard, read by waiters without the engine. The first one given stays.
-#[derive(Debug, Default)]
-pub(crate) struct Verdict {
-    given: AtomicBool,
-    error: Mutex<Option<CommError>>,
-}
-
-impl Verdict {
-    /// Gives `e` to every request still waiting, unless a verdict was given already.
-    pub fn give(&self, e: CommError) {
-        let mut g = lock(&self.error);
-        if g.is_none() {
-            *g = Some(e);
-            self.given.store(true, Ordering::Release);
-        }
-    }
-
-    /// The verdict, once given.
-    pub fn get(&self) -> Option<CommError> {
-        if !self.given.load(Ordering::Acquire) {
-            return None;
-        }
-        lock(&self.error).clone()
-    }
-
-    /// Whether one was given.
-    pub fn given(&self) -> bool {
-        self.given.load(Ordering::Acquire)
-    }
-}
+pub(crate) use crate::op::Verdict;
 
 /// The guard's thread, and the flag it raises when it fails the communicator.
 pub(crate) struct Guard {

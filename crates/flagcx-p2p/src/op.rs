@@ -11,7 +11,6 @@ use flagcx_adaptor::tracking::lock;
 use flagcx_adaptor::{DevicePtr, EventHandle};
 
 use crate::error::{CommError, Result};
-use crate::guard::{Verdict, VERDICT_POLL};
 
 /// Send or receive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +44,41 @@ impl std::fmt::Debug for Helper {
 
 /// How long a waiter with a [`Helper`] keeps working while nothing moves.
 const HELP_IDLE_MAX: Duration = Duration::from_millis(100);
+
+/// How often a sleeping waiter looks at the [`Verdict`].
+pub(crate) const VERDICT_POLL: Duration = Duration::from_millis(20);
+
+/// The communicator-wide outcome every pending request takes once given: set by an abort or
+/// by the guard, read by waiters without the engine. The first one given stays.
+#[derive(Debug, Default)]
+pub(crate) struct Verdict {
+    given: AtomicBool,
+    error: Mutex<Option<CommError>>,
+}
+
+impl Verdict {
+    /// Gives `e` to every request still waiting, unless a verdict was given already.
+    pub fn give(&self, e: CommError) {
+        let mut g = lock(&self.error);
+        if g.is_none() {
+            *g = Some(e);
+            self.given.store(true, Ordering::Release);
+        }
+    }
+
+    /// The verdict, once given.
+    pub fn get(&self) -> Option<CommError> {
+        if !self.given.load(Ordering::Acquire) {
+            return None;
+        }
+        lock(&self.error).clone()
+    }
+
+    /// Whether one was given.
+    pub fn given(&self) -> bool {
+        self.given.load(Ordering::Acquire)
+    }
+}
 
 /// Where one operation's result lands; shared by the proxy and the [`crate::Request`].
 #[derive(Debug, Default)]

@@ -51,8 +51,6 @@
 //!
 //! Out of scope: user-defined and pre-multiplied-sum ops, float8.
 
-use std::str::FromStr;
-
 use flagcx_adaptor::reduce::{DataType, ReduceOp, ReduceStep};
 use flagcx_adaptor::{AdaptorError, DeviceAdaptor, DevicePtr, StreamHandle};
 
@@ -87,25 +85,7 @@ pub const DIRECT_MAX_BYTES: usize = 64 << 10;
 
 const SLICE_BYTES: usize = SCRATCH_BYTES / 2;
 
-/// How a reduction moves its data (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Algorithm {
-    /// Reduce-scatter around the ring, then all-gather (or gather to the root).
-    Ring,
-    /// Every block to every rank that needs it at once, combined in rank order.
-    Direct,
-}
-
-impl FromStr for Algorithm {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s {
-            "ring" => Ok(Algorithm::Ring),
-            "direct" => Ok(Algorithm::Direct),
-            _ => Err(format!("expected ring or direct, got {s:?}")),
-        }
-    }
-}
+pub use crate::config::Algorithm;
 
 /// Which reduction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
