@@ -348,7 +348,6 @@ const P2P_CIRCLE: &[&str] = &[
     "guard",
     "join",
     "port",
-    "profile",
     "transport",
 ];
 

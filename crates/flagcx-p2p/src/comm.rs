@@ -674,3 +674,13 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
         }
     }
 }
+
+impl<A: DeviceAdaptor> Comm<A> {
+    /// A fresh result slot for an operation with `peer`: its waiters drive UCX where the pair
+    /// is on two hosts, else the engine where this rank's copies are CPU copies
+    /// (`crate::drive`), and take the communicator's verdict.
+    pub(crate) fn slot(&self, peer: usize) -> crate::op::Slot {
+        let help = self.net_helper(peer).or_else(|| self.help.clone());
+        crate::op::Slot::new(help, self.shared.verdict.clone())
+    }
+}

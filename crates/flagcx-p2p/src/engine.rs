@@ -677,7 +677,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         if let Some(p) = self.profile.as_mut() {
             p.ipc_opens = lock(&self.shared.ipc).opens;
             p.report(self.boot.rank());
-            crate::profile::report_declined(self.boot.rank(), &self.shared);
+            crate::profile::report_declined(self.boot.rank(), &self.shared.eager_declined);
             let n = |h: Handoff| self.shared.caller_handoffs[h as usize].load(Ordering::Relaxed);
             eprintln!(
                 "flagcx profile rank {}: {} IPC operations finished by their posting thread; \

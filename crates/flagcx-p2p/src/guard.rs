@@ -233,16 +233,6 @@ impl Stall {
     }
 }
 
-impl<A: DeviceAdaptor> crate::comm::Comm<A> {
-    /// A fresh result slot for an operation with `peer`: its waiters drive UCX where the pair
-    /// is on two hosts, else the engine where this rank's copies are CPU copies
-    /// (`crate::drive`), and take the communicator's verdict.
-    pub(crate) fn slot(&self, peer: usize) -> crate::op::Slot {
-        let help = self.net_helper(peer).or_else(|| self.help.clone());
-        crate::op::Slot::new(help, self.shared.verdict.clone())
-    }
-}
-
 /// Waits for `h` to end, up to `limit` (the timeout; [`MIN_WINDOW`] at least); whether it did.
 pub(crate) fn joined_within(h: JoinHandle<()>, limit: Option<Duration>) -> bool {
     let limit = limit.unwrap_or_default().max(MIN_WINDOW);

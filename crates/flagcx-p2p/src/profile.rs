@@ -5,8 +5,8 @@ use std::time::Instant;
 use crate::op::Dir;
 
 /// Prints why small messages of eager pairs went to the proxy ([`crate::op::Declined`]).
-pub(crate) fn report_declined(rank: usize, shared: &crate::engine::Shared) {
-    let n = |i: usize| shared.eager_declined[i].load(std::sync::atomic::Ordering::Relaxed);
+pub(crate) fn report_declined(rank: usize, declined: &[std::sync::atomic::AtomicU64; 4]) {
+    let n = |i: usize| declined[i].load(std::sync::atomic::Ordering::Relaxed);
     eprintln!(
         "flagcx profile rank {rank}: small messages of eager pairs handed to the proxy: {} with \
          the caller's stream busy, {} with the pair busy, {} receives waited out, {} found a \
