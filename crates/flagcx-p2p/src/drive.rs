@@ -34,6 +34,16 @@ use crate::op::{Help, Helper};
 /// longest a posted operation waits for the proxy once waiters stopped driving.
 pub(crate) const HELPED_NAP: Duration = Duration::from_micros(200);
 
+impl Shared {
+    /// Wakes the proxy thread for new work, unless a waiter drove the engine within the last
+    /// [`HELPED_NAP`]: that waiter (or the proxy, after its nap) takes it.
+    pub fn wake_for_work(&self) {
+        if !helped_recently(self) {
+            self.wake();
+        }
+    }
+}
+
 /// Whether a waiter ran a pass within the last [`HELPED_NAP`].
 pub(crate) fn helped_recently(shared: &Shared) -> bool {
     helped_within(shared).is_some()

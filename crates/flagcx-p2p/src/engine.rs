@@ -29,7 +29,6 @@ pub(crate) use crate::bootstrap::hung_up;
 use crate::bootstrap::Bootstrap;
 use crate::channel::{Counter, RETIRED};
 use crate::error::{CommError, Result};
-pub(crate) use crate::join::recycle_event;
 use crate::peer::TransportKind;
 pub(crate) use crate::profile::Profile;
 use crate::transport::hostmap::HostMaps;
@@ -141,15 +140,23 @@ impl WatermarkWord {
     }
 }
 
-impl Shared {
-    /// Wakes the proxy thread for new work, unless a waiter drove the engine within the last
-    /// [`crate::drive::HELPED_NAP`]: that waiter (or the proxy, after its nap) takes it.
-    pub fn wake_for_work(&self) {
-        if !crate::drive::helped_recently(self) {
-            self.wake();
-        }
+/// Returns an event of the API side to its pool (`Shared::spare_events`) if it completed, else
+/// destroys it (allowed while a stream still has to pass it: runtimes release it once it
+/// completes).
+pub(crate) fn recycle_event<A: DeviceAdaptor>(
+    adaptor: &A,
+    shared: &crate::engine::Shared,
+    ev: EventHandle,
+) {
+    let mut spares = lock(&shared.spare_events);
+    if spares.len() < 1024 && adaptor.event_query(ev).unwrap_or(false) {
+        spares.push(ev);
+    } else {
+        let _ = adaptor.event_destroy(ev);
     }
+}
 
+impl Shared {
     pub fn wake(&self) {
         if let Some(t) = lock(&self.thread).as_ref() {
             t.unpark();

@@ -537,19 +537,3 @@ impl crate::engine::Shared {
         self.publish_watermark(adaptor, through);
     }
 }
-
-/// Returns an event of the API side to its pool (`Shared::spare_events`) if it completed, else
-/// destroys it (allowed while a stream still has to pass it: runtimes release it once it
-/// completes).
-pub(crate) fn recycle_event<A: DeviceAdaptor>(
-    adaptor: &A,
-    shared: &crate::engine::Shared,
-    ev: EventHandle,
-) {
-    let mut spares = lock(&shared.spare_events);
-    if spares.len() < 1024 && adaptor.event_query(ev).unwrap_or(false) {
-        spares.push(ev);
-    } else {
-        let _ = adaptor.event_destroy(ev);
-    }
-}
