@@ -76,11 +76,8 @@ impl Collective {
         let mut failed = None;
         for r in &self.requests {
             let e = match &r.state {
-                crate::request::State::Done(Err(
-                    e @ (CommError::SizeMismatch { .. } | CommError::RemoteFailure { .. }),
-                )) => Some(e.clone()),
-                crate::request::State::Done(Err(_)) => None,
-                crate::request::State::Done(Ok(_)) => None,
+                crate::request::State::Done(Err(e)) if e.is_disagreement() => Some(e.clone()),
+                crate::request::State::Done(_) => None,
                 crate::request::State::Pending(slot) => slot.make_fatal(),
             };
             failed = failed.or(e);

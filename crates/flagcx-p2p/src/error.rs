@@ -166,6 +166,15 @@ impl CommError {
         )
     }
 
+    /// A message's size failure (its two ends disagreed on the call), or the peer retiring the
+    /// pair over one: what fails a reduction's communicator (`crate::guard::after_failure`).
+    pub(crate) fn is_disagreement(&self) -> bool {
+        matches!(
+            self,
+            CommError::SizeMismatch { .. } | CommError::RemoteFailure { .. }
+        )
+    }
+
     pub(crate) fn io(op: &'static str, source: std::io::Error) -> Self {
         CommError::Io { op, source }
     }

@@ -169,11 +169,7 @@ pub(crate) fn after_failure(
     failed: Option<CommError>,
     peer: usize,
 ) {
-    let disagreed = matches!(
-        failed,
-        Some(CommError::SizeMismatch { .. } | CommError::RemoteFailure { .. })
-    );
-    if let Some(e) = failed.filter(|_| disagreed && slot.is_fatal()) {
+    if let Some(e) = failed.filter(|e| e.is_disagreement() && slot.is_fatal()) {
         fail_communicator(shared, e, peer);
     }
 }

@@ -132,9 +132,7 @@ impl Slot {
             return None;
         }
         match &*lock(&self.result) {
-            Some(Err(e @ (CommError::SizeMismatch { .. } | CommError::RemoteFailure { .. }))) => {
-                Some(e.clone())
-            }
+            Some(Err(e)) if e.is_disagreement() => Some(e.clone()),
             _ => None,
         }
     }

@@ -49,9 +49,59 @@ pub enum Use {
 /// A communicator's staging buffers.
 pub struct Pool {
     adaptor: Adaptor,
-    free: Mutex<Vec<DeviceBuffer<Adaptor>>>,
+    free: FreeList<DeviceBuffer<Adaptor>>,
     /// Pinned bounce buffers (device ranks only; see the module doc).
-    pinned: Mutex<Vec<PinnedBuffer<Adaptor>>>,
+    pinned: FreeList<PinnedBuffer<Adaptor>>,
+}
+
+/// Buffers kept for reuse: a request gets the smallest that holds it, else a new one of the
+/// next power of two (at least [`MIN_STAGE`]); at most [`POOL_KEEP`] stay, the largest.
+struct FreeList<B> {
+    bufs: Mutex<Vec<B>>,
+    size: fn(&B) -> usize,
+}
+
+impl<B> FreeList<B> {
+    fn new(size: fn(&B) -> usize) -> Self {
+        FreeList {
+            bufs: Mutex::default(),
+            size,
+        }
+    }
+
+    fn take(
+        &self,
+        bytes: usize,
+        alloc: impl FnOnce(usize) -> flagcx::Result<B>,
+    ) -> flagcx::Result<B> {
+        {
+            let mut free = lock(&self.bufs);
+            let best = free
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| (self.size)(b) >= bytes)
+                .min_by_key(|(_, b)| (self.size)(b))
+                .map(|(i, _)| i);
+            if let Some(i) = best {
+                return Ok(free.swap_remove(i));
+            }
+        }
+        alloc(
+            bytes
+                .max(MIN_STAGE)
+                .checked_next_power_of_two()
+                .unwrap_or(bytes),
+        )
+    }
+
+    fn give(&self, bufs: impl IntoIterator<Item = B>) {
+        let mut free = lock(&self.bufs);
+        free.extend(bufs);
+        if free.len() > POOL_KEEP {
+            free.sort_by_key(|b| std::cmp::Reverse((self.size)(b)));
+            free.truncate(POOL_KEEP);
+        }
+    }
 }
 
 impl Pool {
@@ -59,8 +109,8 @@ impl Pool {
     pub fn new(adaptor: Adaptor) -> Self {
         Pool {
             adaptor,
-            free: Mutex::default(),
-            pinned: Mutex::default(),
+            free: FreeList::new(DeviceBuffer::len),
+            pinned: FreeList::new(|b: &PinnedBuffer<Adaptor>| b.as_slice().len()),
         }
     }
 
@@ -77,61 +127,21 @@ impl Pool {
     }
 
     fn take(&self, bytes: usize) -> flagcx::Result<DeviceBuffer<Adaptor>> {
-        {
-            let mut free = lock(&self.free);
-            let best = free
-                .iter()
-                .enumerate()
-                .filter(|(_, b)| b.len() >= bytes)
-                .min_by_key(|(_, b)| b.len())
-                .map(|(i, _)| i);
-            if let Some(i) = best {
-                return Ok(free.swap_remove(i));
-            }
-        }
-        let len = bytes
-            .max(MIN_STAGE)
-            .checked_next_power_of_two()
-            .unwrap_or(bytes);
-        DeviceBuffer::new(&self.adaptor, len)
+        self.free
+            .take(bytes, |len| DeviceBuffer::new(&self.adaptor, len))
     }
 
     fn give(&self, bufs: impl IntoIterator<Item = DeviceBuffer<Adaptor>>) {
-        let mut free = lock(&self.free);
-        free.extend(bufs);
-        if free.len() > POOL_KEEP {
-            free.sort_by_key(|b| std::cmp::Reverse(b.len()));
-            free.truncate(POOL_KEEP);
-        }
+        self.free.give(bufs)
     }
 
     fn take_pinned(&self, bytes: usize) -> flagcx::Result<PinnedBuffer<Adaptor>> {
-        {
-            let mut free = lock(&self.pinned);
-            let best = free
-                .iter()
-                .enumerate()
-                .filter(|(_, b)| b.as_slice().len() >= bytes)
-                .min_by_key(|(_, b)| b.as_slice().len())
-                .map(|(i, _)| i);
-            if let Some(i) = best {
-                return Ok(free.swap_remove(i));
-            }
-        }
-        let len = bytes
-            .max(MIN_STAGE)
-            .checked_next_power_of_two()
-            .unwrap_or(bytes);
-        PinnedBuffer::new(&self.adaptor, len)
+        self.pinned
+            .take(bytes, |len| PinnedBuffer::new(&self.adaptor, len))
     }
 
     fn give_pinned(&self, bufs: impl IntoIterator<Item = PinnedBuffer<Adaptor>>) {
-        let mut free = lock(&self.pinned);
-        free.extend(bufs);
-        if free.len() > POOL_KEEP {
-            free.sort_by_key(|b| std::cmp::Reverse(b.as_slice().len()));
-            free.truncate(POOL_KEEP);
-        }
+        self.pinned.give(bufs)
     }
 }
 
