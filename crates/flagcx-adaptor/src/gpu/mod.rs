@@ -24,6 +24,8 @@ use crate::{
 };
 
 mod driver;
+mod events;
+mod marks;
 
 pub use driver::{run_host_fn, CopyKind, Driver, DriverInfo};
 
@@ -67,6 +69,8 @@ struct Core<D: Driver> {
     /// Streams the application created and lent us (`stream_adopt`): never destroyed here.
     adopted: HandleSet,
     events: HandleSet,
+    /// Events without timing as words the streams write (`events.rs`); `None`: the runtime's.
+    marks: Option<Mutex<marks::Marks>>,
     mem: Mutex<RangeMap<Mem>>,
     pinned: Mutex<HashSet<u64>>,
     registered: Mutex<HashSet<u64>>,
@@ -102,6 +106,7 @@ impl<D: Driver> GpuAdaptor<D> {
     /// and [`AdaptorError::InvalidDevice`] for an index past the last device.
     pub fn open(device: usize) -> Result<Self> {
         let (driver, info) = D::open(device)?;
+        let marks = events::marks_for(&info, std::env::var(events::EVENTS_ENV).ok().as_deref())?;
         Ok(GpuAdaptor {
             inner: Arc::new(Core {
                 driver,
@@ -110,6 +115,7 @@ impl<D: Driver> GpuAdaptor<D> {
                 streams: HandleSet::new("stream"),
                 adopted: HandleSet::new("adopted stream"),
                 events: HandleSet::new("event"),
+                marks,
                 mem: Mutex::default(),
                 pinned: Mutex::default(),
                 registered: Mutex::default(),
@@ -290,7 +296,12 @@ impl<D: Driver> Drop for Core<D> {
                 let _ = d.stream_destroy(s);
             }
             for e in self.events.drain() {
-                let _ = d.event_destroy(e);
+                if !events::is_mark(e) {
+                    let _ = d.event_destroy(e);
+                }
+            }
+            if let Some(marks) = &self.marks {
+                GpuAdaptor::release_slabs(marks, d);
             }
             for (base, len, kind) in lock(&self.mem).drain() {
                 let _ = kind.release(d, base, len);
@@ -655,42 +666,68 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
 
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
         let (s, e) = (self.stream(stream)?, self.event(event)?);
+        if events::is_mark(e) {
+            return self.mark_wait_on(s, e);
+        }
         // SAFETY: live stream and event.
         unsafe { self.bound()?.stream_wait_event(s, e) }
     }
 
     fn event_create(&self, timing: bool) -> Result<EventHandle> {
-        let e = self.bound()?.event_create(timing)?;
+        let e = if !timing && self.inner.marks.is_some() {
+            self.mark_create()?
+        } else {
+            self.bound()?.event_create(timing)?
+        };
         self.inner.events.insert(e);
         Ok(EventHandle(e))
     }
 
     fn event_destroy(&self, event: EventHandle) -> Result<()> {
         self.inner.events.remove(event.0)?;
+        if events::is_mark(event.0) {
+            self.mark_destroy(event.0);
+            return Ok(());
+        }
         // SAFETY: a live event of ours, now untracked.
         unsafe { self.bound()?.event_destroy(event.0) }
     }
 
     fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
         let (e, s) = (self.event(event)?, self.stream(stream)?);
+        if events::is_mark(e) {
+            return self.mark_record(e, s);
+        }
         // SAFETY: live event and stream.
         unsafe { self.bound()?.event_record(e, s) }
     }
 
     fn event_query(&self, event: EventHandle) -> Result<bool> {
         let e = self.event(event)?;
+        if events::is_mark(e) {
+            return Ok(self.mark_query(e));
+        }
         // SAFETY: a live event.
         unsafe { self.bound()?.event_query(e) }
     }
 
     fn event_synchronize(&self, event: EventHandle) -> Result<()> {
         let e = self.event(event)?;
+        if events::is_mark(e) {
+            return self.mark_synchronize(e);
+        }
         // SAFETY: a live event.
         unsafe { self.bound()?.event_synchronize(e) }
     }
 
     fn event_elapsed_ms(&self, start: EventHandle, end: EventHandle) -> Result<f32> {
         let (a, b) = (self.event(start)?, self.event(end)?);
+        if events::is_mark(a) || events::is_mark(b) {
+            return Err(AdaptorError::invalid(
+                "event_elapsed_ms",
+                "an event created without timing has no time",
+            ));
+        }
         // SAFETY: live events.
         unsafe { self.bound()?.event_elapsed_ms(a, b) }
     }
