@@ -236,6 +236,9 @@ fn rank_worker() {
     flagcx::init_logging();
     stacks::arm_from_env();
     let adaptor = Adaptor::from_env().expect("adaptor");
+    if scenario == "pool" {
+        return pool_client(adaptor);
+    }
     let comm = Comm::from_env(adaptor.clone()).expect("communicator");
     let stream = Stream::new(&adaptor).expect("stream");
     let r = Rank {
@@ -3328,6 +3331,38 @@ fn ranks_bound_to_one_cpu_make_progress() {
         let log = job_under(2, &v, "ring", &debug, &["sh", "-c", BIND_ONE_CPU, "bind"]);
         assert!(log.contains("1 CPU(s) in its affinity mask"), "{log}");
         job_under(2, &v, "client", &[], &["sh", "-c", BIND_ONE_CPU, "bind"]);
+    }
+}
+
+/// The client pattern over memory the runtime has no IPC handle for (CUDA's
+/// `cudaMallocAsync` pools refuse `cuIpcGetMemHandle`): the communicator's adaptor refuses
+/// handles for the segments, which another adaptor allocated; every message that names such a
+/// buffer to its peer goes through a stand-in, and every byte arrives.
+fn pool_client(adaptor: Adaptor) {
+    use flagcx_adaptor::testing::{FaultOp, FaultyAdaptor};
+    let a = FaultyAdaptor::new(adaptor.clone(), FaultOp::ForeignNoHandle, 0);
+    let comm = Comm::from_env(a.clone()).expect("communicator");
+    let stream = Stream::new(&a).expect("stream");
+    client::client_with(&adaptor, &a, &comm, &stream);
+    let held = comm.stats().stand_in_bytes;
+    // Rank 1 names its receive buffers to a pushing rank 0 (each sender copies), or both its
+    // buffers to a pulling and pushing rank 0 (`FLAGCX_P2P_IPC_COPIER=lower`).
+    if comm.rank() == 1 {
+        assert!(held > 0, "rank 1 used no stand-in");
+    }
+    let (me, n) = (comm.rank(), comm.nranks());
+    println!("pool: rank {me} holds {held} bytes of stand-ins");
+    println!("worker ok: rank {me} of {n}, client pattern through stand-ins");
+}
+
+/// Memory without IPC handles (a `cudaMallocAsync` pool's) on IPC pairs: the client pattern
+/// with each sender copying (receivers name their buffers) and with the lower rank copying both
+/// ways (rank 1 names its send buffers too), every byte checked.
+#[test]
+fn memory_without_ipc_handles_moves_through_stand_ins() {
+    for copier in ["auto", "lower"] {
+        let log = job(2, "host", "pool", &[("FLAGCX_P2P_IPC_COPIER", copier)]);
+        assert!(log.contains("pool: rank 1 holds"), "{log}");
     }
 }
 

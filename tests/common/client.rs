@@ -50,6 +50,18 @@ fn block(src: usize, dst: usize, tag: u64, len: usize) -> Vec<u8> {
 /// The scenario: every operation, at several offsets in one allocation, over three
 /// allocations of it; panics on the first wrong byte with what was expected.
 pub fn client(adaptor: &Adaptor, comm: &Comm<Adaptor>, s: &Stream<Adaptor>) {
+    client_with(adaptor, adaptor, comm, s)
+}
+
+/// [`client`] with the segments allocated through `alloc`, another adaptor than the
+/// communicator's `adaptor` over the same device (memory the communicator's runtime did not
+/// hand out: the memory of a pool it has no IPC handle for).
+pub fn client_with<A: DeviceAdaptor + Clone>(
+    alloc: &Adaptor,
+    adaptor: &A,
+    comm: &Comm<A>,
+    s: &Stream<A>,
+) {
     let (me, n) = (comm.rank(), comm.nranks());
     let t = Stream::new(adaptor).expect("the client's stream");
     let before = Event::new(adaptor, false).expect("event");
@@ -63,7 +75,7 @@ pub fn client(adaptor: &Adaptor, comm: &Comm<Adaptor>, s: &Stream<Adaptor>) {
     let mut checked = 0usize;
     for round in 0..3u64 {
         // A new allocation each round, where the allocator may hand back the same addresses.
-        let seg = DeviceBuffer::new(adaptor, seg_len).expect("the segment");
+        let seg = DeviceBuffer::new(alloc, seg_len).expect("the segment");
         for (k, &off) in offsets.iter().enumerate() {
             for &len in &lens {
                 for (o, &op) in OPS.iter().enumerate() {
@@ -98,12 +110,12 @@ fn done(c: flagcx::p2p::Collective) -> Vec<flagcx::Request> {
 }
 
 /// One call of the client's pattern, checked on `T`.
-fn call(
-    a: &Adaptor,
-    comm: &Comm<Adaptor>,
-    s: &Stream<Adaptor>,
-    t: &Stream<Adaptor>,
-    (before, after): (&Event<Adaptor>, &Event<Adaptor>),
+fn call<A: DeviceAdaptor + Clone>(
+    a: &A,
+    comm: &Comm<A>,
+    s: &Stream<A>,
+    t: &Stream<A>,
+    (before, after): (&Event<A>, &Event<A>),
     (op, tag, root): (Op, u64, usize),
     (input, output, len): (DevicePtr, DevicePtr, usize),
 ) {

@@ -47,6 +47,10 @@ pub enum FaultOp {
     /// Not a failing call: the adaptor claims no reduction types at all
     /// (`Capabilities::reduce_types` is 0), as a vendor without reduction kernels does.
     NoReduce,
+    /// Not a failing call: `ipc_get_handle` refuses memory that was not allocated through
+    /// this wrapper, as CUDA refuses `cudaMallocAsync` pool memory (`CUDA_ERROR_INVALID_VALUE`)
+    /// — allocate a client's buffers through the wrapped adaptor to model such memory.
+    ForeignNoHandle,
 }
 
 impl std::str::FromStr for FaultOp {
@@ -65,12 +69,13 @@ impl std::str::FromStr for FaultOp {
             "ipc_import_fd" => Ok(FaultOp::IpcImportFd),
             "reduce" => Ok(FaultOp::Reduce),
             "no_reduce" => Ok(FaultOp::NoReduce),
+            "foreign_no_handle" => Ok(FaultOp::ForeignNoHandle),
             _ => Err(AdaptorError::invalid(
                 "FaultOp",
                 format!(
                     "{s:?}: expected h2d, d2h, d2d, register, event_query, stream_write, \
-                     stream_wait, ipc_open_mapped, alloc_shareable, ipc_import_fd, reduce or \
-                     no_reduce"
+                     stream_wait, ipc_open_mapped, alloc_shareable, ipc_import_fd, reduce, \
+                     no_reduce or foreign_no_handle"
                 ),
             )),
         }
@@ -89,6 +94,9 @@ pub struct FaultyAdaptor<A: DeviceAdaptor> {
     /// Where set, the chosen call blocks this long and then succeeds instead of failing: a
     /// runtime call that hangs (CUDA's, behind a lock another thread holds).
     stall: Option<std::time::Duration>,
+    /// Bases of the allocations made through this wrapper (and its clones), for
+    /// [`FaultOp::ForeignNoHandle`].
+    own: Arc<std::sync::Mutex<std::collections::HashSet<u64>>>,
 }
 
 impl<A: DeviceAdaptor> FaultyAdaptor<A> {
@@ -99,6 +107,7 @@ impl<A: DeviceAdaptor> FaultyAdaptor<A> {
             op,
             left: Arc::new(AtomicIsize::new(after as isize)),
             stall: None,
+            own: Arc::default(),
         }
     }
 
@@ -119,6 +128,14 @@ impl<A: DeviceAdaptor> FaultyAdaptor<A> {
     /// Whether the fault has fired.
     pub fn fired(&self) -> bool {
         self.left.load(Ordering::Acquire) < 0
+    }
+
+    /// Notes an allocation made through the wrapper.
+    fn owned(&self, r: Result<DevicePtr>) -> Result<DevicePtr> {
+        if let Ok(p) = r {
+            crate::tracking::lock(&self.own).insert(p.0);
+        }
+        r
     }
 
     fn check(&self, op: FaultOp, name: &'static str) -> Result<()> {
@@ -166,14 +183,14 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         c
     }
     fn mem_alloc(&self, size: usize) -> Result<DevicePtr> {
-        self.inner.mem_alloc(size)
+        self.owned(self.inner.mem_alloc(size))
     }
     fn mem_alloc_shareable(&self, size: usize) -> Result<DevicePtr> {
-        self.inner.mem_alloc_shareable(size)
+        self.owned(self.inner.mem_alloc_shareable(size))
     }
     fn mem_alloc_shareable_on(&self, size: usize, device: usize) -> Result<DevicePtr> {
         self.check(FaultOp::AllocShareable, "mem_alloc_shareable_on")?;
-        self.inner.mem_alloc_shareable_on(size, device)
+        self.owned(self.inner.mem_alloc_shareable_on(size, device))
     }
     unsafe fn mem_free(&self, ptr: DevicePtr) -> Result<()> {
         // SAFETY: forwarded contract.
@@ -328,6 +345,17 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         self.inner.event_elapsed_ms(start, end)
     }
     fn ipc_get_handle(&self, ptr: DevicePtr) -> Result<IpcMemHandle> {
+        if self.op == FaultOp::ForeignNoHandle {
+            let (base, _) = self.inner.mem_get_range(ptr)?;
+            if !crate::tracking::lock(&self.own).contains(&base.0) {
+                return Err(AdaptorError::Vendor {
+                    vendor: self.inner.vendor(),
+                    op: "ipc_get_handle",
+                    code: INJECTED_CODE,
+                    name: "CUDA_ERROR_INVALID_VALUE".into(),
+                });
+            }
+        }
         self.inner.ipc_get_handle(ptr)
     }
     fn ipc_open_handle(&self, handle: &IpcMemHandle) -> Result<DevicePtr> {

@@ -121,6 +121,12 @@ pub struct Comm<A: DeviceAdaptor> {
     pub(crate) bounce: Mutex<crate::transport::eager::Bounce>,
     /// Device scratch memory of the reductions (`crate::scratch`), made at the first one.
     pub(crate) scratch: Mutex<crate::scratch::Scratch>,
+    /// Per peer and direction (`Dir as usize`): this rank names its buffer to the peer, which
+    /// copies (IPC pairs), so memory without an IPC handle needs a stand-in.
+    pub(crate) names_buffer: Vec<[bool; 2]>,
+    /// Exportable buffers standing in for memory without an IPC handle
+    /// (`transport::standin`), freed with the communicator.
+    pub(crate) stand_ins: Arc<Mutex<crate::transport::standin::StandIns>>,
     /// Per thread with a group open: collectives posted in it that run at its end, after its
     /// point-to-point operations ([`Comm::group_end`]).
     pub(crate) deferred: Mutex<std::collections::HashMap<u64, Vec<Deferred<A>>>>,
@@ -215,6 +221,7 @@ impl<A: DeviceAdaptor> Comm<A> {
     pub fn stats(&self) -> PathStats {
         PathStats {
             overlapping_posts: self.posting.overlaps.load(Ordering::Relaxed),
+            stand_in_bytes: crate::transport::standin::held(&self.stand_ins) as u64,
             ..self.shared.stats()
         }
     }
@@ -453,7 +460,11 @@ impl<A: DeviceAdaptor> Comm<A> {
                 return Ok(r);
             }
         }
-        if caller && !ordered && after == 0 {
+        let stand_in = match ordered {
+            true => None,
+            false => self.stand_in_for(peer, dir, ptr, bytes)?,
+        };
+        if caller && !ordered && after == 0 && stand_in.is_none() {
             if let Some(r) = self.try_caller_ipc(dir, ptr, bytes, peer, stream, start, &mut keep)? {
                 return Ok(r);
             }
@@ -472,6 +483,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             keep,
             posted: self.config.profile.then(std::time::Instant::now),
             resume: None,
+            stand_in,
         };
         let mut g = lock(&self.group);
         let seq = match g.get_mut(&me) {
@@ -586,6 +598,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             keep: keep.take(),
             posted: self.config.profile.then(std::time::Instant::now),
             resume,
+            stand_in: None,
         };
         {
             let mut inbox = self.inbox_for_handover(|| false);
@@ -663,6 +676,7 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
         lock(&self.bounce).release(&self.adaptor);
         let wait = self.config.timeout.unwrap_or(Duration::from_secs(30));
         lock(&self.scratch).release(&self.adaptor, wait);
+        crate::transport::standin::release(&self.stand_ins, &self.adaptor);
         for l in self.streamed.iter().flatten() {
             l.release(&self.adaptor);
         }

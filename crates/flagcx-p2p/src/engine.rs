@@ -214,6 +214,7 @@ impl Shared {
             joins_held: self.joins_held.load(Ordering::Relaxed),
             waiter_moves: self.waiter_moves.load(Ordering::Relaxed),
             overlapping_posts: 0,
+            stand_in_bytes: 0,
         }
     }
 
@@ -447,7 +448,8 @@ impl<A: DeviceAdaptor> Engine<A> {
         }
     }
 
-    fn finish(&mut self, op: Op, r: Result<usize>) {
+    fn finish(&mut self, mut op: Op, r: Result<usize>) {
+        op.settle_stand_in(r.is_ok());
         if let Err(e) = &r {
             self.shared.record_error(e);
             tracing::debug!(seq = op.seq, peer = op.peer, "operation failed: {e}");

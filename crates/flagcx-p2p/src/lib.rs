@@ -117,4 +117,8 @@ pub struct PathStats {
     /// communicator. With joined streams that can leave ranks waiting on each other (see
     /// [`Comm`], "one order per communicator"; the first is logged as a warning).
     pub overlapping_posts: u64,
+    /// Device memory the communicator holds as stand-ins: exportable buffers that carry IPC
+    /// messages whose own memory has no IPC handle (CUDA's `cudaMallocAsync` pools), reused
+    /// and freed with the communicator.
+    pub stand_in_bytes: u64,
 }

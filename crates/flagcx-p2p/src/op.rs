@@ -243,6 +243,20 @@ pub(crate) struct Op {
     /// Where the proxy takes over an operation the posting thread began itself (IPC pairs,
     /// see `Comm::try_caller_ipc`); `None`: from the start.
     pub resume: Option<Resume>,
+    /// IPC pairs, where this side names its buffer to the peer and the runtime has no handle
+    /// for it (pool memory): the exportable buffer that stands in for it
+    /// (`transport::standin`).
+    pub stand_in: Option<crate::transport::standin::StandIn>,
+}
+
+impl Op {
+    /// Ends the operation's hold on its stand-in (`transport::standin`): back to the pool
+    /// where the operation succeeded (nobody touches it any more), else kept aside.
+    pub(crate) fn settle_stand_in(&mut self, ok: bool) {
+        if let (true, Some(s)) = (ok, self.stand_in.as_mut()) {
+            s.done();
+        }
+    }
 }
 
 /// How far the posting thread got with an IPC operation before handing it to the proxy.

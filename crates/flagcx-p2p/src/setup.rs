@@ -635,6 +635,17 @@ impl<A: DeviceAdaptor> Comm<A> {
                 })
             })
             .collect();
+        // Where this rank names its buffer to an IPC peer (the peer copies): a send where the
+        // peer pulls, a receive where the peer pushes (`transport::standin`).
+        let names_buffer = peers
+            .iter()
+            .map(|c| match c {
+                Some(c) if c.transport == TransportKind::Ipc => {
+                    [c.roles.peer_pulls, !c.roles.we_pull]
+                }
+                _ => [false; 2],
+            })
+            .collect();
         let net = NetState::connect(&adaptor, &boot, &transports, config.net_staging)?;
         // Eager messages of device memory the CPU cannot reach go through pinned bounce
         // buffers (the posting threads' and the proxy's), made now.
@@ -705,6 +716,8 @@ impl<A: DeviceAdaptor> Comm<A> {
             ports: Default::default(),
             bounce,
             scratch: Default::default(),
+            names_buffer,
+            stand_ins: Default::default(),
             deferred: Default::default(),
         })
     }

@@ -130,6 +130,7 @@ impl Marks {
     }
 
     /// Whether `h` is a mark of this table.
+    #[cfg(test)]
     pub(super) fn owns(&self, h: u64) -> bool {
         h & MARK_TAG == MARK_TAG && self.live.contains_key(&h)
     }

@@ -27,6 +27,7 @@ pub(crate) mod late;
 pub(crate) mod net;
 pub(crate) mod rendezvous;
 pub(crate) mod staged;
+pub(crate) mod standin;
 pub(crate) mod streamed;
 
 use std::collections::VecDeque;
@@ -202,6 +203,12 @@ pub(crate) enum Phase {
     AwaitOffer,
     /// Receiver (IPC, pulling): the copy out of the sender's memory is in flight.
     Pulling { ev: EventHandle, size: usize },
+    /// Sender (IPC, the receiver pulls, no IPC handle for the buffer): the copy of the
+    /// caller's buffer into its stand-in is in flight ([`standin`]).
+    ToStandIn(EventHandle),
+    /// Receiver (IPC, the sender pushed into the stand-in): the copy of the `size` bytes from
+    /// the stand-in into the caller's buffer is in flight ([`standin`]).
+    FromStandIn { ev: EventHandle, size: usize },
     /// Staged, either side: `total` bytes in chunks, `issued` of them issued so far.
     Chunks {
         total: usize,
@@ -233,6 +240,8 @@ impl Phase {
             Phase::AwaitSendDesc => "waiting for the peer's send (or its data)".into(),
             Phase::AwaitOffer => "waiting for the peer to post the matching send".into(),
             Phase::Pulling { .. } => "waiting for the copy out of the peer's buffer".into(),
+            Phase::ToStandIn(_) => "waiting for the copy of the buffer into its stand-in".into(),
+            Phase::FromStandIn { .. } => "waiting for the copy out of the buffer's stand-in".into(),
             Phase::Chunks { total, issued, .. } => {
                 format!("waiting for the peer's side of the staged chunks ({issued} of {total} bytes issued)")
             }

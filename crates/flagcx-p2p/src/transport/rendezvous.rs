@@ -98,7 +98,23 @@ impl<A: DeviceAdaptor> Engine<A> {
                 if bytes > 0 && !started(&self.adaptor, self.watermark, &step.op)? {
                     return Ok(Progress::Idle { on_peer: false });
                 }
-                let e = export(&self.adaptor, step.op.ptr, bytes, conn.transport)?;
+                // Memory without an IPC handle is offered through its stand-in, filled first.
+                let ptr = match step.op.stand_in.as_ref() {
+                    Some(s) if !s.filled => {
+                        let (dst, src, stream) = (s.ptr, step.op.ptr, self.send_stream);
+                        let ev = self.enqueue(stream, |a| {
+                            // SAFETY: the stand-in holds at least `bytes` and is this
+                            // operation's alone; the caller's buffer is valid until the
+                            // operation completes and its stream passed the posting point.
+                            unsafe { a.memcpy_d2d_async(dst, src, bytes, stream) }
+                        })?;
+                        step.phase = Phase::ToStandIn(ev);
+                        return Ok(Progress::Moved);
+                    }
+                    Some(s) => s.ptr,
+                    None => step.op.ptr,
+                };
+                let e = export(&self.adaptor, ptr, bytes, conn.transport)?;
                 let sd = SendDesc {
                     size: bytes as u64,
                     status: SendStatus::Ok,
@@ -139,9 +155,24 @@ impl<A: DeviceAdaptor> Engine<A> {
                 }
                 Ok(Progress::Done(Ok(bytes)))
             }
+            Phase::ToStandIn(ev) => {
+                if !self.adaptor.event_query(ev)? {
+                    return Ok(Progress::Idle { on_peer: false });
+                }
+                self.copy_done(&mut step.op, ev);
+                if let Some(s) = step.op.stand_in.as_mut() {
+                    s.filled = true;
+                }
+                step.phase = Phase::Offer;
+                Ok(Progress::Moved)
+            }
             Phase::Chunks { .. } => self.pump(p, Dir::Send, step),
             Phase::Net(_) => Err(net_in_rendezvous(p)),
-            Phase::Announce | Phase::AwaitSendDesc | Phase::AwaitOffer | Phase::Pulling { .. } => {
+            Phase::Announce
+            | Phase::AwaitSendDesc
+            | Phase::AwaitOffer
+            | Phase::Pulling { .. }
+            | Phase::FromStandIn { .. } => {
                 unreachable!("receive phases")
             }
             Phase::Streamed { .. } | Phase::Late { .. } => {
@@ -174,7 +205,9 @@ impl<A: DeviceAdaptor> Engine<A> {
                     if !started(&self.adaptor, self.watermark, &step.op)? {
                         return Ok(Progress::Idle { on_peer: false });
                     }
-                    let e = export(&self.adaptor, step.op.ptr, bytes, conn.transport)?;
+                    // Memory without an IPC handle is announced through its stand-in.
+                    let ptr = step.op.stand_in.as_ref().map_or(step.op.ptr, |s| s.ptr);
+                    let e = export(&self.adaptor, ptr, bytes, conn.transport)?;
                     (desc.handle, desc.offset, desc.span) = (e.handle, e.offset, e.span);
                 }
                 let conn = self.peers[p].as_mut().expect("present");
@@ -208,6 +241,20 @@ impl<A: DeviceAdaptor> Engine<A> {
                     || size == 0
                 {
                     conn.inc.store(Counter::RecvDone, step.index + 1);
+                    if let (None, Some(s)) = (&failed, step.op.stand_in.as_ref()) {
+                        if size > 0 && conn.transport == TransportKind::Ipc {
+                            // The data is in the stand-in: one copy more, into the buffer.
+                            let (dst, src, stream) = (step.op.ptr, s.ptr, self.recv_stream);
+                            let ev = self.enqueue(stream, |a| {
+                                // SAFETY: the sender wrote `size <= bytes` bytes into the
+                                // stand-in and answered; the caller's buffer holds `bytes`
+                                // and is valid until the operation completes.
+                                unsafe { a.memcpy_d2d_async(dst, src, size, stream) }
+                            })?;
+                            step.phase = Phase::FromStandIn { ev, size };
+                            return Ok(Progress::Moved);
+                        }
+                    }
                     return Ok(Progress::Done(failed.map_or(Ok(size), Err)));
                 }
                 step.phase = Phase::Chunks {
@@ -278,9 +325,20 @@ impl<A: DeviceAdaptor> Engine<A> {
                 give_verdict(&conn.inc, step.index, step.op.bytes);
                 Ok(Progress::Done(Ok(size)))
             }
+            Phase::FromStandIn { ev, size } => {
+                if !self.adaptor.event_query(ev)? {
+                    return Ok(Progress::Idle { on_peer: false });
+                }
+                self.copy_done(&mut step.op, ev);
+                Ok(Progress::Done(Ok(size)))
+            }
             Phase::Chunks { .. } => self.pump(p, Dir::Recv, step),
             Phase::Net(_) => Err(net_in_rendezvous(p)),
-            Phase::AwaitRecvDesc | Phase::Copying(_) | Phase::Offer | Phase::AwaitVerdict => {
+            Phase::AwaitRecvDesc
+            | Phase::Copying(_)
+            | Phase::Offer
+            | Phase::AwaitVerdict
+            | Phase::ToStandIn(_) => {
                 unreachable!("send phases")
             }
             Phase::Streamed { .. } | Phase::Late { .. } => {
