@@ -174,6 +174,7 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         "queue_join.c",
         "ocl_cuda_extmem.c",
         "ocl_roundtrip.c",
+        "pageable_calls.c",
     ] {
         std::fs::copy(root().join("benches/probes").join(probe), out.join(probe))
             .map_err(|e| format!("copy the probe {probe}: {e}"))?;

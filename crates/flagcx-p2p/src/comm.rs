@@ -125,8 +125,8 @@ pub struct Comm<A: DeviceAdaptor> {
     /// copies (IPC pairs), so memory without an IPC handle needs a stand-in.
     pub(crate) names_buffer: Vec<[bool; 2]>,
     /// Exportable buffers standing in for memory without an IPC handle
-    /// (`transport::standin`), freed with the communicator.
-    pub(crate) stand_ins: Arc<Mutex<crate::transport::standin::StandIns>>,
+    /// (`crate::standin`), freed with the communicator.
+    pub(crate) stand_ins: Arc<Mutex<crate::standin::StandIns>>,
     /// Per thread with a group open: collectives posted in it that run at its end, after its
     /// point-to-point operations ([`Comm::group_end`]).
     pub(crate) deferred: Mutex<std::collections::HashMap<u64, Vec<Deferred<A>>>>,
@@ -221,7 +221,7 @@ impl<A: DeviceAdaptor> Comm<A> {
     pub fn stats(&self) -> PathStats {
         PathStats {
             overlapping_posts: self.posting.overlaps.load(Ordering::Relaxed),
-            stand_in_bytes: crate::transport::standin::held(&self.stand_ins) as u64,
+            stand_in_bytes: crate::standin::held(&self.stand_ins) as u64,
             ..self.shared.stats()
         }
     }
@@ -676,7 +676,7 @@ impl<A: DeviceAdaptor> Drop for Comm<A> {
         lock(&self.bounce).release(&self.adaptor);
         let wait = self.config.timeout.unwrap_or(Duration::from_secs(30));
         lock(&self.scratch).release(&self.adaptor, wait);
-        crate::transport::standin::release(&self.stand_ins, &self.adaptor);
+        crate::standin::release(&self.stand_ins, &self.adaptor);
         for l in self.streamed.iter().flatten() {
             l.release(&self.adaptor);
         }

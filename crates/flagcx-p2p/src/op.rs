@@ -245,12 +245,12 @@ pub(crate) struct Op {
     pub resume: Option<Resume>,
     /// IPC pairs, where this side names its buffer to the peer and the runtime has no handle
     /// for it (pool memory): the exportable buffer that stands in for it
-    /// (`transport::standin`).
-    pub stand_in: Option<crate::transport::standin::StandIn>,
+    /// (`crate::standin`).
+    pub stand_in: Option<crate::standin::StandIn>,
 }
 
 impl Op {
-    /// Ends the operation's hold on its stand-in (`transport::standin`): back to the pool
+    /// Ends the operation's hold on its stand-in (`crate::standin`): back to the pool
     /// where the operation succeeded (nobody touches it any more), else kept aside.
     pub(crate) fn settle_stand_in(&mut self, ok: bool) {
         if let (true, Some(s)) = (ok, self.stand_in.as_mut()) {

@@ -635,17 +635,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                 })
             })
             .collect();
-        // Where this rank names its buffer to an IPC peer (the peer copies): a send where the
-        // peer pulls, a receive where the peer pushes (`transport::standin`).
-        let names_buffer = peers
-            .iter()
-            .map(|c| match c {
-                Some(c) if c.transport == TransportKind::Ipc => {
-                    [c.roles.peer_pulls, !c.roles.we_pull]
-                }
-                _ => [false; 2],
-            })
-            .collect();
+        let names_buffer = crate::transport::ipc::names_buffer(&peers);
         let net = NetState::connect(&adaptor, &boot, &transports, config.net_staging)?;
         // Eager messages of device memory the CPU cannot reach go through pinned bounce
         // buffers (the posting threads' and the proxy's), made now.

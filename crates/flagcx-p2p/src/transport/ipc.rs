@@ -469,6 +469,44 @@ impl<A: DeviceAdaptor> Comm<A> {
     }
 }
 
+impl<A: DeviceAdaptor> Comm<A> {
+    /// The stand-in (`crate::standin`) a message needs (`None`: none): this rank names its buffer to the peer in
+    /// `dir` and the runtime has no IPC handle for the memory at `ptr`.
+    pub(crate) fn stand_in_for(
+        &self,
+        peer: usize,
+        dir: Dir,
+        ptr: DevicePtr,
+        bytes: usize,
+    ) -> Result<Option<crate::standin::StandIn>> {
+        let names = self.names_buffer.get(peer).is_some_and(|n| n[dir as usize]);
+        if !names || bytes == 0 {
+            return Ok(None);
+        }
+        match export(&self.adaptor, ptr, bytes, TransportKind::Ipc) {
+            Ok(_) => Ok(None),
+            Err(e) => {
+                tracing::debug!(
+                    "rank {}: {bytes} bytes at {ptr} have no IPC handle ({e}); a stand-in carries them",
+                    self.rank
+                );
+                crate::standin::take(&self.stand_ins, &self.adaptor, bytes).map(Some)
+            }
+        }
+    }
+}
+
+/// Per peer and direction (`Dir as usize`): whether this rank names its buffer to the peer,
+/// which copies — a send the peer pulls, a receive the peer pushes into (IPC pairs only).
+pub(crate) fn names_buffer(peers: &[Option<super::PeerConn>]) -> Vec<[bool; 2]> {
+    let names = |c: &super::PeerConn| [c.roles.peer_pulls, !c.roles.we_pull];
+    let ipc = |c: &&super::PeerConn| c.transport == TransportKind::Ipc;
+    peers
+        .iter()
+        .map(|c| c.as_ref().filter(ipc).map_or([false; 2], names))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -27,7 +27,6 @@ pub(crate) mod late;
 pub(crate) mod net;
 pub(crate) mod rendezvous;
 pub(crate) mod staged;
-pub(crate) mod standin;
 pub(crate) mod streamed;
 
 use std::collections::VecDeque;
@@ -204,10 +203,10 @@ pub(crate) enum Phase {
     /// Receiver (IPC, pulling): the copy out of the sender's memory is in flight.
     Pulling { ev: EventHandle, size: usize },
     /// Sender (IPC, the receiver pulls, no IPC handle for the buffer): the copy of the
-    /// caller's buffer into its stand-in is in flight ([`standin`]).
+    /// caller's buffer into its stand-in is in flight ([`crate::standin`]).
     ToStandIn(EventHandle),
     /// Receiver (IPC, the sender pushed into the stand-in): the copy of the `size` bytes from
-    /// the stand-in into the caller's buffer is in flight ([`standin`]).
+    /// the stand-in into the caller's buffer is in flight ([`crate::standin`]).
     FromStandIn { ev: EventHandle, size: usize },
     /// Staged, either side: `total` bytes in chunks, `issued` of them issued so far.
     Chunks {

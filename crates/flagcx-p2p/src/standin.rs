@@ -24,6 +24,10 @@ use flagcx_adaptor::{DeviceAdaptor, DevicePtr};
 
 use crate::error::Result;
 
+fn lock(m: &Mutex<StandIns>) -> std::sync::MutexGuard<'_, StandIns> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// The smallest stand-in allocated: small messages reuse one allocation.
 pub(crate) const MIN_STAND_IN: usize = 1 << 20;
 
@@ -59,9 +63,7 @@ impl StandIn {
 impl Drop for StandIn {
     fn drop(&mut self) {
         if self.done {
-            crate::engine::lock(&self.pool)
-                .free
-                .push((self.ptr, self.len));
+            lock(&self.pool).free.push((self.ptr, self.len));
         }
     }
 }
@@ -73,7 +75,7 @@ pub(crate) fn take<A: DeviceAdaptor>(
     a: &A,
     bytes: usize,
 ) -> Result<StandIn> {
-    let mut g = crate::engine::lock(pool);
+    let mut g = lock(pool);
     let best = g
         .free
         .iter()
@@ -101,7 +103,7 @@ pub(crate) fn take<A: DeviceAdaptor>(
 
 /// Frees every stand-in of `pool` (the communicator is going away and its operations ended).
 pub(crate) fn release<A: DeviceAdaptor>(pool: &Mutex<StandIns>, a: &A) {
-    let mut g = crate::engine::lock(pool);
+    let mut g = lock(pool);
     g.free.clear();
     for (ptr, _) in g.all.drain(..) {
         // SAFETY: allocated by `take`; every operation that used it ended (the proxy was
@@ -112,34 +114,7 @@ pub(crate) fn release<A: DeviceAdaptor>(pool: &Mutex<StandIns>, a: &A) {
 
 /// Bytes the pool holds, free and lent ([`crate::PathStats::stand_in_bytes`]).
 pub(crate) fn held(pool: &Mutex<StandIns>) -> usize {
-    crate::engine::lock(pool).all.iter().map(|&(_, l)| l).sum()
-}
-
-impl<A: DeviceAdaptor> crate::comm::Comm<A> {
-    /// The stand-in a message needs (`None`: none): this rank names its buffer to the peer in
-    /// `dir` and the runtime has no IPC handle for the memory at `ptr`.
-    pub(crate) fn stand_in_for(
-        &self,
-        peer: usize,
-        dir: crate::engine::Dir,
-        ptr: DevicePtr,
-        bytes: usize,
-    ) -> Result<Option<StandIn>> {
-        let names = self.names_buffer.get(peer).is_some_and(|n| n[dir as usize]);
-        if !names || bytes == 0 {
-            return Ok(None);
-        }
-        match super::export(&self.adaptor, ptr, bytes, crate::peer::TransportKind::Ipc) {
-            Ok(_) => Ok(None),
-            Err(e) => {
-                tracing::debug!(
-                    "rank {}: {bytes} bytes at {ptr} have no IPC handle ({e}); a stand-in carries them",
-                    self.rank
-                );
-                take(&self.stand_ins, &self.adaptor, bytes).map(Some)
-            }
-        }
-    }
+    lock(pool).all.iter().map(|&(_, l)| l).sum()
 }
 
 #[cfg(test)]
