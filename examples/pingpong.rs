@@ -7,7 +7,7 @@
 //! flagcx-run -n 2 --vendors cuda,host -- target/release/examples/pingpong
 //! ```
 //!
-//! Without `FLAGCX_RANK` in the environment it launches itself as two ranks (as `flagcx-run -n 2`
+//! Outside a job (no rank from `flagcx-run`, torchrun, `mpirun` or `srun`) it launches itself as two ranks (as `flagcx-run -n 2`
 //! would). The vendor is `FLAGCX_VENDOR` or the first one with a device.
 
 use std::process::ExitCode;
@@ -22,7 +22,7 @@ type Error = Box<dyn std::error::Error>;
 /// Two processes bounce a device buffer back and forth (sizes 8 B, ×4, up to MAX_MIB MiB) and
 /// report round-trip time and bandwidth per size, checking every byte of the last echo.
 ///
-/// Without FLAGCX_RANK it starts its own two ranks; under flagcx-run each process is one rank.
+/// Outside a job it starts its own two ranks; under a launcher each process is one rank.
 /// The vendor is FLAGCX_VENDOR or the first one with a device.
 #[derive(clap::Parser)]
 #[command(name = "pingpong")]
@@ -35,7 +35,7 @@ struct Args {
 fn main() -> ExitCode {
     flagcx::init_logging();
     let args = <Args as clap::Parser>::parse();
-    let result = if std::env::var_os("FLAGCX_RANK").is_none() {
+    let result = if !flagcx::p2p::RankEnv::launched() {
         self_launch()
     } else {
         rank_main(args.max_mib as usize)

@@ -582,6 +582,27 @@ impl RankEnv {
         Self::from_lookup(|name| std::env::var(name).ok().filter(|v| !v.trim().is_empty()))
     }
 
+    /// Whether a launcher put this process in a job: the rank and size variables of
+    /// `flagcx-run`, torchrun, Open MPI or Slurm (those [`RankEnv::from_env`] reads) are set.
+    /// Programs that start their own ranks when run alone (`flagcx-perf`, the examples) ask
+    /// this, so that `mpirun -np 2 flagcx-perf` is one job of two ranks, not two jobs.
+    pub fn launched() -> bool {
+        Self::launched_by(|name| std::env::var(name).ok())
+    }
+
+    /// [`RankEnv::launched`] over any variable lookup.
+    pub fn launched_by(var: impl Fn(&str) -> Option<String>) -> bool {
+        let set = |n: &str| var(n).is_some_and(|v| !v.trim().is_empty());
+        [
+            ("FLAGCX_RANK", "FLAGCX_NRANKS"),
+            ("RANK", "WORLD_SIZE"),
+            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+            ("SLURM_PROCID", "SLURM_NTASKS"),
+        ]
+        .iter()
+        .any(|&(r, n)| set(r) && set(n))
+    }
+
     /// [`RankEnv::from_env`] over any variable lookup (tests pass a map).
     pub fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let var = |n: &str| var(n).filter(|v| !v.trim().is_empty());

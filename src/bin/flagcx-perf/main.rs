@@ -9,7 +9,8 @@
 //!
 //! `flagcx-perf --help` explains every option.
 //!
-//! Without `FLAGCX_RANK` it starts `-N` ranks of itself (like `flagcx-run`). Rank 0 prints, per
+//! Outside a job (no rank from `flagcx-run`, torchrun, `mpirun` or `srun`) it starts `-N` ranks
+//! of itself (like `flagcx-run`). Rank 0 prints, per
 //! size: bytes, time (µs), algorithm and bus bandwidth (GB/s), wrong bytes (with `-c`), and the
 //! ceiling — the vendor's bare copy for that size measured just before in the same traffic
 //! pattern (device-to-device for IPC: within the device, or for a pair on two devices a peer
@@ -46,7 +47,7 @@ type Error = Box<dyn std::error::Error>;
 /// nccl-tests-style sweeps of point-to-point transfers, each size next to a ceiling measured in
 /// the same run and traffic pattern.
 ///
-/// Without FLAGCX_RANK in its environment it starts -N ranks of itself (as flagcx-run would);
+/// Outside a job (no rank from flagcx-run, torchrun, mpirun or srun) it starts -N ranks of itself;
 /// under a launcher (flagcx-run, torchrun, mpirun) each process is one rank. Rank 0 prints one
 /// row per size: bytes, time (µs), algorithm and bus bandwidth (GB/s), wrong bytes (with -c),
 /// the ceiling — the vendor's bare copy of that size, measured just before in the same traffic
@@ -227,7 +228,7 @@ fn parse() -> Opts {
             .exit();
     }
     // Under a launcher the job's size is known only to the ranks, which check it then.
-    if o.root as u64 >= o.nranks && std::env::var_os("FLAGCX_RANK").is_none() {
+    if o.root as u64 >= o.nranks && !flagcx::p2p::RankEnv::launched() {
         Opts::command()
             .error(
                 clap::error::ErrorKind::ValueValidation,
@@ -250,7 +251,7 @@ fn main() -> ExitCode {
     flagcx::init_logging();
     let o = parse();
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = if std::env::var_os("FLAGCX_RANK").is_none() {
+    let result = if !flagcx::p2p::RankEnv::launched() {
         self_launch(&o, &args)
     } else {
         rank_main(&o)

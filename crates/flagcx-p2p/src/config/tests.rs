@@ -311,3 +311,30 @@ fn reduce_check_is_on_unless_turned_off() {
     let e = Config::from_lookup(lookup(&[("FLAGCX_REDUCE_CHECK", "maybe")])).unwrap_err();
     assert!(e.to_string().contains("FLAGCX_REDUCE_CHECK"), "{e}");
 }
+
+#[test]
+fn a_process_is_launched_when_any_launchers_rank_and_size_are_set() {
+    let env = |pairs: &'static [(&'static str, &'static str)]| {
+        move |n: &str| {
+            pairs
+                .iter()
+                .find(|(k, _)| *k == n)
+                .map(|(_, v)| v.to_string())
+        }
+    };
+    assert!(!RankEnv::launched_by(env(&[])));
+    assert!(!RankEnv::launched_by(env(&[("OMPI_COMM_WORLD_RANK", "1")])));
+    assert!(!RankEnv::launched_by(env(&[
+        ("RANK", " "),
+        ("WORLD_SIZE", "2")
+    ])));
+    for pair in [
+        [("FLAGCX_RANK", "0"), ("FLAGCX_NRANKS", "2")],
+        [("RANK", "1"), ("WORLD_SIZE", "2")],
+        [("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2")],
+        [("SLURM_PROCID", "0"), ("SLURM_NTASKS", "4")],
+    ] {
+        let pairs: &'static [(&str, &str)] = Box::leak(Box::new(pair));
+        assert!(RankEnv::launched_by(env(pairs)), "{pairs:?}");
+    }
+}
