@@ -418,16 +418,15 @@ fn vendor_commands(vendor: &str) -> Vec<Command> {
         "host" => {
             // Everything vendor-neutral plus the host vendor, and the facade on the host vendor.
             let mut c = cargo();
-            c.args(["test", "--workspace"])
-                .args(["--exclude", "flagcx-hip", "--exclude", "flagcx-cuda"])
-                .args(["--exclude", "flagcx-opencl"])
-                .env("FLAGCX_VENDOR", "host");
+            c.arg("test").args(SHARED).env("FLAGCX_VENDOR", "host");
             cmds.push(c);
             // Faults, aborts and lost peers again with frees that wait for every stream, as
             // CUDA's do: the library must not free while a stream waits for it on any of
             // those paths (docs/reliability.md).
             let mut c = cargo();
-            c.args(["test", "-p", "flagcx", "--test", "reliability"])
+            c.arg("test")
+                .args(SHARED)
+                .args(["--test", "reliability"])
                 .env("FLAGCX_VENDOR", "host")
                 .env("FLAGCX_HOST_FREE_SYNC", "1");
             cmds.push(c);
@@ -436,44 +435,58 @@ fn vendor_commands(vendor: &str) -> Vec<Command> {
             let mut c = cargo();
             c.args(["test", "-p", &format!("flagcx-{other}")]);
             cmds.push(c);
+            // The facade's suites on this vendor: the host suite's own binaries (built with
+            // every vendor but HIP, whose library must be installed to link) where they serve.
+            let facade = |c: &mut Command, test: &str| {
+                c.arg("test");
+                if other == "hip" {
+                    c.args(["-p", "flagcx", "--features", other]);
+                } else {
+                    c.args(SHARED).args(["--exclude", "flagcx-host"]);
+                }
+                c.args(["--test", test]);
+            };
             let mut c = cargo();
-            c.args(["test", "-p", "flagcx", "--features", other])
-                .args(["--test", "conformance"])
-                .env("FLAGCX_VENDOR", other);
+            facade(&mut c, "conformance");
+            c.env("FLAGCX_VENDOR", other);
             cmds.push(c);
             if other == "opencl" {
                 // No GPU in CI: OpenCL (PoCL) is the second real runtime, so its p2p jobs run
                 // here — OpenCL ranks alone, and mixed with host-vendor ranks.
                 let mut c = cargo();
-                c.args(["test", "-p", "flagcx", "--features", other, "--test", "p2p"])
-                    .env("FLAGCX_P2P_TEST_VENDORS", other)
+                facade(&mut c, "p2p");
+                c.env("FLAGCX_P2P_TEST_VENDORS", other)
                     .env("FLAGCX_P2P_TEST_MIXED", format!("host,{other}"));
                 cmds.push(c);
                 // Faults, aborts and timeouts with OpenCL ranks: their streams join at gates,
                 // which an abort, a timeout and a lost peer must open.
                 let mut c = cargo();
-                c.args(["test", "-p", "flagcx", "--features", other])
-                    .args(["--test", "reliability"])
-                    .env("FLAGCX_P2P_TEST_VENDORS", other);
+                facade(&mut c, "reliability");
+                c.env("FLAGCX_P2P_TEST_VENDORS", other);
                 cmds.push(c);
                 // The C ABI with host and OpenCL ranks mixed.
                 let mut c = cargo();
-                c.args([
-                    "test",
-                    "-p",
-                    "flagcx",
-                    "--features",
-                    other,
-                    "--test",
-                    "capi",
-                ])
-                .args(["--", "opencl"]);
+                facade(&mut c, "capi");
+                c.args(["--", "opencl"]);
                 cmds.push(c);
             }
         }
     }
     cmds
 }
+
+/// The package selection of the host suite, which every other suite's facade tests reuse (the
+/// same selection resolves the same features, so one build serves all of them; `flagcx-py`
+/// turns on the facade's CUDA and OpenCL features). The vendor crates' own tests run per suite.
+const SHARED: [&str; 7] = [
+    "--workspace",
+    "--exclude",
+    "flagcx-hip",
+    "--exclude",
+    "flagcx-cuda",
+    "--exclude",
+    "flagcx-opencl",
+];
 
 /// Runs a cargo test command, echoing its output and counting passed tests.
 fn run_counting(what: &str, cmd: &mut Command) -> Result<usize> {
