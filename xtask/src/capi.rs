@@ -21,12 +21,24 @@ use crate::{cargo, root, run, Result};
 /// Builds and installs; returns the prefix (`target/flagcx`).
 pub(crate) fn capi(vendors: &[String]) -> Result<PathBuf> {
     let features: Vec<String> = vendors.iter().map(|v| v.to_string()).collect();
+    // Both libraries in one build: one feature resolution, so the library crates under them
+    // are compiled once (two builds compiled flagcx-p2p twice in release).
     let mut build = cargo();
-    build.args(["build", "--release", "-p", "flagcx-capi"]);
+    build.args([
+        "build",
+        "--release",
+        "-p",
+        "flagcx-capi",
+        "-p",
+        "flagcx-cxx",
+    ]);
     if !features.is_empty() {
         build.args(["--features", &features.join(",")]);
     }
-    run("building libflagcx (crates/flagcx-capi)", &mut build)?;
+    run(
+        "building libflagcx and libflagcx_cxx (crates/flagcx-capi, crates/flagcx-cxx)",
+        &mut build,
+    )?;
     let release = root().join("target/release");
     let prefix = root().join("target/flagcx");
     let _ = std::fs::remove_dir_all(&prefix);
@@ -48,12 +60,6 @@ pub(crate) fn capi(vendors: &[String]) -> Result<PathBuf> {
         &prefix.join("lib/libflagcx.a"),
     )?;
     // The C++ API: flagcx/comm.hpp over the cxx bridge (its generated header and cxx's own).
-    let mut build = cargo();
-    build.args(["build", "--release", "-p", "flagcx-cxx"]);
-    if !features.is_empty() {
-        build.args(["--features", &features.join(",")]);
-    }
-    run("building libflagcx_cxx (crates/flagcx-cxx)", &mut build)?;
     for d in ["include/flagcx", "include/rust", "lib/cmake/Flagcx"] {
         std::fs::create_dir_all(prefix.join(d)).map_err(|e| format!("{d}: {e}"))?;
     }

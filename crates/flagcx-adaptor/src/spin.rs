@@ -113,18 +113,54 @@ pub fn cores_from_env() -> usize {
 }
 
 /// The ranks on this machine as far as a vendor library can tell without a communicator:
-/// `FLAGCX_NRANKS` (set by `flagcx-run`), else 1.
+/// `FLAGCX_NRANKS` (set by `flagcx-run`), else the launcher's count of ranks on this node
+/// (torchrun's `LOCAL_WORLD_SIZE`, Open MPI's `OMPI_COMM_WORLD_LOCAL_SIZE`, Slurm's
+/// `SLURM_NTASKS_PER_NODE` where it is one number), else 1.
 pub fn ranks_from_env() -> usize {
-    std::env::var("FLAGCX_NRANKS")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(1)
+    ranks_from(|n| std::env::var(n).ok())
+}
+
+/// [`ranks_from_env`] over any variable lookup.
+pub fn ranks_from(var: impl Fn(&str) -> Option<String>) -> usize {
+    [
+        "FLAGCX_NRANKS",
+        "LOCAL_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "SLURM_NTASKS_PER_NODE",
+    ]
+    .iter()
+    .find_map(|n| var(n)?.trim().parse::<usize>().ok().filter(|&r| r > 0))
+    .unwrap_or(1)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{peer_yield_every, spin_rule};
+    use super::{peer_yield_every, ranks_from, spin_rule};
     use std::time::Duration;
+
+    #[test]
+    fn ranks_come_from_flagcx_run_else_the_launchers_local_count() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |n: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == n)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(ranks_from(env(&[])), 1);
+        assert_eq!(ranks_from(env(&[("OMPI_COMM_WORLD_LOCAL_SIZE", "2")])), 2);
+        assert_eq!(ranks_from(env(&[("LOCAL_WORLD_SIZE", "8")])), 8);
+        assert_eq!(
+            ranks_from(env(&[
+                ("FLAGCX_NRANKS", "3"),
+                ("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
+            ])),
+            3
+        );
+        // Slurm's "2(x3)" (two tasks on each of three nodes) is not one number: not used.
+        assert_eq!(ranks_from(env(&[("SLURM_NTASKS_PER_NODE", "2(x3)")])), 1);
+    }
 
     #[test]
     fn spins_50_us_on_any_machine() {
