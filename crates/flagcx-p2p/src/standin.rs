@@ -40,8 +40,9 @@ pub(crate) struct StandIns {
     all: Vec<(DevicePtr, usize)>,
 }
 
-/// A stand-in lent to one operation; back in the pool when dropped after [`StandIn::done`],
-/// else kept aside until teardown.
+/// A stand-in lent to one operation; back in the pool when dropped after [`StandIn::done`] or
+/// before it was ever named to the peer ([`StandIn::expose`]: a message that went another way,
+/// eagerly at a group's end), else kept aside until teardown.
 #[derive(Debug)]
 pub(crate) struct StandIn {
     pub(crate) ptr: DevicePtr,
@@ -50,6 +51,8 @@ pub(crate) struct StandIn {
     pub(crate) filled: bool,
     /// The operation succeeded: nobody touches the stand-in any more.
     done: bool,
+    /// Named to the peer (announced or offered): its copy engine may touch it.
+    exposed: bool,
     pool: Arc<Mutex<StandIns>>,
 }
 
@@ -58,11 +61,17 @@ impl StandIn {
     pub(crate) fn done(&mut self) {
         self.done = true;
     }
+
+    /// The stand-in is about to be named to the peer; returns its address.
+    pub(crate) fn expose(&mut self) -> DevicePtr {
+        self.exposed = true;
+        self.ptr
+    }
 }
 
 impl Drop for StandIn {
     fn drop(&mut self) {
-        if self.done {
+        if self.done || !self.exposed {
             lock(&self.pool).free.push((self.ptr, self.len));
         }
     }
@@ -97,6 +106,7 @@ pub(crate) fn take<A: DeviceAdaptor>(
         len,
         filled: false,
         done: false,
+        exposed: false,
         pool: pool.clone(),
     })
 }
@@ -137,7 +147,13 @@ mod tests {
         // A smaller message reuses it.
         let t = take(&pool, &a, 100).unwrap();
         assert_eq!(t.ptr, first);
-        // Dropped without success: kept aside, so the next take allocates anew.
+        // Dropped unused (never named to the peer): back in the pool.
+        drop(t);
+        let mut t = take(&pool, &a, 100).unwrap();
+        assert_eq!(t.ptr, first);
+        // Named to the peer, then dropped without success: kept aside, so the next take
+        // allocates anew.
+        t.expose();
         drop(t);
         let u = take(&pool, &a, 100).unwrap();
         assert_ne!(u.ptr, first);

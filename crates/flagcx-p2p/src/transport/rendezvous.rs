@@ -99,7 +99,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                     return Ok(Progress::Idle { on_peer: false });
                 }
                 // Memory without an IPC handle is offered through its stand-in, filled first.
-                let ptr = match step.op.stand_in.as_ref() {
+                let ptr = match step.op.stand_in.as_mut() {
                     Some(s) if !s.filled => {
                         let (dst, src, stream) = (s.ptr, step.op.ptr, self.send_stream);
                         let ev = self.enqueue(stream, |a| {
@@ -111,7 +111,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                         step.phase = Phase::ToStandIn(ev);
                         return Ok(Progress::Moved);
                     }
-                    Some(s) => s.ptr,
+                    Some(s) => s.expose(),
                     None => step.op.ptr,
                 };
                 let e = export(&self.adaptor, ptr, bytes, conn.transport)?;
@@ -206,7 +206,11 @@ impl<A: DeviceAdaptor> Engine<A> {
                         return Ok(Progress::Idle { on_peer: false });
                     }
                     // Memory without an IPC handle is announced through its stand-in.
-                    let ptr = step.op.stand_in.as_ref().map_or(step.op.ptr, |s| s.ptr);
+                    let ptr = step
+                        .op
+                        .stand_in
+                        .as_mut()
+                        .map_or(step.op.ptr, |s| s.expose());
                     let e = export(&self.adaptor, ptr, bytes, conn.transport)?;
                     (desc.handle, desc.offset, desc.span) = (e.handle, e.offset, e.span);
                 }
