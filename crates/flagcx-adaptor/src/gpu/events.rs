@@ -13,7 +13,8 @@ use crate::{AdaptorError, Result, WaitCondition};
 /// The variable choosing how the GPU core makes events without timing.
 pub(crate) const EVENTS_ENV: &str = "FLAGCX_GPU_EVENTS";
 
-/// How often a wait for a mark asks the runtime whether the recording stream failed.
+/// How often a wait for a mark (and, across the table, a query of a pending one) asks the
+/// runtime whether the recording stream failed.
 const FAULT_CHECK: Duration = Duration::from_millis(100);
 
 /// The mark table this device gets, if any: `auto` (or unset) takes marks where the runtime
@@ -102,9 +103,20 @@ impl<D: Driver> GpuAdaptor<D> {
         lock(self.marks()).destroy(e);
     }
 
-    /// Whether mark `e`'s last recording completed: a load, no runtime call.
-    pub(super) fn mark_query(&self, e: u64) -> bool {
-        lock(self.marks()).pending(e).is_none()
+    /// Whether mark `e`'s last recording completed: a load, and no runtime call but, at most
+    /// every [`FAULT_CHECK`] while marks are pending, a query of the recording stream, whose
+    /// failure (a faulted context, which never writes the word) is returned.
+    pub(super) fn mark_query(&self, e: u64) -> Result<bool> {
+        let (pending, due) = {
+            let mut m = lock(self.marks());
+            let p = m.pending(e);
+            let due = p.is_some() && m.fault_check_due(FAULT_CHECK);
+            (p, due)
+        };
+        if let (Some(p), true) = (pending, due) {
+            self.check_stream(p)?;
+        }
+        Ok(pending.is_none())
     }
 
     /// Makes live stream `s` wait for mark `e`'s last recording (nothing if it completed).

@@ -70,6 +70,8 @@ pub(super) struct Marks {
     retiring: Vec<(usize, u64)>,
     next_handle: u64,
     gen: u64,
+    /// When a query last asked the runtime about a pending mark's stream.
+    checked: Option<std::time::Instant>,
 }
 
 impl Marks {
@@ -170,6 +172,20 @@ impl Marks {
             gen: m.gen,
             stream: m.stream,
         })
+    }
+
+    /// Whether a pending mark's query should ask the runtime whether its stream failed: at
+    /// most once per `every` across the table (a faulted context never writes the word, where
+    /// the runtime's event query would have returned its error).
+    pub(super) fn fault_check_due(&mut self, every: std::time::Duration) -> bool {
+        let now = std::time::Instant::now();
+        match self.checked {
+            Some(t) if now.duration_since(t) < every => false,
+            _ => {
+                self.checked = Some(now);
+                true
+            }
+        }
     }
 
     /// Whether `pending` (from [`Marks::pending`]) has completed since.
@@ -328,6 +344,15 @@ mod tests {
         );
         assert!(err.is_err());
         assert_eq!(m.pending(h), Some(before));
+    }
+
+    #[test]
+    fn fault_checks_come_at_most_once_per_period() {
+        let mut m = Marks::default();
+        let every = std::time::Duration::from_secs(3600);
+        assert!(m.fault_check_due(every));
+        assert!(!m.fault_check_due(every));
+        assert!(m.fault_check_due(std::time::Duration::ZERO));
     }
 
     #[test]

@@ -705,7 +705,7 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
     fn event_query(&self, event: EventHandle) -> Result<bool> {
         let e = self.event(event)?;
         if events::is_mark(e) {
-            return Ok(self.mark_query(e));
+            return self.mark_query(e);
         }
         // SAFETY: a live event.
         unsafe { self.bound()?.event_query(e) }
