@@ -41,6 +41,15 @@ pub(super) fn is_mark(e: u64) -> bool {
 
 const SLAB_BYTES: usize = SLAB_WORDS * 8;
 
+/// What the table is given to grow with under its lock: nothing ([`GpuAdaptor::with_free_word`]
+/// made sure a word is free).
+fn no_growth() -> Result<Slab> {
+    Err(AdaptorError::invalid(
+        "event_create",
+        "no free event word (the table grows before it is locked)",
+    ))
+}
+
 fn slab_layout() -> std::alloc::Layout {
     // 4096-byte alignment: registration works on whole pages.
     std::alloc::Layout::from_size_align(SLAB_BYTES, 4096).expect("a valid constant layout")
@@ -80,18 +89,41 @@ impl<D: Driver> GpuAdaptor<D> {
         }
     }
 
+    /// The mark table, locked, with a free word: where none is, a slab is registered first
+    /// with the lock released (`cuMemHostRegister` waits while another thread copies into
+    /// pageable memory, and queries must not wait behind it).
+    fn with_free_word(&self) -> Result<std::sync::MutexGuard<'_, Marks>> {
+        let mut m = lock(self.marks());
+        if m.full() {
+            drop(m);
+            let slab = self.grow()?;
+            m = lock(self.marks());
+            m.add_slab(slab);
+        }
+        Ok(m)
+    }
+
+    /// Registers the first slab (at open, on the opening thread), so that later events
+    /// rarely register memory; a failure is left for the first event to meet.
+    pub(super) fn prepare_marks(&self) {
+        if self.inner.marks.is_some() {
+            // The guard goes at once; an error is left for the first event to meet again.
+            drop(self.with_free_word());
+        }
+    }
+
     /// A mark without a recording.
     pub(super) fn mark_create(&self) -> Result<u64> {
-        lock(self.marks()).create(|| self.grow())
+        self.with_free_word()?.create(no_growth)
     }
 
     /// Records mark `e` on stream `s` (both live): one 64-bit stream write.
     pub(super) fn mark_record(&self, e: u64, s: u64) -> Result<()> {
         let d = self.bound()?;
-        lock(self.marks()).record(
+        self.with_free_word()?.record(
             e,
             s,
-            || self.grow(),
+            no_growth,
             // SAFETY: `dev` is a word of a registered slab, which stays registered until
             // teardown; `s` is live.
             |dev, value| unsafe { d.write_value(s, dev, value, true) },

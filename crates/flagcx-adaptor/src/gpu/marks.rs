@@ -115,6 +115,21 @@ impl Marks {
         Ok(first)
     }
 
+    /// Whether no word is free (after freeing the retiring words whose write landed): the
+    /// caller grows the table ([`Marks::add_slab`]) before it creates or records, outside
+    /// the table's lock — registering memory is a runtime call that may wait.
+    pub(super) fn full(&mut self) -> bool {
+        self.reap();
+        self.free.is_empty()
+    }
+
+    /// Adds a slab's words to the free list.
+    pub(super) fn add_slab(&mut self, slab: Slab) {
+        let first = self.slabs.len() * SLAB_WORDS;
+        self.slabs.push(slab);
+        self.free.extend((first..first + SLAB_WORDS).rev());
+    }
+
     /// A new mark's handle (never recorded: complete).
     pub(super) fn create(&mut self, grow: impl FnOnce() -> Result<Slab>) -> Result<u64> {
         let word = self.take(grow)?;
@@ -344,6 +359,19 @@ mod tests {
         );
         assert!(err.is_err());
         assert_eq!(m.pending(h), Some(before));
+    }
+
+    #[test]
+    fn a_table_grown_before_locking_never_grows_under_its_lock() {
+        let mut keep = Vec::new();
+        let mut m = Marks::default();
+        assert!(m.full(), "an empty table has no free word");
+        m.add_slab(slab(&mut keep).unwrap());
+        assert!(!m.full());
+        for _ in 0..SLAB_WORDS {
+            m.create(|| panic!("grew under the lock")).unwrap();
+        }
+        assert!(m.full(), "every word taken");
     }
 
     #[test]

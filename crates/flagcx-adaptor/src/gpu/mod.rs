@@ -107,7 +107,7 @@ impl<D: Driver> GpuAdaptor<D> {
     pub fn open(device: usize) -> Result<Self> {
         let (driver, info) = D::open(device)?;
         let marks = events::marks_for(&info, std::env::var(events::EVENTS_ENV).ok().as_deref())?;
-        Ok(GpuAdaptor {
+        let adaptor = GpuAdaptor {
             inner: Arc::new(Core {
                 driver,
                 device,
@@ -121,7 +121,9 @@ impl<D: Driver> GpuAdaptor<D> {
                 registered: Mutex::default(),
                 peers: Mutex::default(),
             }),
-        })
+        };
+        adaptor.prepare_marks();
+        Ok(adaptor)
     }
 
     /// The driver, with this device's context current on the calling thread: for a vendor
