@@ -41,15 +41,6 @@ pub(super) fn is_mark(e: u64) -> bool {
 
 const SLAB_BYTES: usize = SLAB_WORDS * 8;
 
-/// What the table is given to grow with under its lock: nothing ([`GpuAdaptor::with_free_word`]
-/// made sure a word is free).
-fn no_growth() -> Result<Slab> {
-    Err(AdaptorError::invalid(
-        "event_create",
-        "no free event word (the table grows before it is locked)",
-    ))
-}
-
 fn slab_layout() -> std::alloc::Layout {
     // 4096-byte alignment: registration works on whole pages.
     std::alloc::Layout::from_size_align(SLAB_BYTES, 4096).expect("a valid constant layout")
@@ -114,7 +105,7 @@ impl<D: Driver> GpuAdaptor<D> {
 
     /// A mark without a recording.
     pub(super) fn mark_create(&self) -> Result<u64> {
-        self.with_free_word()?.create(no_growth)
+        self.with_free_word()?.create()
     }
 
     /// Records mark `e` on stream `s` (both live): one 64-bit stream write.
@@ -123,7 +114,6 @@ impl<D: Driver> GpuAdaptor<D> {
         self.with_free_word()?.record(
             e,
             s,
-            no_growth,
             // SAFETY: `dev` is a word of a registered slab, which stays registered until
             // teardown; `s` is live.
             |dev, value| unsafe { d.write_value(s, dev, value, true) },

@@ -103,16 +103,16 @@ impl Marks {
         }
     }
 
-    /// A free word, from a new slab (`grow`) when none is left.
-    fn take(&mut self, grow: impl FnOnce() -> Result<Slab>) -> Result<usize> {
+    /// A free word; none is an error: the table grows ([`Marks::add_slab`]) before the caller
+    /// locks it, never under the lock.
+    fn take(&mut self) -> Result<usize> {
         self.reap();
-        if let Some(w) = self.free.pop() {
-            return Ok(w);
-        }
-        let first = self.slabs.len() * SLAB_WORDS;
-        self.slabs.push(grow()?);
-        self.free.extend((first + 1..first + SLAB_WORDS).rev());
-        Ok(first)
+        self.free.pop().ok_or_else(|| {
+            crate::AdaptorError::invalid(
+                "event_create",
+                "no free event word (the table grows before it is locked)",
+            )
+        })
     }
 
     /// Whether no word is free (after freeing the retiring words whose write landed): the
@@ -131,8 +131,8 @@ impl Marks {
     }
 
     /// A new mark's handle (never recorded: complete).
-    pub(super) fn create(&mut self, grow: impl FnOnce() -> Result<Slab>) -> Result<u64> {
-        let word = self.take(grow)?;
+    pub(super) fn create(&mut self) -> Result<u64> {
+        let word = self.take()?;
         self.next_handle += 1;
         let h = MARK_TAG | self.next_handle;
         self.live.insert(
@@ -158,12 +158,11 @@ impl Marks {
         &mut self,
         h: u64,
         stream: u64,
-        grow: impl FnOnce() -> Result<Slab>,
         write: impl FnOnce(u64, u64) -> Result<()>,
     ) -> Result<()> {
         let m = self.live[&h];
         let moving = m.gen != 0 && m.stream != stream && !self.reached(m.word, m.gen);
-        let word = if moving { self.take(grow)? } else { m.word };
+        let word = if moving { self.take()? } else { m.word };
         let gen = self.gen + 1;
         if let Err(e) = write(self.device(word), gen) {
             if moving {
@@ -247,6 +246,14 @@ mod tests {
         })
     }
 
+    /// A new mark, growing the table first where it is full (as `GpuAdaptor::with_free_word`).
+    fn grown(m: &mut Marks, keep: &mut Vec<Box<[AtomicU64]>>) -> u64 {
+        if m.full() {
+            m.add_slab(slab(keep).unwrap());
+        }
+        m.create().unwrap()
+    }
+
     /// The device's write of `value` at `device`.
     fn land(device: u64, value: u64) {
         // SAFETY: `device` is an address of a slab the test keeps alive (device == host here).
@@ -257,19 +264,14 @@ mod tests {
     fn unrecorded_is_complete_and_a_recording_completes_when_its_write_lands() {
         let mut keep = Vec::new();
         let mut m = Marks::default();
-        let h = m.create(|| slab(&mut keep)).unwrap();
+        let h = grown(&mut m, &mut keep);
         assert!(m.owns(h) && !m.owns(h + 1) && !m.owns(0x7f00_1234_5678));
         assert_eq!(m.pending(h), None);
         let mut wrote = None;
-        m.record(
-            h,
-            1,
-            || unreachable!(),
-            |d, g| {
-                wrote = Some((d, g));
-                Ok(())
-            },
-        )
+        m.record(h, 1, |d, g| {
+            wrote = Some((d, g));
+            Ok(())
+        })
         .unwrap();
         let (d, g) = wrote.unwrap();
         let p = m.pending(h).expect("pending until the write lands");
@@ -283,18 +285,13 @@ mod tests {
     fn a_new_recording_on_another_stream_moves_off_a_pending_word() {
         let mut keep = Vec::new();
         let mut m = Marks::default();
-        let h = m.create(|| slab(&mut keep)).unwrap();
+        let h = grown(&mut m, &mut keep);
         let mut w = vec![];
         let mut rec = |m: &mut Marks, s| {
-            m.record(
-                h,
-                s,
-                || unreachable!(),
-                |d, g| {
-                    w.push((d, g));
-                    Ok(())
-                },
-            )
+            m.record(h, s, |d, g| {
+                w.push((d, g));
+                Ok(())
+            })
             .unwrap()
         };
         rec(&mut m, 1);
@@ -309,17 +306,12 @@ mod tests {
         land(second.0, second.1);
         assert_eq!(m.pending(h), None);
         // The old word is not reused while its write is out.
-        let other = m.create(|| unreachable!()).unwrap();
+        let other = m.create().unwrap();
         let mut got = 0;
-        m.record(
-            other,
-            3,
-            || unreachable!(),
-            |d, _| {
-                got = d;
-                Ok(())
-            },
-        )
+        m.record(other, 3, |d, _| {
+            got = d;
+            Ok(())
+        })
         .unwrap();
         assert_ne!(got, first.0);
         land(first.0, first.1);
@@ -334,29 +326,21 @@ mod tests {
     fn the_same_stream_keeps_its_word_and_a_failed_write_keeps_the_old_recording() {
         let mut keep = Vec::new();
         let mut m = Marks::default();
-        let h = m.create(|| slab(&mut keep)).unwrap();
+        let h = grown(&mut m, &mut keep);
         let mut w = vec![];
         for _ in 0..2 {
-            m.record(
-                h,
-                5,
-                || unreachable!(),
-                |d, g| {
-                    w.push((d, g));
-                    Ok(())
-                },
-            )
+            m.record(h, 5, |d, g| {
+                w.push((d, g));
+                Ok(())
+            })
             .unwrap();
         }
         assert_eq!(w[0].0, w[1].0);
         assert!(w[1].1 > w[0].1);
         let before = m.pending(h).unwrap();
-        let err = m.record(
-            h,
-            6,
-            || unreachable!(),
-            |_, _| Err(crate::AdaptorError::invalid("test", "refused")),
-        );
+        let err = m.record(h, 6, |_, _| {
+            Err(crate::AdaptorError::invalid("test", "refused"))
+        });
         assert!(err.is_err());
         assert_eq!(m.pending(h), Some(before));
     }
@@ -369,9 +353,13 @@ mod tests {
         m.add_slab(slab(&mut keep).unwrap());
         assert!(!m.full());
         for _ in 0..SLAB_WORDS {
-            m.create(|| panic!("grew under the lock")).unwrap();
+            m.create().unwrap();
         }
         assert!(m.full(), "every word taken");
+        assert!(
+            m.create().is_err(),
+            "a full table does not grow under its lock"
+        );
     }
 
     #[test]
@@ -388,20 +376,15 @@ mod tests {
         let mut keep = Vec::new();
         let mut m = Marks::default();
         let hs: Vec<u64> = (0..SLAB_WORDS + 1)
-            .map(|_| m.create(|| slab(&mut keep)).unwrap())
+            .map(|_| grown(&mut m, &mut keep))
             .collect();
         assert_eq!(keep.len(), 2, "the 4097th mark took a second slab");
         let h = hs[0];
         let mut at = (0, 0);
-        m.record(
-            h,
-            1,
-            || unreachable!(),
-            |d, g| {
-                at = (d, g);
-                Ok(())
-            },
-        )
+        m.record(h, 1, |d, g| {
+            at = (d, g);
+            Ok(())
+        })
         .unwrap();
         m.destroy(h);
         assert_eq!(m.retiring, vec![(0, at.1)]);
