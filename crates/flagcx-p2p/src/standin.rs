@@ -20,13 +20,10 @@
 
 use std::sync::{Arc, Mutex};
 
+use flagcx_adaptor::tracking::lock;
 use flagcx_adaptor::{DeviceAdaptor, DevicePtr};
 
 use crate::error::Result;
-
-fn lock(m: &Mutex<StandIns>) -> std::sync::MutexGuard<'_, StandIns> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 /// The smallest stand-in allocated: small messages reuse one allocation.
 pub(crate) const MIN_STAND_IN: usize = 1 << 20;
