@@ -572,6 +572,25 @@ pub struct RankEnv {
     pub source: &'static str,
 }
 
+/// The launchers whose variables place a process in a job, in the order [`RankEnv`] reads
+/// them: each one's rank, size and local-rank variables, and its name.
+const LAUNCHERS: [(&str, &str, &str, &str); 4] = [
+    (
+        "FLAGCX_RANK",
+        "FLAGCX_NRANKS",
+        "FLAGCX_LOCAL_RANK",
+        "flagcx",
+    ),
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "torchrun"),
+    (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "openmpi",
+    ),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "slurm"),
+];
+
 impl RankEnv {
     /// Reads the rank from `FLAGCX_RANK`/`FLAGCX_NRANKS`/`FLAGCX_UNIQUE_ID` (as `flagcx-run`
     /// sets them), else torchrun's `RANK`/`WORLD_SIZE`/`LOCAL_RANK`, else Open MPI's
@@ -593,43 +612,27 @@ impl RankEnv {
     /// [`RankEnv::launched`] over any variable lookup.
     pub fn launched_by(var: impl Fn(&str) -> Option<String>) -> bool {
         let set = |n: &str| var(n).is_some_and(|v| !v.trim().is_empty());
-        [
-            ("FLAGCX_RANK", "FLAGCX_NRANKS"),
-            ("RANK", "WORLD_SIZE"),
-            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-            ("SLURM_PROCID", "SLURM_NTASKS"),
-        ]
-        .iter()
-        .any(|&(r, n)| set(r) && set(n))
+        LAUNCHERS.iter().any(|&(r, n, _, _)| set(r) && set(n))
     }
 
     /// [`RankEnv::from_env`] over any variable lookup (tests pass a map).
     pub fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let var = |n: &str| var(n).filter(|v| !v.trim().is_empty());
         let get = |n: &str| var(n).map(|v| parse_usize(n, &v)).transpose();
-        let (rank, nranks, local, source) =
-            if let (Some(r), Some(n)) = (get("FLAGCX_RANK")?, get("FLAGCX_NRANKS")?) {
-                (r, n, get("FLAGCX_LOCAL_RANK")?.unwrap_or(r), "flagcx")
-            } else if let (Some(r), Some(n)) = (get("RANK")?, get("WORLD_SIZE")?) {
-                (r, n, get("LOCAL_RANK")?.unwrap_or(r), "torchrun")
-            } else if let (Some(r), Some(n)) =
-                (get("OMPI_COMM_WORLD_RANK")?, get("OMPI_COMM_WORLD_SIZE")?)
-            {
-                (
-                    r,
-                    n,
-                    get("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(r),
-                    "openmpi",
-                )
-            } else if let (Some(r), Some(n)) = (get("SLURM_PROCID")?, get("SLURM_NTASKS")?) {
-                (r, n, get("SLURM_LOCALID")?.unwrap_or(r), "slurm")
-            } else {
-                return Err(CommError::Bootstrap(
-                    "no rank in the environment: set FLAGCX_RANK, FLAGCX_NRANKS and \
+        let mut found = None;
+        for &(rank_var, size_var, local_var, source) in &LAUNCHERS {
+            if let (Some(r), Some(n)) = (get(rank_var)?, get(size_var)?) {
+                found = Some((r, n, get(local_var)?.unwrap_or(r), source));
+                break;
+            }
+        }
+        let Some((rank, nranks, local, source)) = found else {
+            return Err(CommError::Bootstrap(
+                "no rank in the environment: set FLAGCX_RANK, FLAGCX_NRANKS and \
                  FLAGCX_UNIQUE_ID (flagcx-run does), or run under torchrun or mpirun"
-                        .into(),
-                ));
-            };
+                    .into(),
+            ));
+        };
         if nranks == 0 || rank >= nranks {
             return Err(CommError::config(
                 "rank",

@@ -314,17 +314,12 @@ fn reduce_check_is_on_unless_turned_off() {
 
 #[test]
 fn a_process_is_launched_when_any_launchers_rank_and_size_are_set() {
-    let env = |pairs: &'static [(&'static str, &'static str)]| {
-        move |n: &str| {
-            pairs
-                .iter()
-                .find(|(k, _)| *k == n)
-                .map(|(_, v)| v.to_string())
-        }
-    };
-    assert!(!RankEnv::launched_by(env(&[])));
-    assert!(!RankEnv::launched_by(env(&[("OMPI_COMM_WORLD_RANK", "1")])));
-    assert!(!RankEnv::launched_by(env(&[
+    assert!(!RankEnv::launched_by(lookup(&[])));
+    assert!(!RankEnv::launched_by(lookup(&[(
+        "OMPI_COMM_WORLD_RANK",
+        "1"
+    )])));
+    assert!(!RankEnv::launched_by(lookup(&[
         ("RANK", " "),
         ("WORLD_SIZE", "2")
     ])));
@@ -334,7 +329,6 @@ fn a_process_is_launched_when_any_launchers_rank_and_size_are_set() {
         [("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2")],
         [("SLURM_PROCID", "0"), ("SLURM_NTASKS", "4")],
     ] {
-        let pairs: &'static [(&str, &str)] = Box::leak(Box::new(pair));
-        assert!(RankEnv::launched_by(env(pairs)), "{pairs:?}");
+        assert!(RankEnv::launched_by(lookup(&pair)), "{pair:?}");
     }
 }
