@@ -16,6 +16,7 @@
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+mod cma;
 mod copy;
 mod freesync;
 mod memory;
@@ -289,13 +290,45 @@ impl HostAdaptor {
                 format!("{addr} is not {width}-byte aligned"),
             ));
         }
-        registry().check(op, addr.0, width as usize).map(|_| ())
+        memory::check_local(&registry(), op, addr.0, width as usize)
     }
 
     fn enqueue_value_op(&self, op: &'static str, stream: StreamHandle, work: Op) -> Result<()> {
         let s = self.stream(stream)?;
         self.push(op, &s, work)
     }
+}
+
+/// The error of a call that finds its stream (or its event's) behind a failed copy.
+fn broken(op: &'static str, why: &str) -> AdaptorError {
+    AdaptorError::StreamFault {
+        vendor: VENDOR,
+        op,
+        reason: format!("a copy of this stream failed: {why}"),
+    }
+}
+
+/// Opens another process's registered memory (`cma`): a synthetic range standing for it, once
+/// one byte of it was read, so that a process gone or a refusal shows here, with its errno.
+fn open_remote(op: &'static str, p: cma::ProcMemHandle) -> Result<DevicePtr> {
+    let mut probe = 0u8;
+    // SAFETY: `probe` is one byte of this process, alive across the call.
+    unsafe {
+        cma::copy(
+            cma::Way::Read,
+            p.pid,
+            &mut probe as *mut u8 as u64,
+            p.addr,
+            1,
+        )?
+    };
+    let base = cma::reserve(p.size);
+    let kind = RangeKind::Remote {
+        pid: p.pid,
+        addr: p.addr,
+    };
+    registry().insert(op, base, p.size, kind)?;
+    Ok(DevicePtr(base))
 }
 
 /// Encodes a byte-form handle naming descriptor `fd` of this process.
@@ -448,7 +481,7 @@ impl DeviceAdaptor for HostAdaptor {
         if src.is_null() {
             return Err(AdaptorError::invalid(OP, "null host source"));
         }
-        registry().check(OP, dst.0, n)?;
+        memory::check_local(&registry(), OP, dst.0, n)?;
         let src = src as u64;
         self.push(OP, &s, Op::Copy { dst: dst.0, src, n })
     }
@@ -468,7 +501,7 @@ impl DeviceAdaptor for HostAdaptor {
         if dst.is_null() {
             return Err(AdaptorError::invalid(OP, "null host destination"));
         }
-        registry().check(OP, src.0, n)?;
+        memory::check_local(&registry(), OP, src.0, n)?;
         let dst = dst as u64;
         self.push(OP, &s, Op::Copy { dst, src: src.0, n })
     }
@@ -485,20 +518,44 @@ impl DeviceAdaptor for HostAdaptor {
         if n == 0 {
             return Ok(());
         }
-        {
+        // Another process's registered memory on one side: the kernel copies (`cma`).
+        let remote = |reg: &memory::Registry, p: DevicePtr| match reg.check(OP, p.0, n) {
+            Ok((base, RangeKind::Remote { pid, addr })) => Ok(Some((*pid, addr + (p.0 - base)))),
+            Ok(_) => Ok(None),
+            Err(e) => Err(e),
+        };
+        let (to, from) = {
             let reg = registry();
-            reg.check(OP, dst.0, n)?;
-            reg.check(OP, src.0, n)?;
-        }
-        self.push(
-            OP,
-            &s,
-            Op::Copy {
+            (remote(&reg, dst)?, remote(&reg, src)?)
+        };
+        let work = match (to, from) {
+            (None, None) => Op::Copy {
                 dst: dst.0,
                 src: src.0,
                 n,
             },
-        )
+            (Some((pid, remote)), None) => Op::Remote {
+                way: cma::Way::Write,
+                pid,
+                local: src.0,
+                remote,
+                n,
+            },
+            (None, Some((pid, remote))) => Op::Remote {
+                way: cma::Way::Read,
+                pid,
+                local: dst.0,
+                remote,
+                n,
+            },
+            (Some(_), Some(_)) => {
+                return Err(AdaptorError::invalid(
+                    OP,
+                    "both ends are other processes' registered memory",
+                ))
+            }
+        };
+        self.push(OP, &s, work)
     }
 
     unsafe fn memcpy_sized_async(
@@ -514,8 +571,8 @@ impl DeviceAdaptor for HostAdaptor {
         self.check_value_addr(OP, len_at, true)?;
         if cap > 0 {
             let reg = registry();
-            reg.check(OP, dst.0, cap)?;
-            reg.check(OP, src.0, cap)?;
+            memory::check_local(&reg, OP, dst.0, cap)?;
+            memory::check_local(&reg, OP, src.0, cap)?;
         }
         self.push(
             OP,
@@ -541,7 +598,7 @@ impl DeviceAdaptor for HostAdaptor {
         if n == 0 {
             return Ok(());
         }
-        registry().check(OP, dst.0, n)?;
+        memory::check_local(&registry(), OP, dst.0, n)?;
         self.push(
             OP,
             &s,
@@ -572,10 +629,10 @@ impl DeviceAdaptor for HostAdaptor {
         }
         {
             let reg = registry();
-            reg.check(OP, dst.0, bytes)?;
-            reg.check(OP, a.0, bytes)?;
+            memory::check_local(&reg, OP, dst.0, bytes)?;
+            memory::check_local(&reg, OP, a.0, bytes)?;
             if matches!(step, ReduceStep::Combine(_)) {
-                reg.check(OP, b.0, bytes)?;
+                memory::check_local(&reg, OP, b.0, bytes)?;
             }
         }
         self.push(
@@ -625,8 +682,12 @@ impl DeviceAdaptor for HostAdaptor {
     }
 
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
-        match self.stream(stream)?.synchronize() {
-            None => Ok(()),
+        let s = self.stream(stream)?;
+        match s.synchronize() {
+            None => match s.broken() {
+                None => Ok(()),
+                Some(why) => Err(broken("stream_synchronize", why)),
+            },
             Some(reason) => Err(AdaptorError::StreamFault {
                 vendor: VENDOR,
                 op: "stream_synchronize",
@@ -639,7 +700,10 @@ impl DeviceAdaptor for HostAdaptor {
         // Without cloning the stream's Arc: this is on every post's latency path.
         let streams = self.inner.streams.lock().unwrap_or_else(|e| e.into_inner());
         match streams.get(&stream.0) {
-            Some(s) => Ok(s.idle()),
+            Some(s) => match s.broken() {
+                None => Ok(s.idle()),
+                Some(why) => Err(broken("stream_query", why)),
+            },
             None => Err(AdaptorError::InvalidHandle {
                 kind: "stream",
                 value: stream.0,
@@ -688,13 +752,20 @@ impl DeviceAdaptor for HostAdaptor {
     }
 
     fn event_query(&self, event: EventHandle) -> Result<bool> {
-        Ok(self.event(event)?.done())
+        let ev = self.event(event)?;
+        match ev.done() {
+            true => ev
+                .failed()
+                .map_or(Ok(true), |why| Err(broken("event_query", &why))),
+            false => Ok(false),
+        }
     }
 
     fn event_synchronize(&self, event: EventHandle) -> Result<()> {
         let ev = self.event(event)?;
         ev.wait(ev.last_recorded());
-        Ok(())
+        ev.failed()
+            .map_or(Ok(()), |why| Err(broken("event_synchronize", &why)))
     }
 
     fn event_elapsed_ms(&self, start: EventHandle, end: EventHandle) -> Result<f32> {
@@ -719,9 +790,20 @@ impl DeviceAdaptor for HostAdaptor {
         const OP: &str = "ipc_get_handle";
         let reg = registry();
         match reg.find(ptr.0) {
-            Some((_, len, kind)) if ptr.0 != 0 => match kind {
+            Some((base, len, kind)) if ptr.0 != 0 => match kind {
                 RangeKind::Device { fd, .. } | RangeKind::IpcOpened { fd } => {
                     encode_handle(fd, len)
+                }
+                // The user's own memory, private to this process: peers copy through the
+                // kernel (`cma`), by process and address.
+                RangeKind::Registered => {
+                    cma::allow_peers();
+                    Ok(cma::ProcMemHandle {
+                        pid: std::process::id(),
+                        addr: base,
+                        size: len,
+                    }
+                    .encode())
                 }
                 _ => Err(AdaptorError::invalid(
                     OP,
@@ -737,6 +819,9 @@ impl DeviceAdaptor for HostAdaptor {
 
     fn ipc_open_handle(&self, handle: &IpcMemHandle) -> Result<DevicePtr> {
         const OP: &str = "ipc_open_handle";
+        if let Some(p) = cma::ProcMemHandle::decode(OP, handle)? {
+            return open_remote(OP, p);
+        }
         let d = HostMemHandle::decode(OP, handle)?;
         let fd = d.open(OP)?;
         map_opened(OP, fd, d.size)
@@ -794,11 +879,13 @@ impl DeviceAdaptor for HostAdaptor {
 
     unsafe fn ipc_close(&self, ptr: DevicePtr) -> Result<()> {
         let _free = self.free_sync("ipc_close");
-        let r = registry().remove_if("ipc_close", ptr.0, |k| {
-            matches!(k, RangeKind::IpcOpened { .. })
+        let (len, kind) = registry().remove_if("ipc_close", ptr.0, |k| {
+            matches!(k, RangeKind::IpcOpened { .. } | RangeKind::Remote { .. })
         })?;
-        // SAFETY: our mapping of the peer's memory; the caller guarantees it is unused.
-        unsafe { memory::unmap(ptr.0, r.0) };
+        if let RangeKind::IpcOpened { .. } = kind {
+            // SAFETY: our mapping of the peer's memory; the caller guarantees it is unused.
+            unsafe { memory::unmap(ptr.0, len) };
+        }
         Ok(())
     }
 

@@ -22,6 +22,24 @@ pub(crate) enum RangeKind {
     Registered,
     /// A mapping of another allocation opened through IPC, backed by `fd`.
     IpcOpened { fd: OwnedFd },
+    /// Another process's registered memory opened through IPC: synthetic addresses standing
+    /// for `addr..` in process `pid`, which only device-to-device copies reach (`crate::cma`).
+    Remote { pid: u32, addr: u64 },
+}
+
+/// Checks that `n` bytes at `addr` lie in one range of `reg` that this process's CPU can
+/// touch: anything but another process's memory ([`RangeKind::Remote`]).
+pub(crate) fn check_local(reg: &Registry, op: &'static str, addr: u64, n: usize) -> Result<()> {
+    match reg.check(op, addr, n)? {
+        (_, RangeKind::Remote { pid, .. }) => Err(AdaptorError::invalid(
+            op,
+            format!(
+                "{addr:#x} stands for registered memory of process {pid}: only device-to-device \
+                 copies reach it"
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Every device-visible range of this process.

@@ -7,7 +7,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -15,6 +15,7 @@ use flagcx_adaptor::quiet::QuietCondvar;
 use flagcx_adaptor::reduce::{DataType, ReduceStep};
 use flagcx_adaptor::{HostFn, WaitCondition};
 
+use crate::cma;
 use crate::copy::copy_bytes;
 
 /// One unit of stream work. Addresses are validated by the adaptor before enqueueing.
@@ -65,6 +66,14 @@ pub(crate) enum Op {
         value: u64,
         wide: bool,
     },
+    /// A copy between `local` and registered memory of process `pid` (`crate::cma`).
+    Remote {
+        way: cma::Way,
+        pid: u32,
+        local: u64,
+        remote: u64,
+        n: usize,
+    },
 }
 
 /// Progress shared between a stream's owner and its worker.
@@ -77,6 +86,35 @@ pub(crate) struct Progress {
     /// atomic instead of taking the lock. Decremented with release ordering once an op's
     /// effects are done, so a reader that sees 0 (acquire) sees them.
     outstanding: AtomicU64,
+    /// Why a copy of this stream failed (a copy through the kernel the kernel refused):
+    /// sticky, as a device fault is on a GPU stream. Every event recorded behind it completes
+    /// failed and every synchronize fails, so nothing later takes the copy's bytes as landed.
+    broken: OnceLock<String>,
+}
+
+impl Progress {
+    /// Why the stream is broken, if it is.
+    pub(crate) fn broken(&self) -> Option<&str> {
+        self.broken.get().map(String::as_str)
+    }
+
+    /// Runs `op` for this stream: a failed copy breaks it; a recording behind a failure
+    /// completes failed.
+    fn run(&self, op: Op, stop: &AtomicBool) -> Option<String> {
+        if let (Op::Record { event, gen }, Some(why)) = (&op, self.broken()) {
+            event.complete_broken(*gen, why);
+            return None;
+        }
+        let remote = matches!(op, Op::Remote { .. });
+        let fault = run(op, stop);
+        match (remote, fault) {
+            (true, Some(why)) => {
+                let _ = self.broken.set(why);
+                None
+            }
+            (_, fault) => fault,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -180,7 +218,7 @@ fn work(rx: Receiver<Job>) {
         queued,
     }) = next_op(&rx)
     {
-        let fault = run(op, &stop);
+        let fault = progress.run(op, &stop);
         if let Some(q) = queued {
             *q.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
         }
@@ -263,7 +301,7 @@ impl HostStream {
         if st.completed == st.submitted && queue_idle && inline_ok(&op, inline_limit) {
             // Runs under the progress lock (and the queue's): the worker is idle (its queue is
             // empty) and will not look at this op.
-            let fault = run(op, &self.shutdown);
+            let fault = self.progress.run(op, &self.shutdown);
             if st.fault.is_none() {
                 st.fault = fault;
             }
@@ -299,6 +337,11 @@ impl HostStream {
             return false;
         }
         true
+    }
+
+    /// Why a copy of this stream failed, if one did (sticky: see `Progress::broken`).
+    pub fn broken(&self) -> Option<&str> {
+        self.progress.broken()
     }
 
     /// True when every submitted op has completed (an op a concurrent [`HostStream::push`]
@@ -407,6 +450,7 @@ fn inline_ok(op: &Op, max: usize) -> bool {
         Op::SizedCopy { cap, .. } => *cap <= max,
         Op::Reduce { count, dtype, .. } => count.saturating_mul(dtype.size()) <= max,
         Op::Record { .. } | Op::WriteValue { .. } => true,
+        Op::Remote { n, .. } => *n <= max,
         Op::WaitEvent { event, gen } => event.reached(*gen),
         Op::WaitValue {
             addr,
@@ -538,6 +582,19 @@ fn run(op: Op, stop: &AtomicBool) -> Option<String> {
                 }
             }
         }
+        Op::Remote {
+            way,
+            pid,
+            local,
+            remote,
+            n,
+        } => {
+            // SAFETY: the adaptor checked the local range when the op was enqueued and the
+            // copy call's contract keeps it valid until now; the kernel checks the remote one.
+            if let Err(e) = unsafe { cma::copy(way, pid, local, remote, n) } {
+                return Some(e.to_string());
+            }
+        }
         Op::WriteValue { addr, value, wide } => {
             if wide {
                 // SAFETY: as for WaitValue.
@@ -565,6 +622,8 @@ struct EventInner {
     recorded: u64,
     completed: u64,
     at: Option<Instant>,
+    /// A recording that completed behind a failed copy of its stream, and why.
+    broken: Option<(u64, String)>,
 }
 
 impl EventState {
@@ -589,6 +648,27 @@ impl EventState {
             st.at = Some(Instant::now());
         }
         self.cv.notify_all();
+    }
+
+    /// Completes recording `gen` behind a failed copy of its stream (see `Progress::broken`).
+    fn complete_broken(&self, gen: u64, why: &str) {
+        let mut st = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if gen > st.completed {
+            st.broken = Some((gen, why.to_string()));
+        }
+        drop(st);
+        self.complete(gen);
+    }
+
+    /// Why the last recording failed, if it completed behind a failed copy.
+    pub fn failed(&self) -> Option<String> {
+        let st = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        match &st.broken {
+            Some((gen, why)) if *gen == st.recorded && st.completed >= st.recorded => {
+                Some(why.clone())
+            }
+            _ => None,
+        }
     }
 
     /// The generation a waiter must see: the last recording at this moment.
