@@ -81,6 +81,13 @@ impl Adaptor {
     /// so the ranks of a node spread over its devices, and ranks of different vendors count
     /// the same physical GPUs alike.
     pub fn from_env() -> Result<Self> {
+        Self::from_env_for(None)
+    }
+
+    /// [`Adaptor::from_env`] for `vendor` where given (`FLAGCX_VENDOR` is then not read): the
+    /// device is chosen the same way, so a caller that names the vendor still spreads the
+    /// ranks of a node over its devices.
+    pub fn from_env_for(vendor: Option<Vendor>) -> Result<Self> {
         let index = |name: &str| -> Result<Option<usize>> {
             match std::env::var(name) {
                 Err(_) => Ok(None),
@@ -93,8 +100,9 @@ impl Adaptor {
             }
         };
         let explicit = index(DEVICE_ENV)?;
-        let open = |device| match std::env::var(VENDOR_ENV) {
-            Ok(name) if !name.trim().is_empty() => Self::open(name.parse()?, device),
+        let open = |device| match (vendor, std::env::var(VENDOR_ENV)) {
+            (Some(v), _) => Self::open(v, device),
+            (None, Ok(name)) if !name.trim().is_empty() => Self::open(name.parse()?, device),
             _ => Self::detect(device),
         };
         if let Some(d) = explicit {

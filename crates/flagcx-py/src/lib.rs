@@ -3,10 +3,10 @@
 //! One [`PyComm`] is one `flagcx::Comm` over the device this process opened, with a stream of
 //! its own. Every call imports its buffers through DLPack (module `dlpack`), enqueues the operation
 //! and returns a `Work` (or waits for it: the default). Buffers in host memory that the
-//! rank's device cannot name (a numpy array beside an OpenCL or CUDA rank, or any numpy array
-//! beside a host-vendor rank whose "device" memory is shareable memfd memory) travel through
+//! rank's device cannot name (a numpy array beside an OpenCL or CUDA rank) travel through
 //! staging buffers of device memory (module `stage`), copied in and out on the operation's stream;
-//! device buffers and buffers from `Comm.empty` are used in place.
+//! beside a host-vendor rank they are registered for the call and used in place (peers copy
+//! through the kernel); device buffers and buffers from `Comm.empty` are used in place.
 //!
 //! Waiting releases the GIL and wakes every 100 ms to let Python run its signal handlers: ^C
 //! aborts the communicator (every rank's pending work fails) and raises `KeyboardInterrupt`.
@@ -96,7 +96,7 @@ fn open_adaptor(vendor: Option<&str>, device: Option<usize>) -> PyResult<Adaptor
             if asked || Adaptor::open(Vendor::Cuda, 0).is_ok() {
                 Adaptor::from_env()
             } else {
-                Adaptor::open(Vendor::Host, 0)
+                Adaptor::from_env_for(Some(Vendor::Host))
             }
         }
         None => Adaptor::detect(device.unwrap_or(0)),
@@ -104,7 +104,13 @@ fn open_adaptor(vendor: Option<&str>, device: Option<usize>) -> PyResult<Adaptor
             let v: Vendor = v
                 .parse()
                 .map_err(|e: flagcx::AdaptorError| invalid(e.to_string()))?;
-            Adaptor::open(v, device.unwrap_or(0))
+            match device {
+                Some(d) => Adaptor::open(v, d),
+                // The local rank's device, as the doc of `Comm` says: on the host vendor, a
+                // pair on two devices has each sender copy (both ranks' cores at work) where a
+                // pair on one has the lower rank copy both ways.
+                None => Adaptor::from_env_for(Some(v)),
+            }
         }
     };
     r.map_err(|e| comm_err(e.into()))

@@ -1,9 +1,13 @@
 //! Staging: host buffers that the rank's device cannot name travel through device memory.
 //!
+//! Beside a host-vendor rank, a host buffer (a numpy array, a torch CPU tensor) is registered
+//! with the rank for the call and used in place ([`Place::Registered`]): peers reach it through
+//! its IPC handle, the kernel copying between the two processes' pages (`flagcx-host`'s
+//! `cma`), so it moves with one copy as the rank's own memory does. Where registration is
+//! refused (the range overlaps another call's buffer in flight), it is staged as below.
+//!
 //! A numpy array beside an OpenCL or CUDA rank lives in pageable host memory the runtime's
-//! operations cannot use, and even beside a host-vendor rank a peer process can only reach
-//! memory that rank allocated (memfd-backed, [`crate::memory::Memory`]). Such a buffer gets a
-//! staging buffer from the communicator's [`Pool`]: its contents are copied in on the
+//! operations cannot use. Such a buffer gets a staging buffer from the communicator's [`Pool`]: its contents are copied in on the
 //! operation's stream before the operation (unless the operation overwrites all of it), and
 //! copied back after it where the operation writes it. An event recorded behind the copies
 //! back says when they ran ([`Outbound`]).
@@ -21,6 +25,7 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use flagcx::adaptor::hostmem::HostMemHandle;
 use flagcx::{
     Adaptor, DeviceAdaptor, DeviceBuffer, DevicePtr, Event, PinnedBuffer, StreamHandle, Vendor,
 };
@@ -143,6 +148,28 @@ impl Pool {
     fn give_pinned(&self, bufs: impl IntoIterator<Item = PinnedBuffer<Adaptor>>) {
         self.pinned.give(bufs)
     }
+
+    /// Registers `bytes` of host memory at `addr` with a host-vendor rank for one call, so
+    /// the operation uses it in place; `None` where the rank is another vendor's or the range
+    /// overlaps one registered already (another call's buffer in flight: that call stages).
+    fn register(&self, addr: u64, bytes: usize) -> Option<Registration> {
+        if self.adaptor.vendor() != Vendor::Host {
+            return None;
+        }
+        let ptr = addr as *mut u8;
+        // SAFETY: the call holds the caller's buffer (`bytes` at `addr`) alive until its
+        // operation finished, and the registration is dropped by then.
+        match unsafe { self.adaptor.host_register(ptr, bytes) } {
+            Ok(_) => Some(Registration {
+                adaptor: self.adaptor.clone(),
+                ptr,
+            }),
+            Err(e) => {
+                tracing::debug!("staging a host buffer that cannot be registered: {e}");
+                None
+            }
+        }
+    }
 }
 
 /// Where an operation finds a buffer.
@@ -153,12 +180,53 @@ pub struct Resolved {
 }
 
 struct Entry {
-    buf: DeviceBuffer<Adaptor>,
-    /// The pinned bounce buffer between `buf` and the caller's memory (device ranks).
-    bounce: Option<PinnedBuffer<Adaptor>>,
+    place: Place,
     user: u64,
     bytes: usize,
     back: bool,
+}
+
+/// Where an entry's operation finds the caller's buffer.
+enum Place {
+    /// In a staging buffer of device memory.
+    Staged {
+        buf: DeviceBuffer<Adaptor>,
+        /// The pinned bounce buffer between `buf` and the caller's memory (device ranks).
+        bounce: Option<PinnedBuffer<Adaptor>>,
+    },
+    /// In place: the caller's host memory registered with a host-vendor rank, which peers
+    /// reach through its IPC handle (the kernel copies between the processes' pages).
+    /// The registration ends when the entry is dropped.
+    Registered { _registration: Registration },
+}
+
+impl Place {
+    /// Where the operation finds byte 0 of the caller's buffer.
+    fn ptr(&self, user: u64) -> DevicePtr {
+        match self {
+            Place::Staged { buf, .. } => buf.ptr(),
+            Place::Registered { .. } => DevicePtr(user),
+        }
+    }
+}
+
+/// Host memory registered with a host-vendor rank for one call; unregistered when dropped
+/// (once the call's operation finished, or the call was abandoned after its stream passed).
+struct Registration {
+    adaptor: Adaptor,
+    ptr: *mut u8,
+}
+
+// SAFETY: the pointer is only handed back to the adaptor, which is thread-safe.
+unsafe impl Send for Registration {}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        // SAFETY: registered by `Pool::register`; nothing of this call uses it any more.
+        if let Err(e) = unsafe { self.adaptor.host_unregister(self.ptr) } {
+            tracing::warn!("unregistering a call's host buffer: {e}");
+        }
+    }
 }
 
 /// One call's staging.
@@ -195,9 +263,18 @@ impl Staging {
             if imp.addr >= e.user && imp.addr + bytes as u64 <= e.user + e.bytes as u64 {
                 e.back |= how != Use::In;
                 return Ok(Resolved {
-                    ptr: DevicePtr(e.buf.ptr().0 + (imp.addr - e.user)),
+                    ptr: DevicePtr(e.place.ptr(e.user).0 + (imp.addr - e.user)),
                 });
             }
+        }
+        if let Some(r) = pool.register(imp.addr, bytes) {
+            self.entries.push(Entry {
+                place: Place::Registered { _registration: r },
+                user: imp.addr,
+                bytes,
+                back: false,
+            });
+            return Ok(here);
         }
         let buf = pool.take(bytes).map_err(|e| comm_err(e.into()))?;
         let bounce = if pool.bounces() {
@@ -229,8 +306,7 @@ impl Staging {
         }
         let ptr = buf.ptr();
         self.entries.push(Entry {
-            buf,
-            bounce,
+            place: Place::Staged { buf, bounce },
             user: imp.addr,
             bytes,
             back: how != Use::In,
@@ -251,11 +327,14 @@ impl Staging {
         let a = pool.adaptor();
         let entries = std::mem::take(&mut self.entries);
         for e in entries.iter().filter(|e| e.back) {
-            let dst = e.bounce.as_ref().map_or(e.user as *mut u8, |b| b.as_ptr());
+            let Place::Staged { buf, bounce } = &e.place else {
+                continue;
+            };
+            let dst = bounce.as_ref().map_or(e.user as *mut u8, |b| b.as_ptr());
             // SAFETY: the caller's buffer outlives the returned `Outbound` (the call holds
             // its producer's reference), a bounce buffer lives in it, and nothing else writes
             // either until the event passed.
-            unsafe { a.memcpy_d2h_async(dst, e.buf.ptr(), e.bytes, stream) }?;
+            unsafe { a.memcpy_d2h_async(dst, buf.ptr(), e.bytes, stream) }?;
         }
         let event = Event::new(a, false)?;
         a.event_record(event.handle(), stream)?;
@@ -274,22 +353,29 @@ impl Staging {
     }
 }
 
-/// Returns entries' buffers (device and bounce) to the pool.
+/// Returns entries' buffers (device and bounce) to the pool; registrations end.
 fn give_back(pool: &Pool, entries: Vec<Entry>) {
     let mut pinned = Vec::new();
-    pool.give(entries.into_iter().map(|e| {
-        pinned.extend(e.bounce);
-        e.buf
+    pool.give(entries.into_iter().filter_map(|e| match e.place {
+        Place::Staged { buf, bounce } => {
+            pinned.extend(bounce);
+            Some(buf)
+        }
+        Place::Registered { .. } => None,
     }));
     pool.give_pinned(pinned);
 }
 
 /// Whether `bytes` at `addr` are memory of this host-vendor rank that a peer process can map
-/// (device memory from the adaptor): then no staging is needed.
+/// (device memory from the adaptor, whose handle names a memfd): then no staging is needed.
+/// Host memory registered for another call in flight is not: its registration ends with that
+/// call.
 fn shareable(a: &Adaptor, addr: u64, bytes: usize) -> bool {
     a.vendor() == Vendor::Host
         && a.mem_get_range(DevicePtr(addr)).is_ok_and(|(base, len)| {
-            addr + bytes as u64 <= base.0 + len as u64 && a.ipc_get_handle(base).is_ok()
+            addr + bytes as u64 <= base.0 + len as u64
+                && a.ipc_get_handle(base)
+                    .is_ok_and(|h| HostMemHandle::decode("shareable", &h).is_ok())
         })
 }
 
@@ -331,7 +417,10 @@ impl Outbound {
     pub fn finish(self, pool: &Pool) -> flagcx::p2p::Result<()> {
         self.event.synchronize()?;
         for e in self.entries.iter().filter(|e| e.back) {
-            if let Some(b) = &e.bounce {
+            if let Place::Staged {
+                bounce: Some(b), ..
+            } = &e.place
+            {
                 // SAFETY: the stream's copy into the bounce buffer ran (the event passed); the
                 // caller's buffer of `bytes` is alive (the call holds it) and written by
                 // nothing else until this returns.

@@ -28,9 +28,9 @@ def check(cond, what):
 
 
 def buffers(comm, n, dtype):
-    """Two kinds of buffer every case runs on: a plain numpy array (staged through device
-    memory) and one in the communicator's own memory (used in place where the vendor
-    allows)."""
+    """Two kinds of buffer every case runs on: a plain numpy array (registered for the call
+    and used in place on host ranks, staged through device memory elsewhere) and one in the
+    communicator's own memory (used in place where the vendor allows)."""
     yield "numpy", np.zeros(n, dtype=dtype)
     # Every rank runs as many calls: where the device's memory has no host address (OpenCL),
     # the second is a numpy array again.
@@ -143,6 +143,37 @@ def point_to_point(comm):
     check(w.wait() is None, "waiting again returns the same result")
     check((x == n).all(), "async all_reduce values")
     comm.all_reduce(np.ones(1 << 16, dtype=np.float32), async_op=True)  # dropped at once
+    comm.barrier()
+
+
+@case
+def host_memory_in_place(comm):
+    """Numpy arrays used in place on host ranks (registered per call, reached by the peer
+    through the kernel): large ones through the ring, and overlapping views in flight at
+    once (the second's registration is refused, so it is staged)."""
+    r, n = comm.rank, comm.nranks
+    right, left = (r + 1) % n, (r - 1) % n
+    x = (np.arange((1 << 20) + 3) % 251).astype(np.float32) * (r + 1)
+    comm.all_reduce(x)
+    want = (np.arange((1 << 20) + 3) % 251).astype(np.float32) * (n * (n + 1) // 2)
+    check(np.array_equal(x, want), "a 4 MiB all_reduce of numpy arrays")
+    a = np.arange(3000, dtype=np.float64) + 1000 * r
+    b1, b2 = np.zeros(1000), np.zeros(1000)
+    with comm.group():
+        w = [comm.send(a[0:1000], right), comm.send(a[500:1500], right),
+             comm.recv(b1, left), comm.recv(b2, left)]
+    for x in w:
+        x.wait()
+    theirs = np.arange(3000, dtype=np.float64) + 1000 * left
+    check(np.array_equal(b1, theirs[0:1000]), "the first of two overlapping views")
+    check(np.array_equal(b2, theirs[500:1500]), "the second of two overlapping views")
+    big = np.full(1 << 21, float(r), dtype=np.float32)
+    got = np.zeros(1 << 21, dtype=np.float32)
+    with comm.group():
+        ws = comm.send(big, right)
+        wr = comm.recv(got, left)
+    ws.wait()
+    check(wr.wait() == big.nbytes and (got == left).all(), "an 8 MiB message in place")
     comm.barrier()
 
 

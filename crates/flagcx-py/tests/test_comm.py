@@ -36,7 +36,8 @@ def test_one_rank_job():
         c.all_reduce(x)
 
 
-@pytest.mark.parametrize("case", ["collectives", "point_to_point", "dtypes", "bad_arguments"])
+@pytest.mark.parametrize("case", ["collectives", "point_to_point", "dtypes", "bad_arguments",
+                                  "host_memory_in_place"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_host_ranks(case, n):
     run_job(case, ["host"] * n)

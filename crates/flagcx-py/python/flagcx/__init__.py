@@ -3,7 +3,8 @@
 A :class:`Comm` is this process as one rank of a job. Its calls take numpy arrays, torch
 tensors (CPU and CUDA), CuPy arrays or any object with ``__dlpack__``, and run on the rank's
 device: the host vendor (CPU ranks), CUDA, or OpenCL. Ranks of different vendors exchange data
-in one job. Host buffers that the device cannot use in place are staged through device memory;
+in one job. Host buffers are used in place on host-vendor ranks (registered for the call);
+where a GPU or OpenCL device cannot use them, they are staged through device memory;
 :meth:`Comm.empty` gives memory every call uses in place.
 
 Quick start (two ranks, started by ``flagcx-run -n 2 python3 script.py``, ``torchrun`` or

@@ -12,7 +12,8 @@ default; ``--vendor``). Every call is waited for before the next, as a Python ca
 bandwidth (bytes ÷ time). ``--json`` prints one JSON object per row instead.
 
 Columns: ``flagcx`` the package's call on buffers of the communicator's memory (used in
-place); ``numpy`` the same call on numpy arrays (staged through device memory);
+place); ``numpy`` the same call on numpy arrays (registered and used in place on host ranks,
+staged through device memory on others);
 ``torch`` ``torch.distributed`` over the ``flagcx`` backend; ``gloo`` over gloo; ``torch+``
 what the torch backend adds to the package's call (µs).
 """
