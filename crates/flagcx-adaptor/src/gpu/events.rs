@@ -108,16 +108,16 @@ impl<D: Driver> GpuAdaptor<D> {
         self.with_free_word()?.create()
     }
 
-    /// Records mark `e` on stream `s` (both live): one 64-bit stream write.
+    /// Records mark `e` on stream `s` (both live): one 64-bit stream write, enqueued with
+    /// the table unlocked (see [`Marks::begin_record`]).
     pub(super) fn mark_record(&self, e: u64, s: u64) -> Result<()> {
         let d = self.bound()?;
-        self.with_free_word()?.record(
-            e,
-            s,
-            // SAFETY: `dev` is a word of a registered slab, which stays registered until
-            // teardown; `s` is live.
-            |dev, value| unsafe { d.write_value(s, dev, value, true) },
-        )
+        let p = self.with_free_word()?.begin_record(e, s)?;
+        // SAFETY: `p.device` is a word of a registered slab, which stays registered until
+        // teardown; `s` is live.
+        let r = unsafe { d.write_value(s, p.device, p.gen, true) };
+        lock(self.marks()).finish_record(e, p, r.is_ok());
+        r
     }
 
     /// Forgets mark `e` (its word is reused once its last write landed).

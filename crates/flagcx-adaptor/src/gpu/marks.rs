@@ -51,6 +51,18 @@ struct Mark {
     stream: u64,
 }
 
+/// A recording chosen under the table's lock and enqueued outside it
+/// ([`Marks::begin_record`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Planned {
+    word: usize,
+    pub(super) device: u64,
+    pub(super) gen: u64,
+    stream: u64,
+    /// The mark moves to `word` from a word whose write is still out.
+    moving: bool,
+}
+
 /// A recorded mark that has not completed: the word's device address and the value it will
 /// reach, and the stream that writes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,7 +118,9 @@ impl Marks {
     /// A free word; none is an error: the table grows ([`Marks::add_slab`]) before the caller
     /// locks it, never under the lock.
     fn take(&mut self) -> Result<usize> {
-        self.reap();
+        if self.free.is_empty() {
+            self.reap();
+        }
         self.free.pop().ok_or_else(|| {
             crate::AdaptorError::invalid(
                 "event_create",
@@ -118,9 +132,20 @@ impl Marks {
     /// Whether no word is free (after freeing the retiring words whose write landed): the
     /// caller grows the table ([`Marks::add_slab`]) before it creates or records, outside
     /// the table's lock — registering memory is a runtime call that may wait.
+    ///
+    /// The retiring words are scanned only once the free list ran out, and a scan that frees
+    /// fewer than one in eight of them counts as full (the table grows): with thousands of
+    /// operations enqueued ahead of the device, every word retires pending, and a scan on
+    /// each create or record — under the lock every query takes — held the lock so long that
+    /// a posting thread creating marks in a loop starved the progress thread of it (two CUDA
+    /// ranks' ten enqueued 128 MiB all-reduces stopped on an H100).
     pub(super) fn full(&mut self) -> bool {
-        self.reap();
-        self.free.is_empty()
+        if self.free.is_empty() {
+            let before = self.retiring.len();
+            self.reap();
+            return self.free.len() * 8 < before.max(1);
+        }
+        false
     }
 
     /// Adds a slab's words to the free list.
@@ -153,29 +178,85 @@ impl Marks {
     }
 
     /// Records mark `h` on `stream`: `write(device address, value)` enqueues the stream's
-    /// write; if it fails the mark keeps its earlier recording.
+    /// write; if it fails the mark keeps its earlier recording. ([`Marks::begin_record`] and
+    /// [`Marks::finish_record`] with the write between them, in one call.)
+    #[cfg(test)]
     pub(super) fn record(
         &mut self,
         h: u64,
         stream: u64,
         write: impl FnOnce(u64, u64) -> Result<()>,
     ) -> Result<()> {
-        let m = self.live[&h];
+        let p = self.begin_record(h, stream)?;
+        let r = write(p.device, p.gen);
+        self.finish_record(h, p, r.is_ok());
+        r
+    }
+
+    /// The word and value of a new recording of mark `h` on `stream`, for the caller to
+    /// enqueue the stream's write with the table unlocked (the write is a runtime call that
+    /// blocks while the stream's queue is full, which can take as long as the device needs to
+    /// reach a wait that the progress thread, querying marks, must release) and then to
+    /// commit with [`Marks::finish_record`].
+    pub(super) fn begin_record(&mut self, h: u64, stream: u64) -> Result<Planned> {
+        let m = *self.live.get(&h).ok_or_else(|| {
+            crate::AdaptorError::invalid("event_record", "the mark was destroyed")
+        })?;
         let moving = m.gen != 0 && m.stream != stream && !self.reached(m.word, m.gen);
         let word = if moving { self.take()? } else { m.word };
-        let gen = self.gen + 1;
-        if let Err(e) = write(self.device(word), gen) {
-            if moving {
-                self.free.push(word);
+        self.gen += 1;
+        Ok(Planned {
+            word,
+            device: self.device(word),
+            gen: self.gen,
+            stream,
+            moving,
+        })
+    }
+
+    /// Commits recording `p` of mark `h` once its write was enqueued (`ok`), or gives its
+    /// word back where the write failed (the mark keeps its earlier recording).
+    pub(super) fn finish_record(&mut self, h: u64, p: Planned, ok: bool) {
+        if !ok {
+            if p.moving {
+                self.free.push(p.word);
             }
-            return Err(e);
+            return;
         }
-        self.gen = gen;
-        if moving {
-            self.retiring.push((m.word, m.gen));
+        match self.live.get(&h).copied() {
+            // A later recording committed meanwhile (two threads recording one mark): that
+            // one stays; this one's word, if its own, retires once its write landed.
+            Some(m) if m.gen > p.gen => {
+                if p.moving {
+                    self.retiring.push((p.word, p.gen));
+                }
+            }
+            Some(m) => {
+                if p.moving {
+                    self.retiring.push((m.word, m.gen));
+                }
+                self.live.insert(
+                    h,
+                    Mark {
+                        word: p.word,
+                        gen: p.gen,
+                        stream: p.stream,
+                    },
+                );
+            }
+            // Destroyed meanwhile: the word is not reused before this write landed.
+            None => self.hold(p.word, p.gen),
         }
-        self.live.insert(h, Mark { word, gen, stream });
-        Ok(())
+    }
+
+    /// Keeps `word` from reuse until it reached `gen`.
+    fn hold(&mut self, word: usize, gen: u64) {
+        if let Some(r) = self.retiring.iter_mut().find(|(w, _)| *w == word) {
+            r.1 = r.1.max(gen);
+            return;
+        }
+        self.free.retain(|&w| w != word);
+        self.retiring.push((word, gen));
     }
 
     /// The last recording of `h` if it has not completed.
