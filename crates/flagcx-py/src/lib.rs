@@ -106,9 +106,7 @@ fn open_adaptor(vendor: Option<&str>, device: Option<usize>) -> PyResult<Adaptor
                 .map_err(|e: flagcx::AdaptorError| invalid(e.to_string()))?;
             match device {
                 Some(d) => Adaptor::open(v, d),
-                // The local rank's device, as the doc of `Comm` says: on the host vendor, a
-                // pair on two devices has each sender copy (both ranks' cores at work) where a
-                // pair on one has the lower rank copy both ways.
+                // The local rank's device, as `Comm`'s doc says.
                 None => Adaptor::from_env_for(Some(v)),
             }
         }
