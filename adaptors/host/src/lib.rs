@@ -519,14 +519,12 @@ impl DeviceAdaptor for HostAdaptor {
             return Ok(());
         }
         // Another process's registered memory on one side: the kernel copies (`cma`).
-        let remote = |reg: &memory::Registry, p: DevicePtr| match reg.check(OP, p.0, n) {
-            Ok((base, RangeKind::Remote { pid, addr })) => Ok(Some((*pid, addr + (p.0 - base)))),
-            Ok(_) => Ok(None),
-            Err(e) => Err(e),
-        };
         let (to, from) = {
             let reg = registry();
-            (remote(&reg, dst)?, remote(&reg, src)?)
+            (
+                memory::remote_at(&reg, OP, dst.0, n)?,
+                memory::remote_at(&reg, OP, src.0, n)?,
+            )
         };
         let work = match (to, from) {
             (None, None) => Op::Copy {
@@ -752,20 +750,17 @@ impl DeviceAdaptor for HostAdaptor {
     }
 
     fn event_query(&self, event: EventHandle) -> Result<bool> {
-        let ev = self.event(event)?;
-        match ev.done() {
-            true => ev
-                .failed()
-                .map_or(Ok(true), |why| Err(broken("event_query", &why))),
-            false => Ok(false),
-        }
+        self.event(event)?
+            .outcome()
+            .map_err(|why| broken("event_query", &why))
     }
 
     fn event_synchronize(&self, event: EventHandle) -> Result<()> {
         let ev = self.event(event)?;
         ev.wait(ev.last_recorded());
-        ev.failed()
-            .map_or(Ok(()), |why| Err(broken("event_synchronize", &why)))
+        ev.outcome()
+            .map(drop)
+            .map_err(|why| broken("event_synchronize", &why))
     }
 
     fn event_elapsed_ms(&self, start: EventHandle, end: EventHandle) -> Result<f32> {

@@ -30,15 +30,29 @@ pub(crate) enum RangeKind {
 /// Checks that `n` bytes at `addr` lie in one range of `reg` that this process's CPU can
 /// touch: anything but another process's memory ([`RangeKind::Remote`]).
 pub(crate) fn check_local(reg: &Registry, op: &'static str, addr: u64, n: usize) -> Result<()> {
-    match reg.check(op, addr, n)? {
-        (_, RangeKind::Remote { pid, .. }) => Err(AdaptorError::invalid(
+    match remote_at(reg, op, addr, n)? {
+        Some((pid, _)) => Err(AdaptorError::invalid(
             op,
             format!(
                 "{addr:#x} stands for registered memory of process {pid}: only device-to-device \
                  copies reach it"
             ),
         )),
-        _ => Ok(()),
+        None => Ok(()),
+    }
+}
+
+/// Checks that `n` bytes at `addr` lie in one range of `reg`; where that range is another
+/// process's memory ([`RangeKind::Remote`]), that process and the address there.
+pub(crate) fn remote_at(
+    reg: &Registry,
+    op: &'static str,
+    addr: u64,
+    n: usize,
+) -> Result<Option<(u32, u64)>> {
+    match reg.check(op, addr, n)? {
+        (base, RangeKind::Remote { pid, addr: there }) => Ok(Some((*pid, there + (addr - base)))),
+        _ => Ok(None),
     }
 }
 

@@ -642,32 +642,34 @@ impl EventState {
     }
 
     fn complete(&self, gen: u64) {
-        let mut st = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if gen > st.completed {
-            st.completed = gen;
-            st.at = Some(Instant::now());
-        }
-        self.cv.notify_all();
+        self.finish(gen, None)
     }
 
     /// Completes recording `gen` behind a failed copy of its stream (see `Progress::broken`).
     fn complete_broken(&self, gen: u64, why: &str) {
-        let mut st = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if gen > st.completed {
-            st.broken = Some((gen, why.to_string()));
-        }
-        drop(st);
-        self.complete(gen);
+        self.finish(gen, Some(why))
     }
 
-    /// Why the last recording failed, if it completed behind a failed copy.
-    pub fn failed(&self) -> Option<String> {
+    fn finish(&self, gen: u64, broken: Option<&str>) {
+        let mut st = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if gen > st.completed {
+            st.completed = gen;
+            st.at = Some(Instant::now());
+            if let Some(why) = broken {
+                st.broken = Some((gen, why.to_string()));
+            }
+        }
+        self.cv.notify_all();
+    }
+
+    /// Whether the last recording completed (`Ok`), or why it completed behind a failed copy
+    /// of its stream (`Err`).
+    pub fn outcome(&self) -> Result<bool, String> {
         let st = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         match &st.broken {
-            Some((gen, why)) if *gen == st.recorded && st.completed >= st.recorded => {
-                Some(why.clone())
-            }
-            _ => None,
+            _ if st.completed < st.recorded => Ok(false),
+            Some((gen, why)) if *gen == st.recorded => Err(why.clone()),
+            _ => Ok(true),
         }
     }
 
@@ -694,12 +696,6 @@ impl EventState {
         while st.completed < gen {
             st = self.cv.wait(st);
         }
-    }
-
-    /// True when the last recording has completed.
-    pub fn done(&self) -> bool {
-        let st = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        st.completed >= st.recorded
     }
 
     /// When the last recording completed, if it has and it is the last one.

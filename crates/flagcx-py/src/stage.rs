@@ -336,8 +336,18 @@ impl Staging {
             // either until the event passed.
             unsafe { a.memcpy_d2h_async(dst, buf.ptr(), e.bytes, stream) }?;
         }
-        let event = Event::new(a, false)?;
-        a.event_record(event.handle(), stream)?;
+        // Registrations alone need no event: they end once the operation finished, which
+        // the call's own requests say (`Pending::finish` waits for them first).
+        let event = if entries
+            .iter()
+            .any(|e| matches!(e.place, Place::Staged { .. }))
+        {
+            let event = Event::new(a, false)?;
+            a.event_record(event.handle(), stream)?;
+            Some(event)
+        } else {
+            None
+        };
         Ok(Some(Outbound { event, entries }))
     }
 
@@ -379,16 +389,19 @@ fn shareable(a: &Adaptor, addr: u64, bytes: usize) -> bool {
         })
 }
 
-/// The staging of an enqueued operation: done when `event` completed.
+/// The staging of an enqueued operation: done when `event` completed (no event: nothing was
+/// staged, only registered).
 pub struct Outbound {
-    event: Event<Adaptor>,
+    event: Option<Event<Adaptor>>,
     entries: Vec<Entry>,
 }
 
 impl Outbound {
     /// True once the copies back ran.
     pub fn is_done(&self) -> bool {
-        self.event.query().unwrap_or(true)
+        self.event
+            .as_ref()
+            .map_or(true, |e| e.query().unwrap_or(true))
     }
 
     /// Waits up to `t` for the copies back.
@@ -415,7 +428,9 @@ impl Outbound {
     /// Completes the copies back (a bounce buffer's bytes into the caller's buffer) and hands
     /// the staging buffers back; call after `settle` said done.
     pub fn finish(self, pool: &Pool) -> flagcx::p2p::Result<()> {
-        self.event.synchronize()?;
+        if let Some(e) = &self.event {
+            e.synchronize()?;
+        }
         for e in self.entries.iter().filter(|e| e.back) {
             if let Place::Staged {
                 bounce: Some(b), ..
