@@ -168,7 +168,7 @@ fn refusal(e: std::io::Error) -> AdaptorError {
         }
         Some(libc::ESRCH) => "process_vm_readv/writev on registered memory (the process is gone)",
         Some(libc::EFAULT) => {
-            "process_vm_readv/writev on registered memory (the address is not mapped there)"
+            "process_vm_readv/writev on registered memory (the address is not mapped there, or not accessible)"
         }
         _ => "process_vm_readv/writev on registered memory",
     };

@@ -115,9 +115,11 @@ fn a_copy_the_kernel_refuses_fails_its_stream_and_later_events() {
     let reg = unsafe { a.host_register(map.cast(), len) }.expect("host_register");
     let h = a.ipc_get_handle(reg).expect("handle");
     let far = a.ipc_open_handle(&h).expect("open");
-    // The exporter's memory goes away under the handle: the kernel refuses the next copy.
+    // The exporter's memory becomes unreadable under the handle: the kernel refuses the next
+    // copy. (Unmapping it instead let another test thread's allocation take the address, which
+    // the copy then read.)
     // SAFETY: our mapping; only the kernel's checked copy names it from here on.
-    unsafe { libc::munmap(map, len) };
+    assert_eq!(unsafe { libc::mprotect(map, len, libc::PROT_NONE) }, 0);
     let ev = a.event_create(false).expect("event");
     // SAFETY: `dev` is ours; the remote side is checked by the kernel.
     unsafe { a.memcpy_d2d_async(dev, far, len, s) }.expect("enqueued");
@@ -142,6 +144,7 @@ fn a_copy_the_kernel_refuses_fails_its_stream_and_later_events() {
         a.ipc_close(far).expect("close");
         a.host_unregister(map.cast()).expect("unregister");
         a.mem_free(dev).expect("free");
+        libc::munmap(map, len);
     }
 }
 
