@@ -2,7 +2,8 @@
  * memory into pageable host memory, queued behind a stream wait that only the host releases
  * (the shape of a client reading a result behind a stream-ordered operation, #60).
  * Build: cc -O2 -o pageable_calls pageable_calls.c -ldl -lpthread
- * Run:   pageable_calls <mode> <call>   mode: pageable | pinned | none   (what thread A does on T)
+ * Run:   pageable_calls <mode> <call>   mode: pageable | pageable_h2d | pinned | none (what
+ *        thread A does on T; PROBE_T=legacy makes T the legacy default stream)
  * Prints: "<mode> <call>: returns in X ms" or "<mode> <call>: BLOCKED (>1500 ms)". */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -123,6 +124,7 @@ static void *thread_a(void *x) {
   (void)x;
   CK(cuCtxSetCurrent(ctx));
   if (!strcmp(mode, "pageable")) CK(cuMemcpyDtoHAsync(pageable, dbuf, 1 << 20, T));
+  else if (!strcmp(mode, "pageable_h2d")) CK(cuMemcpyHtoDAsync(dbuf, pageable, 1 << 20, T));
   else if (!strcmp(mode, "pinned")) CK(cuMemcpyDtoHAsync(pinned, dbuf, 1 << 20, T));
   CK(cuStreamSynchronize(T));
   atomic_store(&a_done, 1);
@@ -139,6 +141,7 @@ static void *thread_p(void *x) {
   if (!strcmp(call, "eventquery")) { CK(cuEventCreate(&e, 2)); r = cuEventQuery(e); }
   else if (!strcmp(call, "eventrecord")) { CK(cuEventCreate(&e, 2)); r = cuEventRecord(e, S2); }
   else if (!strcmp(call, "d2d")) r = cuMemcpyDtoDAsync(dbuf2, dbuf, 4096, S2);
+  else if (!strcmp(call, "d2d_ipc")) r = cuMemcpyDtoDAsync(opened_early, dbuf2, 4096, S2);
   else if (!strcmp(call, "h2d_pinned")) r = cuMemcpyHtoDAsync(dbuf2, pinned, 4096, S2);
   else if (!strcmp(call, "d2h_pinned")) r = cuMemcpyDtoHAsync(pinned, dbuf2, 4096, S2);
   else if (!strcmp(call, "writevalue")) r = cuStreamWriteValue32(S2, dword2, 7, 0);
@@ -205,6 +208,9 @@ int main(int argc, char **argv) {
   CK(cuModuleLoadData(&mod, PTX));
   CK(cuModuleGetFunction(&noop_fn, mod, "noop"));
   CK(cuStreamCreate(&T, 1));
+  /* PROBE_T=legacy: thread A's stream is the legacy default stream (torch's current stream
+   * unless the program sets another), not a stream of its own. */
+  if (getenv("PROBE_T") && !strcmp(getenv("PROBE_T"), "legacy")) T = 0;
   CK(cuStreamCreate(&S2, 1));
   CK(cuMemAlloc(&dbuf, 1 << 20));
   CK(cuMemAlloc(&dbuf2, 1 << 20));

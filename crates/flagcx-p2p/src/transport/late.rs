@@ -30,15 +30,29 @@
 //! waits on (`Done` for the first side, `Ready` for the second), so no stream hangs and no
 //! side takes the other's release for its own completion.
 //!
-//! `FLAGCX_P2P_LATE_COPY`: `auto` (the default) takes this path where a rank of the pair found
-//! its streams sharing one queue at setup; such a pair has no eager slots, stream-ordered
-//! messages or posting-thread copies (every message of it must take the same path on both
-//! sides).
+//! `FLAGCX_P2P_LATE_COPY`: `auto` (the default) takes this path for every pair of two GPU
+//! ranks (CUDA, HIP) and wherever a rank of the pair found its streams sharing one queue at
+//! setup; such a pair has no eager slots, stream-ordered messages or posting-thread copies
+//! (every message of it must take the same path on both sides).
+//!
+//! Why every GPU pair: a proxy's copy is a runtime call made while the caller's stream waits
+//! for it, and the CUDA driver holds such calls behind other threads of the process. With a
+//! copy into pageable memory pending on the legacy default stream (torch's current stream
+//! unless a program sets one: `loss.item()`, `tensor.cpu()`), `cuMemcpyDtoDAsync` and
+//! `cuLaunchKernel` on any other stream block until that copy ends — which waits for the
+//! caller's stream, which waits for the proxy (`benches/probes/pageable_calls.c`,
+//! `PROBE_T=legacy`: blocked > 1.5 s, returned 0.8 ms after the release; on a stream of the
+//! program's own they return in 0.35 ms). Two CUDA ranks training with DDP on one H100
+//! stopped that way in their first broadcast. Under MPS, a client's streams share fewer
+//! hardware queues, and a proxy copy queued behind a caller stream's join held the Rust
+//! client pattern (it finished with `CUDA_DEVICE_MAX_CONNECTIONS=32`). Here every runtime
+//! call of a message is made by a posting thread at submission, and no stream waits for work
+//! its own process has yet to enqueue, so neither can happen.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use flagcx_adaptor::{DeviceAdaptor, DevicePtr, StreamHandle, WaitCondition};
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, StreamHandle, Vendor, WaitCondition};
 
 use super::{export, remote_failure};
 use crate::channel::{Channel, Counter, LateWord, RecvDesc, SendDesc, SendStatus, DESC_RING};
@@ -59,10 +73,11 @@ const RELEASE_WAIT: Duration = Duration::from_millis(100);
 /// the all-gathered peer information).
 pub(crate) fn allowed(me: &PeerInfo, peer: &PeerInfo, transport: Option<TransportKind>) -> bool {
     let able = |x: &PeerInfo| x.caps.stream_mem_ops_64 && x.caps.host_register;
+    let gpu = |x: &PeerInfo| matches!(x.vendor, Vendor::Cuda | Vendor::Hip);
     let wanted = match (me.late_copy, peer.late_copy) {
         (HostDirect::Off, _) | (_, HostDirect::Off) => false,
         (HostDirect::On, _) | (_, HostDirect::On) => true,
-        _ => me.shares_queue || peer.shares_queue,
+        _ => me.shares_queue || peer.shares_queue || (gpu(me) && gpu(peer)),
     };
     transport == Some(TransportKind::Ipc) && wanted && able(me) && able(peer)
 }
@@ -508,5 +523,62 @@ impl<A: DeviceAdaptor> Engine<A> {
         if let Some(h) = mapping {
             lock(&self.shared.ipc).done_busy(&h);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::IpcCopier;
+    use flagcx_adaptor::Capabilities;
+
+    fn info(vendor: Vendor, late_copy: HostDirect, shares_queue: bool) -> PeerInfo {
+        PeerInfo {
+            rank: 0,
+            vendor,
+            device: 0,
+            pci_bus_id: None,
+            host_id: "h/1".into(),
+            pid: 42,
+            caps: Capabilities {
+                stream_mem_ops_64: true,
+                host_register: true,
+                ..Default::default()
+            },
+            p2p_disable: false,
+            ipc_copier: IpcCopier::Auto,
+            host_direct: HostDirect::Auto,
+            streamed: HostDirect::Auto,
+            late_copy,
+            shares_queue,
+        }
+    }
+
+    #[test]
+    fn gpu_pairs_copy_late_by_default_and_off_wins() {
+        let ipc = Some(TransportKind::Ipc);
+        let auto = |v| info(v, HostDirect::Auto, false);
+        for v in [Vendor::Cuda, Vendor::Hip] {
+            assert!(allowed(&auto(v), &auto(v), ipc), "{v:?} pair, auto");
+            assert!(!allowed(&auto(v), &info(v, HostDirect::Off, false), ipc));
+            assert!(!allowed(&auto(v), &auto(v), Some(TransportKind::Staged)));
+        }
+        // Host ranks keep their posting-thread copies unless a queue is shared or it is forced.
+        let host = auto(Vendor::Host);
+        assert!(!allowed(&host, &host, ipc));
+        assert!(allowed(
+            &host,
+            &info(Vendor::Host, HostDirect::Auto, true),
+            ipc
+        ));
+        assert!(allowed(
+            &host,
+            &info(Vendor::Host, HostDirect::On, false),
+            ipc
+        ));
+        // A runtime that cannot write and wait on registered words never copies late.
+        let mut weak = auto(Vendor::Cuda);
+        weak.caps.stream_mem_ops_64 = false;
+        assert!(!allowed(&weak, &auto(Vendor::Cuda), ipc));
     }
 }
