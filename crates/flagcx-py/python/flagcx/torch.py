@@ -504,6 +504,18 @@ class FlagcxBackend(_base()):
         """Opens a coalescing block: calls until ``end_coalescing`` are posted together."""
         self._coalescing = []
 
+    def _start_coalescing(self, device=None):
+        """``_coalescing_manager``'s entry where this backend is the ProcessGroup itself
+        (``FLAGCX_TORCH_BASE=processgroup``, or torch without a Python-constructible Backend):
+        torch's own method there looks for a per-device backend (torch 2.11: "No backend type
+        associated with device type cuda")."""
+        self.start_coalescing(device)
+
+    def _end_coalescing(self, device=None):
+        """``_coalescing_manager``'s exit where this backend is the ProcessGroup itself: the
+        block's calls as one group, one Work."""
+        return self.end_coalescing(device)
+
     def end_coalescing(self, device=None):
         """Posts the block's calls in one flagcx group; one Work for all of them."""
         calls, self._coalescing = self._coalescing or [], None
