@@ -2490,7 +2490,8 @@ const ONE_QUEUE_JOBS: [(usize, &str); 6] = [
 /// pairs, random sizes, both directions, size mismatches, zero bytes, collectives, a request
 /// outliving its communicator and posts far ahead of the peer all run there (with late copies off
 /// the posts wait instead: `posts_wait_where_streams_share_one_queue`), and with
-/// `FLAGCX_P2P_LATE_COPY=on` on private queues; by default and with `off` the pairs do not.
+/// `FLAGCX_P2P_LATE_COPY=on` on private queues; by default two GPU ranks do (CUDA, HIP), other pairs
+/// do not, and with `off` no pair does.
 /// Runs on `FLAGCX_P2P_TEST_VENDORS` (the GPU bundle: CUDA); skipped where the vendor cannot.
 #[test]
 fn late_copies_where_streams_share_one_queue() {
@@ -2523,7 +2524,11 @@ fn late_copies_where_streams_share_one_queue() {
         ("FLAGCX_TEST_EXPECT_LATE", "1"),
     ];
     job(2, &v, "late_copy", &on);
-    job(2, &v, "late_copy", &[("FLAGCX_TEST_EXPECT_LATE", "0")]);
+    // By default two GPU ranks copy late whatever their queues (`transport::late`: the
+    // driver holds a proxy's copies behind a client's pageable copy on the legacy stream).
+    let gpu = v.split(',').all(|x| x == "cuda" || x == "hip");
+    let default = if gpu { "1" } else { "0" };
+    job(2, &v, "late_copy", &[("FLAGCX_TEST_EXPECT_LATE", default)]);
     let off = [
         ("FLAGCX_HOST_QUEUES", "1"),
         ("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
@@ -3363,6 +3368,14 @@ fn memory_without_ipc_handles_moves_through_stand_ins() {
     for copier in ["auto", "lower"] {
         let log = job(2, "host", "pool", &[("FLAGCX_P2P_IPC_COPIER", copier)]);
         assert!(log.contains("pool: rank 1 holds"), "{log}");
+    }
+    // Late copies (every GPU pair's default): whichever rank posts first names a stand-in,
+    // filled before its stream's `Ready` and, for a receive, copied back after `Done`.
+    let log = job(2, "host", "pool", &[("FLAGCX_P2P_LATE_COPY", "on")]);
+    assert!(log.contains("pool: rank 1 holds"), "{log}");
+    let v = vendors("FLAGCX_P2P_TEST_VENDORS");
+    if v != "host" {
+        job(2, &v, "pool", &[]);
     }
 }
 

@@ -95,10 +95,19 @@ fn done_word(k: u64, status: SendStatus) -> u64 {
     (k + 1) << 8 | status.word()
 }
 
+/// One device-to-device copy on a stream: `(dst, src, bytes)`.
+type Copy = (DevicePtr, DevicePtr, usize);
+
 /// What one message's side does on its stream, decided by its claim.
 enum Part {
-    /// It claimed first: write `Ready`, later wait for `Done`.
-    First,
+    /// It claimed first: write `Ready`, later wait for `Done`. Where its buffer has no IPC
+    /// handle (pool memory) the peer copies to or from a stand-in (`crate::standin`) instead:
+    /// `fill` copies the buffer into it before `Ready` (a receive's too, so that bytes past a
+    /// shorter message come back unchanged), `drain` copies it back after `Done` (receives).
+    First {
+        fill: Option<Copy>,
+        drain: Option<Copy>,
+    },
     /// It claimed second: wait for the first's `Ready`, copy `n` bytes, write `Done`.
     Second {
         src: DevicePtr,
@@ -175,7 +184,27 @@ impl<A: DeviceAdaptor> Comm<A> {
         if fault > k {
             return Err(remote_failure(op.peer, fault));
         }
-        let e = export(&self.adaptor, op.ptr, bytes, TransportKind::Ipc)?;
+        // The buffer the peer is told of: ours, or a stand-in where the runtime has no handle
+        // for ours. A side that turns out second copies with its own buffer and never names it,
+        // so its stand-in goes back unused when the operation ends.
+        let e = match export(&self.adaptor, op.ptr, bytes, TransportKind::Ipc) {
+            Ok(e) => e,
+            Err(err) if bytes > 0 => {
+                tracing::debug!(
+                    "rank {}: {bytes} bytes at {} have no IPC handle ({err}); a stand-in carries them",
+                    self.rank,
+                    op.ptr
+                );
+                let s = match op.stand_in.take() {
+                    Some(s) => s,
+                    None => crate::standin::take(&self.stand_ins, &self.adaptor, bytes)?,
+                };
+                let e = export(&self.adaptor, s.ptr, bytes, TransportKind::Ipc);
+                op.stand_in = Some(s);
+                e?
+            }
+            Err(err) => return Err(err),
+        };
         match sender {
             true => ch.write_send_desc(
                 k,
@@ -203,7 +232,17 @@ impl<A: DeviceAdaptor> Comm<A> {
                 second: false,
                 mapping: None,
             });
-            return Ok(Part::First);
+            let Some(stand_in) = op.stand_in.as_mut() else {
+                return Ok(Part::First {
+                    fill: None,
+                    drain: None,
+                });
+            };
+            let s = stand_in.expose();
+            return Ok(Part::First {
+                fill: Some((s, op.ptr, bytes)),
+                drain: (!sender).then_some((op.ptr, s, bytes)),
+            });
         }
         // Second: the peer's descriptor was published before its claim, which we saw.
         let (send, recv, theirs) = match sender {
@@ -322,10 +361,16 @@ impl<A: DeviceAdaptor> Comm<A> {
             link.device_word(op.dir, op.index, w)
         };
         for &i in mine {
-            if let Some(Part::First) = parts[i] {
+            if let Some(Part::First { fill, .. }) = parts[i] {
                 let k = ops[i].0.index;
-                // SAFETY: a registered word of the pair's channel.
-                unsafe { a.stream_write_value64(stream, word(i, LateWord::Ready), k + 1) }?;
+                // SAFETY: the caller's buffer and the operation's stand-in, both `n` bytes or
+                // more and kept until `Done`; a registered word of the pair's channel.
+                unsafe {
+                    if let Some((dst, src, n)) = fill {
+                        a.memcpy_d2d_async(dst, src, n, stream)?;
+                    }
+                    a.stream_write_value64(stream, word(i, LateWord::Ready), k + 1)?;
+                }
             }
         }
         for &i in mine {
@@ -354,9 +399,10 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
         }
         for &i in mine {
-            if let Some(Part::First) = parts[i] {
+            if let Some(Part::First { drain, .. }) = parts[i] {
                 let k = ops[i].0.index;
-                // SAFETY: registered words of the pair's channel.
+                // SAFETY: registered words of the pair's channel; the stand-in and the
+                // caller's buffer as for `fill`.
                 unsafe {
                     a.stream_wait_value64(
                         stream,
@@ -364,6 +410,9 @@ impl<A: DeviceAdaptor> Comm<A> {
                         done_word(k, SendStatus::Ok),
                         WaitCondition::Geq,
                     )?;
+                    if let Some((dst, src, n)) = drain {
+                        a.memcpy_d2d_async(dst, src, n, stream)?;
+                    }
                     a.stream_write_value64(stream, word(i, LateWord::Passed), k + 1)?;
                 }
             }
