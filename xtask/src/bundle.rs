@@ -5,7 +5,7 @@
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::process::{Command, Stdio};
 
 use crate::{cargo, root, Result};
 
@@ -370,6 +370,7 @@ fi
         "hang.sh",
         "hetero.sh",
         "nvidia-icd.sh",
+        "python.sh",
     ] {
         std::fs::copy(root().join("xtask/assets").join(f), out.join(f))
             .map_err(|e| format!("copy {f}: {e}"))?;
@@ -423,6 +424,14 @@ fi
         args: vec!["sh".into(), "\"$here/port.sh\"".into()],
         placements: true,
     });
+    bundle_python(&out)?;
+    entries.push(Entry {
+        label: format!("Python and torch ({vendor} ranks, the host's torch)"),
+        file: "python".into(),
+        env: vec![],
+        args: vec!["sh".into(), "\"$here/python.sh\"".into()],
+        placements: false,
+    });
     entries.push(Entry {
         label: format!("C, C++, MPI rings ({vendor})"),
         file: "capi-ring".into(),
@@ -452,6 +461,45 @@ fi
 }
 
 /// Builds one release binary or example of the facade with `features`; returns its path.
+/// The Python package for `python.sh`: the wheel (abi3, for glibc 2.28 and later through zig
+/// where `ziglang` is installed: GPU hosts run older systems than this one), the launcher, the
+/// torch cases and the DDP example. Without maturin the bundle says so and `python.sh` skips.
+fn bundle_python(out: &Path) -> Result {
+    let dir = out.join("python");
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let py = root().join("crates/flagcx-py");
+    for (from, to) in [
+        ("tests/launch.py", "launch.py"),
+        ("tests/torch_ranks.py", "torch_ranks.py"),
+        ("examples/ddp.py", "ddp.py"),
+    ] {
+        std::fs::copy(py.join(from), dir.join(to)).map_err(|e| format!("copy {from}: {e}"))?;
+    }
+    let has = |m: &str| {
+        Command::new("python3")
+            .args(["-c", &format!("import {m}")])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if !has("maturin") {
+        eprintln!("xtask: no maturin: the bundle has no wheel (python.sh will skip)");
+        return Ok(());
+    }
+    let mut build = Command::new("python3");
+    build
+        .current_dir(&py)
+        .args(["-m", "maturin", "build", "--release", "-o"]);
+    build.arg(&dir);
+    if has("ziglang") {
+        build.args(["--zig", "--compatibility", "manylinux_2_28"]);
+    }
+    let status = build.status().map_err(|e| e.to_string())?;
+    if !status.success() {
+        return Err(format!("maturin build of the wheel failed ({status})"));
+    }
+    Ok(())
+}
+
 fn build_binary(kind: &str, name: &str, features: &str) -> Result<PathBuf> {
     eprintln!("xtask: building {kind} {name}");
     let output = cargo()

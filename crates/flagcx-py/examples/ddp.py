@@ -76,12 +76,17 @@ def main():
     ap.add_argument("--lr", type=float, default=0.5)
     ap.add_argument("--check", action="store_true",
                     help="rank 0 also trains in one process and compares the losses")
+    ap.add_argument("--side-stream", action="store_true",
+                    help="CUDA ranks run on a stream of their own instead of the legacy "
+                         "default stream (torch's current stream unless a program sets one)")
     args = ap.parse_args()
 
     rank, n = init()
     cuda = os.environ.get("FLAGCX_VENDOR", "cuda" if torch.cuda.is_available() else "host")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda == "cuda" else \
         torch.device("cpu")
+    if args.side_stream and device.type == "cuda":
+        torch.cuda.set_stream(torch.cuda.Stream(device))
     kinds = [None] * n
     dist.all_gather_object(kinds, device.type)
     one_kind = len(set(kinds)) == 1
