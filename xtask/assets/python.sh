@@ -33,6 +33,7 @@ job() {
 }
 for v in cuda,host cuda,cuda; do
   job "ops-$v" $v 90 torch_ranks.py ops
+  job "late-peer-$v" $v 90 torch_ranks.py late_peer
   job "ddp-$v" $v 90 ddp.py --check --steps 12
   job "ddp-side-$v" $v 90 ddp.py --check --steps 12 --side-stream
 done
@@ -40,6 +41,7 @@ if command -v nvidia-cuda-mps-control >/dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
   if nvidia-cuda-mps-control -d; then
     job ops-mps cuda,cuda 90 torch_ranks.py ops
+    job late-peer-mps cuda,cuda 90 torch_ranks.py late_peer
     job ddp-mps cuda,cuda 90 ddp.py --check --steps 12
     echo quit | nvidia-cuda-mps-control
   else

@@ -24,6 +24,10 @@ def test_every_op_through_torch_distributed(n, base):
     run_job("ops", ["host"] * n, script="torch_ranks.py", env=BASES[base])
 
 
+def test_results_read_at_once_while_a_peer_posts_late():
+    run_job("late_peer", ["host"] * 2, script="torch_ranks.py")
+
+
 @pytest.mark.parametrize("base", BASES)
 def test_ddp_example_on_two_cpu_ranks(base):
     # Gradients and parameters bit-identical on every rank; losses as in one process.

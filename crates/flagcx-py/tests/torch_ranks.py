@@ -160,6 +160,30 @@ def ops(r, n):
 
 
 @case
+def late_peer(r, n):
+    """Every rank but the last reads its result at once with ``.item()`` (on a GPU rank a copy
+    into pageable memory on torch's current stream: the legacy default stream, where the CUDA
+    driver holds other threads' copies and launches until it ends), while the last rank posts
+    each call 0.2 s late. The result must arrive: nothing the library needs to finish the call
+    may wait behind that read (two CUDA ranks stopped so before GPU pairs copied late)."""
+    dev = device()
+    for size in (2, 1 << 16, 1 << 22):
+        for i in range(2):
+            t = torch.full((size,), float(r + 1), device=dev)
+            if r == n - 1:
+                time.sleep(0.2)
+            dist.all_reduce(t)
+            got = t[-1].item()
+            check(got == n * (n + 1) / 2, f"all_reduce of {size} (round {i}): {got}")
+            b = torch.full((size,), float(r), device=dev)
+            if r == n - 1:
+                time.sleep(0.2)
+            dist.broadcast(b, n - 1)
+            got = b[0].item()
+            check(got == n - 1, f"broadcast of {size} (round {i}): {got}")
+
+
+@case
 def peer_dies(r, n):
     """A rank exits; the others' next collective raises (the watchdog or the call)."""
     dist.barrier()
