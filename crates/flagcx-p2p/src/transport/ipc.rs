@@ -414,25 +414,32 @@ impl<A: DeviceAdaptor> Comm<A> {
         push: bool,
     ) -> Result<EventHandle> {
         let ev = self.spare_event()?;
-        let issued = {
+        // The mapping is opened and counted busy under the cache's lock, and the copy issued
+        // with it released: an enqueue blocks while the caller's stream's queue is full, until
+        // the device passes waits that only the proxy can release, and the proxy takes this
+        // lock to open its own mappings.
+        let opened = {
             let mut cache = lock(&self.shared.ipc);
-            let issued = cache.open(&self.adaptor, theirs).and_then(|base| {
-                let theirs = DevicePtr(base.0 + offset);
-                let (dst, src) = if push { (theirs, ptr) } else { (ptr, theirs) };
-                // SAFETY: the peer's buffer lies at `offset` of its allocation, which it
-                // described for this message (a receive of at least `n` bytes, or an offer of
-                // `n`) and keeps until this side answers; `ptr..ptr+n` was checked to lie in
-                // one allocation of this adaptor (for a pull, `n` is at most the receive's
-                // size), valid until the operation finishes; the stream orders the copy after
-                // the caller's earlier work on the buffer.
-                unsafe { self.adaptor.memcpy_d2d_async(dst, src, n, stream) }?;
-                Ok(())
-            });
-            if issued.is_ok() {
+            let base = cache.open(&self.adaptor, theirs);
+            if base.is_ok() {
                 cache.caller_copies += 1;
             }
-            issued
+            base
         };
+        let issued = opened.and_then(|base| {
+            let theirs = DevicePtr(base.0 + offset);
+            let (dst, src) = if push { (theirs, ptr) } else { (ptr, theirs) };
+            // SAFETY: the peer's buffer lies at `offset` of its allocation, which it described
+            // for this message (a receive of at least `n` bytes, or an offer of `n`) and keeps
+            // until this side answers, mapped while `caller_copies` counts this copy;
+            // `ptr..ptr+n` was checked to lie in one allocation of this adaptor (for a pull, `n`
+            // is at most the receive's size), valid until the operation finishes; the stream
+            // orders the copy after the caller's earlier work on the buffer.
+            unsafe { self.adaptor.memcpy_d2d_async(dst, src, n, stream) }.map_err(|e| {
+                lock(&self.shared.ipc).caller_copies -= 1;
+                e.into()
+            })
+        });
         if let Err(e) = issued {
             recycle_event(&self.adaptor, &self.shared, ev);
             return Err(e);
