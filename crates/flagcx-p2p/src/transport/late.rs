@@ -105,7 +105,7 @@ fn done_word(k: u64, status: SendStatus) -> u64 {
 }
 
 /// One device-to-device copy on a stream: `(dst, src, bytes)`.
-type Copy = (DevicePtr, DevicePtr, usize);
+type StreamCopy = (DevicePtr, DevicePtr, usize);
 
 /// What one message's side does on its stream, decided by its claim.
 enum Part {
@@ -114,8 +114,8 @@ enum Part {
     /// `fill` copies the buffer into it before `Ready` (a receive's too, so that bytes past a
     /// shorter message come back unchanged), `drain` copies it back after `Done` (receives).
     First {
-        fill: Option<Copy>,
-        drain: Option<Copy>,
+        fill: Option<StreamCopy>,
+        drain: Option<StreamCopy>,
     },
     /// It claimed second: wait for the first's `Ready`, copy `n` bytes, write `Done`.
     Second {
