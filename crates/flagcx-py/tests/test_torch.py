@@ -36,8 +36,9 @@ def test_ddp_example_on_two_cpu_ranks(base):
     assert "one-process losses agree" in texts[0], texts[0]
 
 
-def test_a_dead_peer_fails_the_others():
-    results = finish(start_job("torch_ranks.py", ["peer_dies"], ["host"] * 3,
+@pytest.mark.parametrize("case", ["peer_dies", "peer_dies_small"])
+def test_a_dead_peer_fails_the_others(case):
+    results = finish(start_job("torch_ranks.py", [case], ["host"] * 3,
                                {"FLAGCX_TIMEOUT_MS": "5000"}), timeout=120)
     for rank in (0, 1):
         rc, text = results[rank]

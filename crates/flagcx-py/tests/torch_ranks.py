@@ -183,19 +183,30 @@ def late_peer(r, n):
             check(got == n - 1, f"broadcast of {size} (round {i}): {got}")
 
 
-@case
-def peer_dies(r, n):
-    """A rank exits; the others' next collective raises (the watchdog or the call)."""
+def _peer_dies(r, n, numel):
     dist.barrier()
     if r == n - 1:
         os._exit(0)
     t0 = time.monotonic()
     try:
         for _ in range(50):
-            dist.all_reduce(torch.ones(1 << 16))
+            dist.all_reduce(torch.ones(numel))
         raise AssertionError("the all_reduce should fail")
     except Exception as e:  # noqa: BLE001 - torch wraps backend errors
         print(f"rank {r}: {type(e).__name__} after {time.monotonic() - t0:.2f} s: {e}")
+
+
+@case
+def peer_dies(r, n):
+    """A rank exits; the others' next collective raises (the watchdog or the wait): 256 KiB
+    all-reduces, which return a Work to wait for."""
+    _peer_dies(r, n, 1 << 16)
+
+
+@case
+def peer_dies_small(r, n):
+    """The same with 8-byte all-reduces, which finish inside the call: the call raises."""
+    _peer_dies(r, n, 2)
 
 
 def main():
@@ -205,7 +216,7 @@ def main():
     store = dist.FileStore(f"/tmp/flagcx-test-{job}", n)
     dist.init_process_group("flagcx", store=store, rank=r, world_size=n)
     CASES[name](r, n)
-    if name != "peer_dies":
+    if not name.startswith("peer_dies"):
         dist.destroy_process_group()
     print(f"rank {r}: OK", flush=True)
 
