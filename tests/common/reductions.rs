@@ -179,6 +179,7 @@ pub fn reductions(
         run(kind, 0, DataType::F32, ReduceOp::Sum, false, 0);
     }
     calls += in_a_group(adaptor, comm, s);
+    calls += several_in_a_group(adaptor, comm, s);
     if refused > 0 {
         println!(
             "reductions: rank {me}: {refused} calls refused (a type some rank's vendor cannot \
@@ -240,4 +241,82 @@ fn in_a_group(adaptor: &Adaptor, comm: &Comm<Adaptor>, s: &Stream<Adaptor>) -> u
         );
     }
     1
+}
+
+/// Several all-reduces in one group (torch's `all_reduce_coalesced` and coalescing manager post
+/// them so), of 1, 2, 3, 1000 and 100000 float32 elements (direct and ring), and 2 again:
+/// every one right on every rank.
+fn several_in_a_group(adaptor: &Adaptor, comm: &Comm<Adaptor>, s: &Stream<Adaptor>) -> usize {
+    let (me, n) = (comm.rank(), comm.nranks());
+    let counts = [1usize, 2, 3, 1000, 100_000, 2];
+    let bufs: Vec<DeviceBuffer<Adaptor>> = counts
+        .iter()
+        .map(|&c| DeviceBuffer::new(adaptor, c * 4).expect("alloc"))
+        .collect();
+    for (k, (b, &c)) in bufs.iter().zip(&counts).enumerate() {
+        let v: Vec<u8> = (0..c)
+            .flat_map(|i| ((me + 1) as f32 * (k * 10 + i % 7) as f32).to_le_bytes())
+            .collect();
+        b.write(0, &v, s).expect("fill");
+    }
+    let h = s.handle();
+    let reqs = comm
+        .group(|| {
+            bufs.iter()
+                .zip(&counts)
+                .map(|(b, &c)| {
+                    // SAFETY: the buffers outlive the synchronize below.
+                    unsafe {
+                        comm.all_reduce_raw(b.ptr(), b.ptr(), c, DataType::F32, ReduceOp::Sum, h)
+                    }
+                })
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .unwrap_or_else(|e| panic!("rank {me}: a group of all-reduces: {e}"));
+    for r in reqs {
+        // Enqueued at the group's end: done only once that ran (the collective used to come
+        // back empty, done at once, and a caller waiting on it read untouched buffers).
+        r.wait().expect("all-reduce");
+    }
+    s.synchronize().expect("synchronize");
+    let tri = (n * (n + 1) / 2) as f32;
+    for (k, (b, &c)) in bufs.iter().zip(&counts).enumerate() {
+        let mut got = vec![0u8; c * 4];
+        b.read(0, &mut got, s).expect("read");
+        for i in 0..c {
+            let v = f32::from_le_bytes(got[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+            assert_eq!(
+                v,
+                tri * (k * 10 + i % 7) as f32,
+                "rank {me}: all-reduce {k} of the group ({c} elements), element {i}"
+            );
+        }
+    }
+    // Inside its group a reduction is not done, and waiting for it there is an error.
+    let early = comm
+        .group(|| {
+            // SAFETY: the buffer outlives the synchronize after it.
+            let c = unsafe {
+                comm.all_reduce_raw(
+                    bufs[0].ptr(),
+                    bufs[0].ptr(),
+                    1,
+                    DataType::F32,
+                    ReduceOp::Sum,
+                    h,
+                )
+            }?;
+            assert!(
+                !c.is_done(),
+                "rank {me}: a grouped all-reduce done before its group ended"
+            );
+            Ok(c.wait())
+        })
+        .expect("a group of one all-reduce");
+    assert!(
+        matches!(early, Err(flagcx::p2p::CommError::InvalidArgument(_))),
+        "rank {me}: waiting inside the group: {early:?}"
+    );
+    s.synchronize().expect("synchronize");
+    counts.len()
 }

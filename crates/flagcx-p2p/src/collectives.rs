@@ -49,7 +49,13 @@ pub struct Collective {
     requests: Vec<Request>,
     /// The rank's own block, copied on the stream: an event recorded after the copy.
     local: Option<LocalCopy>,
+    /// A reduction posted inside a group: enqueued at the group's end, which leaves here the
+    /// collective that tracks it, or the error that kept it from being enqueued.
+    deferred: Option<Deferred>,
 }
+
+/// Where a group's end leaves a reduction posted inside the group ([`Collective::deferred`]).
+pub(crate) type Deferred = std::sync::Arc<std::sync::Mutex<Option<Result<Collective>>>>;
 
 /// The event after a collective's local copy, with its adaptor's calls.
 struct LocalCopy {
@@ -64,11 +70,23 @@ impl std::fmt::Debug for Collective {
         f.debug_struct("Collective")
             .field("requests", &self.requests)
             .field("local_copy", &self.local.is_some())
+            .field("deferred", &self.deferred.is_some())
             .finish()
     }
 }
 
 impl Collective {
+    /// A reduction posted inside a group, tracked through `cell` once the group's end fills
+    /// it: until then it is not done, and waiting for it is an error (the group must end
+    /// first, as NCCL's calls in a group complete only after `ncclGroupEnd`).
+    pub(crate) fn deferred(cell: Deferred) -> Collective {
+        Collective {
+            requests: Vec::new(),
+            local: None,
+            deferred: Some(cell),
+        }
+    }
+
     /// Marks every request's operation as fatal to the communicator on failure
     /// ([`crate::op::Slot::make_fatal`]); the first size failure of one that had failed
     /// already.
@@ -99,6 +117,20 @@ impl Collective {
                 first.get_or_insert(e);
             }
         }
+        if let Some(cell) = self.deferred.take() {
+            let r = match lock(&cell).take() {
+                Some(Ok(c)) => c.wait(),
+                Some(Err(e)) => Err(e),
+                None => Err(CommError::InvalidArgument(
+                    "a reduction posted inside a group was waited for before the group ended \
+                     (end the group first)"
+                        .into(),
+                )),
+            };
+            if let Err(e) = r {
+                first.get_or_insert(e);
+            }
+        }
         first.map_or(Ok(()), Err)
     }
 
@@ -109,6 +141,15 @@ impl Collective {
         let left = || deadline.saturating_duration_since(std::time::Instant::now());
         if !self.requests.iter().all(|r| r.settle(left())) {
             return false;
+        }
+        if let Some(cell) = &self.deferred {
+            // Filled once by the group's end, never locked there again: holding it while the
+            // reduction settles blocks nobody.
+            match &*lock(cell) {
+                Some(Ok(c)) if !c.settle(left()) => return false,
+                Some(_) => {}
+                None => return false,
+            }
         }
         let Some(l) = &self.local else {
             return true;
@@ -135,18 +176,35 @@ impl Collective {
                 .local
                 .as_ref()
                 .map_or(true, |l| (l.query)().unwrap_or(true))
+            && self
+                .deferred
+                .as_ref()
+                .map_or(true, |cell| match &*lock(cell) {
+                    Some(Ok(c)) => c.is_done(),
+                    Some(Err(_)) => true,
+                    None => false,
+                })
     }
 
     /// Takes over `other`'s requests (a call made of several groups); its local copy is
     /// ordered on the stream before whatever `self` tracks last.
     pub(crate) fn absorb(&mut self, mut other: Collective) {
         self.requests.append(&mut other.requests);
+        if other.deferred.is_some() {
+            self.deferred = other.deferred.take();
+        }
     }
 
     /// The point-to-point requests the call posted (none for a one-rank job); the local copy
     /// is ordered on the stream.
     pub fn into_requests(mut self) -> Vec<Request> {
-        std::mem::take(&mut self.requests)
+        let mut requests = std::mem::take(&mut self.requests);
+        if let Some(cell) = self.deferred.take() {
+            if let Some(Ok(c)) = lock(&cell).take() {
+                requests.extend(c.into_requests());
+            }
+        }
+        requests
     }
 }
 

@@ -602,16 +602,20 @@ impl<A: DeviceAdaptor> Comm<A> {
             // A reduction is a chain of dependent steps, which cannot join the group's single
             // hand-over: it is enqueued at the group's end, after the group's point-to-point
             // operations (their order on every rank, so ranks agree).
+            // The returned collective follows it through a cell the group's end fills.
+            let cell = crate::collectives::Deferred::default();
+            let fill = cell.clone();
             let post: crate::comm::Deferred<A> = Box::new(move |c: &Comm<A>| {
                 // SAFETY: the caller's contract keeps the buffers valid until the stream
                 // passes the call, which the group's end enqueues.
-                unsafe {
-                    c.reduction(kind, (send, recv), count, dtype, op, in_place, stream)
-                        .map(drop)
-                }
+                let r =
+                    unsafe { c.reduction(kind, (send, recv), count, dtype, op, in_place, stream) };
+                let out = r.as_ref().map(|_| ()).map_err(CommError::duplicate);
+                *lock(&fill) = Some(r);
+                out
             });
             self.defer(post);
-            return Ok(Collective::default());
+            return Ok(Collective::deferred(cell));
         }
         let algo = choose(self.nranks(), count, dtype, self.config.reduce_algo);
         let shape = Shape {

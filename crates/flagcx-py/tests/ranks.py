@@ -174,6 +174,17 @@ def host_memory_in_place(comm):
         wr = comm.recv(got, left)
     ws.wait()
     check(wr.wait() == big.nbytes and (got == left).all(), "an 8 MiB message in place")
+    # Reductions in a group run at its end: each Work is done only once its reduction ran
+    # (a grouped ring all-reduce's Work used to finish at once, with the arrays untouched).
+    tri = n * (n + 1) // 2
+    for k in (3, 1000, 100003):
+        ts = [np.full(k, float(r + 1) * (j + 1), dtype=np.float32) for j in range(3)]
+        with comm.group():
+            ws = [comm.all_reduce(t, "sum", async_op=True) for t in ts]
+        for w in ws:
+            w.wait()
+        for j, t in enumerate(ts):
+            check((t == tri * (j + 1)).all(), f"all_reduce {j} of a group of 3 x {k}: {t[:3]}")
     comm.barrier()
 
 
