@@ -2490,7 +2490,7 @@ const ONE_QUEUE_JOBS: [(usize, &str); 6] = [
 /// pairs, random sizes, both directions, size mismatches, zero bytes, collectives, a request
 /// outliving its communicator and posts far ahead of the peer all run there (with late copies off
 /// the posts wait instead: `posts_wait_where_streams_share_one_queue`), and with
-/// `FLAGCX_P2P_LATE_COPY=on` on private queues; by default two GPU ranks do (CUDA, HIP), other pairs
+/// `FLAGCX_P2P_LATE_COPY=on` on private queues; by default two CUDA ranks do, other pairs
 /// do not, and with `off` no pair does.
 /// Runs on `FLAGCX_P2P_TEST_VENDORS` (the GPU bundle: CUDA); skipped where the vendor cannot.
 #[test]
@@ -2524,10 +2524,13 @@ fn late_copies_where_streams_share_one_queue() {
         ("FLAGCX_TEST_EXPECT_LATE", "1"),
     ];
     job(2, &v, "late_copy", &on);
-    // By default two GPU ranks copy late whatever their queues (`transport::late`: the
+    // By default two CUDA ranks copy late whatever their queues (`transport::late`: the
     // driver holds a proxy's copies behind a client's pageable copy on the legacy stream).
-    let gpu = v.split(',').all(|x| x == "cuda" || x == "hip");
-    let default = if gpu { "1" } else { "0" };
+    let default = if v.split(',').all(|x| x == "cuda") {
+        "1"
+    } else {
+        "0"
+    };
     job(2, &v, "late_copy", &[("FLAGCX_TEST_EXPECT_LATE", default)]);
     let off = [
         ("FLAGCX_HOST_QUEUES", "1"),

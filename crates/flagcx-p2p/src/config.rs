@@ -160,8 +160,8 @@ pub struct Config {
     /// message of the pair is copied by the stream of whichever rank posts it second, behind a
     /// wait for the first one's stream, which waits for that copy — no proxy copy and no join,
     /// so nothing waits behind work of its own process (see `transport::late`). `auto` takes it
-    /// for every pair of two GPU ranks (CUDA, HIP: no proxy copy that the driver can hold
-    /// behind a client's pageable copy on the legacy stream) and where either rank found its
+    /// for every pair of two CUDA ranks (no proxy copy that the driver can hold behind a
+    /// client's pageable copy on the legacy stream) and where either rank found its
     /// streams sharing one work queue ([`crate::Comm::streams_share_queue`]); `on` wherever
     /// both ranks' runtimes can (64-bit
     /// stream memory operations, host registration). Either rank's `off` wins.
