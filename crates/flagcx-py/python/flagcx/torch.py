@@ -96,9 +96,10 @@ def _seconds(timeout):
 
 #: CPU collectives of at most this many bytes run to the end inside the call (the package's
 #: blocking call) and return a finished Work: one crossing into the extension instead of a
-#: request and its wait, about 2 µs of the ~13 that torch's dispatch to a Python backend and
-#: this module add per call. The bytes themselves take a few µs at this size, so an
-#: ``async_op=True`` caller loses little overlap; larger calls stay asynchronous.
+#: request and its wait, and no Work bookkeeping (a one-rank ``dist.all_reduce``: 22.3 µs
+#: before, 16.5 after, of which 6.4 are torch's dispatch to any Python backend). The bytes
+#: take a few µs at this size, so an ``async_op=True`` caller loses little overlap; larger
+#: calls stay asynchronous.
 _BLOCKING_MAX = 64 << 10
 
 
