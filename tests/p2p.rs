@@ -1900,6 +1900,15 @@ fn vendors(var: &str) -> String {
     std::env::var(var).unwrap_or_else(|_| "host".into())
 }
 
+/// Whether every vendor of the comma-separated list `v` opens its device 0 here with
+/// capabilities `can` accepts (false where one does not open).
+fn every_vendor_can(v: &str, can: impl Fn(&flagcx::Capabilities) -> bool) -> bool {
+    v.split(',').all(|name| {
+        let vendor: flagcx::Vendor = name.parse().expect("vendor name");
+        Adaptor::open(vendor, 0).is_ok_and(|a| can(&a.capabilities()))
+    })
+}
+
 /// Every collective with every root, sizes from 0 B to `big`, out of place and in place, every
 /// byte checked (blocks carry `payload(src, dst, tag)`).
 fn collectives(r: &Rank, big: usize) {
@@ -2558,13 +2567,7 @@ fn late_copies_where_streams_share_one_queue() {
 #[test]
 fn posts_wait_where_streams_share_one_queue() {
     let v = vendors("FLAGCX_P2P_TEST_VENDORS");
-    let waits = v.split(',').all(|x| {
-        let vendor: flagcx::Vendor = x.parse().expect("vendor name");
-        Adaptor::open(vendor, 0).is_ok_and(|a| {
-            let c = a.capabilities();
-            c.stream_mem_ops && c.host_register
-        })
-    });
+    let waits = every_vendor_can(&v, |c| c.stream_mem_ops && c.host_register);
     let expect = if waits { "1" } else { "0" };
     let staged = [
         ("FLAGCX_HOST_QUEUES", "1"),
@@ -2796,10 +2799,7 @@ fn ring_4_ranks_staged() {
 #[test]
 fn staged_through_device_rings() {
     let v = vendors("FLAGCX_P2P_TEST_VENDORS");
-    let fds = v.split(',').all(|name| {
-        let vendor: flagcx::Vendor = name.parse().expect("vendor name");
-        Adaptor::open(vendor, 0).is_ok_and(|a| a.capabilities().ipc_fd)
-    });
+    let fds = every_vendor_can(&v, |c| c.ipc_fd);
     let expect = if fds { "1" } else { "0" };
     let env = [
         ("FLAGCX_P2P_DISABLE", "1"),
@@ -3381,11 +3381,7 @@ fn memory_without_ipc_handles_moves_through_stand_ins() {
     if v == "host" {
         return;
     }
-    let ipc = v.split(',').all(|x| {
-        let vendor: flagcx::Vendor = x.parse().expect("vendor name");
-        Adaptor::open(vendor, 0).is_ok_and(|a| a.capabilities().ipc_bytes)
-    });
-    if ipc {
+    if every_vendor_can(&v, |c| c.ipc_bytes) {
         job(2, &v, "pool", &[]);
     } else {
         let why = "the vendor has no IPC handles: its pairs are staged and name no buffer";
