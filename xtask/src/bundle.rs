@@ -245,12 +245,13 @@ wait $a; ra=$?; wait $b; rb=$?; rm -f "$id"
 [ $ra -eq 0 ] && [ $rb -eq 0 ] || exit 1
 # The way torch's process groups call libflagcx (tests/capi/client_cuda.c): their own stream
 # ordered by events, tensors at offsets in cudaMalloc segments freed and allocated again, a
-# cudaMallocAsync pool; built against this host's CUDA runtime.
+# cudaMallocAsync pool, a segment mapped with cuMemCreate/cuMemMap; built against this host's
+# CUDA runtime.
 cuda_inc=${CUDA_HOME:-/usr/local/cuda}/include cuda_lib=${CUDA_HOME:-/usr/local/cuda}/lib64
 if [ -f "$cuda_inc/cuda_runtime.h" ]; then
   logs=${FLAGCX_BUNDLE_LOGS:-$here/logs}; mkdir -p "$logs"
   cc -O2 -I"$here/capi" -I"$cuda_inc" -o "$logs/client-cuda" "$here/capi/client_cuda.c" \
-    "$here/lib/libflagcx.so.0" -L"$cuda_lib" -lcudart -Wl,-rpath,"$here/lib" -Wl,-rpath,"$cuda_lib" || exit 1
+    "$here/lib/libflagcx.so.0" -L"$cuda_lib" -lcudart -ldl -Wl,-rpath,"$here/lib" -Wl,-rpath,"$cuda_lib" || exit 1
   FLAGCX_RANK=0 FLAGCX_NRANKS=2 FLAGCX_LOCAL_RANK=0 FLAGCX_DEVICE=0 FLAGCX_TEST_ID_FILE=$id "$logs/client-cuda" & a=$!
   FLAGCX_RANK=1 FLAGCX_NRANKS=2 FLAGCX_LOCAL_RANK=1 FLAGCX_DEVICE=0 FLAGCX_TEST_ID_FILE=$id "$logs/client-cuda" & b=$!
   wait $a; ra=$?; wait $b; rb=$?; rm -f "$id"
