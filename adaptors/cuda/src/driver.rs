@@ -110,7 +110,13 @@ fn wait_flags(cond: WaitCondition) -> u32 {
 }
 
 /// `Ok(true)` for success, `Ok(false)` for "not ready", else the error.
-fn ready(op: &'static str, r: CUresult) -> Result<bool> {
+/// The query runs as a marked runtime call (`flagcx_adaptor::incall`), so a stall inside it is
+/// named by the stall guard.
+fn ready(op: &'static str, f: impl FnOnce() -> CUresult) -> Result<bool> {
+    let r = {
+        let _in = flagcx_adaptor::incall::enter(op);
+        f()
+    };
     match r {
         CUresult::CUDA_SUCCESS => Ok(true),
         CUresult::CUDA_ERROR_NOT_READY => Ok(false),
@@ -461,7 +467,7 @@ unsafe impl Driver for CudaDriver {
 
     unsafe fn stream_query(&self, stream: u64) -> Result<bool> {
         // SAFETY: a live stream (contract).
-        ready("cuStreamQuery", unsafe {
+        ready("cuStreamQuery", || unsafe {
             sys::cuStreamQuery(stream as sys::CUstream)
         })
     }
@@ -503,7 +509,7 @@ unsafe impl Driver for CudaDriver {
 
     unsafe fn event_query(&self, event: u64) -> Result<bool> {
         // SAFETY: a live event (contract).
-        ready("cuEventQuery", unsafe {
+        ready("cuEventQuery", || unsafe {
             sys::cuEventQuery(event as sys::CUevent)
         })
     }

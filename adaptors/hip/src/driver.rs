@@ -95,7 +95,13 @@ fn wait_flags(cond: WaitCondition) -> u32 {
 }
 
 /// `Ok(true)` for success, `Ok(false)` for "not ready", else the error.
-fn ready(op: &'static str, r: ffi::HipError) -> Result<bool> {
+/// The query runs as a marked runtime call (`flagcx_adaptor::incall`), so a stall inside it is
+/// named by the stall guard.
+fn ready(op: &'static str, f: impl FnOnce() -> ffi::HipError) -> Result<bool> {
+    let r = {
+        let _in = flagcx_adaptor::incall::enter(op);
+        f()
+    };
     match r {
         ffi::SUCCESS => Ok(true),
         ffi::ERROR_NOT_READY => Ok(false),
@@ -413,7 +419,7 @@ unsafe impl Driver for HipDriver {
 
     unsafe fn stream_query(&self, stream: u64) -> Result<bool> {
         // SAFETY: a live stream (contract).
-        ready("hipStreamQuery", unsafe {
+        ready("hipStreamQuery", || unsafe {
             ffi::hipStreamQuery(stream as ffi::Stream)
         })
     }
@@ -451,7 +457,7 @@ unsafe impl Driver for HipDriver {
 
     unsafe fn event_query(&self, event: u64) -> Result<bool> {
         // SAFETY: a live event (contract).
-        ready("hipEventQuery", unsafe {
+        ready("hipEventQuery", || unsafe {
             ffi::hipEventQuery(event as ffi::Event)
         })
     }

@@ -180,13 +180,20 @@ impl<D: Driver> GpuAdaptor<D> {
         }
     }
 
-    /// The recording stream's failure, if it is still ours and failed.
+    /// The context's failure, while the recording stream is still ours: asked of the core's
+    /// fault probe, a stream nothing is enqueued on (a faulted context fails every query with
+    /// its sticky error), not of the recording stream, whose query can wait inside the driver
+    /// while another thread enqueues on it with its queue full — two CUDA ranks on one GPU
+    /// with `FLAGCX_P2P_LATE_COPY=off`: the posting thread enqueued an all-reduce's steps
+    /// waiting for room, the progress thread that would have let the device through sat in
+    /// this query, and a 128 MiB all-reduce stopped in one run of two (H100, 2026-12-07).
     fn check_stream(&self, p: Pending) -> Result<()> {
         let live = self.inner.streams.check(p.stream).is_ok()
             || self.inner.adopted.check(p.stream).is_ok();
         if live {
-            // SAFETY: a live stream (checked just now).
-            unsafe { self.bound()?.stream_query(p.stream)? };
+            let s = self.inner.fault_probe.unwrap_or(p.stream);
+            // SAFETY: a live stream (checked just now), or the core's own, live until drop.
+            unsafe { self.bound()?.stream_query(s)? };
         }
         Ok(())
     }

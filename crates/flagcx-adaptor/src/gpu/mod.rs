@@ -76,6 +76,12 @@ struct Core<D: Driver> {
     registered: Mutex<HashSet<u64>>,
     /// Peers whose access we enabled (released at drop).
     peers: Mutex<HashSet<usize>>,
+    /// A stream of our own that nothing is ever enqueued on, queried to learn whether the
+    /// context faulted while a mark is pending (`events.rs`): a query of the recording stream
+    /// itself can wait inside the driver while another thread enqueues on that stream with
+    /// its queue full, and the device may be waiting for this very thread. `None` without
+    /// marks, or where it could not be made (the recording stream is queried then).
+    fault_probe: Option<u64>,
 }
 
 impl<D: Driver> std::fmt::Debug for GpuAdaptor<D> {
@@ -107,6 +113,10 @@ impl<D: Driver> GpuAdaptor<D> {
     pub fn open(device: usize) -> Result<Self> {
         let (driver, info) = D::open(device)?;
         let marks = events::marks_for(&info, std::env::var(events::EVENTS_ENV).ok().as_deref())?;
+        let fault_probe = match &marks {
+            Some(_) => driver.bind().and_then(|()| driver.stream_create()).ok(),
+            None => None,
+        };
         let adaptor = GpuAdaptor {
             inner: Arc::new(Core {
                 driver,
@@ -120,6 +130,7 @@ impl<D: Driver> GpuAdaptor<D> {
                 pinned: Mutex::default(),
                 registered: Mutex::default(),
                 peers: Mutex::default(),
+                fault_probe,
             }),
         };
         adaptor.prepare_marks();
@@ -294,7 +305,7 @@ impl<D: Driver> Drop for Core<D> {
         // SAFETY: the adaptor is going away, so no clone can enqueue more work; every tracked
         // handle is ours and released exactly once. Errors at teardown have no one to go to.
         unsafe {
-            for s in self.streams.drain() {
+            for s in self.streams.drain().into_iter().chain(self.fault_probe) {
                 let _ = d.stream_destroy(s);
             }
             for e in self.events.drain() {
