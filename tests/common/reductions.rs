@@ -180,6 +180,7 @@ pub fn reductions(
     }
     calls += in_a_group(adaptor, comm, s);
     calls += several_in_a_group(adaptor, comm, s);
+    calls += behind_a_busy_stream(adaptor, comm, s);
     if refused > 0 {
         println!(
             "reductions: rank {me}: {refused} calls refused (a type some rank's vendor cannot \
@@ -187,6 +188,65 @@ pub fn reductions(
         );
     }
     calls
+}
+
+/// Small all-reduces posted while the stream is still busy (a host function that sleeps
+/// 20 ms, where the vendor has them), back to back and waited for only at the end: each runs
+/// when the stream reaches it (on host ranks, through the reduction slots as a host
+/// function), every result right on every rank.
+fn behind_a_busy_stream(adaptor: &Adaptor, comm: &Comm<Adaptor>, s: &Stream<Adaptor>) -> usize {
+    use flagcx::DeviceAdaptor;
+    let (me, n) = (comm.rank(), comm.nranks());
+    if !adaptor.capabilities().host_functions {
+        return 0;
+    }
+    let counts = [1usize, 100, 1000];
+    let bufs: Vec<DeviceBuffer<Adaptor>> = counts
+        .iter()
+        .map(|&c| DeviceBuffer::new(adaptor, c * 4).expect("alloc"))
+        .collect();
+    for (b, &c) in bufs.iter().zip(&counts) {
+        let mine: Vec<u8> = (0..c)
+            .flat_map(|i| ((i * (me + 1)) as i32).to_le_bytes())
+            .collect();
+        b.write(0, &mine, s).expect("fill");
+    }
+    s.synchronize().expect("synchronize");
+    adaptor
+        .launch_host_func(
+            s.handle(),
+            Box::new(|| std::thread::sleep(std::time::Duration::from_millis(20))),
+        )
+        .expect("launch_host_func");
+    let posted: Vec<_> = bufs
+        .iter()
+        .zip(&counts)
+        .map(|(b, &c)| {
+            // SAFETY: the buffer outlives the waits below.
+            unsafe {
+                comm.all_reduce_raw(b.ptr(), b.ptr(), c, DataType::I32, ReduceOp::Sum, s.handle())
+            }
+            .unwrap_or_else(|e| panic!("rank {me}: an all-reduce behind a busy stream: {e}"))
+        })
+        .collect();
+    for c in posted {
+        c.wait()
+            .unwrap_or_else(|e| panic!("rank {me}: an all-reduce behind a busy stream: {e}"));
+    }
+    let tri = (n * (n + 1) / 2) as i32;
+    for (b, &c) in bufs.iter().zip(&counts) {
+        let mut got = vec![0u8; c * 4];
+        b.read(0, &mut got, s).expect("read");
+        for i in 0..c {
+            let v = i32::from_le_bytes(got[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+            assert_eq!(
+                v,
+                i as i32 * tri,
+                "rank {me}: all-reduce of {c} behind a busy stream, element {i}"
+            );
+        }
+    }
+    counts.len()
 }
 
 /// A ring exchange and an int32 all-reduce posted in one group (the reduction runs at the

@@ -238,6 +238,11 @@ pub struct Config {
     /// one more message per peer and call: 0.2–0.3 µs on two host ranks' 8 B all-reduce, see
     /// `crate::reduction`). Must be set alike on every rank.
     pub reduce_check: bool,
+    /// Small all-reduces of a job whose ranks are all host addressable and on one machine go
+    /// through two slots in each pair's channel (`FLAGCX_REDUCE_SLOTS`, default on; the same
+    /// on every rank): one cache line each way for the smallest, with the call's signature
+    /// checked for free (`crate::reduction` module docs, `slots`). Off: eager messages.
+    pub reduce_slots: bool,
 }
 
 /// Defaults, documented in the README's environment table.
@@ -286,6 +291,7 @@ impl Default for Config {
             net_staging: false,
             reduce_algo: None,
             reduce_check: true,
+            reduce_slots: true,
         }
     }
 }
@@ -452,6 +458,9 @@ impl Config {
         }
         if let Some(v) = var("FLAGCX_REDUCE_CHECK") {
             c.reduce_check = parse_bool("FLAGCX_REDUCE_CHECK", &v)?;
+        }
+        if let Some(v) = var("FLAGCX_REDUCE_SLOTS") {
+            c.reduce_slots = parse_bool("FLAGCX_REDUCE_SLOTS", &v)?;
         }
         if let Some(v) = var("FLAGCX_NET_STAGING") {
             c.net_staging = parse_choice(

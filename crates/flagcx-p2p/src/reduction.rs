@@ -618,6 +618,12 @@ impl<A: DeviceAdaptor> Comm<A> {
             return Ok(Collective::deferred(cell));
         }
         let algo = choose(self.nranks(), count, dtype, self.config.reduce_algo);
+        if let Some(s) = self.reduce_slots.as_ref().filter(|_| {
+            kind == Kind::AllReduce && algo == Algorithm::Direct && bytes <= slots::SLOTS_MAX
+        }) {
+            // SAFETY: the caller's contract.
+            return unsafe { self.all_reduce_in_slots(s, (send, recv), count, dtype, op, stream) };
+        }
         let shape = Shape {
             kind,
             rank: self.rank(),
@@ -653,6 +659,60 @@ impl<A: DeviceAdaptor> Comm<A> {
             self.abort();
         }
         posted
+    }
+
+    /// A small all-reduce through the reduction slots (`slots`): run here where the stream is
+    /// idle, else enqueued on it as a host function whose outcome the returned collective
+    /// reports. A failure fails the communicator, as any reduction's does.
+    ///
+    /// # Safety
+    /// As the public calls; the slots exist only where device memory is host addressable.
+    unsafe fn all_reduce_in_slots(
+        &self,
+        s: &std::sync::Arc<slots::Slots>,
+        (send, recv): (DevicePtr, DevicePtr),
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: StreamHandle,
+    ) -> Result<Collective> {
+        let call = slots::Call {
+            n: s.take_number(),
+            send: send.0,
+            recv: recv.0,
+            count,
+            dtype,
+            op,
+        };
+        if self.adaptor().stream_query(stream)? {
+            // SAFETY: host-addressable buffers of `count` elements (the caller's contract and
+            // the slots' condition); the stream is idle, so nothing earlier still writes them.
+            return match unsafe { s.run(&call, &self.shared) } {
+                Ok(()) => Ok(Collective::default()),
+                Err(e) => {
+                    self.shared.record_fatal(&e);
+                    self.abort();
+                    Err(e)
+                }
+            };
+        }
+        let cell = crate::collectives::Deferred::default();
+        let (fill, s, shared, me) = (cell.clone(), s.clone(), self.shared.clone(), self.rank());
+        self.adaptor().launch_host_func(
+            stream,
+            Box::new(move || {
+                // SAFETY: as above; the stream reached the call, so earlier work on the
+                // buffers finished, and the caller keeps them valid until it passes the call.
+                let r = unsafe { s.run(&call, &shared) };
+                if let Err(e) = &r {
+                    crate::guard::fail_communicator(&shared, e.clone(), me);
+                }
+                *lock(&fill) = Some(r.map(|()| Collective::default()));
+            }),
+        )?;
+        let mut c = Collective::deferred(cell);
+        self.track_stream_end(&mut c, stream)?;
+        Ok(c)
     }
 
     /// Enqueues `steps` on `stream` (the scratch taken for the call where a step names it).
@@ -757,5 +817,6 @@ impl Step {
     }
 }
 
+pub(crate) mod slots;
 #[cfg(test)]
 mod tests;

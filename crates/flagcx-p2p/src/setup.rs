@@ -622,6 +622,16 @@ impl<A: DeviceAdaptor> Comm<A> {
                 })
             })
             .collect();
+        let reduce_slots = (config.reduce_slots && crate::reduction::slots::possible(&infos))
+            .then(|| {
+                let channels = peers
+                    .iter()
+                    .map(|c| c.as_ref().map(|c| (c.out.clone(), c.inc.clone())))
+                    .collect();
+                crate::reduction::slots::Slots::new(rank, channels, config.timeout)
+            })
+            .flatten()
+            .map(Arc::new);
         let caller = peers
             .iter()
             .map(|c| {
@@ -683,6 +693,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             copiers,
             direct,
             eager,
+            reduce_slots,
             caller,
             streamed,
             late: late_links,

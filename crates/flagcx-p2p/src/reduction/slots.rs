@@ -1,0 +1,220 @@
+//! Small all-reduces between host-addressable ranks of one machine, through two slots in each
+//! pair's channel ([`Channel::reduce_slot`]) instead of eager messages.
+//!
+//! Call `n` (this communicator's `n`-th all-reduce that takes this path; every rank numbers
+//! them alike, since the choice depends only on the call's arguments and the job) writes this
+//! rank's block into slot `n % 2` of the channel to every peer — its signature (type, operator,
+//! count) and data, then the word `n + 1` with release ordering — then waits for every peer's
+//! word `n + 1` in the channels from them and combines the blocks straight out of the slots,
+//! in rank order `((x0 ∘ x1) ∘ x2) ∘ …` as the direct algorithm does, so the bits are the
+//! same. There is no acknowledgement: a rank writes slot `n % 2` again at call `n + 2` only
+//! after it finished call `n + 1`, which needed every peer's block of `n + 1`, which each peer
+//! wrote only after it finished reading call `n`. On two host ranks that is one cache line
+//! each way for an 8-byte all-reduce, where two eager messages (the block, and the half that
+//! carries the signature check) took four or more.
+//!
+//! A peer whose signature differs fails the call on both sides (each sees the other's); a peer
+//! that never writes (it died, or took another path for a different count) is waited for up
+//! to `FLAGCX_TIMEOUT_MS` (30 s where unset), the communicator's abort or the peer's loss.
+//! Calls run on the posting thread where the stream is idle, else as a host function on it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flagcx_adaptor::reduce::{DataType, ReduceOp, ReduceStep};
+
+use crate::channel::{Channel, REDUCE_SLOT_DATA};
+use crate::engine::Shared;
+use crate::error::{CommError, Result};
+use crate::peer::PeerInfo;
+
+/// The largest block (bytes) an all-reduce moves through the slots.
+pub(crate) const SLOTS_MAX: usize = REDUCE_SLOT_DATA;
+
+/// How long a call waits for its peers where `FLAGCX_TIMEOUT_MS` is unset.
+const DEFAULT_WAIT: Duration = Duration::from_secs(30);
+
+/// One communicator's slot links.
+pub(crate) struct Slots {
+    /// Per rank: (the channel this rank sends through, the one it receives through); `None`
+    /// for this rank.
+    links: Vec<Option<(Arc<Channel>, Arc<Channel>)>>,
+    rank: usize,
+    /// Calls handed out (the next call's number).
+    next: AtomicU64,
+    /// Calls this rank finished (a call starts once the one before it finished here).
+    done: AtomicU64,
+    wait: Duration,
+}
+
+/// One call's arguments.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Call {
+    pub(crate) n: u64,
+    pub(crate) send: u64,
+    pub(crate) recv: u64,
+    pub(crate) count: usize,
+    pub(crate) dtype: DataType,
+    pub(crate) op: ReduceOp,
+}
+
+impl Call {
+    /// The word that names (type, operator, count) in a slot.
+    fn signature(&self) -> u64 {
+        (self.dtype as u64) | (self.op as u64) << 8 | (self.count as u64) << 16
+    }
+}
+
+/// Whether a job of these ranks can take the path: every rank's memory host addressable and
+/// every rank on this machine (a pure function of what every rank knows alike).
+pub(crate) fn possible(infos: &[PeerInfo]) -> bool {
+    infos.len() > 1
+        && infos
+            .iter()
+            .all(|i| i.caps.host_addressable && i.host_id == infos[0].host_id)
+}
+
+impl Slots {
+    /// The links of `rank`, from the channels of each peer (`None` where a peer has none).
+    pub(crate) fn new(
+        rank: usize,
+        channels: Vec<Option<(Arc<Channel>, Arc<Channel>)>>,
+        timeout: Option<Duration>,
+    ) -> Option<Slots> {
+        let whole = channels
+            .iter()
+            .enumerate()
+            .all(|(q, c)| (q == rank) == c.is_none());
+        whole.then(|| Slots {
+            links: channels,
+            rank,
+            next: AtomicU64::new(0),
+            done: AtomicU64::new(0),
+            wait: timeout.unwrap_or(DEFAULT_WAIT),
+        })
+    }
+
+    /// The next call's number.
+    pub(crate) fn take_number(&self) -> u64 {
+        self.next.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Runs call `c` to its end.
+    ///
+    /// # Safety
+    /// `c.send` and `c.recv` are host addresses of `count` elements, readable and writable
+    /// until the call returns; `recv` equals `send` or is disjoint from it.
+    pub(crate) unsafe fn run(&self, c: &Call, shared: &Shared) -> Result<()> {
+        let bytes = c.count * c.dtype.size();
+        debug_assert!(bytes <= SLOTS_MAX);
+        let t0 = Instant::now();
+        let out_of_time = |t0: Instant| -> Result<()> {
+            if shared.aborted.load(Ordering::Acquire) {
+                return Err(CommError::Aborted);
+            }
+            if t0.elapsed() > self.wait {
+                return Err(CommError::Timeout {
+                    ms: self.wait.as_millis() as u64,
+                    peer: None,
+                    what: format!(
+                        "all-reduce {} through the reduction slots: a peer's block never came",
+                        c.n
+                    ),
+                });
+            }
+            Ok(())
+        };
+        // Calls posted on two streams may run out of order: call n waits for n - 1 here.
+        let mut polls = 0u32;
+        while self.done.load(Ordering::Acquire) < c.n {
+            polls = polls.wrapping_add(1);
+            if polls % 64 == 0 {
+                out_of_time(t0)?;
+            }
+            flagcx_adaptor::spin::relax_on_peer(polls);
+        }
+        let sig = c.signature();
+        for (out, _) in self.links.iter().flatten() {
+            let (word, sig_word, data) = out.reduce_slot(c.n);
+            sig_word.store(sig, Ordering::Relaxed);
+            // SAFETY: `bytes <= REDUCE_SLOT_DATA`; the slot is this rank's to write (see the
+            // module docs); `send` holds `bytes` readable bytes (contract).
+            unsafe { std::ptr::copy_nonoverlapping(c.send as *const u8, data, bytes) };
+            word.store(c.n + 1, Ordering::Release);
+        }
+        // This rank's own block, as it wrote it (its send buffer may be the result).
+        let Some((first_out, _)) = self.links.iter().flatten().next() else {
+            return Err(CommError::InvalidArgument(
+                "an all-reduce through the reduction slots needs a peer".into(),
+            ));
+        };
+        let mine = first_out.reduce_slot(c.n).2 as *const u8;
+        // Every peer's block: where it lies, once its word says call n.
+        let mut blocks: Vec<*const u8> = Vec::with_capacity(self.links.len());
+        for (q, link) in self.links.iter().enumerate() {
+            let Some((_, inc)) = link else {
+                blocks.push(mine);
+                continue;
+            };
+            let (word, sig_word, data) = inc.reduce_slot(c.n);
+            let mut polls = 0u32;
+            while word.load(Ordering::Acquire) != c.n + 1 {
+                polls = polls.wrapping_add(1);
+                if polls % 64 == 0 {
+                    out_of_time(t0)?;
+                    if shared.lost[q].load(Ordering::Acquire) {
+                        return Err(CommError::PeerLost {
+                            peer: q,
+                            reason: format!("lost during all-reduce {} (reduction slots)", c.n),
+                        });
+                    }
+                }
+                flagcx_adaptor::spin::relax_on_peer(polls);
+            }
+            let theirs = sig_word.load(Ordering::Relaxed);
+            if theirs != sig {
+                return Err(CommError::InvalidArgument(format!(
+                    "rank {q} passed a different all-reduce ({}) than rank {} ({}): ranks must \
+                     pass the same count, type and operator",
+                    describe(theirs),
+                    self.rank,
+                    describe(sig)
+                )));
+            }
+            blocks.push(data as *const u8);
+        }
+        let combine = ReduceStep::Combine(match c.op {
+            ReduceOp::Avg => ReduceOp::Sum,
+            op => op,
+        });
+        let dst = c.recv as *mut u8;
+        for (k, &b) in blocks.iter().enumerate().skip(1) {
+            let a = if k == 1 { blocks[0] } else { dst as *const u8 };
+            // SAFETY: `dst` holds `count` elements (contract); `a` and `b` are slots of
+            // `bytes <= REDUCE_SLOT_DATA` bytes that nobody writes before this call ends, or
+            // `dst` itself (equal, which the reduction allows).
+            unsafe { flagcx_adaptor::reduce::reduce_raw(dst, a, b, c.count, c.dtype, combine) };
+        }
+        if c.op == ReduceOp::Avg {
+            let step = ReduceStep::Average {
+                n: self.links.len() as u32,
+            };
+            // SAFETY: as above; an average reads only `a`.
+            unsafe { flagcx_adaptor::reduce::reduce_raw(dst, dst, dst, c.count, c.dtype, step) };
+        }
+        self.done.store(c.n + 1, Ordering::Release);
+        Ok(())
+    }
+}
+
+/// A signature word in words.
+fn describe(sig: u64) -> String {
+    let dtype = DataType::ALL
+        .get((sig & 0xff) as usize)
+        .map_or("an unknown type".to_string(), |d| d.to_string());
+    let op = ReduceOp::ALL
+        .get((sig >> 8 & 0xff) as usize)
+        .map_or("an unknown operator".to_string(), |o| o.to_string());
+    format!("{} elements of {dtype}, {op}", sig >> 16)
+}
