@@ -13,6 +13,10 @@
 //! - *direct*, where a rank's block is at most [`DIRECT_MAX_BYTES`] and `ranks × block` fits the
 //!   scratch: every rank sends its block to every rank that needs it in one exchange, and each
 //!   receiver combines the blocks in rank order `((x0 ∘ x1) ∘ x2) ∘ …` — one round trip;
+//!   Where every rank's memory is host addressable and every rank is on one machine, an
+//!   all-reduce of up to 4 KiB (`slots::SLOTS_MAX`) moves through two slots in each pair's
+//!   channel instead of messages (`slots`; `FLAGCX_REDUCE_SLOTS=0` turns it off): the same
+//!   order, so the same bits, and the call's signature rides in the slot;
 //! - *ring* otherwise: a reduce-scatter around the ring (`n − 1` steps, each rank receiving a
 //!   segment from the previous rank and combining it with its own), then for all-reduce an
 //!   all-gather around the ring, for reduce a gather to the root. Segment `j` is combined in
