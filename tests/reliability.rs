@@ -747,7 +747,9 @@ fn reliability_worker() {
             let comm = Comm::from_env(adaptor.clone()).expect("comm");
             let stream = Stream::new(&adaptor).expect("stream");
             let n = comm.nranks();
-            let block = 4 << 20;
+            // FLAGCX_TEST_BLOCK: bytes per rank (4 MiB: the ring; 64: host ranks' slots).
+            let block: usize = std::env::var("FLAGCX_TEST_BLOCK")
+                .map_or(4 << 20, |b| b.parse().expect("FLAGCX_TEST_BLOCK"));
             let send = Arc::new(DeviceBuffer::new(&adaptor, block).expect("alloc"));
             let recv = Arc::new(DeviceBuffer::new(&adaptor, n * block).expect("alloc"));
             let reduce = std::env::var("FLAGCX_TEST_COLLECTIVE").as_deref() == Ok("allreduce");
@@ -2340,6 +2342,31 @@ fn reductions_whose_ranks_disagree_fail_on_every_rank() {
             );
         }
     }
+}
+
+/// A rank killed between small all-reduces (16 float32 elements: on host ranks the reduction
+/// slots, where no operation of the engine is in flight to see the peer's socket close, and no
+/// `FLAGCX_TIMEOUT_MS`): the others' calls fail with `PeerLost` naming it.
+#[test]
+fn killed_rank_fails_a_small_all_reduce_everywhere() {
+    if skip_unless_vendor() {
+        return;
+    }
+    let id = UniqueId::random().expect("id").to_string();
+    let env = [
+        ("FLAGCX_TEST_COLLECTIVE", "allreduce"),
+        ("FLAGCX_TEST_BLOCK", "64"),
+    ];
+    let ranks: Vec<Child> = (0..3)
+        .map(|r| spawn_rank(r, 3, &id, "collective_killed", &env))
+        .collect();
+    let outs: Vec<Output> = ranks
+        .into_iter()
+        .map(|c| finish(c, Duration::from_secs(60)))
+        .collect();
+    assert_sigkilled(&outs[2], "rank 2");
+    assert_survived(&outs[0], "rank 0 of a small all-reduce with a killed rank");
+    assert_survived(&outs[1], "rank 1 of a small all-reduce with a killed rank");
 }
 
 /// A rank killed in the middle of all-reduces: the others' calls fail with `PeerLost`.

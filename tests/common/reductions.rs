@@ -224,7 +224,14 @@ fn behind_a_busy_stream(adaptor: &Adaptor, comm: &Comm<Adaptor>, s: &Stream<Adap
         .map(|(b, &c)| {
             // SAFETY: the buffer outlives the waits below.
             unsafe {
-                comm.all_reduce_raw(b.ptr(), b.ptr(), c, DataType::I32, ReduceOp::Sum, s.handle())
+                comm.all_reduce_raw(
+                    b.ptr(),
+                    b.ptr(),
+                    c,
+                    DataType::I32,
+                    ReduceOp::Sum,
+                    s.handle(),
+                )
             }
             .unwrap_or_else(|e| panic!("rank {me}: an all-reduce behind a busy stream: {e}"))
         })

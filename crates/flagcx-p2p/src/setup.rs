@@ -628,7 +628,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                     .iter()
                     .map(|c| c.as_ref().map(|c| (c.out.clone(), c.inc.clone())))
                     .collect();
-                crate::reduction::slots::Slots::new(rank, channels, config.timeout)
+                crate::reduction::slots::Slots::new(rank, channels, &infos, config.timeout)
             })
             .flatten()
             .map(Arc::new);

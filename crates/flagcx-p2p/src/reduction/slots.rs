@@ -15,7 +15,9 @@
 //!
 //! A peer whose signature differs fails the call on both sides (each sees the other's); a peer
 //! that never writes (it died, or took another path for a different count) is waited for up
-//! to `FLAGCX_TIMEOUT_MS` (30 s where unset), the communicator's abort or the peer's loss.
+//! to `FLAGCX_TIMEOUT_MS` (as long as it lives where that is unset: a rank may reach the call
+//! minutes after the others), the communicator's abort or the peer's death (its process gone,
+//! checked every 100 ms); past a millisecond the wait naps between polls.
 //! Calls run on the posting thread where the stream is idle, else as a host function on it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,8 +34,11 @@ use crate::peer::PeerInfo;
 /// The largest block (bytes) an all-reduce moves through the slots.
 pub(crate) const SLOTS_MAX: usize = REDUCE_SLOT_DATA;
 
-/// How long a call waits for its peers where `FLAGCX_TIMEOUT_MS` is unset.
-const DEFAULT_WAIT: Duration = Duration::from_secs(30);
+/// How long a wait spins before it naps between polls (a peer still computing).
+const SPIN: Duration = Duration::from_millis(1);
+
+/// How often a wait asks whether its peers' processes still live.
+const LIVENESS: Duration = Duration::from_millis(100);
 
 /// One communicator's slot links.
 pub(crate) struct Slots {
@@ -45,7 +50,11 @@ pub(crate) struct Slots {
     next: AtomicU64,
     /// Calls this rank finished (a call starts once the one before it finished here).
     done: AtomicU64,
-    wait: Duration,
+    /// `FLAGCX_TIMEOUT_MS`: without it a call waits as long as its peers live.
+    timeout: Option<Duration>,
+    /// Every rank's process (all on this machine), to notice a peer that died while this rank
+    /// waits: no operation of the engine is in flight then to see its socket close.
+    pids: Vec<u32>,
 }
 
 /// One call's arguments.
@@ -80,6 +89,7 @@ impl Slots {
     pub(crate) fn new(
         rank: usize,
         channels: Vec<Option<(Arc<Channel>, Arc<Channel>)>>,
+        infos: &[PeerInfo],
         timeout: Option<Duration>,
     ) -> Option<Slots> {
         let whole = channels
@@ -91,7 +101,8 @@ impl Slots {
             rank,
             next: AtomicU64::new(0),
             done: AtomicU64::new(0),
-            wait: timeout.unwrap_or(DEFAULT_WAIT),
+            timeout,
+            pids: infos.iter().map(|i| i.pid).collect(),
         })
     }
 
@@ -108,31 +119,10 @@ impl Slots {
     pub(crate) unsafe fn run(&self, c: &Call, shared: &Shared) -> Result<()> {
         let bytes = c.count * c.dtype.size();
         debug_assert!(bytes <= SLOTS_MAX);
-        let t0 = Instant::now();
-        let out_of_time = |t0: Instant| -> Result<()> {
-            if shared.aborted.load(Ordering::Acquire) {
-                return Err(CommError::Aborted);
-            }
-            if t0.elapsed() > self.wait {
-                return Err(CommError::Timeout {
-                    ms: self.wait.as_millis() as u64,
-                    peer: None,
-                    what: format!(
-                        "all-reduce {} through the reduction slots: a peer's block never came",
-                        c.n
-                    ),
-                });
-            }
-            Ok(())
-        };
+        let mut w = Wait::new(self, c.n, shared);
         // Calls posted on two streams may run out of order: call n waits for n - 1 here.
-        let mut polls = 0u32;
         while self.done.load(Ordering::Acquire) < c.n {
-            polls = polls.wrapping_add(1);
-            if polls % 64 == 0 {
-                out_of_time(t0)?;
-            }
-            flagcx_adaptor::spin::relax_on_peer(polls);
+            w.poll(None)?;
         }
         let sig = c.signature();
         for (out, _) in self.links.iter().flatten() {
@@ -158,19 +148,9 @@ impl Slots {
                 continue;
             };
             let (word, sig_word, data) = inc.reduce_slot(c.n);
-            let mut polls = 0u32;
+            let mut w = Wait::new(self, c.n, shared);
             while word.load(Ordering::Acquire) != c.n + 1 {
-                polls = polls.wrapping_add(1);
-                if polls % 64 == 0 {
-                    out_of_time(t0)?;
-                    if shared.lost[q].load(Ordering::Acquire) {
-                        return Err(CommError::PeerLost {
-                            peer: q,
-                            reason: format!("lost during all-reduce {} (reduction slots)", c.n),
-                        });
-                    }
-                }
-                flagcx_adaptor::spin::relax_on_peer(polls);
+                w.poll(Some(q))?;
             }
             let theirs = sig_word.load(Ordering::Relaxed);
             if theirs != sig {
@@ -206,6 +186,103 @@ impl Slots {
         self.done.store(c.n + 1, Ordering::Release);
         Ok(())
     }
+}
+
+/// One wait of a call: spinning, then napping; failing at the timeout, an abort or a peer's
+/// death.
+struct Wait<'a> {
+    slots: &'a Slots,
+    shared: &'a Shared,
+    call: u64,
+    t0: Instant,
+    checked: Instant,
+    polls: u32,
+}
+
+impl<'a> Wait<'a> {
+    fn new(slots: &'a Slots, call: u64, shared: &'a Shared) -> Self {
+        let now = Instant::now();
+        Wait {
+            slots,
+            shared,
+            call,
+            t0: now,
+            checked: now,
+            polls: 0,
+        }
+    }
+
+    /// One pause between polls, waiting for `peer` (`None`: this rank's previous call).
+    fn poll(&mut self, peer: Option<usize>) -> Result<()> {
+        self.polls = self.polls.wrapping_add(1);
+        if self.polls % 64 != 0 {
+            flagcx_adaptor::spin::relax_on_peer(self.polls);
+            return Ok(());
+        }
+        if self.shared.aborted.load(Ordering::Acquire) {
+            return Err(CommError::Aborted);
+        }
+        let waited = self.t0.elapsed();
+        if let Some(t) = self.slots.timeout.filter(|t| waited > *t) {
+            return Err(CommError::Timeout {
+                ms: t.as_millis() as u64,
+                peer,
+                what: match peer {
+                    Some(q) => format!(
+                        "all-reduce {} through the reduction slots: rank {q}'s block never came",
+                        self.call
+                    ),
+                    None => format!(
+                        "all-reduce {} through the reduction slots: this rank's call before it \
+                         never finished",
+                        self.call
+                    ),
+                },
+            });
+        }
+        if let Some(q) = peer {
+            if self.checked.elapsed() >= LIVENESS {
+                self.checked = Instant::now();
+                let lost = self
+                    .shared
+                    .lost
+                    .get(q)
+                    .is_some_and(|l| l.load(Ordering::Acquire));
+                if lost || !alive(self.slots.pids[q]) {
+                    return Err(CommError::PeerLost {
+                        peer: q,
+                        reason: format!(
+                            "its process is gone (all-reduce {} through the reduction slots)",
+                            self.call
+                        ),
+                    });
+                }
+            }
+        }
+        if waited > SPIN {
+            std::thread::sleep(Duration::from_micros(20));
+        } else {
+            flagcx_adaptor::spin::relax_on_peer(self.polls);
+        }
+        Ok(())
+    }
+}
+
+/// Whether process `pid` of this machine still runs (a zombie does not).
+fn alive(pid: u32) -> bool {
+    let Ok(p) = libc::pid_t::try_from(pid) else {
+        return true;
+    };
+    // SAFETY: signal 0 only checks that the process exists and may be signalled.
+    let exists = unsafe { libc::kill(p, 0) } == 0
+        || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+    exists
+        && std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+            // The state follows the command name's closing parenthesis.
+            s.rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next())
+                .map_or(true, |state| state != 'Z' && state != 'X')
+        })
 }
 
 /// A signature word in words.
