@@ -21,8 +21,7 @@
 //! instead of on `send_posted` (which follows). The receiver copies the message out and
 //! publishes `recv_done` past `i`; `recv_posted` is left alone (nobody waits for it).
 //!
-//! After the control page come two reduction slots ([`Channel::reduce_slot`]): a small
-//! all-reduce between host-addressable ranks writes its block there (`crate::reduction::slots`).
+//! After the control page come two reduction slots ([`REDUCE_SLOTS_AT`], `crate::slots`).
 //!
 //! Every counter only grows; a descriptor is written before its counter is published with
 //! release ordering and read after an acquire load, so each ring is a plain SPSC queue.
@@ -38,11 +37,13 @@ use crate::shm::ShmSegment;
 /// queues more locally).
 pub const DESC_RING: u64 = 64;
 const CTRL_BYTES: usize = 4096;
-/// A reduction slot: a 16-byte head (the call's number + 1, published last; the call's
-/// signature) and up to [`REDUCE_SLOT_DATA`] bytes of data from byte 16, so a block of up to
-/// 48 bytes shares the head's cache line.
+/// The two reduction slots (`crate::slots`) follow the control page: each a 16-byte head and
+/// up to [`REDUCE_SLOT_DATA`] bytes of data, [`REDUCE_SLOT_BYTES`] apart.
+pub const REDUCE_SLOTS_AT: usize = CTRL_BYTES;
+/// The data a reduction slot holds.
 pub const REDUCE_SLOT_DATA: usize = 4096;
-const REDUCE_SLOT_BYTES: usize = (16 + REDUCE_SLOT_DATA).next_multiple_of(64);
+/// The stride of the reduction slots.
+pub const REDUCE_SLOT_BYTES: usize = (16 + REDUCE_SLOT_DATA).next_multiple_of(64);
 const REDUCE_SLOTS_END: usize = (CTRL_BYTES + 2 * REDUCE_SLOT_BYTES).next_multiple_of(4096);
 /// A descriptor's stride: four cache lines, room for small eager messages inline.
 const DESC_BYTES: usize = 256;
@@ -537,25 +538,6 @@ impl Channel {
     /// Offset of send descriptor `i`'s status word, which names the status and `i + 1`.
     pub fn send_status_offset(&self, i: u64) -> usize {
         self.send_size_offset(i) + 8
-    }
-
-    /// Reduction slot `call % 2`: its published word (the call's number + 1 once the slot
-    /// holds that call's block), its signature word and its data (`REDUCE_SLOT_DATA` bytes).
-    /// The sender writes the signature and data, then publishes with release ordering; the
-    /// receiver reads them after an acquire load that saw its call.
-    pub fn reduce_slot(&self, call: u64) -> (&AtomicU64, &AtomicU64, *mut u8) {
-        let at = CTRL_BYTES + (call % 2) as usize * REDUCE_SLOT_BYTES;
-        // SAFETY: both slots lie between the control page and the receive descriptors, inside
-        // the mapping, which outlives `self`; the head's two words are 8-byte aligned, and every
-        // access to them is atomic.
-        unsafe {
-            let p = self.seg.as_ptr().add(at);
-            (
-                &*(p as *const AtomicU64),
-                &*(p.add(8) as *const AtomicU64),
-                p.add(16),
-            )
-        }
     }
 
     /// Offset of eager slot `i`.

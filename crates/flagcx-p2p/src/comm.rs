@@ -73,8 +73,8 @@ pub struct Comm<A: DeviceAdaptor> {
     pub(crate) direct: Vec<Option<usize>>,
     /// Per peer: the eager slots, where both ranks' device memory is host addressable.
     pub(crate) eager: Vec<Option<EagerLink>>,
-    /// Small all-reduces' slots (`crate::reduction` `slots`), where every rank can take them.
-    pub(crate) reduce_slots: Option<Arc<crate::reduction::slots::Slots>>,
+    /// Small all-reduces' slots (`crate::slots`), where every rank can take them.
+    pub(crate) reduce_slots: Option<Arc<crate::slots::Slots>>,
     /// Per IPC peer (unless `FLAGCX_P2P_IPC_CALLER=off`): its channels, for the posting thread.
     pub(crate) caller: Vec<Option<CallerLink>>,
     /// Per peer whose small messages go stream-ordered (`transport::streamed`).

@@ -67,6 +67,7 @@ mod request;
 mod scratch;
 mod setup;
 pub mod shm;
+mod slots;
 mod standin;
 mod transport;
 mod ucx;

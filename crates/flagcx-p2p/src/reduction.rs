@@ -14,7 +14,7 @@
 //!   scratch: every rank sends its block to every rank that needs it in one exchange, and each
 //!   receiver combines the blocks in rank order `((x0 ∘ x1) ∘ x2) ∘ …` — one round trip;
 //!   Where every rank's memory is host addressable and every rank is on one machine, an
-//!   all-reduce of up to 4 KiB (`slots::SLOTS_MAX`) moves through two slots in each pair's
+//!   all-reduce of up to 4 KiB (`crate::slots::SLOTS_MAX`) moves through two slots in each pair's
 //!   channel instead of messages (`slots`; `FLAGCX_REDUCE_SLOTS=0` turns it off): the same
 //!   order, so the same bits, and the call's signature rides in the slot;
 //! - *ring* otherwise: a reduce-scatter around the ring (`n − 1` steps, each rank receiving a
@@ -623,7 +623,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         let algo = choose(self.nranks(), count, dtype, self.config.reduce_algo);
         if let Some(s) = self.reduce_slots.as_ref().filter(|_| {
-            kind == Kind::AllReduce && algo == Algorithm::Direct && bytes <= slots::SLOTS_MAX
+            kind == Kind::AllReduce && algo == Algorithm::Direct && bytes <= crate::slots::SLOTS_MAX
         }) {
             // SAFETY: the caller's contract.
             return unsafe { self.all_reduce_in_slots(s, (send, recv), count, dtype, op, stream) };
@@ -663,60 +663,6 @@ impl<A: DeviceAdaptor> Comm<A> {
             self.abort();
         }
         posted
-    }
-
-    /// A small all-reduce through the reduction slots (`slots`): run here where the stream is
-    /// idle, else enqueued on it as a host function whose outcome the returned collective
-    /// reports. A failure fails the communicator, as any reduction's does.
-    ///
-    /// # Safety
-    /// As the public calls; the slots exist only where device memory is host addressable.
-    unsafe fn all_reduce_in_slots(
-        &self,
-        s: &std::sync::Arc<slots::Slots>,
-        (send, recv): (DevicePtr, DevicePtr),
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        stream: StreamHandle,
-    ) -> Result<Collective> {
-        let call = slots::Call {
-            n: s.take_number(),
-            send: send.0,
-            recv: recv.0,
-            count,
-            dtype,
-            op,
-        };
-        if self.adaptor().stream_query(stream)? {
-            // SAFETY: host-addressable buffers of `count` elements (the caller's contract and
-            // the slots' condition); the stream is idle, so nothing earlier still writes them.
-            return match unsafe { s.run(&call, &self.shared) } {
-                Ok(()) => Ok(Collective::default()),
-                Err(e) => {
-                    self.shared.record_fatal(&e);
-                    self.abort();
-                    Err(e)
-                }
-            };
-        }
-        let cell = crate::collectives::Deferred::default();
-        let (fill, s, shared, me) = (cell.clone(), s.clone(), self.shared.clone(), self.rank());
-        self.adaptor().launch_host_func(
-            stream,
-            Box::new(move || {
-                // SAFETY: as above; the stream reached the call, so earlier work on the
-                // buffers finished, and the caller keeps them valid until it passes the call.
-                let r = unsafe { s.run(&call, &shared) };
-                if let Err(e) = &r {
-                    crate::guard::fail_communicator(&shared, e.clone(), me);
-                }
-                *lock(&fill) = Some(r.map(|()| Collective::default()));
-            }),
-        )?;
-        let mut c = Collective::deferred(cell);
-        self.track_stream_end(&mut c, stream)?;
-        Ok(c)
     }
 
     /// Enqueues `steps` on `stream` (the scratch taken for the call where a step names it).
@@ -821,6 +767,6 @@ impl Step {
     }
 }
 
-pub(crate) mod slots;
+mod slots;
 #[cfg(test)]
 mod tests;

@@ -20,6 +20,7 @@ use crate::guard::Guard;
 use crate::join::WatermarkPage;
 use crate::peer::{choose_transport, direct_copier, receiver_copies, PeerInfo, TransportKind};
 use crate::shm::ShmSegment;
+use crate::slots::Slots;
 use crate::transport::devring::{self, DevRing};
 use crate::transport::eager::{Bounce, EagerLink, STAGED_EAGER_MAX};
 use crate::transport::ipc::{CallerLink, IpcCache};
@@ -622,16 +623,10 @@ impl<A: DeviceAdaptor> Comm<A> {
                 })
             })
             .collect();
-        let reduce_slots = (config.reduce_slots && crate::reduction::slots::possible(&infos))
-            .then(|| {
-                let channels = peers
-                    .iter()
-                    .map(|c| c.as_ref().map(|c| (c.out.clone(), c.inc.clone())))
-                    .collect();
-                crate::reduction::slots::Slots::new(rank, channels, &infos, config.timeout)
-            })
-            .flatten()
-            .map(Arc::new);
+        let pairs = peers
+            .iter()
+            .map(|c| c.as_ref().map(|c| (c.out.clone(), c.inc.clone())));
+        let reduce_slots = Slots::new(rank, pairs.collect(), &infos, &config).map(Arc::new);
         let caller = peers
             .iter()
             .map(|c| {
