@@ -192,6 +192,21 @@ pub enum ReduceStep {
 }
 
 impl ReduceStep {
+    /// The step that combines two contributions for `op`: an average sums, and divides once
+    /// at the end ([`ReduceStep::finishing`]).
+    pub fn combining(op: ReduceOp) -> ReduceStep {
+        ReduceStep::Combine(match op {
+            ReduceOp::Avg => ReduceOp::Sum,
+            op => op,
+        })
+    }
+
+    /// The step that ends a reduction of `n` contributions for `op`, applied once to the
+    /// combined value: [`ReduceStep::Average`] for an average, none otherwise.
+    pub fn finishing(op: ReduceOp, n: usize) -> Option<ReduceStep> {
+        (op == ReduceOp::Avg).then_some(ReduceStep::Average { n: n as u32 })
+    }
+
     /// `Err` with a reason for `Combine(ReduceOp::Avg)` and `Average { n: 0 }`, else `Ok`.
     pub fn check(self) -> Result<(), String> {
         match self {

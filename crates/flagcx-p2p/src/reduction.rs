@@ -154,7 +154,7 @@ pub fn reference(
 ) -> Vec<u8> {
     use flagcx_adaptor::reduce::reduce_slices;
     let (n, sz) = (inputs.len(), dtype.size());
-    let combine = combine_step(op);
+    let (combine, finish) = (ReduceStep::combining(op), ReduceStep::finishing(op, n));
     let part = |first: usize, len: usize, order: &[usize]| -> Vec<u8> {
         let bytes = first * sz..(first + len) * sz;
         let mut acc = inputs[order[0]][bytes.clone()].to_vec();
@@ -166,9 +166,8 @@ pub fn reference(
             reduce_slices(&mut out, &acc, &inputs[q][bytes.clone()], dtype, combine);
             acc = out;
         }
-        if op == ReduceOp::Avg {
+        if let Some(step) = finish {
             let mut out = vec![0u8; acc.len()];
-            let step = ReduceStep::Average { n: n as u32 };
             reduce_slices(&mut out, &acc, &[], dtype, step);
             acc = out;
         }
@@ -186,15 +185,6 @@ pub fn reference(
                 .collect()
         }
     }
-}
-
-/// The step that combines two contributions for `op`: an average sums, and divides once at
-/// the end ([`ReduceStep::Average`]).
-fn combine_step(op: ReduceOp) -> ReduceStep {
-    ReduceStep::Combine(match op {
-        ReduceOp::Avg => ReduceOp::Sum,
-        op => op,
-    })
 }
 
 /// The buffers a plan names.
@@ -241,13 +231,11 @@ pub(crate) struct Shape {
 
 impl Shape {
     fn combine(&self) -> ReduceStep {
-        combine_step(self.op)
+        ReduceStep::combining(self.op)
     }
 
     fn finish(&self) -> Option<ReduceStep> {
-        (self.op == ReduceOp::Avg).then_some(ReduceStep::Average {
-            n: self.nranks as u32,
-        })
+        ReduceStep::finishing(self.op, self.nranks)
     }
 
     /// Segment `j` of the data: (first element, elements) in the send buffer's numbering.

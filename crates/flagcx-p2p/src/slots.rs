@@ -20,13 +20,11 @@
 //! checked every 100 ms); past a millisecond the wait naps between polls.
 //! Calls run on the posting thread where the stream is idle, else as a host function on it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use flagcx_adaptor::reduce::{DataType, ReduceOp, ReduceStep};
-
-use std::sync::atomic::AtomicBool;
 
 use crate::channel::{Channel, REDUCE_SLOTS_AT, REDUCE_SLOT_BYTES, REDUCE_SLOT_DATA};
 use crate::config::Config;
@@ -171,10 +169,7 @@ impl Slots {
             }
             blocks.push(data as *const u8);
         }
-        let combine = ReduceStep::Combine(match c.op {
-            ReduceOp::Avg => ReduceOp::Sum,
-            op => op,
-        });
+        let combine = ReduceStep::combining(c.op);
         let dst = c.recv as *mut u8;
         for (k, &b) in blocks.iter().enumerate().skip(1) {
             let a = if k == 1 { blocks[0] } else { dst as *const u8 };
@@ -183,10 +178,7 @@ impl Slots {
             // `dst` itself (equal, which the reduction allows).
             unsafe { flagcx_adaptor::reduce::reduce_raw(dst, a, b, c.count, c.dtype, combine) };
         }
-        if c.op == ReduceOp::Avg {
-            let step = ReduceStep::Average {
-                n: self.links.len() as u32,
-            };
+        if let Some(step) = ReduceStep::finishing(c.op, self.links.len()) {
             // SAFETY: as above; an average reads only `a`.
             unsafe { flagcx_adaptor::reduce::reduce_raw(dst, dst, dst, c.count, c.dtype, step) };
         }

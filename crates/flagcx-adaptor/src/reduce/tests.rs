@@ -382,6 +382,23 @@ fn step_check_refuses_combine_avg_and_average_of_zero() {
 }
 
 #[test]
+fn an_average_sums_then_divides_once_and_other_ops_finish_as_they_combine() {
+    assert_eq!(
+        ReduceStep::combining(ReduceOp::Avg),
+        ReduceStep::Combine(ReduceOp::Sum)
+    );
+    assert_eq!(
+        ReduceStep::finishing(ReduceOp::Avg, 3),
+        Some(ReduceStep::Average { n: 3 })
+    );
+    for op in COMBINE_OPS {
+        assert_eq!(ReduceStep::combining(op), ReduceStep::Combine(op));
+        assert_eq!(ReduceStep::finishing(op, 3), None);
+        assert!(ReduceStep::combining(op).check().is_ok());
+    }
+}
+
+#[test]
 #[should_panic(expected = "Combine(Avg)")]
 fn reduce_panics_on_combine_avg() {
     reduce_typed(
