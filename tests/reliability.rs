@@ -2271,27 +2271,29 @@ fn ranks_die_with_a_killed_launcher() {
     );
 }
 
-#[test]
-fn killed_rank_fails_a_collective_everywhere() {
+/// Three ranks run `collective_killed` with `env`; rank 2 dies by SIGKILL between calls and
+/// the others survive (their calls failed with `PeerLost`, checked inside the scenario). `what`
+/// names the calls in failure messages.
+fn collective_with_a_killed_rank(env: &[(&str, &str)], what: &str) {
     if skip_unless_vendor() {
         return;
     }
     let id = UniqueId::random().expect("id").to_string();
     let ranks: Vec<Child> = (0..3)
-        .map(|r| spawn_rank(r, 3, &id, "collective_killed", &[]))
+        .map(|r| spawn_rank(r, 3, &id, "collective_killed", env))
         .collect();
     let outs: Vec<Output> = ranks
         .into_iter()
         .map(|c| finish(c, Duration::from_secs(60)))
         .collect();
-    assert_eq!(
-        std::os::unix::process::ExitStatusExt::signal(&outs[2].status),
-        Some(libc::SIGKILL),
-        "{}",
-        text(&outs[2])
-    );
-    assert_survived(&outs[0], "rank 0 of a collective with a killed rank");
-    assert_survived(&outs[1], "rank 1 of a collective with a killed rank");
+    assert_sigkilled(&outs[2], "rank 2");
+    assert_survived(&outs[0], &format!("rank 0 of {what} with a killed rank"));
+    assert_survived(&outs[1], &format!("rank 1 of {what} with a killed rank"));
+}
+
+#[test]
+fn killed_rank_fails_a_collective_everywhere() {
+    collective_with_a_killed_rank(&[], "a collective");
 }
 
 /// A rank whose vendor cannot reduce: every rank's all-reduce is refused at once with
@@ -2349,44 +2351,17 @@ fn reductions_whose_ranks_disagree_fail_on_every_rank() {
 /// `FLAGCX_TIMEOUT_MS`): the others' calls fail with `PeerLost` naming it.
 #[test]
 fn killed_rank_fails_a_small_all_reduce_everywhere() {
-    if skip_unless_vendor() {
-        return;
-    }
-    let id = UniqueId::random().expect("id").to_string();
     let env = [
         ("FLAGCX_TEST_COLLECTIVE", "allreduce"),
         ("FLAGCX_TEST_BLOCK", "64"),
     ];
-    let ranks: Vec<Child> = (0..3)
-        .map(|r| spawn_rank(r, 3, &id, "collective_killed", &env))
-        .collect();
-    let outs: Vec<Output> = ranks
-        .into_iter()
-        .map(|c| finish(c, Duration::from_secs(60)))
-        .collect();
-    assert_sigkilled(&outs[2], "rank 2");
-    assert_survived(&outs[0], "rank 0 of a small all-reduce with a killed rank");
-    assert_survived(&outs[1], "rank 1 of a small all-reduce with a killed rank");
+    collective_with_a_killed_rank(&env, "a small all-reduce");
 }
 
 /// A rank killed in the middle of all-reduces: the others' calls fail with `PeerLost`.
 #[test]
 fn killed_rank_fails_an_all_reduce_everywhere() {
-    if skip_unless_vendor() {
-        return;
-    }
-    let id = UniqueId::random().expect("id").to_string();
-    let env = [("FLAGCX_TEST_COLLECTIVE", "allreduce")];
-    let ranks: Vec<Child> = (0..3)
-        .map(|r| spawn_rank(r, 3, &id, "collective_killed", &env))
-        .collect();
-    let outs: Vec<Output> = ranks
-        .into_iter()
-        .map(|c| finish(c, Duration::from_secs(60)))
-        .collect();
-    assert_sigkilled(&outs[2], "rank 2");
-    assert_survived(&outs[0], "rank 0 of an all-reduce with a killed rank");
-    assert_survived(&outs[1], "rank 1 of an all-reduce with a killed rank");
+    collective_with_a_killed_rank(&[("FLAGCX_TEST_COLLECTIVE", "allreduce")], "an all-reduce");
 }
 
 #[test]
