@@ -150,6 +150,15 @@ impl crate::engine::Shared {
         }
     }
 
+    /// What ends a reduction-slots call's waits besides its timeout (`crate::slots`): this
+    /// communicator's abort flag and its peers' lost flags.
+    pub(crate) fn slots_stop(&self) -> crate::slots::Stop<'_> {
+        crate::slots::Stop {
+            aborted: &self.aborted,
+            lost: &self.lost,
+        }
+    }
+
     /// Records `e` for `Comm::async_error` whatever its kind (it failed the communicator).
     pub fn record_fatal(&self, e: &CommError) {
         let mut first = lock(&self.first_error);
@@ -170,22 +179,27 @@ pub(crate) fn after_failure(
     peer: usize,
 ) {
     if let Some(e) = failed.filter(|e| e.is_disagreement() && slot.is_fatal()) {
-        fail_communicator(shared, e, peer);
+        fail_communicator(
+            shared,
+            e,
+            &format!("a reduction's message with rank {peer}"),
+        );
     }
 }
 
 /// A reduction's message failed its size (its ranks disagreed on the call), or its peer
-/// failed it for that: the rest of the call would reduce what never arrived and hand it on,
-/// so the communicator fails as an abort fails it — every pending operation, every pair (the
-/// peers' operations with this rank fail at once, and theirs with others through their own
-/// reductions), `async_error`. Called by the engine (`Engine::finish`).
-pub(crate) fn fail_communicator(shared: &crate::engine::Shared, e: CommError, peer: usize) {
+/// failed it for that, or a call through the reduction slots failed (`what` says which): the
+/// rest of the call would reduce what never arrived and hand it on, so the communicator fails
+/// as an abort fails it — every pending operation, every pair (the peers' operations with this
+/// rank fail at once, and theirs with others through their own reductions), `async_error`.
+/// Called by the engine (`Engine::finish`) and by a slots call run as a host function.
+pub(crate) fn fail_communicator(shared: &crate::engine::Shared, e: CommError, what: &str) {
     if shared.aborted.swap(true, Ordering::AcqRel) {
         return;
     }
     tracing::warn!(
-        "a reduction's message with rank {peer} failed ({e}): failing the communicator so \
-         that no rank finishes the call on data that never came"
+        "{what} failed ({e}): failing the communicator so that no rank finishes the call on \
+         data that never came"
     );
     shared.record_fatal(&e);
     shared.verdict.give(e);

@@ -10,7 +10,7 @@ use crate::collectives::Collective;
 use crate::comm::Comm;
 use crate::engine::lock;
 use crate::error::Result;
-use crate::slots::{Call, Slots, Stop};
+use crate::slots::{Call, Slots};
 
 impl<A: DeviceAdaptor> Comm<A> {
     /// A small all-reduce through the reduction slots (`slots`): run here where the stream is
@@ -37,10 +37,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             op,
         };
         if self.adaptor().stream_query(stream)? {
-            let stop = Stop {
-                aborted: &self.shared.aborted,
-                lost: &self.shared.lost,
-            };
+            let stop = self.shared.slots_stop();
             // SAFETY: host-addressable buffers of `count` elements (the caller's contract and
             // the slots' condition); the stream is idle, so nothing earlier still writes them.
             return match unsafe { s.run(&call, &stop) } {
@@ -53,19 +50,17 @@ impl<A: DeviceAdaptor> Comm<A> {
             };
         }
         let cell = crate::collectives::Deferred::default();
-        let (fill, s, shared, me) = (cell.clone(), s.clone(), self.shared.clone(), self.rank());
+        let (fill, s, shared) = (cell.clone(), s.clone(), self.shared.clone());
         self.adaptor().launch_host_func(
             stream,
             Box::new(move || {
-                let stop = Stop {
-                    aborted: &shared.aborted,
-                    lost: &shared.lost,
-                };
+                let stop = shared.slots_stop();
                 // SAFETY: as above; the stream reached the call, so earlier work on the
                 // buffers finished, and the caller keeps them valid until it passes the call.
                 let r = unsafe { s.run(&call, &stop) };
                 if let Err(e) = &r {
-                    crate::guard::fail_communicator(&shared, e.clone(), me);
+                    let what = "an all-reduce through the reduction slots";
+                    crate::guard::fail_communicator(&shared, e.clone(), what);
                 }
                 *lock(&fill) = Some(r.map(|()| Collective::default()));
             }),
