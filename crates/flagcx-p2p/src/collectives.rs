@@ -24,9 +24,10 @@
 use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, StreamHandle};
 
 use crate::comm::{Comm, Request};
-use crate::engine::{lock, Dir};
 use crate::error::{CommError, Result};
+use crate::op::Dir;
 use crate::transport::eager::Move;
+use flagcx_adaptor::tracking::lock;
 
 /// One message of a collective: peer, send (else receive), buffer, bytes.
 pub(crate) type Block = (usize, bool, DevicePtr, usize);

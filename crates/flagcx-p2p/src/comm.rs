@@ -6,23 +6,23 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use flagcx_adaptor::tracking::HandleMap;
+use flagcx_adaptor::tracking::{lock, HandleMap};
 use flagcx_adaptor::{DeviceAdaptor, DeviceBuffer, DevicePtr, EventHandle, Stream, StreamHandle};
 
 use crate::bootstrap::Bootstrap;
 use crate::config::{Config, RankEnv};
-use crate::engine::{lock, Dir, Inbox, Op, Shared, Slot};
 use crate::error::{CommError, Result};
 use crate::guard::Guard;
-use crate::join::WatermarkPage;
+use crate::op::{Dir, Inbox, Op, Slot};
 use crate::peer::{PeerInfo, TransportKind};
 pub use crate::request::Request;
 pub(crate) use crate::request::State;
+use crate::shared::{Path, Shared};
 use crate::transport::eager::EagerLink;
 use crate::transport::ipc::{CallerLink, Msg};
 use crate::transport::net::SharedNet;
 use crate::transport::streamed::StreamLink;
-use crate::transport::Path;
+use crate::watermark::WatermarkPage;
 use crate::PathStats;
 
 /// Point-to-point communication among the ranks of one job, on one device.
@@ -103,7 +103,7 @@ pub struct Comm<A: DeviceAdaptor> {
     /// on it, so the watermark page outlives every wait on it even if the caller already
     /// destroyed the stream (a destroyed stream still runs what was queued).
     /// Beside it, the operation that last join waits for, and its gate.
-    pub(crate) joined: Mutex<HandleMap<crate::join::Joined>>,
+    pub(crate) joined: Mutex<HandleMap<crate::watermark::Joined>>,
     /// Who is posting now, to notice threads that post at once (`crate::posting`).
     pub(crate) posting: crate::posting::Posting,
     pub(crate) page: WatermarkPage,
@@ -117,8 +117,10 @@ pub struct Comm<A: DeviceAdaptor> {
     pub(crate) _boot: Arc<Bootstrap>,
     /// The network side, where a peer is on another host (shared with the engine).
     pub(crate) net: Option<SharedNet>,
-    /// The port proxy, started by the first port channel.
-    pub(crate) ports: crate::port::PortSlot<A>,
+    /// The port proxy, started by the first port channel (`port::PortProxy<A>`; every
+    /// channel holds it too). Held as `Any` so that `Comm` names nothing of the port channels,
+    /// which are built on it; `port` is the only module that fills or reads it.
+    pub(crate) ports: std::sync::OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
     /// The posting threads' pinned bounce buffer for eager messages (see `transport::eager`).
     pub(crate) bounce: Mutex<crate::transport::eager::Bounce>,
     /// Device scratch memory of the reductions (`crate::scratch`), made at the first one.
@@ -267,8 +269,9 @@ impl<A: DeviceAdaptor> Comm<A> {
     }
 
     /// Whether messages with `peer` are copied late: by the stream of whichever rank posts
-    /// second, with no proxy copy and no join (`FLAGCX_P2P_LATE_COPY`; by default where a rank
-    /// of the pair found its streams sharing one work queue).
+    /// second, with no proxy copy and no join (`FLAGCX_P2P_LATE_COPY`; by default for IPC
+    /// pairs of two CUDA ranks, and where a rank of the pair found its streams sharing one
+    /// work queue).
     pub fn copies_late(&self, peer: usize) -> bool {
         self.late_link(peer).is_some()
     }
@@ -443,7 +446,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         // stream idle at posting: it waits out a satisfied join as an ungrouped one does.
         let grouped_eager = !ungrouped && link.is_some();
         let fits = (eager || grouped_eager) && link.is_some_and(|l| l.fits(dir, bytes));
-        let small = fits && bytes <= crate::join::REJOIN_MAX;
+        let small = fits && bytes <= crate::watermark::REJOIN_MAX;
         let cpu = fits && link.is_some_and(|l| l.addressable);
         let idle = ordered
             || self.idle_or_soon(stream, eager || grouped_eager || caller || net, small, cpu)?;

@@ -26,9 +26,10 @@ use std::time::{Duration, Instant};
 use flagcx_adaptor::tracking::lock;
 use flagcx_adaptor::DeviceAdaptor;
 
-use crate::engine::{Engine, Shared};
+use crate::engine::Engine;
 use crate::error::{CommError, Result};
 use crate::op::{Help, Helper};
+use crate::shared::Shared;
 
 /// How long after a waiter's last pass the proxy thread leaves the engine to waiters: the
 /// longest a posted operation waits for the proxy once waiters stopped driving.

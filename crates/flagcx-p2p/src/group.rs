@@ -9,9 +9,9 @@ use flagcx_adaptor::{DeviceAdaptor, StreamHandle};
 
 use crate::channel::Counter;
 use crate::comm::Comm;
-use crate::engine::{lock, Dir, Op};
 use crate::error::{CommError, Result};
-use crate::op::Resume;
+use crate::op::{Dir, Op, Resume};
+use flagcx_adaptor::tracking::lock;
 
 impl<A: DeviceAdaptor> Comm<A> {
     /// Runs `f`, posting its operations together: they progress at once and each stream waits

@@ -9,7 +9,7 @@
 //! ended for the timeout, it fails the communicator from outside, with no vendor call that
 //! could block behind the same lock:
 //! - [`Shared::first_error`] and every waiting request get a `Timeout` that says so
-//!   (the [`Verdict`]: waiters look at it between sleeps, so they return even though the
+//!   (the [`crate::op::Verdict`]: waiters look at it between sleeps, so they return even though the
 //!   engine, which fills their slots, does not);
 //! - the communicator is aborted (later posts fail with `Aborted`);
 //! - callers' streams are released as [`crate::Comm::abort`] releases them: the watermark word
@@ -26,13 +26,13 @@ use std::time::{Duration, Instant};
 
 use flagcx_adaptor::DeviceAdaptor;
 
-use crate::engine::{lock, Shared};
+use flagcx_adaptor::tracking::lock;
+
 use crate::error::{CommError, Result};
+use crate::shared::Shared;
 
 /// The shortest stall the guard reports: longer than the engine's idle park (100 ms).
 pub(crate) const MIN_WINDOW: Duration = Duration::from_millis(250);
-
-pub(crate) use crate::op::Verdict;
 
 /// The guard's thread, and the flag it raises when it fails the communicator.
 pub(crate) struct Guard {
@@ -140,7 +140,7 @@ fn watch(shared: &Shared, window: Duration, rank: usize) -> Option<CommError> {
 
 /// The first failure kept for `Comm::async_error` (here, beside the other ways a
 /// communicator fails, to keep `engine.rs` short).
-impl crate::engine::Shared {
+impl Shared {
     /// Keeps the first asynchronous failure of any operation (for
     /// [`crate::Comm::async_error`]); the caller's own errors (a size mismatch, an abort) are
     /// not kept.
@@ -173,7 +173,7 @@ impl crate::engine::Shared {
 /// one and retired the pair, fails the communicator ([`fail_communicator`]). A lost or stopped
 /// peer, a timeout or an abort reach every rank by their own paths, each naming its cause.
 pub(crate) fn after_failure(
-    shared: &crate::engine::Shared,
+    shared: &Shared,
     slot: &crate::op::Slot,
     failed: Option<CommError>,
     peer: usize,
@@ -193,7 +193,7 @@ pub(crate) fn after_failure(
 /// as an abort fails it — every pending operation, every pair (the peers' operations with this
 /// rank fail at once, and theirs with others through their own reductions), `async_error`.
 /// Called by the engine (`Engine::finish`) and by a slots call run as a host function.
-pub(crate) fn fail_communicator(shared: &crate::engine::Shared, e: CommError, what: &str) {
+pub(crate) fn fail_communicator(shared: &Shared, e: CommError, what: &str) {
     if shared.aborted.swap(true, Ordering::AcqRel) {
         return;
     }
@@ -260,7 +260,7 @@ pub(crate) fn joined_within(h: JoinHandle<()>, limit: Option<Duration>) -> bool 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::op::Slot;
+    use crate::op::{Slot, Verdict};
 
     #[test]
     fn a_verdict_ends_a_wait_the_engine_never_completes() {
@@ -333,7 +333,7 @@ mod tests {
 }
 
 /// A runtime call the proxy makes that may wait for long, named for the stall guard's message
-/// (`crate::engine::Shared::blocked_in`: the code in the low byte, the peer above it).
+/// (`Shared::blocked_in`: the code in the low byte, the peer above it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub(crate) enum BlockedIn {
@@ -345,7 +345,7 @@ pub(crate) enum BlockedIn {
 
 impl BlockedIn {
     /// Records that the proxy enters this call for `peer`, until the guard drops.
-    pub(crate) fn mark(self, shared: &crate::engine::Shared, peer: usize) -> Unmark<'_> {
+    pub(crate) fn mark(self, shared: &Shared, peer: usize) -> Unmark<'_> {
         shared
             .blocked_in
             .store(self as u64 | ((peer as u64) << 8), Ordering::Relaxed);
@@ -365,8 +365,8 @@ impl BlockedIn {
     }
 }
 
-/// Clears [`crate::engine::Shared::blocked_in`] when dropped.
-pub(crate) struct Unmark<'a>(&'a crate::engine::Shared);
+/// Clears [`Shared::blocked_in`] when dropped.
+pub(crate) struct Unmark<'a>(&'a Shared);
 
 impl Drop for Unmark<'_> {
     fn drop(&mut self) {

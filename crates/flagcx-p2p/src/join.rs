@@ -4,107 +4,15 @@
 
 use std::time::Instant;
 
+use flagcx_adaptor::tracking::lock;
 use flagcx_adaptor::{
     DeviceAdaptor, DevicePtr, EventHandle, GateHandle, StreamHandle, WaitCondition,
 };
 
 use crate::comm::Comm;
 use crate::config::StreamJoin;
-use crate::engine::lock;
 use crate::error::{CommError, Result};
-
-/// A page the callers' streams can wait on: the low 32 bits of the completion watermark.
-pub(crate) struct WatermarkPage {
-    pub(crate) host: *mut u8,
-    pub(crate) device: Option<DevicePtr>,
-}
-
-// SAFETY: the page is private to its communicator: mapped in `WatermarkPage::new`, unmapped
-// once in `release` from `Comm::drop`; the communicator's threads only touch its watermark
-// word, atomically (see `WatermarkWord`).
-unsafe impl Send for WatermarkPage {}
-
-// SAFETY: as above.
-unsafe impl Sync for WatermarkPage {}
-
-/// `len` bytes of fresh private anonymous memory (zeroed, page aligned); `what` names the
-/// mapping in the error. Freed with `munmap`.
-pub(crate) fn anon_pages(len: usize, what: &'static str) -> Result<*mut u8> {
-    // SAFETY: a fresh private anonymous mapping; checked.
-    let host = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    if host == libc::MAP_FAILED {
-        return Err(CommError::io(what, std::io::Error::last_os_error()));
-    }
-    Ok(host.cast())
-}
-
-/// Largest message whose post waits for its stream's gate to go eagerly
-/// ([`crate::Config::rejoin_wait`]). Measured on one H200, CUDA<->OpenCL `sendrecv` enqueued
-/// back to back, three alternating rounds each: at 8 B–512 B the wait took the worst round from
-/// 244–303 µs to 91–100 µs; at 4 KiB, where an eager round trip (copies on both ranks) is
-/// slower than the proxy, it made every round slower (405–463 µs against 228–279).
-pub(crate) const REJOIN_MAX: usize = 1 << 10;
-
-/// A stream's last join by this communicator.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Joined {
-    /// Recorded right after the join: teardown waits for it.
-    pub(crate) ev: EventHandle,
-    /// The operation the join waits for (and every one before it).
-    pub(crate) seq: u64,
-    /// The join's gate, where it is one (`StreamJoin::Gate`) and was not open when made.
-    pub(crate) gate: Option<GateHandle>,
-    /// How many later joins that gate was made to wait for (0: it waits for its first).
-    pub(crate) held: u32,
-    /// From when a post may wait for this join's operation to go eagerly
-    /// ([`Comm::idle_or_soon`]): a join made while the one before had not passed inherits it,
-    /// and a post that waits moves it [`REJOIN_PAUSE_FACTOR`] waits ahead, so that behind a
-    /// peer that does not answer posts spend at most about a tenth of their time waiting.
-    pub(crate) rejoin_at: Instant,
-}
-
-/// How many rejoin waits ([`crate::Config::rejoin_wait`]) a chain of joins lets pass after one
-/// before a post waits again (see [`Joined::rejoin_at`]).
-pub(crate) const REJOIN_PAUSE_FACTOR: u32 = 10;
-
-impl WatermarkPage {
-    pub(crate) fn new<A: DeviceAdaptor>(adaptor: &A) -> Result<Self> {
-        let host = anon_pages(4096, "mmap watermark page")?;
-        let device =
-            if adaptor.capabilities().host_register && adaptor.capabilities().stream_mem_ops {
-                // SAFETY: the page stays mapped until `release`, which unregisters it first.
-                match unsafe { adaptor.host_register(host, 4096) } {
-                    Ok(d) => Some(d),
-                    Err(e) => {
-                        // SAFETY: our page, not yet shared with anyone.
-                        unsafe { libc::munmap(host.cast(), 4096) };
-                        return Err(e.into());
-                    }
-                }
-            } else {
-                None
-            };
-        Ok(WatermarkPage { host, device })
-    }
-
-    pub(crate) fn release<A: DeviceAdaptor>(&mut self, adaptor: &A) {
-        if self.device.take().is_some() {
-            // SAFETY: every joined stream passed its last wait; nothing reads the page any more.
-            let _ = unsafe { adaptor.host_unregister(self.host) };
-        }
-        // SAFETY: our mapping of one page.
-        unsafe { libc::munmap(self.host.cast(), 4096) };
-    }
-}
+use crate::watermark::{Joined, WatermarkPage, REJOIN_PAUSE_FACTOR};
 
 /// How long [`waits_hold_other_streams`] gives the second stream's memset: far more than an
 /// idle runtime needs to run 4 KiB (microseconds), and than a busy 2-core machine takes to
@@ -126,8 +34,8 @@ const PROBE_HOST_FN_MAX: std::time::Duration = std::time::Duration::from_secs(2)
 /// `FLAGCX_HOST_QUEUES=1`). There a join enqueued before the proxy's copy that completes it
 /// stalls both (git show 7ff18bc:docs/performance.md, "one hardware queue stalls the proxy"). Found out by doing
 /// it on two fresh streams: the first waits as a join would (on a word of the watermark page,
-/// a line of its own, not the watermark; in a host function; at a gate), the second sets 4 KiB
-/// of device memory, and the host lets the first go once the second finished or
+/// a line of its own, not the watermark; in a host function; at a gate) with a memset behind
+/// the wait, the second sets another 2 KiB of device memory, and the host lets the first go once the second finished or
 /// [`SHARED_QUEUE_PROBE`] passed. Two consecutive streams land on different queues where
 /// there are several, so this sees one shared queue, not two streams that happen to share one
 /// of many. `Ok(false)` for `None` (no join) and for a memory wait without a registered page.
@@ -202,8 +110,15 @@ pub(crate) fn waits_hold_other_streams<A: DeviceAdaptor>(
                 )?
             }
         }
-        // SAFETY: the buffer is ours and 4096 bytes long.
-        unsafe { adaptor.memset_async(buf, 0, 4096, b)? };
+        // Work behind the wait on its own stream, as a join always has (the next operation's
+        // start, the caller's kernels): CUDA puts the wait for a host function into the queue
+        // with the stream's next command, so a host function with nothing behind it held up
+        // nothing and the probe said "not shared" where a staged pair's joins then stalled the
+        // proxy's copies (`posts_wait_where_streams_share_one_queue` on an H200).
+        // SAFETY: the buffer is ours and 4096 bytes long; the streams set disjoint halves.
+        unsafe { adaptor.memset_async(buf, 1, 2048, a)? };
+        // SAFETY: as above.
+        unsafe { adaptor.memset_async(DevicePtr(buf.0 + 2048), 0, 2048, b)? };
         let t0 = Instant::now();
         loop {
             if adaptor.stream_query(b)? {
@@ -480,7 +395,7 @@ impl<A: DeviceAdaptor> Comm<A> {
     }
 }
 
-impl crate::engine::Shared {
+impl crate::shared::Shared {
     /// Makes `stream` wait at a gate until the watermark reaches `seq`: the publisher of the
     /// watermark opens it ([`Self::publish_watermark`]), with no runtime thread in between.
     /// Nothing is enqueued where the operation already finished. Returns the gate while it

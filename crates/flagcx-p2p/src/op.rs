@@ -291,7 +291,7 @@ pub(crate) enum Resume {
 }
 
 /// Where a posting thread handed an IPC operation to the proxy: the index of its counter in
-/// [`crate::engine::Shared::caller_handoffs`].
+/// [`crate::shared::Shared::caller_handoffs`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Handoff {
     /// Before the peer's descriptor came: the proxy starts from the beginning.
@@ -307,7 +307,7 @@ pub(crate) enum Handoff {
 }
 
 /// Why a small message of a pair with eager slots went to the proxy instead: the index of its
-/// counter in [`crate::engine::Shared::eager_declined`] (printed by `FLAGCX_PROFILE=1`).
+/// counter in [`crate::shared::Shared::eager_declined`] (printed by `FLAGCX_PROFILE=1`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Declined {
     /// The caller's stream had work pending at posting.

@@ -60,8 +60,8 @@ use flagcx_adaptor::{AdaptorError, DeviceAdaptor, DevicePtr, StreamHandle};
 
 use crate::collectives::{Block, Collective};
 use crate::comm::Comm;
-use crate::engine::lock;
 use crate::error::{CommError, Result};
+use flagcx_adaptor::tracking::lock;
 
 /// Device scratch memory per communicator: the ring's two slices (each received segment slice
 /// lands in one while the other is sent on), or the direct algorithm's received blocks.

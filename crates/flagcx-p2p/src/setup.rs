@@ -14,20 +14,21 @@ use crate::bootstrap::{Bootstrap, UniqueId};
 use crate::channel::{Channel, ConnectMsg, Geometry};
 use crate::comm::Comm;
 use crate::config::{Config, HostDirect, StreamJoin, MAX_EAGER_MAX};
-use crate::engine::{Engine, Inbox, Shared, WatermarkWord};
+use crate::engine::Engine;
 use crate::error::{CommError, Result};
 use crate::guard::Guard;
-use crate::join::WatermarkPage;
+use crate::op::Inbox;
 use crate::peer::{choose_transport, direct_copier, receiver_copies, PeerInfo, TransportKind};
+use crate::shared::{Shared, WatermarkWord};
 use crate::shm::ShmSegment;
 use crate::slots::Slots;
 use crate::transport::devring::{self, DevRing};
 use crate::transport::eager::{Bounce, EagerLink, STAGED_EAGER_MAX};
-use crate::transport::ipc::{CallerLink, IpcCache};
-use crate::transport::late;
+use crate::transport::ipc::CallerLink;
 use crate::transport::net::NetState;
 use crate::transport::streamed::{self, StreamLink};
-use crate::transport::{PeerConn, Roles};
+use crate::transport::{late, PeerConn, Roles};
+use crate::watermark::WatermarkPage;
 use crate::wire::Tag;
 
 /// Who does what on each pair, chosen from both ranks' [`PeerInfo`] alone, so both sides
@@ -479,7 +480,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             pending: (0..nranks).map(|_| Default::default()).collect(),
             lost: (0..nranks).map(|_| AtomicBool::new(false)).collect(),
             reserved: (0..nranks).map(|_| Default::default()).collect(),
-            ipc: Mutex::new(IpcCache::default()),
+            ipc: Mutex::default(),
             trimming: AtomicBool::new(false),
             posted: AtomicU64::new(0),
             spare_events: Mutex::new(Vec::new()),
@@ -506,7 +507,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             epoch: std::time::Instant::now(),
             verdict: Default::default(),
             late_kept: AtomicBool::new(false),
-            joining: (join != StreamJoin::None).then(crate::transport::ipc::Joining::new),
+            joining: (join != StreamJoin::None).then(crate::ipccache::Joining::new),
         });
         // Eager slots: small messages through shared host memory, copied by the CPU where a
         // rank's device memory is host addressable and by its runtime (a blocking copy on the

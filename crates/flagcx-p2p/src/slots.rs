@@ -58,7 +58,7 @@ pub(crate) struct Slots {
 }
 
 /// What ends a call's waits besides its timeout: the communicator's abort, and each peer's
-/// pair retired (`crate::engine::Shared`'s flags).
+/// pair retired (`crate::shared::Shared`'s flags).
 pub(crate) struct Stop<'a> {
     pub(crate) aborted: &'a AtomicBool,
     pub(crate) lost: &'a [AtomicBool],

@@ -81,14 +81,14 @@ mod open;
 mod proxy;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use flagcx_adaptor::{DeviceAdaptor, DevicePtr, IpcMemHandle, StreamHandle};
 
 use crate::bootstrap::Bootstrap;
-use crate::engine::Shared;
 use crate::error::{CommError, Result};
+use crate::shared::Shared;
 use crate::wire::{Reader, Tag, Writer};
 
 pub(crate) use proxy::PortProxy;
@@ -283,7 +283,7 @@ unsafe impl Sync for ControlBlock {}
 impl ControlBlock {
     fn new<A: DeviceAdaptor>(adaptor: &A, depth: usize) -> Result<Self> {
         let len = (TRIGGERS_OFF as usize + depth * TRIGGER_BYTES).div_ceil(PAGE) * PAGE;
-        let host = crate::join::anon_pages(len, "mmap port control block")?;
+        let host = crate::watermark::anon_pages(len, "mmap port control block")?;
         // SAFETY: the mapping stays until `release`, which unregisters it first.
         match unsafe { adaptor.host_register(host, len) } {
             Ok(device) => Ok(ControlBlock { host, len, device }),
@@ -377,7 +377,7 @@ impl<A: DeviceAdaptor> Channel<A> {
     pub fn mark_failed(&self, code: PortStatus, why: CommError) -> bool {
         {
             // The error is in place before anything a waiter sees says "failed".
-            let mut first = crate::engine::lock(&self.error);
+            let mut first = flagcx_adaptor::tracking::lock(&self.error);
             if first.is_some() {
                 return false;
             }
@@ -487,7 +487,7 @@ impl<A: DeviceAdaptor> PortChannel<A> {
 
     /// `Ok` while the channel is healthy; else why it failed.
     pub fn check(&self) -> Result<()> {
-        match crate::engine::lock(&self.ch.error).as_ref() {
+        match flagcx_adaptor::tracking::lock(&self.ch.error).as_ref() {
             None => Ok(()),
             Some(e) => Err(e.clone()),
         }
@@ -599,7 +599,7 @@ impl<A: DeviceAdaptor> PortChannel<A> {
                 }
             }
         }
-        let channel_error = crate::engine::lock(&self.ch.error).clone();
+        let channel_error = flagcx_adaptor::tracking::lock(&self.ch.error).clone();
         match (first, channel_error) {
             (_, Some(e)) if status != PortStatus::Running => Err(e),
             (Some(e), _) => Err(e),
@@ -621,9 +621,6 @@ const FRAME_REFUSED: u8 = 3;
 
 /// How long the proxy keeps polling after the last trigger before it naps.
 pub(crate) const ACTIVE_WINDOW: Duration = Duration::from_millis(100);
-
-/// Lazily started per communicator (see [`Comm::port_channel`](crate::comm::Comm::port_channel)).
-pub(crate) type PortSlot<A> = OnceLock<Arc<PortProxy<A>>>;
 
 #[cfg(test)]
 mod tests {

@@ -306,8 +306,10 @@ impl<A: DeviceAdaptor> Comm<A> {
         a.stream_synchronize(part.streams[0])?;
         let proxy = self
             .ports
-            .get_or_init(|| Arc::new(PortProxy::new(self.rank, self.config.timeout)))
-            .clone();
+            .get_or_init(|| Arc::new(PortProxy::<A>::new(self.rank, self.config.timeout)))
+            .clone()
+            .downcast::<PortProxy<A>>()
+            .map_err(|_| CommError::Protocol("the port proxy slot holds another type".into()))?;
         let link = if staged {
             let inb = part.lanes.pop().expect("opened above");
             let out = part.lanes.pop().expect("created above");

@@ -28,9 +28,10 @@ use super::{
     OP_PUT_VALUE, OP_PUT_VALUE_WITH_SIGNAL, OP_PUT_WITH_SIGNAL, OP_SIGNAL, TAIL_OFF, TRIGGERS_OFF,
     TRIGGER_BYTES,
 };
-use crate::engine::{hung_up, lock};
+use crate::bootstrap::hung_up;
 use crate::error::{CommError, Result};
 use crate::guard::{Stall, MIN_WINDOW};
+use flagcx_adaptor::tracking::lock;
 
 /// How often a channel's peer is checked for death.
 const HEALTH_EVERY: Duration = Duration::from_millis(1);

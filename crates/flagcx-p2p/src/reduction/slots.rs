@@ -8,9 +8,9 @@ use flagcx_adaptor::{DeviceAdaptor, DevicePtr, StreamHandle};
 
 use crate::collectives::Collective;
 use crate::comm::Comm;
-use crate::engine::lock;
 use crate::error::Result;
 use crate::slots::{Call, Slots};
+use flagcx_adaptor::tracking::lock;
 
 impl<A: DeviceAdaptor> Comm<A> {
     /// A small all-reduce through the reduction slots (`slots`): run here where the stream is

@@ -26,8 +26,8 @@ use flagcx_adaptor::{DeviceAdaptor, DevicePtr};
 
 use crate::bootstrap::Bootstrap;
 use crate::config::HostDirect;
-use crate::engine::Dir;
 use crate::error::{CommError, Result};
+use crate::op::Dir;
 use crate::peer::{PeerInfo, TransportKind};
 use crate::wire::Tag;
 

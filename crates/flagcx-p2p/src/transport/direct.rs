@@ -6,8 +6,9 @@
 use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, IpcMemHandle};
 
 use super::hostmap::pieces;
-use super::{Path, Step};
+use super::Step;
 use crate::channel::{RecvDesc, SendDesc};
+use crate::shared::Path;
 
 use crate::engine::Engine;
 use crate::error::{CommError, Result};

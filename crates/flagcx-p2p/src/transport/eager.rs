@@ -16,12 +16,14 @@ use std::time::Duration;
 use flagcx_adaptor::{Capabilities, DeviceAdaptor, DevicePtr, StreamHandle};
 
 use super::ipc::{poll_peer_for, RUNNING_COPY_WAIT};
-use super::{started, Path, Progress, Step};
+use super::{started, Progress, Step};
 use crate::channel::{Channel, Counter, SendDesc, DESC_RING};
 use crate::comm::{Comm, Request, State};
-use crate::engine::{lock, Dir, Engine, Inbox};
+use crate::engine::Engine;
 use crate::error::{CommError, Result};
-use crate::op::Declined;
+use crate::op::{Declined, Dir, Inbox};
+use crate::shared::Path;
+use flagcx_adaptor::tracking::lock;
 
 /// The API side's handle on one pair's eager slots (see [`crate::Config::eager_max`]).
 pub(crate) struct EagerLink {
@@ -517,7 +519,7 @@ impl<A: DeviceAdaptor> Comm<A> {
     }
 }
 
-impl crate::engine::Shared {
+impl crate::shared::Shared {
     /// Counts a small message of an eager pair that goes to the proxy, and why.
     pub(crate) fn declined(&self, why: Declined) {
         self.eager_declined[why as usize].fetch_add(1, Ordering::Relaxed);

@@ -1,7 +1,7 @@
 //! IPC: same-vendor pairs, one device copy between the two ranks' buffers.
 //!
 //! The copier (each sender by default; one rank per pair with `FLAGCX_P2P_IPC_COPIER`) opens
-//! the peer's allocation from its byte-form handle once ([`IpcCache`]) and copies straight into
+//! the peer's allocation from its byte-form handle once ([`crate::ipccache::IpcCache`]) and copies straight into
 //! the receiver's buffer (push) or out of the sender's (pull). Outside a group the posting
 //! thread moves a message itself where nothing earlier of its pair is in flight
 //! ([`Comm::try_caller_ipc`], `FLAGCX_P2P_IPC_CALLER`); what it does not finish within its
@@ -15,17 +15,19 @@ use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, StreamHandle};
 
 use super::{
     answer, export, give_verdict, pull_without_copy, push_without_copy, send_failure,
-    verdict_result, Path, Step,
+    verdict_result, Step,
 };
 use crate::channel::{Channel, Counter, RecvDesc, SendDesc, SendStatus};
 use crate::comm::{Comm, State};
-use crate::engine::{lock, recycle_event, Dir, Engine, Resume};
+use crate::engine::Engine;
 use crate::error::Result;
+use crate::op::{Dir, Resume};
 use crate::peer::TransportKind;
+use crate::shared::{recycle_event, Path};
 use crate::Request;
+use flagcx_adaptor::tracking::lock;
 
-mod cache;
-pub(crate) use cache::{joining_elsewhere, IpcCache, Joining, Theirs};
+use crate::ipccache::Theirs;
 
 /// The API side's handle on an IPC pair, for operations the posting thread moves itself
 /// ([`crate::Config::ipc_caller`]).
@@ -403,7 +405,7 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// Issues an IPC operation's copy on the caller's stream: `n` bytes between `ptr` and the
     /// peer's buffer at `offset` of the allocation behind `handle` (`push`: into the peer's).
     /// Returns the event that completes with it; until that is seen, the copy counts in
-    /// [`IpcCache::caller_copies`], so its mapping stays open.
+    /// [`crate::ipccache::IpcCache::caller_copies`], so its mapping stays open.
     pub(crate) fn caller_copy(
         &self,
         stream: StreamHandle,

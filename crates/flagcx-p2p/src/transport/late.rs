@@ -67,13 +67,14 @@ use super::{export, remote_failure};
 use crate::channel::{Channel, Counter, LateWord, RecvDesc, SendDesc, SendStatus, DESC_RING};
 use crate::comm::Comm;
 use crate::config::HostDirect;
-use crate::engine::{lock, Dir, Engine, Op};
+use crate::engine::Engine;
 use crate::error::{CommError, Result};
-use crate::op::Resume;
+use crate::ipccache::Theirs;
+use crate::op::{Dir, Op, Resume};
 use crate::peer::{PeerInfo, TransportKind};
-use crate::transport::ipc::Theirs;
 use crate::transport::streamed::StreamLink;
 use crate::transport::Progress;
+use flagcx_adaptor::tracking::lock;
 
 /// How long a release waits for this rank's stream to finish a copy it let go.
 const RELEASE_WAIT: Duration = Duration::from_millis(100);

@@ -36,25 +36,11 @@ use std::time::Instant;
 use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, IpcMemHandle};
 
 use crate::channel::{Channel, Counter, RecvDesc, SendDesc, SendStatus, Span, RETIRED};
-use crate::engine::{Op, Shared};
 use crate::error::{CommError, Result};
+use crate::op::Op;
 use crate::peer::TransportKind;
+use crate::shared::{Path, Shared};
 use staged::Cursor;
-
-/// Which path an operation's bytes took.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Path {
-    /// One copy between the two ranks' device memory.
-    Ipc = 0,
-    /// Through the staging ring.
-    Staged = 1,
-    /// A staged pair's direct copy into or out of the host-vendor rank's buffer.
-    Direct = 2,
-    /// Through the channel's eager slots (small messages between host-addressable ranks).
-    Eager = 3,
-    /// Over the network (a pair on two hosts).
-    Net = 4,
-}
 
 /// Who copies on a pair (see [`crate::peer::receiver_copies`] and
 /// [`crate::peer::direct_copier`]).

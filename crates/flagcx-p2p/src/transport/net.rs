@@ -28,17 +28,18 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use flagcx_adaptor::tracking::lock;
 use flagcx_adaptor::{DeviceAdaptor, EventHandle, Vendor};
 
 use super::{started, Phase, Progress, Step};
 use crate::bootstrap::Bootstrap;
 use crate::comm::{Comm, Request, State};
-use crate::engine::{lock, Dir, Engine};
+use crate::engine::Engine;
 use crate::error::{CommError, Result};
-use crate::op::Resume;
+use crate::op::{Dir, Resume};
 use crate::peer::TransportKind;
+use crate::shared::Path;
 use crate::transport::ipc::Msg;
-use crate::transport::Path;
 use crate::ucx::{
     tag, Endpoint, NetReq, Status, Ucx, Worker, ERR_TRUNCATED, MEMORY_TYPE_CUDA, MEMORY_TYPE_HOST,
     MEMORY_TYPE_ROCM,

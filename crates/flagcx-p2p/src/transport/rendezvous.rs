@@ -12,12 +12,14 @@ use flagcx_adaptor::DeviceAdaptor;
 
 use super::{
     answer, export, give_verdict, pull_without_copy, push_without_copy, remote_failure,
-    send_failure, started, verdict_result, Path, Phase, Progress, Step,
+    send_failure, started, verdict_result, Phase, Progress, Step,
 };
 use crate::channel::{Counter, RecvDesc, SendDesc, SendStatus, Span};
-use crate::engine::{Dir, Engine};
+use crate::engine::Engine;
 use crate::error::Result;
+use crate::op::Dir;
 use crate::peer::TransportKind;
+use crate::shared::Path;
 
 impl<A: DeviceAdaptor> Engine<A> {
     pub(crate) fn progress_send(&mut self, p: usize, step: &mut Step) -> Result<Progress> {

@@ -10,8 +10,9 @@ use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle};
 
 use super::{devring, remote_failure, Phase, Progress, Step};
 use crate::channel::Counter;
-use crate::engine::{Dir, Engine};
+use crate::engine::Engine;
 use crate::error::Result;
+use crate::op::Dir;
 
 /// The chunk size of a `total`-byte staged message over slots of `slot` bytes cut into `split`
 /// chunks: about `1/split` of the message (so mid-size messages still pipeline their two

@@ -43,14 +43,15 @@ use std::sync::Arc;
 
 use flagcx_adaptor::{DeviceAdaptor, DevicePtr, SlotInbox, SlotStep, StreamHandle};
 
-use super::{remote_failure, send_failure, Path, Phase, Progress, Roles, Step};
+use super::{remote_failure, send_failure, Phase, Progress, Roles, Step};
 use crate::channel::{Channel, Counter, SendStatus, DESC_RING};
 use crate::comm::Comm;
 use crate::config::HostDirect;
-use crate::engine::{Dir, Engine, Op};
+use crate::engine::Engine;
 use crate::error::{CommError, Result};
-use crate::op::Resume;
+use crate::op::{Dir, Op, Resume};
 use crate::peer::{PeerInfo, TransportKind};
+use crate::shared::Path;
 
 /// The largest stream-ordered message: small messages are what needs no host; above this the
 /// handshake's single copy wins anyway.

@@ -9,9 +9,9 @@ use flagcx_adaptor::{DeviceAdaptor, DevicePtr, StreamHandle};
 
 use super::{Arrival, EagerLink};
 use crate::comm::Comm;
-use crate::engine::{lock, Dir, Op};
 use crate::error::Result;
-use crate::op::Declined;
+use crate::op::{Declined, Dir, Op};
+use flagcx_adaptor::tracking::lock;
 
 /// One message of a group that the posting thread may move itself.
 #[derive(Debug, Clone, Copy)]

@@ -4,16 +4,14 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Instant;
 
 use flagcx_adaptor::{DeviceAdaptor, DevicePtr, IpcMemHandle};
 
 use crate::channel::{RecvDesc, SendDesc, Span};
-use crate::engine::{lock, Engine};
 use crate::error::{CommError, Result};
 
 /// Peer allocations the proxy keeps open for IPC copies; past it, the least recently used are
-/// closed, a few per pass while nothing is in flight (see the idle branch of `Engine::run`).
+/// closed, a few per pass while nothing is in flight (see `Engine::trim_at_rest`).
 pub(crate) const IPC_CACHE_MAX: usize = 256;
 
 /// Live communicators of this process whose callers' streams join their operations (every
@@ -142,12 +140,48 @@ impl IpcCache {
             .collect()
     }
 
+    /// The mappings to close now, at most `n` of them (see [`Self::to_trim`]): stale ones first,
+    /// then the least recently used.
+    pub(crate) fn victims(&self, n: usize) -> Vec<[u8; IpcMemHandle::WIRE_LEN]> {
+        let mut victims: Vec<_> = self
+            .map
+            .iter()
+            .filter(|(_, (m, _))| m.stale)
+            .map(|(k, _)| *k)
+            .take(n)
+            .collect();
+        if victims.len() < n {
+            let stale = victims.len();
+            // The least recently used of the rest (stale ones are never in use).
+            let rest: HashMap<_, _> = self
+                .map
+                .iter()
+                .filter(|(_, (m, _))| !m.stale)
+                .map(|(k, v)| (*k, ((), v.1)))
+                .collect();
+            victims.extend(lru_victims(&rest, 0, n - stale));
+        }
+        victims
+    }
+
+    /// Closes every mapping (teardown).
+    ///
+    /// # Safety
+    /// No copy may use any of them any more: the proxy's streams are idle and no posting
+    /// thread is left that could copy.
+    pub(crate) unsafe fn close_all<A: DeviceAdaptor>(&mut self, adaptor: &A) {
+        for (_, (m, _)) in self.map.drain() {
+            // SAFETY: the caller's contract.
+            let _ = unsafe { adaptor.ipc_close(m.base) };
+        }
+    }
+
     /// Closes the mappings of `keys`.
     ///
     /// # Safety
     /// No copy uses any of them, and closing cannot wait for a stream that waits for this
     /// communicator (see [`IpcCache::open`] and [`Engine::trim_at_rest`]).
-    unsafe fn close<A: DeviceAdaptor>(
+    pub(crate) unsafe fn close<A: DeviceAdaptor>(
         &mut self,
         adaptor: &A,
         keys: &[[u8; IpcMemHandle::WIRE_LEN]],
@@ -290,60 +324,6 @@ pub(crate) fn lru_victims<K: Copy, V>(
     let mut by_age: Vec<(u64, K)> = cache.iter().map(|(k, v)| (v.1, *k)).collect();
     by_age.sort_unstable_by_key(|&(used, _)| used);
     by_age.into_iter().take(excess).map(|(_, k)| k).collect()
-}
-
-impl<A: DeviceAdaptor> Engine<A> {
-    pub(crate) fn flush_ipc_cache(&mut self) {
-        // A late copy that did not pass its release may still copy through a mapping.
-        if self.shared.late_kept.load(Ordering::Acquire) {
-            return;
-        }
-        let _ = self.adaptor.stream_synchronize(self.send_stream);
-        let _ = self.adaptor.stream_synchronize(self.recv_stream);
-        for (_, (m, _)) in lock(&self.shared.ipc).map.drain() {
-            // SAFETY: both proxy streams are idle and no caller is left that could copy (the
-            // communicator is being destroyed, and each caller's copy was waited for before
-            // its operation finished), so no copy uses the mapping.
-            let _ = unsafe { self.adaptor.ipc_close(m.base) };
-        }
-    }
-
-    /// Closes [`IpcCache::to_trim`]`(stale, n)` mappings: stale ones first, then the least
-    /// recently used (the caller checked that both proxy streams are idle and held off new
-    /// posts).
-    pub(crate) fn trim_ipc_cache(&mut self, stale: bool, n: usize) {
-        let t0 = Instant::now();
-        // Held throughout: a posting thread cannot take a mapping while it closes.
-        let mut cache = lock(&self.shared.ipc);
-        let n = cache.to_trim(stale, n);
-        let mut victims: Vec<_> = cache
-            .map
-            .iter()
-            .filter(|(_, (m, _))| m.stale)
-            .map(|(k, _)| *k)
-            .take(n)
-            .collect();
-        if victims.len() < n {
-            let stale = victims.len();
-            // The least recently used of the rest (stale ones are never in use).
-            let rest: HashMap<_, _> = cache
-                .map
-                .iter()
-                .filter(|(_, (m, _))| !m.stale)
-                .map(|(k, v)| (*k, ((), v.1)))
-                .collect();
-            victims.extend(lru_victims(&rest, 0, n - stale));
-        }
-        let closed = victims.len() as u64;
-        // SAFETY: both proxy streams are idle, no posting thread's copy is in flight
-        // (`caller_copies`, checked under this lock) and new posts are held off, so no copy
-        // uses them and no stream waits for this communicator.
-        unsafe { cache.close(&self.adaptor, &victims) };
-        if let Some(p) = self.profile.as_mut() {
-            p.ipc_closes += closed;
-            p.ipc_close_secs += t0.elapsed().as_secs_f64();
-        }
-    }
 }
 
 #[cfg(test)]
