@@ -46,6 +46,10 @@ fn spawn_rank(rank: usize, n: usize, id: &str, scenario: &str, env: &[(&str, &st
     .env("FLAGCX_UNIQUE_ID", id)
     .env("FLAGCX_VENDOR", vendor())
     .env("FLAGCX_DEBUG", "warn")
+    // The faults here are injected into the proxy's and the posting threads' paths; two CUDA
+    // ranks copy late by default, which takes neither (on an H100 six jobs found their fault
+    // never reached), so late copies are off unless a job asks (`late_copies_fail_cleanly`).
+    .env("FLAGCX_P2P_LATE_COPY", "off")
     .env_remove("FLAGCX_SKIP_LOG")
     .stdout(Stdio::piped())
     .stderr(Stdio::piped());

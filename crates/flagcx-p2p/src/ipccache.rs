@@ -14,8 +14,9 @@ use crate::error::{CommError, Result};
 /// closed, a few per pass while nothing is in flight (see `Engine::trim_at_rest`).
 pub(crate) const IPC_CACHE_MAX: usize = 256;
 
-/// Live communicators of this process whose callers' streams join their operations (every
-/// `FLAGCX_STREAM_JOIN` but `none`).
+/// Live communicators of this process whose callers' streams wait for their peers: they join
+/// their operations (every `FLAGCX_STREAM_JOIN` but `none`), or have late or stream-ordered
+/// pairs, whose streams wait on the peers' words.
 static JOINING: AtomicUsize = AtomicUsize::new(0);
 
 /// Counts its communicator in [`JOINING`] while it lives (held by `Shared`).

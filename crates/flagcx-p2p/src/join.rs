@@ -14,6 +14,21 @@ use crate::config::StreamJoin;
 use crate::error::{CommError, Result};
 use crate::watermark::{Joined, WatermarkPage, REJOIN_PAUSE_FACTOR};
 
+/// Whether this process's streams share one work queue for joins of kind `join`
+/// ([`waits_hold_other_streams`]), on a watermark page of its own (setup's comes after
+/// the all-gather).
+pub(crate) fn shares_queue<A: DeviceAdaptor>(adaptor: &A, join: StreamJoin) -> bool {
+    let probe = WatermarkPage::new(adaptor).and_then(|mut page| {
+        let r = waits_hold_other_streams(adaptor, &page, join);
+        page.release(adaptor);
+        r
+    });
+    probe.unwrap_or_else(|e| {
+        tracing::debug!("could not tell whether streams share a work queue: {e}");
+        false
+    })
+}
+
 /// How long [`waits_hold_other_streams`] gives the second stream's memset: far more than an
 /// idle runtime needs to run 4 KiB (microseconds), and than a busy 2-core machine takes to
 /// schedule a host-vendor stream's worker, yet a small part of a job's start where the queues

@@ -426,7 +426,8 @@ impl<A: DeviceAdaptor> Comm<A> {
         // Checked before the all-gather, so that each pair knows whether either rank's streams
         // share one work queue (then, by default, it copies late: `transport::late`).
         let join = config.join.resolve(&caps);
-        me.shares_queue = nranks > 1 && join != StreamJoin::None && shares_queue(&adaptor, join);
+        me.shares_queue =
+            nranks > 1 && join != StreamJoin::None && crate::join::shares_queue(&adaptor, join);
         let infos = boot
             .all_gather(Tag::PeerInfo, &me.encode())?
             .iter()
@@ -472,6 +473,17 @@ impl<A: DeviceAdaptor> Comm<A> {
                  queues (CUDA's default of 8) keep every post enqueue-and-return"
             );
         }
+        let ordered: Vec<bool> = (0..nranks)
+            .map(|q| {
+                q != rank
+                    && !late[q]
+                    && streamed::allowed(&infos[rank], &infos[q], transports[q], &roles[q])
+            })
+            .collect();
+        // Where streams wait for peers (joins; late and stream-ordered pairs' words), closing
+        // an IPC mapping waits for rest (`ipccache::Joining`; a late pair's close hung an H100).
+        let streams_wait =
+            join != StreamJoin::None || late.contains(&true) || ordered.contains(&true);
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox {
                 ops: Vec::new(),
@@ -507,20 +519,13 @@ impl<A: DeviceAdaptor> Comm<A> {
             epoch: std::time::Instant::now(),
             verdict: Default::default(),
             late_kept: AtomicBool::new(false),
-            joining: (join != StreamJoin::None).then(crate::ipccache::Joining::new),
+            joining: streams_wait.then(crate::ipccache::Joining::new),
         });
         // Eager slots: small messages through shared host memory, copied by the CPU where a
         // rank's device memory is host addressable and by its runtime (a blocking copy on the
         // caller's idle stream) where not. Every staged pair has them; IPC pairs only between
         // host-addressable ranks (others do better with one device copy).
         // Stream-ordered pairs carry their small messages in the eager slots too.
-        let ordered: Vec<bool> = (0..nranks)
-            .map(|q| {
-                q != rank
-                    && !late[q]
-                    && streamed::allowed(&infos[rank], &infos[q], transports[q], &roles[q])
-            })
-            .collect();
         let lanes: Vec<bool> = (0..nranks)
             .map(|q| {
                 q != rank
@@ -740,21 +745,6 @@ fn eager_lane(me: &PeerInfo, peer: &PeerInfo, transport: Option<TransportKind>) 
         Some(TransportKind::Ipc) => me.caps.host_addressable && peer.caps.host_addressable,
         _ => false,
     }
-}
-
-/// Whether this process's streams share one work queue for joins of kind `join`
-/// (`join::waits_hold_other_streams`), on a watermark page of its own (setup's comes after
-/// the all-gather).
-fn shares_queue<A: DeviceAdaptor>(adaptor: &A, join: StreamJoin) -> bool {
-    let probe = WatermarkPage::new(adaptor).and_then(|mut page| {
-        let r = crate::join::waits_hold_other_streams(adaptor, &page, join);
-        page.release(adaptor);
-        r
-    });
-    probe.unwrap_or_else(|e| {
-        tracing::debug!("could not tell whether streams share a work queue: {e}");
-        false
-    })
 }
 
 /// Releases the registrations of late-copy links made before a later setup step failed.
