@@ -338,13 +338,8 @@ fn circles(graph: &BTreeMap<String, BTreeSet<String>>) -> Vec<BTreeSet<String>> 
     t.out
 }
 
-/// The one import circle left in the workspace (#59 item 1: in `flagcx-p2p` the engine and
-/// `Comm` hold the transports' per-pair state, and the transports extend both). It may only
-/// shrink: a module that leaves it may not come back, and no other crate may grow one.
-const P2P_CIRCLE: &[&str] = &["comm", "engine", "transport"];
-
 #[test]
-fn import_circles_only_shrink() {
+fn no_import_circles() {
     let r = root();
     let mut crates = vec![r.join("src"), r.join("xtask/src")];
     for group in ["crates", "adaptors"] {
@@ -357,25 +352,61 @@ fn import_circles_only_shrink() {
         let g = module_graph(&src);
         let name = src.strip_prefix(&r).unwrap().display().to_string();
         for c in circles(&g) {
-            let allowed = name == "crates/flagcx-p2p/src"
-                && c.iter().all(|m| P2P_CIRCLE.contains(&m.as_str()));
-            if !allowed {
-                let edges: Vec<String> = c
-                    .iter()
-                    .flat_map(|a| {
-                        g[a].iter()
-                            .filter(|b| c.contains(*b))
-                            .map(move |b| format!("{a} -> {b}"))
-                    })
-                    .collect();
-                bad.push(format!("{name}: {c:?} through {edges:?}"));
-            }
+            let edges: Vec<String> = c
+                .iter()
+                .flat_map(|a| {
+                    g[a].iter()
+                        .filter(|b| c.contains(*b))
+                        .map(move |b| format!("{a} -> {b}"))
+                })
+                .collect();
+            bad.push(format!("{name}: {c:?} through {edges:?}"));
         }
     }
     assert!(bad.is_empty(), "import circles: {bad:#?}");
-    // The graph sees what the code names: the p2p circle is there (or has shrunk).
-    let p2p = module_graph(&r.join("crates/flagcx-p2p/src"));
-    assert!(p2p["comm"].contains("transport"), "{:?}", p2p["comm"]);
+}
+
+/// `flagcx-p2p`'s floors, lowest first (`docs/architecture.md`, "Layers"): a module names only
+/// modules on its own floor or below. Every module of the crate must be placed.
+const P2P_FLOORS: &[&[&str]] = &[
+    &[
+        "error", "numa", "posting", "kept", "ucx", "wire", "shm", "scratch", "standin",
+    ],
+    &["bootstrap", "channel", "config", "peer", "slots"],
+    &["op", "request", "profile", "ipccache", "watermark"],
+    &["shared", "guard"],
+    &["link"],
+    &["engine", "comm"],
+    &["transport"],
+    &["join", "port", "drive", "collectives", "group", "setup"],
+    &["reduction", "launch"],
+];
+
+#[test]
+fn p2p_modules_keep_their_floors() {
+    let g = module_graph(&root().join("crates/flagcx-p2p/src"));
+    let floor = |m: &str| P2P_FLOORS.iter().position(|f| f.contains(&m));
+    let unplaced: Vec<&String> = g.keys().filter(|m| floor(m).is_none()).collect();
+    assert!(
+        unplaced.is_empty(),
+        "flagcx-p2p modules on no floor of P2P_FLOORS: {unplaced:?}"
+    );
+    let mut up = Vec::new();
+    for (a, names) in &g {
+        for b in names {
+            if floor(b) > floor(a) {
+                up.push(format!(
+                    "{a} (floor {:?}) -> {b} (floor {:?})",
+                    floor(a),
+                    floor(b)
+                ));
+            }
+        }
+    }
+    assert!(up.is_empty(), "a lower module names a higher one: {up:#?}");
+    // The graph sees what the code names (`use`, inline paths): the transports extend the
+    // engine and `Comm`.
+    assert!(g["transport"].contains("engine") && g["transport"].contains("comm"));
 }
 
 #[test]

@@ -25,8 +25,8 @@ use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, StreamHandle};
 
 use crate::comm::{Comm, Request};
 use crate::error::{CommError, Result};
+use crate::link::eager::Move;
 use crate::op::Dir;
-use crate::transport::eager::Move;
 use flagcx_adaptor::tracking::lock;
 
 /// One message of a collective: peer, send (else receive), buffer, bytes.

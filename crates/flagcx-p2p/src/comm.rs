@@ -13,15 +13,15 @@ use crate::bootstrap::Bootstrap;
 use crate::config::{Config, RankEnv};
 use crate::error::{CommError, Result};
 use crate::guard::Guard;
+use crate::link::eager::EagerLink;
+use crate::link::ipc::{CallerLink, Msg};
+use crate::link::net::SharedNet;
+use crate::link::streamed::StreamLink;
 use crate::op::{Dir, Inbox, Op, Slot};
 use crate::peer::{PeerInfo, TransportKind};
 pub use crate::request::Request;
 pub(crate) use crate::request::State;
 use crate::shared::{Path, Shared};
-use crate::transport::eager::EagerLink;
-use crate::transport::ipc::{CallerLink, Msg};
-use crate::transport::net::SharedNet;
-use crate::transport::streamed::StreamLink;
 use crate::watermark::WatermarkPage;
 use crate::PathStats;
 
@@ -97,7 +97,7 @@ pub struct Comm<A: DeviceAdaptor> {
     /// groups are per thread.
     pub(crate) group: Mutex<std::collections::HashMap<u64, Vec<(Op, StreamHandle)>>>,
     /// `group_eager`'s bookkeeping, kept between groups.
-    pub(crate) group_scratch: Mutex<crate::transport::eager::GroupScratch>,
+    pub(crate) group_scratch: Mutex<crate::link::eager::GroupScratch>,
     /// Streams this communicator made wait on its watermark (synchronized before teardown).
     /// Per joined stream, an event of ours recorded right after its last join: teardown waits
     /// on it, so the watermark page outlives every wait on it even if the caller already
@@ -122,7 +122,7 @@ pub struct Comm<A: DeviceAdaptor> {
     /// which are built on it; `port` is the only module that fills or reads it.
     pub(crate) ports: std::sync::OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
     /// The posting threads' pinned bounce buffer for eager messages (see `transport::eager`).
-    pub(crate) bounce: Mutex<crate::transport::eager::Bounce>,
+    pub(crate) bounce: Mutex<crate::link::eager::Bounce>,
     /// Device scratch memory of the reductions (`crate::scratch`), made at the first one.
     pub(crate) scratch: Mutex<crate::scratch::Scratch>,
     /// Per peer and direction (`Dir as usize`): this rank names its buffer to the peer, which

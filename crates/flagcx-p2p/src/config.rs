@@ -168,7 +168,7 @@ pub struct Config {
     pub late_copy: HostDirect,
     /// Where a staged pair's ring lives (`FLAGCX_P2P_DEVICE_RING=auto|on|off`, default auto):
     /// `auto` in device memory where one rank maps the other's fd exports (a CUDA rank's memory
-    /// imported by an OpenCL rank on NVIDIA's platform; see `transport::devring`), placed by
+    /// imported by an OpenCL rank on NVIDIA's platform; see `link::devring`), placed by
     /// the exporter on the importer's GPU (the same GPU, or a peer its copies reach), for
     /// messages from 4 MiB; in shared host memory otherwise, and where setup fails; `on`
     /// also between ranks of one vendor that export and import fds, whatever their devices

@@ -24,13 +24,13 @@ use flagcx_adaptor::{DeviceAdaptor, EventHandle, StreamHandle};
 use crate::bootstrap::{hung_up, Bootstrap};
 use crate::channel::{Counter, RETIRED};
 use crate::error::{CommError, Result};
+use crate::link::hostmap::HostMaps;
+use crate::link::net::{NetPhase, SharedNet};
+use crate::link::{PeerConn, Phase, Progress, Step};
 use crate::op::{Dir, Handoff, Op, Resume};
 use crate::peer::TransportKind;
 use crate::profile::Profile;
 use crate::shared::{recycle_event, Path, Shared};
-use crate::transport::hostmap::HostMaps;
-use crate::transport::net::{NetPhase, SharedNet};
-use crate::transport::{PeerConn, Phase, Progress, Step};
 
 /// The proxy thread's state.
 pub(crate) struct Engine<A: DeviceAdaptor> {
@@ -52,11 +52,11 @@ pub(crate) struct Engine<A: DeviceAdaptor> {
     /// The network transport's state, where a peer is on another host.
     pub(crate) net: Option<SharedNet>,
     /// Where eager messages are copied into device memory that is not host addressable
-    /// (made at setup with the bounce buffer, see [`crate::transport::eager::Bounce`]; kept
+    /// (made at setup with the bounce buffer, see [`crate::link::eager::Bounce`]; kept
     /// apart so such a copy never waits behind ring chunks).
     pub(crate) eager_stream: Option<StreamHandle>,
     /// Its pinned bounce buffer.
-    pub(crate) eager_bounce: crate::transport::eager::Bounce,
+    pub(crate) eager_bounce: crate::link::eager::Bounce,
     /// Buffers finished operations held the last reference to, freed at rest.
     pub(crate) kept: crate::kept::Kept,
     /// The last count of hand-overs seen (`Shared::posted`).
@@ -83,7 +83,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         // Eager receives into device memory the CPU cannot write: their stream and bounce
         // buffer now, not at the first message (`Bounce`'s docs say why).
         let eager_stream = bounces.then(|| adaptor.stream_create()).transpose()?;
-        let eager_bounce = crate::transport::eager::Bounce::made_if(bounces, &adaptor);
+        let eager_bounce = crate::link::eager::Bounce::made_if(bounces, &adaptor);
         let host_maps = peers.iter().flatten().any(|c| c.roles.maps_peer).then(|| {
             HostMaps::new(
                 adaptor.clone(),

@@ -55,7 +55,7 @@ struct Mapping {
     peer: usize,
     span: Span,
     /// A later allocation of the same peer overlapped it: the peer freed this one. Closed at
-    /// rest ([`Engine::trim_at_rest`]), before the least recently used.
+    /// rest ([`Engine::trim_at_rest`](crate::engine::Engine::trim_at_rest)), before the least recently used.
     stale: bool,
 }
 
@@ -181,7 +181,7 @@ impl IpcCache {
     ///
     /// # Safety
     /// No copy uses any of them, and closing cannot wait for a stream that waits for this
-    /// communicator (see [`IpcCache::open`] and [`Engine::trim_at_rest`]).
+    /// communicator (see [`IpcCache::open`] and [`Engine::trim_at_rest`](crate::engine::Engine::trim_at_rest)).
     pub(crate) unsafe fn close<A: DeviceAdaptor>(
         &mut self,
         adaptor: &A,

@@ -57,6 +57,7 @@ mod ipccache;
 mod join;
 mod kept;
 pub mod launch;
+mod link;
 mod numa;
 mod op;
 pub mod peer;

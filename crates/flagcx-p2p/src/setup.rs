@@ -17,17 +17,18 @@ use crate::config::{Config, HostDirect, StreamJoin, MAX_EAGER_MAX};
 use crate::engine::Engine;
 use crate::error::{CommError, Result};
 use crate::guard::Guard;
+use crate::link::devring::{self, DevRing};
+use crate::link::eager::{Bounce, EagerLink, STAGED_EAGER_MAX};
+use crate::link::ipc::CallerLink;
+use crate::link::net::NetState;
+use crate::link::streamed::{self, StreamLink};
+use crate::link::{PeerConn, Roles};
 use crate::op::Inbox;
 use crate::peer::{choose_transport, direct_copier, receiver_copies, PeerInfo, TransportKind};
 use crate::shared::{Shared, WatermarkWord};
 use crate::shm::ShmSegment;
 use crate::slots::Slots;
-use crate::transport::devring::{self, DevRing};
-use crate::transport::eager::{Bounce, EagerLink, STAGED_EAGER_MAX};
-use crate::transport::ipc::CallerLink;
-use crate::transport::net::NetState;
-use crate::transport::streamed::{self, StreamLink};
-use crate::transport::{late, PeerConn, Roles};
+use crate::transport::late;
 use crate::watermark::WatermarkPage;
 use crate::wire::Tag;
 
@@ -646,7 +647,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                 })
             })
             .collect();
-        let names_buffer = crate::transport::ipc::names_buffer(&peers);
+        let names_buffer = crate::link::ipc::names_buffer(&peers);
         let net = NetState::connect(&adaptor, &boot, &transports, config.net_staging)?;
         // Eager messages of device memory the CPU cannot reach go through pinned bounce
         // buffers (the posting threads' and the proxy's), made now.

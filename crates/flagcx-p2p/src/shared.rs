@@ -35,7 +35,7 @@ pub(crate) enum Path {
 /// State shared between the API side and the proxy thread.
 pub(crate) struct Shared {
     pub inbox: Mutex<Inbox>,
-    /// Per peer and [`Dir`]: operations handed to the proxy and not finished yet. The eager
+    /// Per peer and [`Dir`](crate::op::Dir): operations handed to the proxy and not finished yet. The eager
     /// path only runs while its pair and direction has none (they still own channel counters).
     pub pending: Vec<[AtomicU64; 2]>,
     /// Per peer: the pair was retired (a failure, a timeout, the peer hung up); the eager path
@@ -45,7 +45,7 @@ pub(crate) struct Shared {
     /// which may wait for the device context: meanwhile no caller may hand over an operation
     /// and make a stream wait for it.
     pub trimming: AtomicBool,
-    /// Per peer and [`Dir`]: a posting thread is moving the pair's next message itself
+    /// Per peer and [`Dir`](crate::op::Dir): a posting thread is moving the pair's next message itself
     /// (`Comm::try_caller_ipc`). Later operations of that pair and direction wait until it is
     /// done or handed over, so the proxy sees every pair's messages in order.
     pub reserved: Vec<[AtomicBool; 2]>,

@@ -36,7 +36,7 @@ pub enum Tag {
     /// where it has none).
     Inbox = 9,
     /// Staged pairs with a ring in device memory: the importing rank's verdict on the
-    /// exporter's offer (see `transport::devring`).
+    /// exporter's offer (see `link::devring`).
     DevRing = 10,
 }
 

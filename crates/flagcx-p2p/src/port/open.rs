@@ -193,7 +193,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                 }
                 w.u64(slot as u64);
             } else {
-                let flag = crate::transport::export(a, words, 8, TransportKind::Ipc)?;
+                let flag = crate::link::export(a, words, 8, TransportKind::Ipc)?;
                 let handle = flag
                     .handle
                     .ok_or_else(|| CommError::Protocol("flag word has no IPC handle".into()))?;

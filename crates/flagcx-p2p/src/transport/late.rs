@@ -70,9 +70,9 @@ use crate::config::HostDirect;
 use crate::engine::Engine;
 use crate::error::{CommError, Result};
 use crate::ipccache::Theirs;
+use crate::link::streamed::StreamLink;
 use crate::op::{Dir, Op, Resume};
 use crate::peer::{PeerInfo, TransportKind};
-use crate::transport::streamed::StreamLink;
 use crate::transport::Progress;
 use flagcx_adaptor::tracking::lock;
 

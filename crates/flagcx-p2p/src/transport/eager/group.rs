@@ -5,39 +5,14 @@
 
 use std::time::{Duration, Instant};
 
-use flagcx_adaptor::{DeviceAdaptor, DevicePtr, StreamHandle};
+use flagcx_adaptor::tracking::lock;
+use flagcx_adaptor::{DeviceAdaptor, StreamHandle};
 
 use super::{Arrival, EagerLink};
 use crate::comm::Comm;
 use crate::error::Result;
+use crate::link::eager::group::*;
 use crate::op::{Declined, Dir, Op};
-use flagcx_adaptor::tracking::lock;
-
-/// One message of a group that the posting thread may move itself.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Move {
-    pub peer: usize,
-    pub dir: Dir,
-    pub ptr: DevicePtr,
-    pub bytes: usize,
-    pub stream: StreamHandle,
-    /// Its stream was idle when it was posted (no start event, no wait behind an operation):
-    /// only such a message may move before `group_end` returns.
-    pub unordered: bool,
-}
-
-impl Move {
-    fn of(op: &Op, stream: StreamHandle) -> Self {
-        Move {
-            peer: op.peer,
-            dir: op.dir,
-            ptr: op.ptr,
-            bytes: op.bytes,
-            stream,
-            unordered: op.start.is_none() && op.after == 0,
-        }
-    }
-}
 
 impl<A: DeviceAdaptor> Comm<A> {
     /// The pair's eager link where `m` may take it: its stream idle at posting, and the message
@@ -229,58 +204,5 @@ impl<A: DeviceAdaptor> Comm<A> {
         self.eager_counted(&r);
         op.slot.complete(r);
         op.keep = None;
-    }
-}
-
-/// What [`Comm::eager_moves`] works on and keeps track of during one group, reused between
-/// groups.
-#[derive(Default)]
-pub(crate) struct GroupScratch {
-    /// The group's messages (the caller fills it).
-    pub(crate) moves: Vec<Move>,
-    /// Per message: its result, where this thread moved it.
-    pub(crate) done: Vec<Option<Result<usize>>>,
-    /// Streams seen, and whether each was idle.
-    idle: Vec<(u64, bool)>,
-    /// Pairs and directions with a message left to the proxy.
-    handed: PeerDirs,
-    /// Per peer, whether this sweep already looked at its next receive.
-    busy: Vec<bool>,
-    /// Indices of the group's receives that may come eagerly.
-    receives: Vec<usize>,
-}
-
-impl GroupScratch {
-    /// Records that `stream` is idle, as the caller just found it: [`Comm::eager_moves`]
-    /// then does not ask the vendor again.
-    pub(crate) fn known_idle(&mut self, stream: StreamHandle) {
-        self.idle.push((stream.0, true));
-    }
-
-    /// Empty, sized for `nranks`.
-    fn reset(&mut self, nranks: usize) {
-        self.moves.clear();
-        self.done.clear();
-        self.idle.clear();
-        self.receives.clear();
-        self.handed.0.clear();
-        self.handed.0.resize(2 * nranks, false);
-        self.busy.clear();
-        self.busy.resize(nranks, false);
-    }
-}
-
-/// A set of (peer, direction) pairs of one group: a flag per pair.
-#[derive(Default)]
-struct PeerDirs(Vec<bool>);
-
-impl PeerDirs {
-    /// Adds `(peer, dir)`; whether it was new.
-    fn insert(&mut self, (peer, dir): (usize, usize)) -> bool {
-        !std::mem::replace(&mut self.0[2 * peer + dir], true)
-    }
-
-    fn contains(&self, (peer, dir): (usize, usize)) -> bool {
-        self.0[2 * peer + dir]
     }
 }

@@ -1,8 +1,9 @@
 //! The eager path's pieces that need no second process: value writes, receive budgets.
 
+use flagcx_host::HostAdaptor;
+
 use super::*;
 use crate::channel::Geometry;
-use flagcx_host::HostAdaptor;
 
 #[test]
 fn value_writes_only_for_small_aligned_messages_on_a_shared_device() {
