@@ -25,7 +25,7 @@ use crate::bootstrap::{hung_up, Bootstrap};
 use crate::channel::{Counter, RETIRED};
 use crate::error::{CommError, Result};
 use crate::link::hostmap::HostMaps;
-use crate::link::net::{NetPhase, SharedNet};
+use crate::link::net::SharedNet;
 use crate::link::{PeerConn, Phase, Progress, Step};
 use crate::op::{Dir, Handoff, Op, Resume};
 use crate::peer::TransportKind;
@@ -180,39 +180,11 @@ impl<A: DeviceAdaptor> Engine<A> {
             return self.finish(op, Err(*e));
         }
         let index = op.index;
-        let phase = if conn.transport == TransportKind::Net {
-            // A net pair's phases are its own; a posting thread may have its UCX request
-            // under way.
-            match op.resume.take() {
-                Some(Resume::Net(req)) => Phase::Net(NetPhase::Wire { req, buf: None }),
-                _ => Phase::Net(NetPhase::Start),
-            }
-        } else {
-            match (
-                &op.resume,
-                op.dir,
-                conn.roles.peer_pulls,
-                conn.roles.we_pull,
-            ) {
-                (Some(Resume::Pushed(ev)), ..) => Phase::Copying(*ev),
-                (Some(Resume::Pulled { ev, size }), ..) => Phase::Pulling {
-                    ev: *ev,
-                    size: *size,
-                },
-                (Some(Resume::Published), Dir::Send, ..) => Phase::AwaitVerdict,
-                (Some(Resume::Published), Dir::Recv, ..) => Phase::AwaitSendDesc,
-                (Some(Resume::Failed(_)), ..) => unreachable!("finished above"),
-                (Some(Resume::Streamed), dir, ..) => Phase::Streamed {
-                    announced: dir == Dir::Send,
-                },
-                (Some(Resume::Late { second, .. }), ..) => Phase::Late { second: *second },
-                (Some(Resume::Net(_)), ..) => {
-                    unreachable!("only pairs on two hosts get a UCX request (try_caller_net)")
-                }
-                (None, Dir::Send, true, _) => Phase::Offer,
-                (None, Dir::Send, false, _) => Phase::AwaitRecvDesc,
-                (None, Dir::Recv, _, true) => Phase::AwaitOffer,
-                (None, Dir::Recv, _, false) => Phase::Announce,
+        let phase = match Phase::first(&mut op, conn.transport, conn.roles) {
+            Ok(p) => p,
+            Err(e) => {
+                fail_locally(conn, &self.shared, op.dir, index, &e);
+                return self.finish(op, Err(e));
             }
         };
         let path = match conn.transport {

@@ -21,9 +21,10 @@ use flagcx_adaptor::{DeviceAdaptor, DevicePtr, EventHandle, IpcMemHandle};
 
 use crate::channel::{Channel, Counter, RecvDesc, SendDesc, SendStatus, Span, RETIRED};
 use crate::error::{CommError, Result};
-use crate::op::Op;
+use crate::op::{Dir, Op, Resume};
 use crate::peer::TransportKind;
 use crate::shared::{Path, Shared};
+use net::NetPhase;
 use staged::Cursor;
 
 /// Who copies on a pair (see [`crate::peer::receiver_copies`] and
@@ -196,6 +197,51 @@ pub(crate) enum Phase {
 }
 
 impl Phase {
+    /// The phase an operation starts in when the engine admits it: where a posting thread
+    /// began it (`op.resume`, taken for a network request), the phase that follows; else the
+    /// transport's first (a network pair's own, or the descriptor handshake's by who copies).
+    /// A resume the pair's transport cannot have is a protocol error, never a panic.
+    pub(crate) fn first(op: &mut Op, transport: TransportKind, roles: Roles) -> Result<Phase> {
+        if transport == TransportKind::Net {
+            // A net pair's phases are its own; a posting thread may have its UCX request
+            // under way.
+            return Ok(match op.resume.take() {
+                Some(Resume::Net(req)) => Phase::Net(NetPhase::Wire { req, buf: None }),
+                _ => Phase::Net(NetPhase::Start),
+            });
+        }
+        Ok(
+            match (&op.resume, op.dir, roles.peer_pulls, roles.we_pull) {
+                (Some(Resume::Pushed(ev)), ..) => Phase::Copying(*ev),
+                (Some(Resume::Pulled { ev, size }), ..) => Phase::Pulling {
+                    ev: *ev,
+                    size: *size,
+                },
+                (Some(Resume::Published), Dir::Send, ..) => Phase::AwaitVerdict,
+                (Some(Resume::Published), Dir::Recv, ..) => Phase::AwaitSendDesc,
+                (Some(Resume::Streamed), dir, ..) => Phase::Streamed {
+                    announced: dir == Dir::Send,
+                },
+                (Some(Resume::Late { second, .. }), ..) => Phase::Late { second: *second },
+                (Some(Resume::Failed(_)), ..) | (Some(Resume::Net(_)), ..) => {
+                    return Err(CommError::Protocol(format!(
+                        "operation {} with rank {} resumed as {} on a {transport:?} pair",
+                        op.index,
+                        op.peer,
+                        match &op.resume {
+                            Some(Resume::Failed(_)) => "failed (the engine fails those first)",
+                            _ => "a network request (only pairs on two hosts make one)",
+                        }
+                    )))
+                }
+                (None, Dir::Send, true, _) => Phase::Offer,
+                (None, Dir::Send, false, _) => Phase::AwaitRecvDesc,
+                (None, Dir::Recv, _, true) => Phase::AwaitOffer,
+                (None, Dir::Recv, _, false) => Phase::Announce,
+            },
+        )
+    }
+
     /// What a step in this phase waits for, in words (for [`CommError::Timeout`]).
     pub(crate) fn waiting_for(&self) -> String {
         match self {
@@ -430,5 +476,70 @@ pub(crate) fn send_failure(
         SendStatus::Eager => Some(CommError::Protocol(format!(
             "rank {peer}: an eager descriptor where an answer was expected"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op::{Slot, Verdict};
+
+    fn op(dir: Dir, resume: Option<Resume>) -> Op {
+        Op {
+            seq: 1,
+            dir,
+            peer: 1,
+            index: 7,
+            ptr: DevicePtr(0),
+            bytes: 8,
+            start: None,
+            after: 0,
+            slot: Arc::new(Slot::new(None, Arc::new(Verdict::default()))),
+            keep: None,
+            posted: None,
+            resume,
+            stand_in: None,
+        }
+    }
+
+    /// An admitted operation starts where its posting thread left it, else in its transport's
+    /// first phase by who copies; a resume its pair cannot have is an error, not a panic.
+    #[test]
+    fn operations_start_in_the_phase_their_pair_and_resume_say() {
+        let ipc = TransportKind::Ipc;
+        let roles = |peer_pulls, we_pull| Roles {
+            peer_pulls,
+            we_pull,
+            ..Default::default()
+        };
+        let first = |dir, resume, r| Phase::first(&mut op(dir, resume), ipc, r);
+        let sends = [(false, Phase::AwaitRecvDesc), (true, Phase::Offer)];
+        for (peer_pulls, want) in sends {
+            let got = first(Dir::Send, None, roles(peer_pulls, false)).expect("a phase");
+            assert_eq!(got.waiting_for(), want.waiting_for());
+        }
+        let recvs = [(false, Phase::Announce), (true, Phase::AwaitOffer)];
+        for (we_pull, want) in recvs {
+            let got = first(Dir::Recv, None, roles(false, we_pull)).expect("a phase");
+            assert_eq!(got.waiting_for(), want.waiting_for());
+        }
+        let published = first(Dir::Recv, Some(Resume::Published), roles(false, false));
+        assert!(matches!(published, Ok(Phase::AwaitSendDesc)));
+        let late = Some(Resume::Late {
+            second: true,
+            mapping: None,
+        });
+        assert!(matches!(
+            first(Dir::Send, late, roles(false, false)),
+            Ok(Phase::Late { second: true })
+        ));
+        let failed = Some(Resume::Failed(Box::new(CommError::Aborted)));
+        match first(Dir::Send, failed, roles(false, false)) {
+            Err(CommError::Protocol(m)) => assert!(m.contains("operation 7 with rank 1"), "{m}"),
+            other => panic!("a failed resume must be refused: {:?}", other.map(|_| ())),
+        }
+        let mut net = op(Dir::Recv, None);
+        let started = Phase::first(&mut net, TransportKind::Net, roles(false, false));
+        assert!(matches!(started, Ok(Phase::Net(NetPhase::Start))));
     }
 }
