@@ -50,10 +50,10 @@ const PROBE_HOST_FN_MAX: std::time::Duration = std::time::Duration::from_secs(2)
 /// stalls both (git show 7ff18bc:docs/performance.md, "one hardware queue stalls the proxy"). Found out by doing
 /// it on two fresh streams: the first waits as a join would (on a word of the watermark page,
 /// a line of its own, not the watermark; in a host function; at a gate) with a memset behind
-/// the wait, the second sets another 2 KiB of device memory, and the host lets the first go once the second finished or
-/// [`SHARED_QUEUE_PROBE`] passed. Two consecutive streams land on different queues where
-/// there are several, so this sees one shared queue, not two streams that happen to share one
-/// of many. `Ok(false)` for `None` (no join) and for a memory wait without a registered page.
+/// the wait, the second sets another 2 KiB of device memory, and the host lets the first go
+/// once the second finished or [`SHARED_QUEUE_PROBE`] passed. Two consecutive streams land on
+/// different queues where there are several, so this sees one shared queue, not two streams
+/// that happen to share one of many. `Ok(false)` for `None` (no join) and for a memory wait without a registered page.
 pub(crate) fn waits_hold_other_streams<A: DeviceAdaptor>(
     adaptor: &A,
     page: &WatermarkPage,

@@ -210,6 +210,12 @@ impl Phase {
                 _ => Phase::Net(NetPhase::Start),
             });
         }
+        let refused = |what: &str| {
+            CommError::Protocol(format!(
+                "operation {} with rank {} resumed as {what} on a {transport:?} pair",
+                op.index, op.peer
+            ))
+        };
         Ok(
             match (&op.resume, op.dir, roles.peer_pulls, roles.we_pull) {
                 (Some(Resume::Pushed(ev)), ..) => Phase::Copying(*ev),
@@ -223,16 +229,13 @@ impl Phase {
                     announced: dir == Dir::Send,
                 },
                 (Some(Resume::Late { second, .. }), ..) => Phase::Late { second: *second },
-                (Some(Resume::Failed(_)), ..) | (Some(Resume::Net(_)), ..) => {
-                    return Err(CommError::Protocol(format!(
-                        "operation {} with rank {} resumed as {} on a {transport:?} pair",
-                        op.index,
-                        op.peer,
-                        match &op.resume {
-                            Some(Resume::Failed(_)) => "failed (the engine fails those first)",
-                            _ => "a network request (only pairs on two hosts make one)",
-                        }
-                    )))
+                (Some(Resume::Failed(_)), ..) => {
+                    return Err(refused("failed (the engine fails those first)"))
+                }
+                (Some(Resume::Net(_)), ..) => {
+                    return Err(refused(
+                        "a network request (only pairs on two hosts make one)",
+                    ))
                 }
                 (None, Dir::Send, true, _) => Phase::Offer,
                 (None, Dir::Send, false, _) => Phase::AwaitRecvDesc,
