@@ -2715,22 +2715,47 @@ fn posts_wait_where_streams_share_one_queue() {
 fn threads_post_at_once() {
     let v = vendors("FLAGCX_P2P_TEST_VENDORS");
     let none = ("FLAGCX_STREAM_JOIN", "none");
-    // Late copies off (the default for two CUDA ranks; elsewhere it changes nothing): each run
-    // frees its buffers and allocates new ones, and a late pair cannot map a peer's new buffer
-    // while it still maps the freed one at the same addresses (CUDA_ERROR_ALREADY_MAPPED)
-    // without closing that mapping, which waits for the device while other threads' streams
-    // wait for peers (on an H100 the 4-rank job timed out right after the refusal;
-    // docs/reliability.md, "Late copies and freed buffers").
-    let late = ("FLAGCX_P2P_LATE_COPY", "off");
-    job(2, &v, "threads", &[none, late]);
-    job(4, &v, "threads", &[none, late]);
+    // Each run frees its buffers and allocates new ones: with late copies (the default for two
+    // CUDA ranks) the new ones go through stand-ins until the peers unmapped the freed ones
+    // (`late_copies_survive_freed_and_reused_buffers`); the proxy's and posting threads' paths
+    // run with them off.
+    job(2, &v, "threads", &[none]);
+    job(4, &v, "threads", &[none]);
+    job(2, &v, "threads", &[none, ("FLAGCX_P2P_LATE_COPY", "off")]);
     job(3, &v, "threads", &[none, ("FLAGCX_P2P_DISABLE", "1")]);
     job(
         2,
         &v,
         "threads",
-        &[none, late, ("FLAGCX_P2P_IPC_CALLER", "off")],
+        &[
+            none,
+            ("FLAGCX_P2P_LATE_COPY", "off"),
+            ("FLAGCX_P2P_IPC_CALLER", "off"),
+        ],
     );
+}
+
+/// Late copies (the default for two CUDA ranks) with threads that free their buffers and
+/// allocate new ones between runs, on host ranks that behave as CUDA's
+/// (`FLAGCX_HOST_IPC_AS_CUDA`: a peer's new allocation at the addresses of a freed one this
+/// process still maps cannot be mapped; `FLAGCX_HOST_FREE_SYNC`: closing a mapping waits for
+/// every stream). On an H100 this stalled every rank inside `cuIpcCloseMemHandle` while other
+/// threads' streams waited for the peers; every message must arrive instead.
+#[test]
+fn late_copies_survive_freed_and_reused_buffers() {
+    if !host_only("late_copies_survive_freed_and_reused_buffers") {
+        return;
+    }
+    let env = [
+        ("FLAGCX_STREAM_JOIN", "none"),
+        ("FLAGCX_P2P_LATE_COPY", "on"),
+        ("FLAGCX_HOST_IPC_AS_CUDA", "1"),
+        ("FLAGCX_HOST_FREE_SYNC", "1"),
+        ("FLAGCX_TIMEOUT_MS", "20000"),
+    ];
+    job(2, "host", "threads", &env);
+    job(4, "host", "threads", &env);
+    job(2, "host", "realloc", &env);
 }
 
 /// Groups are per thread (see `thread_groups`).

@@ -19,11 +19,13 @@
 mod cma;
 mod copy;
 mod freesync;
+mod ipcrule;
 mod memory;
 mod stream;
 
 pub use copy::{COPY_THREADS_DEFAULT_MAX, COPY_THREAD_PREFIX, STREAMING_MIN_ENV};
 pub use freesync::{FREE_SYNC_ENV, FREE_WAITED_OUT, FREE_WAIT_MAX};
+pub use ipcrule::IPC_AS_CUDA_ENV;
 
 use flagcx_adaptor::tracking::HandleMap;
 use std::cell::Cell;
@@ -132,6 +134,9 @@ fn check_env(var: impl Fn(&str) -> Option<String>) -> Result<()> {
             &|v: &str| v.trim().eq_ignore_ascii_case("off") || copy::parse_size(v.trim()).is_some(),
         ),
         (freesync::FREE_SYNC_ENV, "0 or 1", &|v: &str| {
+            matches!(v.trim(), "0" | "1")
+        }),
+        (ipcrule::IPC_AS_CUDA_ENV, "0 or 1", &|v: &str| {
             matches!(v.trim(), "0" | "1")
         }),
         (
@@ -332,8 +337,9 @@ fn open_remote(op: &'static str, p: cma::ProcMemHandle) -> Result<DevicePtr> {
 }
 
 /// Encodes a byte-form handle naming descriptor `fd` of this process.
-fn encode_handle(fd: &OwnedFd, size: usize) -> Result<IpcMemHandle> {
-    Ok(HostMemHandle::of_fd(fd, size)?.encode())
+/// The handle of allocation `fd` of `size` bytes, mapped at `base` here.
+fn encode_handle(fd: &OwnedFd, size: usize, base: u64) -> Result<IpcMemHandle> {
+    Ok(HostMemHandle::of_fd(fd, size)?.at(base).encode())
 }
 
 impl DeviceAdaptor for HostAdaptor {
@@ -786,8 +792,8 @@ impl DeviceAdaptor for HostAdaptor {
         let reg = registry();
         match reg.find(ptr.0) {
             Some((base, len, kind)) if ptr.0 != 0 => match kind {
-                RangeKind::Device { fd, .. } | RangeKind::IpcOpened { fd } => {
-                    encode_handle(fd, len)
+                RangeKind::Device { fd, .. } | RangeKind::IpcOpened { fd, .. } => {
+                    encode_handle(fd, len, base)
                 }
                 // The user's own memory, private to this process: peers copy through the
                 // kernel (`cma`), by process and address.
@@ -818,8 +824,9 @@ impl DeviceAdaptor for HostAdaptor {
             return open_remote(OP, p);
         }
         let d = HostMemHandle::decode(OP, handle)?;
+        ipcrule::check(OP, &registry(), &d)?;
         let fd = d.open(OP)?;
-        map_opened(OP, fd, d.size)
+        map_opened(OP, fd, d.size, Some(d))
     }
 
     fn ipc_export_fd(&self, ptr: DevicePtr) -> Result<IpcFdHandle> {
@@ -827,7 +834,7 @@ impl DeviceAdaptor for HostAdaptor {
         let reg = registry();
         match reg.find(ptr.0) {
             Some((_, len, kind)) if ptr.0 != 0 => match kind {
-                RangeKind::Device { fd, .. } | RangeKind::IpcOpened { fd } => Ok(IpcFdHandle {
+                RangeKind::Device { fd, .. } | RangeKind::IpcOpened { fd, .. } => Ok(IpcFdHandle {
                     vendor: VENDOR,
                     fd: dup_cloexec(OP, fd)?,
                     size: len,
@@ -869,7 +876,7 @@ impl DeviceAdaptor for HostAdaptor {
                 ),
             ));
         }
-        map_opened(OP, fd, handle.size)
+        map_opened(OP, fd, handle.size, None)
     }
 
     unsafe fn ipc_close(&self, ptr: DevicePtr) -> Result<()> {

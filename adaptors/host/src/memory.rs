@@ -20,8 +20,12 @@ pub(crate) enum RangeKind {
     Pinned,
     /// An existing host mapping registered by the user (not owned).
     Registered,
-    /// A mapping of another allocation opened through IPC, backed by `fd`.
-    IpcOpened { fd: OwnedFd },
+    /// A mapping of another allocation opened through IPC, backed by `fd`; `from`: the handle
+    /// it was opened by, where it came as one (not through an fd).
+    IpcOpened {
+        fd: OwnedFd,
+        from: Option<flagcx_adaptor::hostmem::HostMemHandle>,
+    },
     /// Another process's registered memory opened through IPC: synthetic addresses standing
     /// for `addr..` in process `pid`, which only device-to-device copies reach (`crate::cma`).
     Remote { pid: u32, addr: u64 },
@@ -145,10 +149,15 @@ pub(crate) fn dup_cloexec(op: &'static str, fd: &OwnedFd) -> Result<OwnedFd> {
 }
 
 /// Maps a peer's allocation opened as `fd` and records it as opened through IPC.
-pub(crate) fn map_opened(op: &'static str, fd: OwnedFd, size: usize) -> Result<DevicePtr> {
+pub(crate) fn map_opened(
+    op: &'static str,
+    fd: OwnedFd,
+    size: usize,
+    from: Option<flagcx_adaptor::hostmem::HostMemHandle>,
+) -> Result<DevicePtr> {
     let _call = crate::freesync::call();
     let base = map_shared(&fd, size)?;
-    let kind = RangeKind::IpcOpened { fd };
+    let kind = RangeKind::IpcOpened { fd, from };
     if let Err(e) = registry().insert(op, base, size, kind) {
         // SAFETY: the mapping was made just above and is not yet published.
         unsafe { unmap(base, size) };

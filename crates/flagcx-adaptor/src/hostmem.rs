@@ -28,6 +28,10 @@ pub struct HostMemHandle {
     pub ino: u64,
     /// Device of that inode.
     pub dev: u64,
+    /// Where the allocation lies in the exporter's address space (0: not said). An importer
+    /// that emulates CUDA's mapping rule (`FLAGCX_HOST_IPC_AS_CUDA` in the host adaptor) compares
+    /// it with the allocations of that process it maps already.
+    pub base: u64,
 }
 
 impl HostMemHandle {
@@ -40,7 +44,13 @@ impl HostMemHandle {
             size,
             ino,
             dev,
+            base: 0,
         })
+    }
+
+    /// The same handle, saying that the allocation lies at `base` in the exporter.
+    pub fn at(self, base: u64) -> Self {
+        HostMemHandle { base, ..self }
     }
 
     /// Encodes as a host-vendor [`IpcMemHandle`].
@@ -52,6 +62,7 @@ impl HostMemHandle {
         b[16..24].copy_from_slice(&(self.size as u64).to_le_bytes());
         b[24..32].copy_from_slice(&self.ino.to_le_bytes());
         b[32..40].copy_from_slice(&self.dev.to_le_bytes());
+        b[40..48].copy_from_slice(&self.base.to_le_bytes());
         IpcMemHandle {
             vendor: Vendor::Host,
             bytes: b,
@@ -68,7 +79,7 @@ impl HostMemHandle {
             ));
         }
         let b = &h.bytes;
-        if &b[0..4] != MAGIC || b[12..16].iter().chain(&b[40..]).any(|&x| x != 0) {
+        if &b[0..4] != MAGIC || b[12..16].iter().chain(&b[48..]).any(|&x| x != 0) {
             return Err(AdaptorError::invalid(op, "not a host-vendor IPC handle"));
         }
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
@@ -79,6 +90,7 @@ impl HostMemHandle {
                 .map_err(|_| AdaptorError::invalid(op, "size does not fit this platform"))?,
             ino: u64_at(24),
             dev: u64_at(32),
+            base: u64_at(40),
         };
         if d.fd < 0 || d.size == 0 || d.pid == 0 {
             return Err(AdaptorError::invalid(
@@ -188,7 +200,9 @@ mod tests {
     #[test]
     fn handle_round_trips_and_opens_the_same_pages() {
         let fd = memfd(8192);
-        let h = HostMemHandle::of_fd(&fd, 8192).unwrap();
+        let h = HostMemHandle::of_fd(&fd, 8192)
+            .unwrap()
+            .at(0x7f00_0000_0000);
         let wire = h.encode();
         assert_eq!(HostMemHandle::decode("t", &wire).unwrap(), h);
         let a = map_shared(&fd, 8192).unwrap();

@@ -186,6 +186,11 @@ impl<T> RangeMap<T> {
         }
     }
 
+    /// Every range's value, in address order.
+    pub fn values(&self) -> impl Iterator<Item = &T> {
+        self.ranges.values().map(|(_, v)| v)
+    }
+
     /// Removes every range (for teardown).
     pub fn drain(&mut self) -> Vec<(u64, usize, T)> {
         std::mem::take(&mut self.ranges)

@@ -131,7 +131,21 @@ pub enum Counter {
     /// Late-copy pairs (`transport::late`): the last message either side claimed first, as
     /// `(i + 1) << 1 | sender`; compare-and-swapped by both posting threads.
     Claim = 576,
+    /// Late-copy pairs, sender: how many records of allocations it freed it published in the
+    /// freed ring ([`Channel::publish_freed`]; see `link::named`).
+    Freed = 640,
+    /// Late-copy pairs, receiver: how many of the sender's freed records it has acted on: it
+    /// maps none of those allocations any more.
+    Unmapped = 704,
 }
+
+/// Where the freed ring lies in the control page: [`FREED_RING`] spans of 16 bytes.
+const FREED_AT: usize = 1024;
+/// Records in the freed ring: the sender publishes record `n` only once the receiver acted on
+/// record `n - FREED_RING` ([`Counter::Unmapped`]).
+pub const FREED_RING: u64 = 16;
+const _: () = assert!(FREED_AT >= Counter::Unmapped as usize + 64);
+const _: () = assert!(FREED_AT + 16 * FREED_RING as usize <= CTRL_BYTES);
 
 /// The words a late-copy message (`transport::late`) keeps in its receive descriptor, past
 /// the taken word: no eager payload ever lands there, and each use of a descriptor slot stores
@@ -501,6 +515,32 @@ impl Channel {
         // SAFETY: `late_offset` lies inside receive descriptor `i % 64` (asserted above), 8-byte
         // aligned in the page-aligned mapping, which outlives `self`.
         unsafe { &*(self.seg.as_ptr().add(self.late_offset(i, w)) as *const AtomicU64) }
+    }
+
+    /// Sender: publishes record `n` of the freed ring, an allocation of this rank that it freed
+    /// and that the receiver may still map, then [`Counter::Freed`] `= n + 1`. The caller
+    /// checked that the receiver acted on record `n - FREED_RING`.
+    pub fn publish_freed(&self, n: u64, span: Span) {
+        let [base, len] = self.freed_words(n);
+        base.store(span.base, Ordering::Relaxed);
+        len.store(span.len, Ordering::Relaxed);
+        self.store(Counter::Freed, n + 1);
+    }
+
+    /// Receiver: record `n` of the freed ring (after seeing [`Counter::Freed`] `> n`).
+    pub fn freed(&self, n: u64) -> Span {
+        let [base, len] = self.freed_words(n);
+        Span {
+            base: base.load(Ordering::Relaxed),
+            len: len.load(Ordering::Relaxed),
+        }
+    }
+
+    fn freed_words(&self, n: u64) -> [&AtomicU64; 2] {
+        let at = FREED_AT + (n % FREED_RING) as usize * 16;
+        // SAFETY: inside the control page (asserted at `FREED_AT`), 8-byte aligned in the
+        // page-aligned mapping, which outlives `self`; both ranks access it atomically.
+        [at, at + 8].map(|o| unsafe { &*(self.seg.as_ptr().add(o) as *const AtomicU64) })
     }
 
     /// Late-copy pairs: claims message `i` for this side (`sender`: the sending side) after it

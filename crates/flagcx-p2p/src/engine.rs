@@ -133,6 +133,7 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// (`IpcCache::caller_copies`) hold it off too. Buffers whose last reference a finished
     /// operation held are freed here as well, under the same conditions (`crate::kept`).
     pub(crate) fn trim_at_rest(&mut self) -> bool {
+        self.note_freed();
         // Stale mappings only while no other communicator of the process joins streams;
         // mappings past the bound whatever the others do, as before stale ones were known
         // (a bounded cache is worth that rare close; see architecture.md, "Stale mappings").
@@ -146,7 +147,9 @@ impl<A: DeviceAdaptor> Engine<A> {
         }
         let quiet = {
             let inbox = lock(&self.shared.inbox);
-            let quiet = inbox.ops.is_empty();
+            // Late-copy posts between numbering and handing over have streams waiting already.
+            let quiet =
+                inbox.ops.is_empty() && self.shared.late_posting.load(Ordering::Acquire) == 0;
             self.shared.trimming.store(quiet, Ordering::Release);
             quiet
         };
@@ -156,6 +159,28 @@ impl<A: DeviceAdaptor> Engine<A> {
             self.shared.trimming.store(false, Ordering::Release);
         }
         quiet
+    }
+
+    /// Late-copy pairs: marks stale the mappings of allocations each peer said it freed (its
+    /// freed ring, `link::named`), and tells the peer once none of them is mapped here any
+    /// more (closed at rest by [`Engine::trim_at_rest`], or never opened); it then names its
+    /// new allocations at those addresses again.
+    fn note_freed(&mut self) {
+        for conn in self.peers.iter_mut().flatten() {
+            let published = conn.inc.load(Counter::Freed);
+            if published == conn.freed_told {
+                continue;
+            }
+            let mut ipc = lock(&self.shared.ipc);
+            for n in conn.freed_seen..published {
+                ipc.mark_freed(conn.peer, conn.inc.freed(n));
+            }
+            conn.freed_seen = published;
+            if !ipc.maps_stale(conn.peer) {
+                conn.inc.store(Counter::Unmapped, published);
+                conn.freed_told = published;
+            }
+        }
     }
 
     pub(crate) fn admit(&mut self, mut op: Op) {

@@ -165,6 +165,21 @@ impl IpcCache {
         victims
     }
 
+    /// Marks `peer`'s mappings that overlap `span` stale: the peer freed the allocation there
+    /// (it said so in the pair's freed ring, `link::named`), to close at rest.
+    pub(crate) fn mark_freed(&mut self, peer: usize, span: Span) {
+        for (m, _) in self.map.values_mut() {
+            if m.peer == peer && m.span.overlaps(&span) {
+                m.stale = true;
+            }
+        }
+    }
+
+    /// Whether a stale mapping of `peer`'s is still open.
+    pub(crate) fn maps_stale(&self, peer: usize) -> bool {
+        self.map.values().any(|(m, _)| m.peer == peer && m.stale)
+    }
+
     /// Closes every mapping (teardown).
     ///
     /// # Safety

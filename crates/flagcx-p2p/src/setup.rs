@@ -3,7 +3,7 @@
 //! copies (from both ranks' [`PeerInfo`]), and the channels they share.
 
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use flagcx_adaptor::quiet::QuietCondvar;
@@ -495,6 +495,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             reserved: (0..nranks).map(|_| Default::default()).collect(),
             ipc: Mutex::default(),
             trimming: AtomicBool::new(false),
+            late_posting: AtomicUsize::new(0),
             posted: AtomicU64::new(0),
             spare_events: Mutex::new(Vec::new()),
             shutdown: AtomicBool::new(false),

@@ -4,7 +4,7 @@
 //! [`crate::Comm::stats`] reports. Below the engine, the transports and `Comm`, which all
 //! hold it, so the stall guard and the joins reach it without naming any of them.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -45,6 +45,9 @@ pub(crate) struct Shared {
     /// which may wait for the device context: meanwhile no caller may hand over an operation
     /// and make a stream wait for it.
     pub trimming: AtomicBool,
+    /// Late-copy operations numbered under the inbox lock and not yet handed over: their
+    /// streams may already wait for the peers, so the proxy does not close mappings meanwhile.
+    pub late_posting: AtomicUsize,
     /// Per peer and [`Dir`](crate::op::Dir): a posting thread is moving the pair's next message itself
     /// (`Comm::try_caller_ipc`). Later operations of that pair and direction wait until it is
     /// done or handed over, so the proxy sees every pair's messages in order.

@@ -9,6 +9,7 @@ pub(crate) mod devring;
 pub(crate) mod eager;
 pub(crate) mod hostmap;
 pub(crate) mod ipc;
+pub(crate) mod named;
 pub(crate) mod net;
 pub(crate) mod staged;
 pub(crate) mod streamed;
@@ -64,6 +65,10 @@ pub(crate) struct PeerConn {
     pub(crate) lost: Option<String>,
     /// Both ranks use one physical device ([`crate::peer::PeerInfo::shares_device`]).
     pub shares_device: bool,
+    /// Late-copy pairs: the records of the peer's freed ring (`link::named`) this rank read,
+    /// and how many of them it told the peer it acted on.
+    pub(crate) freed_seen: u64,
+    pub(crate) freed_told: u64,
 }
 
 impl PeerConn {
@@ -76,6 +81,8 @@ impl PeerConn {
     ) -> Self {
         PeerConn {
             shares_device: false,
+            freed_seen: 0,
+            freed_told: 0,
             peer,
             transport,
             out,

@@ -1,12 +1,14 @@
 //! A stream-ordered pair's state (`StreamLink`: the channels' registered heads and the inbox) and
 //! which pairs take the path; enqueuing and progress are [`crate::transport::streamed`]'s.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use flagcx_adaptor::{DeviceAdaptor, DevicePtr, SlotInbox, SlotStep};
+use flagcx_adaptor::tracking::lock;
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, IpcMemHandle, SlotInbox, SlotStep};
 
+use super::named::Named;
 use super::Roles;
-use crate::channel::{Channel, Counter, SendStatus, DESC_RING};
+use crate::channel::{Channel, Counter, SendStatus, Span, DESC_RING};
 use crate::config::HostDirect;
 use crate::error::Result;
 use crate::op::Dir;
@@ -104,9 +106,22 @@ pub(crate) struct StreamLink {
     /// 2250 µs per 8 B sendrecv, against 180 µs as separate stream operations, which wait
     /// without an SM).
     pub(crate) fused: bool,
+    /// Late-copy pairs: the allocations this rank named to the peer (see `link::named`).
+    named: Mutex<Named>,
 }
 
 impl StreamLink {
+    /// Late-copy pairs: whether the allocation at `span` with `handle` may be named to the
+    /// peer for this message, or it must take a stand-in (see `link::named`). Without a handle
+    /// there is nothing to map.
+    pub(crate) fn may_name(&self, span: Span, handle: Option<&IpcMemHandle>) -> bool {
+        let Some(h) = handle else {
+            return true;
+        };
+        let unmapped = self.out.load(Counter::Unmapped);
+        lock(&self.named).name(span, h, unmapped, |n, s| self.out.publish_freed(n, s))
+    }
+
     /// Registers both channels' heads with `a` (eager data stays out of the descriptors from
     /// now on, on both ends).
     pub(crate) fn register<A: DeviceAdaptor>(
@@ -139,6 +154,7 @@ impl StreamLink {
             fused,
             inbox_in: None,
             inbox_out: None,
+            named: Mutex::default(),
         })
     }
 

@@ -71,6 +71,7 @@ use crate::engine::Engine;
 use crate::error::{CommError, Result};
 use crate::ipccache::Theirs;
 use crate::link::streamed::StreamLink;
+use crate::link::Exported;
 use crate::op::{Dir, Op, Resume};
 use crate::peer::{PeerInfo, TransportKind};
 use crate::transport::Progress;
@@ -198,25 +199,24 @@ impl<A: DeviceAdaptor> Comm<A> {
             return Err(remote_failure(op.peer, fault));
         }
         // The buffer the peer is told of: ours, or a stand-in where the runtime has no handle
-        // for ours. A side that turns out second copies with its own buffer and never names it,
-        // so its stand-in goes back unused when the operation ends.
+        // for ours or the peer may still map a freed allocation at its addresses
+        // (`link::named`). A side that turns out second copies with its own buffer and never
+        // names it, so its stand-in goes back unused when the operation ends.
         let e = match export(&self.adaptor, op.ptr, bytes, TransportKind::Ipc) {
-            Ok(e) => e,
-            Err(err) if bytes > 0 => {
+            Ok(e) if link.may_name(e.span, e.handle.as_ref()) => e,
+            Err(err) if bytes == 0 => return Err(err),
+            r => {
+                let why = match r {
+                    Ok(_) => "the peer may still map a freed allocation at their addresses".into(),
+                    Err(err) => format!("they have no IPC handle ({err})"),
+                };
                 tracing::debug!(
-                    "rank {}: {bytes} bytes at {} have no IPC handle ({err}); a stand-in carries them",
+                    "rank {}: {bytes} bytes at {}: {why}; a stand-in carries them",
                     self.rank,
                     op.ptr
                 );
-                let s = match op.stand_in.take() {
-                    Some(s) => s,
-                    None => crate::standin::take(&self.stand_ins, &self.adaptor, bytes)?,
-                };
-                let e = export(&self.adaptor, s.ptr, bytes, TransportKind::Ipc);
-                op.stand_in = Some(s);
-                e?
+                self.late_stand_in(op, link, bytes)?
             }
-            Err(err) => return Err(err),
         };
         match sender {
             true => ch.write_send_desc(
@@ -316,6 +316,34 @@ impl<A: DeviceAdaptor> Comm<A> {
             false => (peer_buf, op.ptr),
         };
         Ok(Part::Second { src, dst, n: send })
+    }
+
+    /// A stand-in for `op`'s `bytes` (its own, or one of the pool) that the peer may map, as
+    /// `op.stand_in`, exported. A fresh allocation may lie at the addresses of one this rank
+    /// freed and the peer still maps; such a stand-in stays in the pool (the peer will have
+    /// unmapped the freed one by its next turn) and another is taken, a few times at most.
+    fn late_stand_in(&self, op: &mut Op, link: &StreamLink, bytes: usize) -> Result<Exported> {
+        /// Stand-ins tried before the message fails.
+        const TRIES: usize = 4;
+        let mut aside = Vec::new();
+        for _ in 0..TRIES {
+            let s = match op.stand_in.take() {
+                Some(s) => s,
+                None => crate::standin::take(&self.stand_ins, &self.adaptor, bytes)?,
+            };
+            let e = export(&self.adaptor, s.ptr, bytes, TransportKind::Ipc)?;
+            if link.may_name(e.span, e.handle.as_ref()) {
+                op.stand_in = Some(s);
+                return Ok(e);
+            }
+            // Back to the pool when `aside` goes (never named to the peer).
+            aside.push(s);
+        }
+        Err(CommError::Protocol(format!(
+            "rank {}: no stand-in of {bytes} bytes that rank {} can map: {TRIES} lie at the \
+             addresses of allocations of this rank that it freed and the peer still maps",
+            self.rank, op.peer
+        )))
     }
 
     /// Waits until descriptor slot `k` (and its words) may be written: both engines finished
