@@ -2756,6 +2756,12 @@ fn late_copies_survive_freed_and_reused_buffers() {
     job(2, "host", "threads", &env);
     job(4, "host", "threads", &env);
     job(2, "host", "realloc", &env);
+    job(
+        3,
+        "host",
+        "collectives",
+        &[&env[..], &[("FLAGCX_TEST_MAX", "4194304")]].concat(),
+    );
 }
 
 /// Groups are per thread (see `thread_groups`).

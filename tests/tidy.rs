@@ -409,6 +409,75 @@ fn p2p_modules_keep_their_floors() {
     assert!(g["transport"].contains("engine") && g["transport"].contains("comm"));
 }
 
+/// The engine drives the transports through `engine::Protocol` and the registry
+/// (`transport::protocols`), naming none of them: no module below `transport` in
+/// [`P2P_FLOORS`] calls a function that only `transport/` defines (methods the transports add
+/// to `Engine` or `Comm` are invisible to the import graph, which sees paths). `Comm`'s
+/// posting side is the one exception, written down in architecture.md ("Layers"): `post`
+/// still tries the posting threads' paths (eager, IPC, network) by name.
+#[test]
+fn lower_floors_call_no_transport_function() {
+    let src = root().join("crates/flagcx-p2p/src");
+    let fn_names = |files: &[PathBuf]| -> BTreeSet<String> {
+        let mut names = BTreeSet::new();
+        for f in files {
+            for line in read(f).lines() {
+                let code = line.split("//").next().unwrap_or_default();
+                for (i, _) in code.match_indices("fn ") {
+                    let name: String = code[i + 3..]
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    if !name.is_empty() {
+                        names.insert(name);
+                    }
+                }
+            }
+        }
+        names
+    };
+    let all = rust_files(&src);
+    let (transport, rest): (Vec<PathBuf>, Vec<PathBuf>) = all
+        .into_iter()
+        .partition(|f| f.starts_with(src.join("transport")));
+    let elsewhere = fn_names(&rest);
+    let theirs: BTreeSet<String> = fn_names(&transport)
+        .difference(&elsewhere)
+        .cloned()
+        .collect();
+    assert!(
+        theirs.contains("progress_late") && theirs.contains("abandon_chunks"),
+        "the transports' own functions are found: {theirs:?}"
+    );
+    let floor = |m: &str| P2P_FLOORS.iter().position(|f| f.contains(&m));
+    let transport_floor = floor("transport").expect("placed");
+    let mut calls = Vec::new();
+    for f in &rest {
+        let rel = f.strip_prefix(&src).expect("inside");
+        let module = rel
+            .components()
+            .next()
+            .and_then(|c| c.as_os_str().to_str())
+            .map(|m| m.trim_end_matches(".rs").to_string())
+            .unwrap_or_default();
+        if module == "comm" || floor(&module).is_none_or(|fl| fl >= transport_floor) {
+            continue;
+        }
+        for (n, line) in read(f).lines().enumerate() {
+            let code = line.split("//").next().unwrap_or_default();
+            for name in &theirs {
+                if code.contains(&format!(".{name}(")) || code.contains(&format!("::{name}(")) {
+                    calls.push(format!("{}:{}: {name}", rel.display(), n + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        calls.is_empty(),
+        "modules below `transport` call the transports' functions by name: {calls:#?}"
+    );
+}
+
 #[test]
 fn the_import_graph_reads_grouped_and_inline_paths() {
     let dir = std::env::temp_dir().join(format!("flagcx-tidy-{}", std::process::id()));

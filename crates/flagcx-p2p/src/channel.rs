@@ -12,6 +12,8 @@
 //! | `tail` | sender | staged chunks written into the ring |
 //! | `issued` | the IPC copier | the copy of message `i` is running (issued by a posting thread on an idle stream): a hint, see `Comm` |
 //! | `send_fault`, `recv_fault` | each side | `i + 1` when that side of message `i` failed (a vendor error): the other side fails the message too instead of waiting |
+//! | `claim` | both (late copies) | the last message either side claimed first |
+//! | `freed`, `unmapped` | sender, receiver (late copies) | allocations of the sender it freed that the receiver may still map, published in the freed ring of the control page; how many of them the receiver no longer maps (`link::named`) |
 //!
 //! Between two ranks whose device memory the CPU addresses, the channel also has one eager slot
 //! per send descriptor: a small message is copied into slot `i` (up to 240 bytes: into the
@@ -25,6 +27,8 @@
 //!
 //! Every counter only grows; a descriptor is written before its counter is published with
 //! release ordering and read after an acquire load, so each ring is a plain SPSC queue.
+
+// tidy: long file: the layout of the shared segment both ranks of a pair map — every offset, counter and descriptor field in one place, so no two users of the segment can overlap.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

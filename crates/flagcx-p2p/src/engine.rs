@@ -32,8 +32,32 @@ use crate::peer::TransportKind;
 use crate::profile::Profile;
 use crate::shared::{recycle_event, Path, Shared};
 
+/// What the engine drives a pair's steps through: one per protocol of `transport/`, listed in
+/// its registry (`transport::protocols`) and handed to [`Engine::new`], so the engine names
+/// none of them. For each step at the front of a queue the engine asks the protocols in order
+/// which one [`drives`](Protocol::drives) it and gives it the pass; where a step leaves its
+/// queue unfinished (a local failure, a lost peer, a timeout, teardown) every protocol settles
+/// what it holds of it.
+pub(crate) trait Protocol<A: DeviceAdaptor>: Send + Sync {
+    /// Whether it moves `step` (its pair's path and its phase say).
+    fn drives(&self, step: &Step) -> bool;
+    /// One pass over `step`, the front of peer `p`'s queue in its direction.
+    fn step(&self, e: &mut Engine<A>, p: usize, step: &mut Step) -> Result<Progress>;
+    /// `step` fails mid-flight: settle its work on the engine's streams and its requests
+    /// (called for every protocol; each acts only on what is its own).
+    fn abandon(&self, _e: &mut Engine<A>, _p: usize, _step: &mut Step) {}
+    /// Before operations are failed without their peer, first for all of them at once: end
+    /// the waits `op`'s caller stream makes on the peer (streams sharing one queue may pass one
+    /// only after another's release).
+    fn unblock(&self, _e: &Engine<A>, _op: &Op) {}
+    /// Then, for each: let `op`'s caller stream pass it (its copy may use the caller's buffer).
+    fn release(&self, _e: &Engine<A>, _op: &mut Op) {}
+}
+
 /// The proxy thread's state.
 pub(crate) struct Engine<A: DeviceAdaptor> {
+    /// The protocols it drives steps through, in the order they are asked (see [`Protocol`]).
+    protocols: Vec<&'static dyn Protocol<A>>,
     pub adaptor: A,
     pub shared: Arc<Shared>,
     pub boot: Arc<Bootstrap>,
@@ -69,7 +93,11 @@ pub(crate) struct Engine<A: DeviceAdaptor> {
 }
 
 impl<A: DeviceAdaptor> Engine<A> {
+    /// An engine over `peers` that drives their steps through `protocols` (the transports'
+    /// registry, which setup hands over so that this module names none of them).
+    #[allow(clippy::too_many_arguments)] // what setup built, each part once
     pub fn new(
+        protocols: Vec<&'static dyn Protocol<A>>,
         adaptor: A,
         shared: Arc<Shared>,
         boot: Arc<Bootstrap>,
@@ -93,6 +121,7 @@ impl<A: DeviceAdaptor> Engine<A> {
             )
         });
         Ok(Engine {
+            protocols,
             adaptor,
             shared,
             boot,
@@ -133,7 +162,6 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// (`IpcCache::caller_copies`) hold it off too. Buffers whose last reference a finished
     /// operation held are freed here as well, under the same conditions (`crate::kept`).
     pub(crate) fn trim_at_rest(&mut self) -> bool {
-        self.note_freed();
         // Stale mappings only while no other communicator of the process joins streams;
         // mappings past the bound whatever the others do, as before stale ones were known
         // (a bounded cache is worth that rare close; see architecture.md, "Stale mappings").
@@ -164,8 +192,9 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// Late-copy pairs: marks stale the mappings of allocations each peer said it freed (its
     /// freed ring, `link::named`), and tells the peer once none of them is mapped here any
     /// more (closed at rest by [`Engine::trim_at_rest`], or never opened); it then names its
-    /// new allocations at those addresses again.
-    fn note_freed(&mut self) {
+    /// new allocations at those addresses again. Every pass: a peer may be waiting for it
+    /// (one load per peer where nothing is new).
+    pub(crate) fn note_freed(&mut self) {
         for conn in self.peers.iter_mut().flatten() {
             let published = conn.inc.load(Counter::Freed);
             if published == conn.freed_told {
@@ -194,7 +223,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         let left_behind = op.dir == Dir::Recv
             && (conn.transport == TransportKind::Net || conn.eager_waiting(op.index));
         if let Some(reason) = conn.lost.clone().filter(|_| !left_behind) {
-            self.release_streamed(&mut op);
+            self.release(&mut op);
             return self.finish(op, Err(CommError::PeerLost { peer, reason }));
         }
         if let Some(Resume::Failed(_)) = &op.resume {
@@ -320,16 +349,12 @@ impl<A: DeviceAdaptor> Engine<A> {
                 };
                 let Some(mut step) = q.pop_front() else { break };
                 let lost = conn.lost.clone();
-                let r = match (step.path, dir) {
-                    _ if matches!(step.phase, Phase::Streamed { .. }) => {
-                        self.progress_streamed(p, &mut step)
-                    }
-                    _ if matches!(step.phase, Phase::Late { .. }) => {
-                        self.progress_late(p, &mut step.op)
-                    }
-                    (Path::Net, _) => self.progress_net(p, &mut step),
-                    (_, Dir::Send) => self.progress_send(p, &mut step),
-                    (_, Dir::Recv) => self.progress_recv(p, &mut step),
+                let r = match self.protocols.iter().copied().find(|pr| pr.drives(&step)) {
+                    Some(pr) => pr.step(self, p, &mut step),
+                    None => Err(CommError::Protocol(format!(
+                        "no protocol drives a {dir:?} step with rank {p} ({})",
+                        step.phase.waiting_for()
+                    ))),
                 };
                 let r = match r {
                     Ok(pr) => pr,
@@ -337,9 +362,7 @@ impl<A: DeviceAdaptor> Engine<A> {
                         // A local failure mid-message: tell the peer (so its side fails instead
                         // of waiting), settle our own in-flight copies, and retire the pair —
                         // its counters no longer agree with the peer's.
-                        self.release_streamed(&mut step.op);
-                        self.abandon_chunks(p, dir);
-                        self.abandon_net(&mut step);
+                        self.abandon(p, &mut step);
                         if let Some(c) = self.peers[p].as_mut() {
                             fail_locally(c, &self.shared, dir, step.index, &e);
                         }
@@ -372,17 +395,13 @@ impl<A: DeviceAdaptor> Engine<A> {
                         match (lost.filter(|_| on_peer), stalled) {
                             (Some(reason), _) => {
                                 moved = true;
-                                self.release_streamed(&mut step.op);
-                                self.abandon_chunks(p, dir);
-                                self.abandon_net(&mut step);
+                                self.abandon(p, &mut step);
                                 let e = CommError::PeerLost { peer: p, reason };
                                 self.finish(step.op, Err(e));
                             }
                             (None, Some(t)) => {
                                 moved = true;
-                                self.release_streamed(&mut step.op);
-                                self.abandon_chunks(p, dir);
-                                self.abandon_net(&mut step);
+                                self.abandon(p, &mut step);
                                 // The pair's shared state is now out of step: retire it.
                                 let what = format!(
                                     "{} of {} bytes with rank {p} made no progress: {}",
@@ -416,31 +435,38 @@ impl<A: DeviceAdaptor> Engine<A> {
         moved
     }
 
+    /// `step` leaves its queue unfinished: its caller's stream is let go (see
+    /// [`Engine::release`]) and every protocol settles what it holds of it.
+    fn abandon(&mut self, p: usize, step: &mut Step) {
+        self.release(&mut step.op);
+        for pr in self.protocols.clone() {
+            pr.abandon(self, p, step);
+        }
+    }
+
+    /// `op` is failed without its peer: every protocol ends its caller stream's waits, then
+    /// lets the stream pass it.
+    fn release(&self, op: &mut Op) {
+        self.release_all(std::slice::from_mut(op));
+    }
+
+    /// [`Engine::release`] for several operations at once: every wait of theirs ends before any
+    /// is waited for.
+    fn release_all(&self, ops: &mut [Op]) {
+        for pr in &self.protocols {
+            ops.iter().for_each(|op| pr.unblock(self, op));
+        }
+        for pr in &self.protocols {
+            ops.iter_mut().for_each(|op| pr.release(self, op));
+        }
+    }
+
     pub(crate) fn requeue_front(&mut self, p: usize, dir: Dir, step: Step) {
         if let Some(conn) = self.peers[p].as_mut() {
             match dir {
                 Dir::Send => conn.sends.push_front(step),
                 Dir::Recv => conn.recvs.push_front(step),
             }
-        }
-    }
-
-    /// After a peer is lost mid-message, waits for our own in-flight chunk copies (they touch
-    /// the caller's buffer) and forgets them.
-    pub(crate) fn abandon_chunks(&mut self, p: usize, dir: Dir) {
-        let stream = match dir {
-            Dir::Send => self.send_stream,
-            Dir::Recv => self.recv_stream,
-        };
-        let _in = crate::guard::BlockedIn::AbandonChunks.mark(&self.shared, p);
-        let _ = self.adaptor.stream_synchronize(stream);
-        drop(_in);
-        if let Some(conn) = self.peers[p].as_mut() {
-            let q = match dir {
-                Dir::Send => &mut conn.send_ring.chunks,
-                Dir::Recv => &mut conn.recv_ring.chunks,
-            };
-            self.free_events.extend(q.drain(..));
         }
     }
 
@@ -500,13 +526,15 @@ impl<A: DeviceAdaptor> Engine<A> {
         }
         let mut left = Vec::new();
         for mut s in steps {
-            self.abandon_net(&mut s);
+            let p = s.op.peer;
+            for pr in self.protocols.clone() {
+                pr.abandon(self, p, &mut s);
+            }
             left.push(s.op);
         }
         left.extend(std::mem::take(&mut lock(&self.shared.inbox).ops));
         // No caller's stream may wait for good on a message that will never come.
-        left.iter().for_each(|op| self.unblock_late(op));
-        left.iter_mut().for_each(|op| self.release_streamed(op));
+        self.release_all(&mut left);
         let _ = self.adaptor.stream_synchronize(self.send_stream);
         let _ = self.adaptor.stream_synchronize(self.recv_stream);
         // What an abort or the stall guard told waiters already (`Aborted` at shutdown).

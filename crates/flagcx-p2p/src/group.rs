@@ -150,7 +150,9 @@ impl<A: DeviceAdaptor> Comm<A> {
                 op.index = inbox.next[op.peer][d];
                 inbox.next[op.peer][d] += 1;
                 if op.resume.is_none() && self.late_link(op.peer).is_some() {
-                    self.shared.late_posting.fetch_add(1, Ordering::AcqRel);
+                    if late.is_empty() {
+                        self.shared.late_posting.fetch_add(1, Ordering::AcqRel);
+                    }
                     late.push((op, stream));
                     continue;
                 }
@@ -205,8 +207,8 @@ impl<A: DeviceAdaptor> Comm<A> {
             for (op, _) in late {
                 self.shared.pending[op.peer][op.dir as usize].fetch_add(1, Ordering::AcqRel);
                 inbox.ops.push(op);
-                self.shared.late_posting.fetch_sub(1, Ordering::AcqRel);
             }
+            self.shared.late_posting.fetch_sub(1, Ordering::AcqRel);
         }
         drop(late_order);
         self.shared.posted.fetch_add(1, Ordering::Release);

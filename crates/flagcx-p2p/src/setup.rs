@@ -654,6 +654,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         // buffers (the posting threads' and the proxy's), made now.
         let bounces = !caps.host_addressable && eager.iter().any(Option::is_some);
         let proxy = Engine::new(
+            crate::transport::protocols(),
             adaptor.clone(),
             shared.clone(),
             boot.clone(),

@@ -45,8 +45,10 @@ pub(crate) struct Shared {
     /// which may wait for the device context: meanwhile no caller may hand over an operation
     /// and make a stream wait for it.
     pub trimming: AtomicBool,
-    /// Late-copy operations numbered under the inbox lock and not yet handed over: their
-    /// streams may already wait for the peers, so the proxy does not close mappings meanwhile.
+    /// Posting threads between numbering late-copy operations under the inbox lock and handing
+    /// them over: their streams may be given waits for the peers at any moment, so the proxy
+    /// does not close mappings meanwhile (one waiting for a peer to unmap an allocation steps
+    /// out, `Comm::late_stand_in`).
     pub late_posting: AtomicUsize,
     /// Per peer and [`Dir`](crate::op::Dir): a posting thread is moving the pair's next message itself
     /// (`Comm::try_caller_ipc`). Later operations of that pair and direction wait until it is

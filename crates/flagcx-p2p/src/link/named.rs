@@ -65,7 +65,8 @@ impl Named {
         mut publish: impl FnMut(u64, Span),
     ) -> bool {
         // Allocations the peer no longer maps are forgotten.
-        self.recs.retain(|r| r.freed.is_none_or(|n| n >= unmapped));
+        self.recs
+            .retain(|r| r.freed.map_or(true, |n| n >= unmapped));
         let key = handle.to_wire();
         if self
             .recs

@@ -67,7 +67,7 @@ use super::{export, remote_failure};
 use crate::channel::{Channel, Counter, LateWord, RecvDesc, SendDesc, SendStatus, DESC_RING};
 use crate::comm::Comm;
 use crate::config::HostDirect;
-use crate::engine::Engine;
+use crate::engine::{Engine, Protocol};
 use crate::error::{CommError, Result};
 use crate::ipccache::Theirs;
 use crate::link::streamed::StreamLink;
@@ -79,6 +79,15 @@ use flagcx_adaptor::tracking::lock;
 
 /// How long a release waits for this rank's stream to finish a copy it let go.
 const RELEASE_WAIT: Duration = Duration::from_millis(100);
+
+/// Stand-ins one post allocates or takes at most where each lies at the addresses of an
+/// allocation this rank freed that the peer may still map (`Comm::late_stand_in`). Those go
+/// back to the pool, so each fills one such hole for good: the next fresh allocation lies
+/// elsewhere.
+const STAND_IN_FRESH: usize = 16;
+
+/// How long a post waits at most for the peer to unmap such an allocation.
+const STAND_IN_WAIT: Duration = Duration::from_secs(5);
 
 /// Whether the pair of `me` and `peer` copies late (both ranks compute the same answer from
 /// the all-gathered peer information).
@@ -151,8 +160,12 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// `Comm::late_order` so that claims go in number order.
     pub(crate) fn enqueue_late(&self, ops: &mut [(Op, StreamHandle)]) {
         let mut parts = Vec::with_capacity(ops.len());
-        for (op, _) in ops.iter_mut() {
-            match self.claim_late(op) {
+        // Every buffer is named first: a post that waits for a peer to unmap an allocation
+        // (`late_stand_in`) holds no claim meanwhile, so no peer's stream waits for it.
+        let names: Vec<Result<Exported>> =
+            ops.iter_mut().map(|(op, _)| self.late_name(op)).collect();
+        for ((op, _), name) in ops.iter_mut().zip(names) {
+            match name.and_then(|e| self.claim_late(op, e)) {
                 Ok(part) => parts.push(Some(part)),
                 Err(e) => {
                     op.resume = Some(Resume::Failed(Box::new(e)));
@@ -180,28 +193,19 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
     }
 
-    /// One operation's claim: waits for its descriptor slot, publishes its descriptor, claims
-    /// the message and, second, reads the peer's and decides the copy.
-    fn claim_late(&self, op: &mut Op) -> Result<Part> {
-        let link = self.late_link(op.peer).ok_or_else(|| {
-            CommError::Protocol(format!("no late-copy link with rank {}", op.peer))
-        })?;
-        let (sender, k, bytes) = (op.dir == Dir::Send, op.index, op.bytes);
-        let ch = link.channel(op.dir);
-        self.late_window(ch, k, sender, op.peer)?;
-        // A peer that retired the pair (or failed this message) may be gone with its
-        // allocations: its descriptor is not to be opened.
-        let fault = ch.load(match sender {
-            true => Counter::RecvFault,
-            false => Counter::SendFault,
-        });
-        if fault > k {
-            return Err(remote_failure(op.peer, fault));
-        }
-        // The buffer the peer is told of: ours, or a stand-in where the runtime has no handle
-        // for ours or the peer may still map a freed allocation at its addresses
-        // (`link::named`). A side that turns out second copies with its own buffer and never
-        // names it, so its stand-in goes back unused when the operation ends.
+    /// The late-copy link with `op`'s peer.
+    fn late_link_of(&self, op: &Op) -> Result<&StreamLink> {
+        self.late_link(op.peer)
+            .ok_or_else(|| CommError::Protocol(format!("no late-copy link with rank {}", op.peer)))
+    }
+
+    /// The buffer `op`'s descriptor will name to the peer: its own, or a stand-in where the
+    /// runtime has no handle for it or the peer may still map a freed allocation at its
+    /// addresses (`link::named`). A side that turns out second copies with its own buffer and
+    /// never names it, so its stand-in goes back unused when the operation ends.
+    fn late_name(&self, op: &mut Op) -> Result<Exported> {
+        let link = self.late_link_of(op)?;
+        let bytes = op.bytes;
         let e = match export(&self.adaptor, op.ptr, bytes, TransportKind::Ipc) {
             Ok(e) if link.may_name(e.span, e.handle.as_ref()) => e,
             Err(err) if bytes == 0 => return Err(err),
@@ -218,6 +222,26 @@ impl<A: DeviceAdaptor> Comm<A> {
                 self.late_stand_in(op, link, bytes)?
             }
         };
+        Ok(e)
+    }
+
+    /// One operation's claim, its buffer named as `e` ([`Comm::late_name`]): waits for its
+    /// descriptor slot, publishes its descriptor, claims the message and, second, reads the
+    /// peer's and decides the copy.
+    fn claim_late(&self, op: &mut Op, e: Exported) -> Result<Part> {
+        let link = self.late_link_of(op)?;
+        let (sender, k, bytes) = (op.dir == Dir::Send, op.index, op.bytes);
+        let ch = link.channel(op.dir);
+        self.late_window(ch, k, sender, op.peer)?;
+        // A peer that retired the pair (or failed this message) may be gone with its
+        // allocations: its descriptor is not to be opened.
+        let fault = ch.load(match sender {
+            true => Counter::RecvFault,
+            false => Counter::SendFault,
+        });
+        if fault > k {
+            return Err(remote_failure(op.peer, fault));
+        }
         match sender {
             true => ch.write_send_desc(
                 k,
@@ -320,30 +344,55 @@ impl<A: DeviceAdaptor> Comm<A> {
 
     /// A stand-in for `op`'s `bytes` (its own, or one of the pool) that the peer may map, as
     /// `op.stand_in`, exported. A fresh allocation may lie at the addresses of one this rank
-    /// freed and the peer still maps; such a stand-in stays in the pool (the peer will have
-    /// unmapped the freed one by its next turn) and another is taken, a few times at most.
+    /// freed and the peer still maps (until it unmaps it at rest and says so, `link::named`):
+    /// then another is taken, up to [`STAND_IN_FRESH`] of them, and those tried are looked at
+    /// again while the peer gets to rest, up to [`STAND_IN_WAIT`] (or `FLAGCX_TIMEOUT_MS` if
+    /// shorter). Meanwhile this posting thread steps out of `Shared::late_posting`, so that
+    /// this rank's engine may close mappings too: it has enqueued nothing for this post yet.
+    /// Those not taken go back to the pool.
     fn late_stand_in(&self, op: &mut Op, link: &StreamLink, bytes: usize) -> Result<Exported> {
-        /// Stand-ins tried before the message fails.
-        const TRIES: usize = 4;
-        let mut aside = Vec::new();
-        for _ in 0..TRIES {
-            let s = match op.stand_in.take() {
-                Some(s) => s,
-                None => crate::standin::take(&self.stand_ins, &self.adaptor, bytes)?,
-            };
-            let e = export(&self.adaptor, s.ptr, bytes, TransportKind::Ipc)?;
-            if link.may_name(e.span, e.handle.as_ref()) {
+        let mut tried: Vec<(crate::standin::StandIn, Exported)> = Vec::new();
+        let wait = self
+            .config
+            .timeout
+            .map_or(STAND_IN_WAIT, |t| t.min(STAND_IN_WAIT));
+        let t0 = Instant::now();
+        loop {
+            if let Some(i) = tried
+                .iter()
+                .position(|(_, e)| link.may_name(e.span, e.handle.as_ref()))
+            {
+                let (s, e) = tried.swap_remove(i);
                 op.stand_in = Some(s);
                 return Ok(e);
             }
-            // Back to the pool when `aside` goes (never named to the peer).
-            aside.push(s);
+            if tried.len() < STAND_IN_FRESH {
+                let s = match op.stand_in.take() {
+                    Some(s) => s,
+                    None => crate::standin::take(&self.stand_ins, &self.adaptor, bytes)?,
+                };
+                let e = export(&self.adaptor, s.ptr, bytes, TransportKind::Ipc)?;
+                tried.push((s, e));
+                continue;
+            }
+            if t0.elapsed() > wait {
+                return Err(CommError::Timeout {
+                    ms: wait.as_millis() as u64,
+                    peer: Some(op.peer),
+                    what: format!(
+                        "a post of {bytes} bytes waited for rank {} to unmap allocations this \
+                         rank freed: its buffer and {STAND_IN_FRESH} stand-ins lie at their \
+                         addresses, and the peer unmaps them only once nothing is in flight",
+                        op.peer
+                    ),
+                });
+            }
+            self.shared.late_posting.fetch_sub(1, Ordering::AcqRel);
+            std::thread::sleep(Duration::from_micros(200));
+            // Back in only while the engine is not closing mappings (see `trim_at_rest`).
+            let _inbox = self.inbox_for_handover(|| false);
+            self.shared.late_posting.fetch_add(1, Ordering::AcqRel);
         }
-        Err(CommError::Protocol(format!(
-            "rank {}: no stand-in of {bytes} bytes that rank {} can map: {TRIES} lie at the \
-             addresses of allocations of this rank that it freed and the peer still maps",
-            self.rank, op.peer
-        )))
     }
 
     /// Waits until descriptor slot `k` (and its words) may be written: both engines finished
@@ -613,6 +662,27 @@ impl<A: DeviceAdaptor> Engine<A> {
         if let Some(h) = mapping {
             lock(&self.shared.ipc).done_busy(&h);
         }
+    }
+}
+
+/// Late copies as the engine follows them: steps in [`Phase::Late`](crate::link::Phase::Late).
+pub(crate) struct Late;
+
+impl<A: DeviceAdaptor> Protocol<A> for Late {
+    fn drives(&self, step: &crate::link::Step) -> bool {
+        matches!(step.phase, crate::link::Phase::Late { .. })
+    }
+
+    fn step(&self, e: &mut Engine<A>, p: usize, step: &mut crate::link::Step) -> Result<Progress> {
+        e.progress_late(p, &mut step.op)
+    }
+
+    fn unblock(&self, e: &Engine<A>, op: &Op) {
+        e.unblock_late(op);
+    }
+
+    fn release(&self, e: &Engine<A>, op: &mut Op) {
+        e.release_late(op);
     }
 }
 

@@ -15,9 +15,11 @@
 //! | [`late`] | IPC pairs where a process's streams share one work queue (`FLAGCX_P2P_LATE_COPY`): each message is claimed by both posting threads; the first's stream marks its place and waits, the second's waits for that mark, copies and writes `Done` | `Comm::enqueue_late` (at submission) | `Engine::progress_late`: follows `Done`, publishes what finished |
 //! | [`net`] | pairs on different hosts: one UCX tagged message per message, staged through pinned host memory where device memory is not host addressable | — | `Engine::progress_net` |
 //!
-//! Which transport a pair uses is chosen once at setup ([`crate::peer::choose_transport`]);
-//! a new protocol is a module here, its state in [`crate::link`], its phases in
-//! [`Phase`], and a line in that choice.
+//! The engine drives these through [`crate::engine::Protocol`]: [`protocols`] is the registry
+//! it is handed at setup, and it names none of them. Which transport a pair uses is chosen once
+//! at setup ([`crate::peer::choose_transport`]); a new protocol is a module here implementing
+//! `Protocol`, its state in [`crate::link`], its phases in [`Phase`], a line in the registry
+//! and one in that choice.
 
 pub(crate) mod direct;
 pub(crate) mod eager;
@@ -30,3 +32,18 @@ pub(crate) mod streamed;
 
 // The pairs' state and the protocols' shared vocabulary, for the modules below (`super::…`).
 use crate::link::*;
+
+/// The registry: the protocols the engine drives steps through, in the order it asks them
+/// (`engine::Protocol`). The late-copy and stream-ordered ones claim their phases, the network
+/// its pairs, and the rendezvous every other step (handing its copy to IPC, the staging ring or
+/// the direct path). Late copies come before stream-ordered ones: where an operation is failed
+/// without its peer, the late waits are ended first (`Engine::release_all`).
+pub(crate) fn protocols<A: flagcx_adaptor::DeviceAdaptor>(
+) -> Vec<&'static dyn crate::engine::Protocol<A>> {
+    vec![
+        &late::Late,
+        &streamed::Streamed,
+        &net::Net,
+        &rendezvous::Rendezvous,
+    ]
+}

@@ -33,7 +33,7 @@ use flagcx_adaptor::DeviceAdaptor;
 
 use super::{started, Phase, Progress, Step};
 use crate::comm::{Comm, Request, State};
-use crate::engine::Engine;
+use crate::engine::{Engine, Protocol};
 use crate::error::{CommError, Result};
 use crate::link::ipc::Msg;
 use crate::link::net::*;
@@ -428,5 +428,22 @@ impl<A: DeviceAdaptor> Comm<A> {
             }
             polls = pause(polls);
         }
+    }
+}
+
+/// UCX tagged messages as the engine drives them: every step of a pair on two hosts.
+pub(crate) struct Net;
+
+impl<A: DeviceAdaptor> Protocol<A> for Net {
+    fn drives(&self, step: &Step) -> bool {
+        step.path == Path::Net && !matches!(step.phase, Phase::Streamed { .. } | Phase::Late { .. })
+    }
+
+    fn step(&self, e: &mut Engine<A>, p: usize, step: &mut Step) -> Result<Progress> {
+        e.progress_net(p, step)
+    }
+
+    fn abandon(&self, e: &mut Engine<A>, _p: usize, step: &mut Step) {
+        e.abandon_net(step);
     }
 }

@@ -15,8 +15,8 @@ use super::{
     send_failure, started, verdict_result, Phase, Progress, Step,
 };
 use crate::channel::{Counter, RecvDesc, SendDesc, SendStatus, Span};
-use crate::engine::Engine;
-use crate::error::Result;
+use crate::engine::{Engine, Protocol};
+use crate::error::{CommError, Result};
 use crate::op::Dir;
 use crate::peer::TransportKind;
 use crate::shared::Path;
@@ -174,12 +174,9 @@ impl<A: DeviceAdaptor> Engine<A> {
             | Phase::AwaitSendDesc
             | Phase::AwaitOffer
             | Phase::Pulling { .. }
-            | Phase::FromStandIn { .. } => {
-                unreachable!("receive phases")
-            }
-            Phase::Streamed { .. } | Phase::Late { .. } => {
-                unreachable!("the engine hands these to `streamed` and `late`")
-            }
+            | Phase::FromStandIn { .. }
+            | Phase::Streamed { .. }
+            | Phase::Late { .. } => Err(not_mine(p, Dir::Send, &step.phase)),
         }
     }
 
@@ -344,13 +341,43 @@ impl<A: DeviceAdaptor> Engine<A> {
             | Phase::Copying(_)
             | Phase::Offer
             | Phase::AwaitVerdict
-            | Phase::ToStandIn(_) => {
-                unreachable!("send phases")
-            }
-            Phase::Streamed { .. } | Phase::Late { .. } => {
-                unreachable!("the engine hands these to `streamed` and `late`")
-            }
+            | Phase::ToStandIn(_)
+            | Phase::Streamed { .. }
+            | Phase::Late { .. } => Err(not_mine(p, Dir::Recv, &step.phase)),
         }
+    }
+}
+
+/// A step the rendezvous cannot be driving (the other direction's phase, or another
+/// protocol's): a bug of ours, failed as such rather than a panic.
+fn not_mine(p: usize, dir: Dir, phase: &Phase) -> CommError {
+    CommError::Protocol(format!(
+        "the rendezvous got a {dir:?} step with rank {p} ({})",
+        phase.waiting_for()
+    ))
+}
+
+/// The descriptor handshake as the engine drives it: every step on a pair on one host that
+/// neither the stream-ordered nor the late-copy protocol claims, handing the copy to IPC, the
+/// staging ring or the direct path by the pair's transport.
+pub(crate) struct Rendezvous;
+
+impl<A: DeviceAdaptor> Protocol<A> for Rendezvous {
+    fn drives(&self, step: &Step) -> bool {
+        step.path != Path::Net && !matches!(step.phase, Phase::Streamed { .. } | Phase::Late { .. })
+    }
+
+    fn step(&self, e: &mut Engine<A>, p: usize, step: &mut Step) -> Result<Progress> {
+        match step.op.dir {
+            Dir::Send => e.progress_send(p, step),
+            Dir::Recv => e.progress_recv(p, step),
+        }
+    }
+
+    /// The staging ring's chunk copies of the step's direction (on any step: none is left
+    /// behind a step that is not the rendezvous's).
+    fn abandon(&self, e: &mut Engine<A>, p: usize, step: &mut Step) {
+        e.abandon_chunks(p, step.op.dir);
     }
 }
 

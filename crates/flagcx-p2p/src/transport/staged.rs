@@ -14,6 +14,25 @@ use crate::link::staged::*;
 use crate::op::Dir;
 
 impl<A: DeviceAdaptor> Engine<A> {
+    /// After a peer is lost mid-message, waits for our own in-flight chunk copies (they touch
+    /// the caller's buffer) and forgets them.
+    pub(crate) fn abandon_chunks(&mut self, p: usize, dir: Dir) {
+        let stream = match dir {
+            Dir::Send => self.send_stream,
+            Dir::Recv => self.recv_stream,
+        };
+        let _in = crate::guard::BlockedIn::AbandonChunks.mark(&self.shared, p);
+        let _ = self.adaptor.stream_synchronize(stream);
+        drop(_in);
+        if let Some(conn) = self.peers[p].as_mut() {
+            let q = match dir {
+                Dir::Send => &mut conn.send_ring.chunks,
+                Dir::Recv => &mut conn.recv_ring.chunks,
+            };
+            self.free_events.extend(q.drain(..));
+        }
+    }
+
     /// One pass over a staged message ([`Phase::Chunks`]) in either direction: issues a chunk
     /// copy for every slot that is ready (a send: slots the receiver released; a receive: slots
     /// the sender published), then publishes the chunks whose copies completed, in order.

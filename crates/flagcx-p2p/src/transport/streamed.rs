@@ -44,7 +44,7 @@ use flagcx_adaptor::{DeviceAdaptor, DevicePtr, SlotStep, StreamHandle};
 use super::{remote_failure, send_failure, Phase, Progress, Step};
 use crate::channel::{Counter, SendStatus};
 use crate::comm::Comm;
-use crate::engine::Engine;
+use crate::engine::{Engine, Protocol};
 use crate::error::{CommError, Result};
 use crate::link::streamed::*;
 use crate::op::{Dir, Op, Resume};
@@ -183,8 +183,6 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// alive — for up to [`RELEASE_WAIT`]. A stream still held by earlier work of the caller's
     /// after that keeps the buffer: the operation forgets it rather than free it under a copy.
     pub(crate) fn release_streamed(&self, op: &mut Op) {
-        // Late copies' streams wait on words of the same pair's descriptors.
-        self.release_late(op);
         let conn = self.peers.get(op.peer).and_then(|c| c.as_ref());
         let (Some(Resume::Streamed), Some(conn)) = (&op.resume, conn) else {
             return;
@@ -209,5 +207,22 @@ impl<A: DeviceAdaptor> Engine<A> {
             }
             std::thread::yield_now();
         }
+    }
+}
+
+/// Stream-ordered messages as the engine follows them: steps in [`Phase::Streamed`].
+pub(crate) struct Streamed;
+
+impl<A: DeviceAdaptor> Protocol<A> for Streamed {
+    fn drives(&self, step: &Step) -> bool {
+        matches!(step.phase, Phase::Streamed { .. })
+    }
+
+    fn step(&self, e: &mut Engine<A>, p: usize, step: &mut Step) -> Result<Progress> {
+        e.progress_streamed(p, step)
+    }
+
+    fn release(&self, e: &Engine<A>, op: &mut Op) {
+        e.release_streamed(op);
     }
 }
