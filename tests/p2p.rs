@@ -516,8 +516,9 @@ fn waiter_progress(r: &Rank) {
     let drives = r.adaptor.capabilities().host_addressable
         && (!auto || n <= flagcx_adaptor::spin::cores_from_env());
     let others: Vec<usize> = (0..n).filter(|&q| q != me).collect();
-    // Above the eager limit: through the proxy's protocol.
-    let s = (1 << 20) + 5;
+    // Through the proxy's protocol, and at least the size from which waiters drive (2 MiB,
+    // `comm::HELP_MIN_BYTES`: below it they leave the core to the copies).
+    let s = (2 << 20) + 5;
     // Twelve rounds: with four ranks on two cores the proxy sometimes finished all of four
     // rounds' operations before their waiters began (0 waiter passes on two ranks, once in
     // seven `cargo xtask ci` runs).

@@ -205,7 +205,8 @@ pub struct Config {
     pub ipc_caller: bool,
     /// Whether a thread waiting for an operation ([`crate::Request::wait`]) runs the engine's
     /// passes itself where this rank's copies are CPU copies (host-addressable device memory:
-    /// the host vendor), instead of sleeping while the proxy thread does them
+    /// the host vendor), instead of sleeping while the proxy thread does them, for operations
+    /// of 2 MiB or more (`comm::HELP_MIN_BYTES`, where the measurements are)
     /// (`FLAGCX_P2P_WAITER_PROGRESS=auto|on|off`). `None` (auto, the default): where this
     /// machine's ranks do not outnumber its cores — measured on 2 cores, it cuts a 2-rank
     /// blocking 64 KiB exchange by a third, but costs 4 ranks 5–7%, which then compete for

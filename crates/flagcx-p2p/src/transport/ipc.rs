@@ -135,7 +135,8 @@ impl<A: DeviceAdaptor> Comm<A> {
             resume,
             Some(Resume::Pushed(_) | Resume::Pulled { .. } | Resume::Failed(_))
         );
-        let (seq, slot) = self.caller_hand_over(&m, start, resume, self.slot(m.peer), keep);
+        let (seq, slot) =
+            self.caller_hand_over(&m, start, resume, self.slot(m.peer, m.bytes), keep);
         if join {
             self.join_stream(stream, seq, false)?;
         }

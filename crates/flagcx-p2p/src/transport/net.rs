@@ -319,7 +319,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             Caller::Done(r) => return Ok(Some(self.caller_finished(&m, Path::Net, r, keep))),
             Caller::HandOff(r) => r,
         };
-        let helped = self.slot(peer);
+        let helped = self.slot(peer, m.bytes);
         let (seq, slot) = self.caller_hand_over(&m, None, resume, helped, keep);
         Ok(Some(Request {
             state: State::Pending(slot),
