@@ -198,7 +198,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         for p in 0..self.peers.len() {
             moved |= self.progress_peer(p);
         }
-        self.note_freed();
+        self.note_freed(false);
         let busy = self.peers.iter().flatten().any(|c| !c.idle());
         if let (false, Some(Ok(net))) = (busy, self.net.as_ref().map(|n| n.try_lock())) {
             net.idle_progress();

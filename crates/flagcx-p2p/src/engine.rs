@@ -162,6 +162,7 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// (`IpcCache::caller_copies`) hold it off too. Buffers whose last reference a finished
     /// operation held are freed here as well, under the same conditions (`crate::kept`).
     pub(crate) fn trim_at_rest(&mut self) -> bool {
+        self.note_freed(true);
         // Stale mappings only while no other communicator of the process joins streams;
         // mappings past the bound whatever the others do, as before stale ones were known
         // (a bounded cache is worth that rare close; see architecture.md, "Stale mappings").
@@ -192,12 +193,13 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// Late-copy pairs: marks stale the mappings of allocations each peer said it freed (its
     /// freed ring, `link::named`), and tells the peer once none of them is mapped here any
     /// more (closed at rest by [`Engine::trim_at_rest`], or never opened); it then names its
-    /// new allocations at those addresses again. Every pass: a peer may be waiting for it
-    /// (one load per peer where nothing is new).
-    pub(crate) fn note_freed(&mut self) {
+    /// new allocations at those addresses again. Every pass for new records (a peer may be
+    /// waiting: one load per peer where nothing is new); with `recheck` (at rest, where stale
+    /// mappings are closed) also for records read before whose mappings were still open.
+    pub(crate) fn note_freed(&mut self, recheck: bool) {
         for conn in self.peers.iter_mut().flatten() {
             let published = conn.inc.load(Counter::Freed);
-            if published == conn.freed_told {
+            if published == conn.freed_told || (published == conn.freed_seen && !recheck) {
                 continue;
             }
             let mut ipc = lock(&self.shared.ipc);
