@@ -175,6 +175,9 @@ pub(crate) fn bundle(vendors: &Option<Vec<String>>) -> Result {
         "ocl_cuda_extmem.c",
         "ocl_roundtrip.c",
         "pageable_calls.c",
+        // FlagCX's own torch plugin over libflagcx (needs a FlagCX checkout carried beside).
+        "flagcx_plugin.sh",
+        "flagcx_plugin.py",
     ] {
         std::fs::copy(root().join("benches/probes").join(probe), out.join(probe))
             .map_err(|e| format!("copy the probe {probe}: {e}"))?;
