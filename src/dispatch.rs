@@ -186,6 +186,9 @@ impl DeviceAdaptor for Adaptor {
     fn mem_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
         each!(self, a => a.mem_get_range(ptr))
     }
+    fn mem_buffer_id(&self, ptr: DevicePtr) -> Result<Option<u64>> {
+        each!(self, a => a.mem_buffer_id(ptr))
+    }
     fn host_alloc(&self, size: usize) -> Result<*mut u8> {
         each!(self, a => a.host_alloc(size))
     }

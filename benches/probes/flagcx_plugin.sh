@@ -34,4 +34,5 @@ for r in 0 1; do
   echo "rank $r: $(grep -cE ': ok$' "$work/rank$r.log") ops ok; $(tail -n 1 "$work/rank$r.log")"
   grep -E 'WRONG|ERROR' "$work/rank$r.log" | head -5
 done
+[ -n "${OUT:-}" ] && cp "$work"/rank*.log "$OUT/" 2>/dev/null
 [ $ra -eq 0 ] && [ $rb -eq 0 ]

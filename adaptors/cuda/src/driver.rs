@@ -278,6 +278,20 @@ unsafe impl Driver for CudaDriver {
         Ok((base, size))
     }
 
+    fn buffer_id(&self, ptr: u64) -> Result<Option<u64>> {
+        let mut id = 0u64;
+        // SAFETY: a valid out-pointer of the attribute's type (unsigned long long); the driver
+        // validates the address.
+        call("cuPointerGetAttribute", || unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut id as *mut u64).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                ptr,
+            )
+        })?;
+        Ok(Some(id))
+    }
+
     fn host_alloc(&self, size: usize) -> Result<*mut u8> {
         let mut p: *mut c_void = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;

@@ -73,6 +73,14 @@ pub trait DeviceAdaptor: Clone + Send + Sync + 'static {
     /// contains `ptr`.
     fn mem_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)>;
 
+    /// An identifier of the allocation holding `ptr` that no other allocation of this process
+    /// ever has, even at the same address (CUDA's `CU_POINTER_ATTRIBUTE_BUFFER_ID`); `None`
+    /// where the runtime has none. A new allocation at a freed one's addresses can get the very
+    /// same IPC handle bytes; this tells them apart.
+    fn mem_buffer_id(&self, _ptr: DevicePtr) -> Result<Option<u64>> {
+        Ok(None)
+    }
+
     /// Allocates `size` bytes of page-locked host memory that the device can reach.
     fn host_alloc(&self, size: usize) -> Result<*mut u8>;
 

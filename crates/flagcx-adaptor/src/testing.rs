@@ -199,6 +199,9 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
     fn mem_get_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
         self.inner.mem_get_range(ptr)
     }
+    fn mem_buffer_id(&self, ptr: DevicePtr) -> Result<Option<u64>> {
+        self.inner.mem_buffer_id(ptr)
+    }
     fn host_alloc(&self, size: usize) -> Result<*mut u8> {
         self.inner.host_alloc(size)
     }

@@ -68,6 +68,11 @@ pub unsafe trait Driver: Send + Sync + Sized + 'static {
     unsafe fn mem_free(&self, ptr: u64) -> Result<()>;
     /// Base and length of the allocation holding `ptr`, as the runtime knows it.
     fn mem_range(&self, ptr: u64) -> Result<(u64, usize)>;
+    /// The runtime's identifier of the allocation holding `ptr`, unique in the process for its
+    /// life (`DeviceAdaptor::mem_buffer_id`); `None` where the runtime has none.
+    fn buffer_id(&self, _ptr: u64) -> Result<Option<u64>> {
+        Ok(None)
+    }
     /// Allocates `size > 0` bytes of pinned host memory mapped for the device.
     fn host_alloc(&self, size: usize) -> Result<*mut u8>;
     /// Frees pinned host memory of [`Driver::host_alloc`].

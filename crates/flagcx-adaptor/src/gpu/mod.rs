@@ -461,6 +461,16 @@ impl<D: Driver> DeviceAdaptor for GpuAdaptor<D> {
         Ok((DevicePtr(base), len))
     }
 
+    fn mem_buffer_id(&self, ptr: DevicePtr) -> Result<Option<u64>> {
+        if ptr.is_null() {
+            return Err(AdaptorError::invalid(
+                "mem_buffer_id",
+                "null device pointer",
+            ));
+        }
+        self.bound()?.buffer_id(ptr.0)
+    }
+
     fn host_alloc(&self, size: usize) -> Result<*mut u8> {
         if size == 0 {
             return Err(AdaptorError::invalid("host_alloc", "zero-byte allocation"));

@@ -301,12 +301,15 @@ pub(crate) enum Progress {
 }
 
 /// A buffer as a descriptor names it for the peer: the IPC handle of the allocation holding it
-/// (`None`: not exported), its offset in that allocation, and where the allocation lies here.
+/// (`None`: not exported), its offset in that allocation, where the allocation lies here, and
+/// the runtime's identifier of it where there is one (`DeviceAdaptor::mem_buffer_id`: a new
+/// allocation at a freed one's addresses can have the same handle bytes).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Exported {
     pub(crate) handle: Option<IpcMemHandle>,
     pub(crate) offset: u64,
     pub(crate) span: Span,
+    pub(crate) buffer_id: Option<u64>,
 }
 
 /// What a peer needs to reach the buffer at `ptr` (the receiver's for a push, the sender's for
@@ -330,6 +333,7 @@ pub(crate) fn export<A: DeviceAdaptor>(
                 base: base.0,
                 len: len as u64,
             },
+            buffer_id: a.mem_buffer_id(base).ok().flatten(),
         })
     });
     match exported {

@@ -38,6 +38,10 @@ pub(crate) const NAMED_MAX: usize = 1024;
 struct Rec {
     span: Span,
     handle: [u8; IpcMemHandle::WIRE_LEN],
+    /// The runtime's identifier of the allocation, where it has one: CUDA can give a new
+    /// allocation at a freed one's addresses the very same handle bytes, and then only this
+    /// tells them apart (a peer still mapping the old one would copy through that mapping).
+    id: Option<u64>,
     /// The record of the freed ring that says it was freed, once published.
     freed: Option<u64>,
 }
@@ -51,8 +55,8 @@ pub(crate) struct Named {
 }
 
 impl Named {
-    /// Whether the allocation at `span` with `handle` may be named to the peer now (else the
-    /// message takes a stand-in). `unmapped` is the peer's [`Counter::Unmapped`]; `publish`
+    /// Whether the allocation at `span` with `handle` (and the runtime's identifier `id`, where
+    /// it has one) may be named to the peer now (else the message takes a stand-in). `unmapped` is the peer's [`Counter::Unmapped`]; `publish`
     /// puts record `n` in the freed ring, which has room for every record from `unmapped` to
     /// `unmapped + FREED_RING`. A span of unknown length is always named (nothing to compare).
     ///
@@ -61,6 +65,7 @@ impl Named {
         &mut self,
         span: Span,
         handle: &IpcMemHandle,
+        id: Option<u64>,
         unmapped: u64,
         mut publish: impl FnMut(u64, Span),
     ) -> bool {
@@ -71,7 +76,7 @@ impl Named {
         if self
             .recs
             .iter()
-            .any(|r| r.freed.is_none() && r.handle == key)
+            .any(|r| r.freed.is_none() && r.handle == key && r.id == id)
         {
             return true;
         }
@@ -93,6 +98,7 @@ impl Named {
             self.recs.push(Rec {
                 span,
                 handle: key,
+                id,
                 freed: None,
             });
         }
@@ -129,22 +135,28 @@ mod tests {
             span(0x12000, 0x100),
             span(0x20000, 0x100),
         );
-        assert!(n.name(old, &handle(1), 0, |i, s| ring.push((i, s))));
+        assert!(n.name(old, &handle(1), None, 0, |i, s| ring.push((i, s))));
         assert!(
-            n.name(old, &handle(1), 0, |i, s| ring.push((i, s))),
+            n.name(old, &handle(1), None, 0, |i, s| ring.push((i, s))),
             "named again"
         );
-        assert!(n.name(beside, &handle(2), 0, |i, s| ring.push((i, s))));
+        assert!(n.name(beside, &handle(2), None, 0, |i, s| ring.push((i, s))));
         assert!(ring.is_empty(), "nothing freed yet");
         // `old` was freed and `new` lies inside its addresses.
-        assert!(!n.name(new, &handle(3), 0, |i, s| ring.push((i, s))));
+        assert!(!n.name(new, &handle(3), None, 0, |i, s| ring.push((i, s))));
         assert_eq!(ring, vec![(0, old)], "the freed allocation, published once");
-        assert!(!n.name(new, &handle(3), 0, |i, s| ring.push((i, s))));
+        assert!(!n.name(new, &handle(3), None, 0, |i, s| ring.push((i, s))));
         assert_eq!(ring.len(), 1, "not published again");
-        assert!(n.name(beside, &handle(2), 0, |_, _| panic!("nothing to publish")));
+        assert!(n.name(beside, &handle(2), None, 0, |_, _| panic!(
+            "nothing to publish"
+        )));
         // The peer acted on record 0: `new` is named from now on.
-        assert!(n.name(new, &handle(3), 1, |_, _| panic!("nothing to publish")));
-        assert!(n.name(new, &handle(3), 1, |_, _| panic!("nothing to publish")));
+        assert!(n.name(new, &handle(3), None, 1, |_, _| panic!(
+            "nothing to publish"
+        )));
+        assert!(n.name(new, &handle(3), None, 1, |_, _| panic!(
+            "nothing to publish"
+        )));
     }
 
     /// The ring never runs ahead of the peer by more than its records: a freed allocation
@@ -155,27 +167,48 @@ mod tests {
         let mut ring = Vec::new();
         let at = |i: u64| span(0x100000 * (i + 1), 0x1000);
         for i in 0..=FREED_RING {
-            assert!(n.name(at(i), &handle(i as u8), 0, |_, _| unreachable!()));
+            assert!(n.name(at(i), &handle(i as u8), None, 0, |_, _| unreachable!()));
         }
         for i in 0..=FREED_RING {
             let reused = span(at(i).base, 0x10);
-            assert!(!n.name(reused, &handle(100 + i as u8), 0, |k, s| ring.push((k, s))));
+            assert!(!n.name(reused, &handle(100 + i as u8), None, 0, |k, s| ring
+                .push((k, s))));
         }
         assert_eq!(ring.len() as u64, FREED_RING, "the ring is full");
         let last = span(at(FREED_RING).base, 0x10);
         // The peer acted on the first record: one more fits.
         assert!(
-            !n.name(last, &handle(100 + FREED_RING as u8), 1, |k, s| ring
+            !n.name(last, &handle(100 + FREED_RING as u8), None, 1, |k, s| ring
                 .push((k, s)))
         );
         assert_eq!(ring.last(), Some(&(FREED_RING, at(FREED_RING))));
+    }
+
+    /// A new allocation with the very handle bytes of a freed one (CUDA gives those at the
+    /// same addresses) is told apart by the runtime's identifier: it waits like any other.
+    #[test]
+    fn the_same_handle_with_a_new_identifier_is_a_new_allocation() {
+        let mut n = Named::default();
+        let mut ring = Vec::new();
+        let at = span(0x40000, 0x1000);
+        assert!(n.name(at, &handle(7), Some(1), 0, |_, _| unreachable!()));
+        assert!(
+            n.name(at, &handle(7), Some(1), 0, |_, _| unreachable!()),
+            "the same one"
+        );
+        assert!(!n.name(at, &handle(7), Some(2), 0, |k, s| ring.push((k, s))));
+        assert_eq!(ring, vec![(0, at)], "the old one is published as freed");
+        assert!(
+            n.name(at, &handle(7), Some(2), 1, |_, _| unreachable!()),
+            "once unmapped"
+        );
     }
 
     /// Spans of unknown length never block a name.
     #[test]
     fn unknown_spans_are_named() {
         let mut n = Named::default();
-        assert!(n.name(span(0, 0), &handle(1), 0, |_, _| unreachable!()));
-        assert!(n.name(span(0, 0), &handle(2), 0, |_, _| unreachable!()));
+        assert!(n.name(span(0, 0), &handle(1), None, 0, |_, _| unreachable!()));
+        assert!(n.name(span(0, 0), &handle(2), None, 0, |_, _| unreachable!()));
     }
 }

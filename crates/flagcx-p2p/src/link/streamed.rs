@@ -4,11 +4,11 @@
 use std::sync::{Arc, Mutex};
 
 use flagcx_adaptor::tracking::lock;
-use flagcx_adaptor::{DeviceAdaptor, DevicePtr, IpcMemHandle, SlotInbox, SlotStep};
+use flagcx_adaptor::{DeviceAdaptor, DevicePtr, SlotInbox, SlotStep};
 
 use super::named::Named;
 use super::Roles;
-use crate::channel::{Channel, Counter, SendStatus, Span, DESC_RING};
+use crate::channel::{Channel, Counter, SendStatus, DESC_RING};
 use crate::config::HostDirect;
 use crate::error::Result;
 use crate::op::Dir;
@@ -111,15 +111,17 @@ pub(crate) struct StreamLink {
 }
 
 impl StreamLink {
-    /// Late-copy pairs: whether the allocation at `span` with `handle` may be named to the
-    /// peer for this message, or it must take a stand-in (see `link::named`). Without a handle
-    /// there is nothing to map.
-    pub(crate) fn may_name(&self, span: Span, handle: Option<&IpcMemHandle>) -> bool {
-        let Some(h) = handle else {
+    /// Late-copy pairs: whether the buffer `e` exports may be named to the peer for this
+    /// message, or it must take a stand-in (see `link::named`). Without a handle there is
+    /// nothing to map.
+    pub(crate) fn may_name(&self, e: &super::Exported) -> bool {
+        let Some(h) = e.handle.as_ref() else {
             return true;
         };
         let unmapped = self.out.load(Counter::Unmapped);
-        lock(&self.named).name(span, h, unmapped, |n, s| self.out.publish_freed(n, s))
+        lock(&self.named).name(e.span, h, e.buffer_id, unmapped, |n, s| {
+            self.out.publish_freed(n, s)
+        })
     }
 
     /// Registers both channels' heads with `a` (eager data stays out of the descriptors from

@@ -207,7 +207,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         let link = self.late_link_of(op)?;
         let bytes = op.bytes;
         let e = match export(&self.adaptor, op.ptr, bytes, TransportKind::Ipc) {
-            Ok(e) if link.may_name(e.span, e.handle.as_ref()) => e,
+            Ok(e) if link.may_name(&e) => e,
             Err(err) if bytes == 0 => return Err(err),
             r => {
                 let why = match r {
@@ -358,10 +358,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             .map_or(STAND_IN_WAIT, |t| t.min(STAND_IN_WAIT));
         let t0 = Instant::now();
         loop {
-            if let Some(i) = tried
-                .iter()
-                .position(|(_, e)| link.may_name(e.span, e.handle.as_ref()))
-            {
+            if let Some(i) = tried.iter().position(|(_, e)| link.may_name(e)) {
                 let (s, e) = tried.swap_remove(i);
                 op.stand_in = Some(s);
                 return Ok(e);
