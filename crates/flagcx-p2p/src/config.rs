@@ -166,6 +166,12 @@ pub struct Config {
     /// both ranks' runtimes can (64-bit
     /// stream memory operations, host registration). Either rank's `off` wins.
     pub late_copy: HostDirect,
+    /// Late copies: whether this rank names a new allocation at a freed one's addresses to its
+    /// peer only once the peer unmapped the freed one, carrying the message through a stand-in
+    /// meanwhile (`FLAGCX_P2P_LATE_NAMING=on|off`, default off; see `link::named`). Off until
+    /// its wrong data with FlagCX's torch plugin on CUDA is understood (docs/reliability.md,
+    /// "Late copies and freed buffers").
+    pub late_naming: bool,
     /// Where a staged pair's ring lives (`FLAGCX_P2P_DEVICE_RING=auto|on|off`, default auto):
     /// `auto` in device memory where one rank maps the other's fd exports (a CUDA rank's memory
     /// imported by an OpenCL rank on NVIDIA's platform; see `link::devring`), placed by
@@ -281,6 +287,7 @@ impl Default for Config {
             streamed: HostDirect::Auto,
             stream_kernel: HostDirect::Auto,
             late_copy: HostDirect::Auto,
+            late_naming: false,
             device_ring: HostDirect::Auto,
             host_map_max: DEFAULT_HOST_MAP_MAX,
             host_pin_piece: DEFAULT_HOST_PIN_PIECE,
@@ -427,6 +434,14 @@ impl Config {
         }
         if let Some(v) = var("FLAGCX_P2P_LATE_COPY") {
             c.late_copy = parse_choice("FLAGCX_P2P_LATE_COPY", &v, &choices, what)?;
+        }
+        if let Some(v) = var("FLAGCX_P2P_LATE_NAMING") {
+            c.late_naming = parse_choice(
+                "FLAGCX_P2P_LATE_NAMING",
+                &v,
+                &[("on", true), ("1", true), ("off", false), ("0", false)],
+                "expected on or off",
+            )?;
         }
         if let Some(v) = var("FLAGCX_P2P_DEVICE_RING") {
             c.device_ring = parse_choice("FLAGCX_P2P_DEVICE_RING", &v, &choices, what)?;

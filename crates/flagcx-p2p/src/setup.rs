@@ -583,7 +583,10 @@ impl<A: DeviceAdaptor> Comm<A> {
         for (q, c) in peers.iter().enumerate() {
             late_links.push(match (c, late[q]) {
                 (Some(c), true) => match StreamLink::register(&adaptor, &c.out, &c.inc, false) {
-                    Ok(l) => Some(l),
+                    Ok(mut l) => {
+                        l.naming = config.late_naming;
+                        Some(l)
+                    }
                     Err(e) => {
                         undo_streamed(&adaptor, &streamed, &peers);
                         undo_links(&adaptor, &late_links);

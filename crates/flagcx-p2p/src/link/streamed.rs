@@ -108,6 +108,9 @@ pub(crate) struct StreamLink {
     pub(crate) fused: bool,
     /// Late-copy pairs: the allocations this rank named to the peer (see `link::named`).
     named: Mutex<Named>,
+    /// Late-copy pairs: whether [`StreamLink::may_name`] consults `named`
+    /// (`Config::late_naming`); else every buffer is named as it is.
+    pub(crate) naming: bool,
 }
 
 impl StreamLink {
@@ -115,7 +118,7 @@ impl StreamLink {
     /// message, or it must take a stand-in (see `link::named`). Without a handle there is
     /// nothing to map.
     pub(crate) fn may_name(&self, e: &super::Exported) -> bool {
-        let Some(h) = e.handle.as_ref() else {
+        let Some(h) = e.handle.as_ref().filter(|_| self.naming) else {
             return true;
         };
         let unmapped = self.out.load(Counter::Unmapped);
@@ -157,6 +160,7 @@ impl StreamLink {
             inbox_in: None,
             inbox_out: None,
             named: Mutex::default(),
+            naming: false,
         })
     }
 
