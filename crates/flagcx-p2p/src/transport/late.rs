@@ -193,6 +193,20 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
     }
 
+    /// [`export`] for a late pair, with the runtime's identifier of the allocation where the
+    /// pair names by it (`StreamLink::naming`; one more runtime call per message).
+    fn late_export(&self, link: &StreamLink, ptr: DevicePtr, bytes: usize) -> Result<Exported> {
+        let mut e = export(&self.adaptor, ptr, bytes, TransportKind::Ipc)?;
+        if link.naming && e.handle.is_some() {
+            e.buffer_id = self
+                .adaptor
+                .mem_buffer_id(DevicePtr(e.span.base))
+                .ok()
+                .flatten();
+        }
+        Ok(e)
+    }
+
     /// The late-copy link with `op`'s peer.
     fn late_link_of(&self, op: &Op) -> Result<&StreamLink> {
         self.late_link(op.peer)
@@ -206,7 +220,7 @@ impl<A: DeviceAdaptor> Comm<A> {
     fn late_name(&self, op: &mut Op) -> Result<Exported> {
         let link = self.late_link_of(op)?;
         let bytes = op.bytes;
-        let e = match export(&self.adaptor, op.ptr, bytes, TransportKind::Ipc) {
+        let e = match self.late_export(link, op.ptr, bytes) {
             Ok(e) if link.may_name(&e) => e,
             Err(err) if bytes == 0 => return Err(err),
             r => {
@@ -368,7 +382,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                     Some(s) => s,
                     None => crate::standin::take(&self.stand_ins, &self.adaptor, bytes)?,
                 };
-                let e = export(&self.adaptor, s.ptr, bytes, TransportKind::Ipc)?;
+                let e = self.late_export(link, s.ptr, bytes)?;
                 tried.push((s, e));
                 continue;
             }
