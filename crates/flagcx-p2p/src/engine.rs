@@ -441,7 +441,13 @@ impl<A: DeviceAdaptor> Engine<A> {
     /// [`Engine::release`]) and every protocol settles what it holds of it.
     fn abandon(&mut self, p: usize, step: &mut Step) {
         self.release(&mut step.op);
-        for pr in self.protocols.clone() {
+        self.settle(p, step);
+    }
+
+    /// Every protocol settles what it holds of `step` (`Protocol::abandon`).
+    fn settle(&mut self, p: usize, step: &mut Step) {
+        for i in 0..self.protocols.len() {
+            let pr = self.protocols[i];
             pr.abandon(self, p, step);
         }
     }
@@ -528,10 +534,7 @@ impl<A: DeviceAdaptor> Engine<A> {
         }
         let mut left = Vec::new();
         for mut s in steps {
-            let p = s.op.peer;
-            for pr in self.protocols.clone() {
-                pr.abandon(self, p, &mut s);
-            }
+            self.settle(s.op.peer, &mut s);
             left.push(s.op);
         }
         left.extend(std::mem::take(&mut lock(&self.shared.inbox).ops));

@@ -132,13 +132,22 @@ impl IpcCache {
         past.max(stale).min(n)
     }
 
-    /// The keys of `theirs.peer`'s mappings that overlap `theirs`.
-    fn overlapped(&self, theirs: &Theirs) -> Vec<[u8; IpcMemHandle::WIRE_LEN]> {
+    /// The keys of `peer`'s mappings that overlap `span`.
+    fn overlapped(&self, peer: usize, span: &Span) -> Vec<[u8; IpcMemHandle::WIRE_LEN]> {
         self.map
             .iter()
-            .filter(|(_, (m, _))| m.peer == theirs.peer && m.span.overlaps(&theirs.span))
+            .filter(|(_, (m, _))| m.peer == peer && m.span.overlaps(span))
             .map(|(k, _)| *k)
             .collect()
+    }
+
+    /// Marks the mappings of `keys` stale: their peer freed those allocations.
+    fn mark_stale(&mut self, keys: &[[u8; IpcMemHandle::WIRE_LEN]]) {
+        for k in keys {
+            if let Some((m, _)) = self.map.get_mut(k) {
+                m.stale = true;
+            }
+        }
     }
 
     /// The mappings to close now, at most `n` of them (see [`Self::to_trim`]): stale ones first,
@@ -168,11 +177,8 @@ impl IpcCache {
     /// Marks `peer`'s mappings that overlap `span` stale: the peer freed the allocation there
     /// (it said so in the pair's freed ring, `link::named`), to close at rest.
     pub(crate) fn mark_freed(&mut self, peer: usize, span: Span) {
-        for (m, _) in self.map.values_mut() {
-            if m.peer == peer && m.span.overlaps(&span) {
-                m.stale = true;
-            }
-        }
+        let keys = self.overlapped(peer, &span);
+        self.mark_stale(&keys);
     }
 
     /// Whether a stale mapping of `peer`'s is still open.
@@ -234,7 +240,7 @@ impl IpcCache {
             e.1 = self.uses;
             return Ok(e.0.base);
         }
-        let stale = self.overlapped(&theirs);
+        let stale = self.overlapped(theirs.peer, &theirs.span);
         let base = match adaptor.ipc_open_handle(&handle).map_err(CommError::from) {
             Err(e) if !stale.is_empty() && already_mapped(&e) && !joining_elsewhere(false) => {
                 let idle: Vec<_> = stale
@@ -266,11 +272,7 @@ impl IpcCache {
             }
             r => r?,
         };
-        for k in &stale {
-            if let Some((m, _)) = self.map.get_mut(k) {
-                m.stale = true;
-            }
-        }
+        self.mark_stale(&stale);
         self.opens += 1;
         let m = Mapping {
             base,
