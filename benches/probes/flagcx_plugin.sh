@@ -11,11 +11,15 @@
 # `cargo xtask bundle --vendor cuda` made (its lib/libflagcx.so.0 and capi/flagcx.h). PYTHON:
 # one with torch and CUDA (default /opt/torch/.venv/bin/python). Needs the CUDA toolkit's
 # headers and a C++ compiler. Exit status 0 when both ranks got every byte right.
+# FLAGCX_PLUGIN_WORK: a folder to build in and keep; a later run with the same folder skips
+# the build (repeated runs of one bundle).
 set -u
 src=$1 bundle=$(cd "$2" && pwd) py=${3:-/opt/torch/.venv/bin/python}
 here=$(cd "$(dirname "$0")" && pwd)
-work=$(mktemp -d)
+work=${FLAGCX_PLUGIN_WORK:-$(mktemp -d)}
+built=$(find "$work/plugin" -name "*.so" 2>/dev/null | head -n 1)
 mkdir -p "$work/plugin" "$work/flagcx/include" "$work/build/lib"
+if [ -z "$built" ]; then
 cp -r "$src/plugin/torch" "$work/plugin/"
 cp "$bundle/capi/flagcx.h" "$work/flagcx/include/"
 cp "$bundle/lib/libflagcx.so.0" "$work/build/lib/"
@@ -25,6 +29,7 @@ sed -i 's/flagcxGetUniqueId(&handler_->uniqueId)/flagcxGetUniqueId(handler_->uni
 cuda=${CUDA_HOME:-/usr/local/cuda}
 (cd "$work/plugin/torch" && LIBRARY_PATH="$cuda/lib64/stubs:$cuda/lib64" "$py" setup.py build_ext --inplace > "$work/build.log" 2>&1) ||
   { echo "the plugin did not build (log: $work/build.log)"; grep -m5 error "$work/build.log"; exit 1; }
+fi
 export PYTHONPATH="$work/plugin/torch" FLAGCX_VENDOR=cuda FLAGCX_DEVICE=0 WORLD_SIZE=2 \
   MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-29533} FLAGCX_TIMEOUT_MS=${FLAGCX_TIMEOUT_MS:-20000}
 RANK=0 timeout 120 "$py" "$here/flagcx_plugin.py" > "$work/rank0.log" 2>&1 & a=$!

@@ -204,10 +204,22 @@ impl<A: DeviceAdaptor> Engine<A> {
             }
             let mut ipc = lock(&self.shared.ipc);
             for n in conn.freed_seen..published {
-                ipc.mark_freed(conn.peer, conn.inc.freed(n));
+                let span = conn.inc.freed(n);
+                tracing::debug!(
+                    "rank {} freed allocation {:#x} ({} bytes), record {n}: its mappings \
+                     here are stale",
+                    conn.peer,
+                    span.base,
+                    span.len
+                );
+                ipc.mark_freed(conn.peer, span);
             }
             conn.freed_seen = published;
             if !ipc.maps_stale(conn.peer) {
+                tracing::debug!(
+                    "told rank {} it is unmapped up to record {published}",
+                    conn.peer
+                );
                 conn.inc.store(Counter::Unmapped, published);
                 conn.freed_told = published;
             }

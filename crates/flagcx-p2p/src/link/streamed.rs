@@ -123,6 +123,12 @@ impl StreamLink {
         };
         let unmapped = self.out.load(Counter::Unmapped);
         lock(&self.named).name(e.span, h, e.buffer_id, unmapped, |n, s| {
+            tracing::debug!(
+                "freed allocation {:#x} ({} bytes) published as record {n} (the peer unmapped \
+                 {unmapped})",
+                s.base,
+                s.len
+            );
             self.out.publish_freed(n, s)
         })
     }

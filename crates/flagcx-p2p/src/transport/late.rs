@@ -278,7 +278,27 @@ impl<A: DeviceAdaptor> Comm<A> {
                 },
             ),
         }
-        if ch.claim(k, sender) {
+        let first = ch.claim(k, sender);
+        tracing::debug!(
+            "rank {}: late {:?} {k} with rank {}: {} bytes at {} named as {:#x}+{:#x} \
+             (allocation {:#x}, {} bytes{}), claimed {}",
+            self.rank,
+            op.dir,
+            op.peer,
+            bytes,
+            op.ptr,
+            e.span.base,
+            e.offset,
+            e.span.base,
+            e.span.len,
+            if op.stand_in.is_some() {
+                ", a stand-in"
+            } else {
+                ""
+            },
+            if first { "first" } else { "second" }
+        );
+        if first {
             op.resume = Some(Resume::Late {
                 second: false,
                 mapping: None,
