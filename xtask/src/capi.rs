@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 
 use crate::{cargo, root, run, Result};
 
-/// Builds and installs; returns the prefix (`target/flagcx`).
+/// Builds (release) and installs; returns the prefix (`target/flagcx`).
 pub(crate) fn capi(vendors: &[String]) -> Result<PathBuf> {
     let features: Vec<String> = vendors.iter().map(|v| v.to_string()).collect();
     // Both libraries in one build: one feature resolution, so the library crates under them
@@ -40,6 +40,42 @@ pub(crate) fn capi(vendors: &[String]) -> Result<PathBuf> {
         &mut build,
     )?;
     let release = root().join("target/release");
+    install(
+        &release.join("libflagcx_capi.so"),
+        &release.join("libflagcx_capi.a"),
+        &release.join("libflagcx_cxx.a"),
+        vendors,
+    )
+}
+
+/// Installs the libraries the test suites' own build made (`cargo test` of the workspace
+/// builds both library crates, with the facade's vendor features of that selection), so the
+/// suites need no release build of their own; returns the prefix.
+pub(crate) fn capi_from_test_build() -> Result<PathBuf> {
+    let deps = root().join("target/debug/deps");
+    // The C++ crate's archive carries a hash in its name there; the newest is this build's.
+    let cxx = std::fs::read_dir(&deps)
+        .map_err(|e| format!("{}: {e}", deps.display()))?
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            let n = e.file_name();
+            let n = n.to_string_lossy();
+            n.starts_with("libflagcx_cxx-") && n.ends_with(".a")
+        })
+        .max_by_key(|e| e.metadata().and_then(|m| m.modified()).ok())
+        .map(|e| e.path())
+        .ok_or("the test build made no libflagcx_cxx archive")?;
+    install(
+        &deps.join("libflagcx_capi.so"),
+        &deps.join("libflagcx_capi.a"),
+        &cxx,
+        &[],
+    )
+}
+
+/// Installs `so` and `a` (libflagcx) and `cxx_a` (libflagcx_cxx) with the headers and the
+/// pkg-config and CMake files under `target/flagcx`; returns that prefix.
+fn install(so: &Path, a: &Path, cxx_a: &Path, vendors: &[String]) -> Result<PathBuf> {
     let prefix = root().join("target/flagcx");
     let _ = std::fs::remove_dir_all(&prefix);
     for d in ["include", "lib/pkgconfig"] {
@@ -49,16 +85,10 @@ pub(crate) fn capi(vendors: &[String]) -> Result<PathBuf> {
         &root().join("crates/flagcx-capi/include/flagcx.h"),
         &prefix.join("include/flagcx.h"),
     )?;
-    copy(
-        &release.join("libflagcx_capi.so"),
-        &prefix.join("lib/libflagcx.so.0"),
-    )?;
+    copy(so, &prefix.join("lib/libflagcx.so.0"))?;
     std::os::unix::fs::symlink("libflagcx.so.0", prefix.join("lib/libflagcx.so"))
         .map_err(|e| format!("symlink libflagcx.so: {e}"))?;
-    copy(
-        &release.join("libflagcx_capi.a"),
-        &prefix.join("lib/libflagcx.a"),
-    )?;
+    copy(a, &prefix.join("lib/libflagcx.a"))?;
     // The C++ API: flagcx/comm.hpp over the cxx bridge (its generated header and cxx's own).
     for d in ["include/flagcx", "include/rust", "lib/cmake/Flagcx"] {
         std::fs::create_dir_all(prefix.join(d)).map_err(|e| format!("{d}: {e}"))?;
@@ -80,10 +110,7 @@ pub(crate) fn capi(vendors: &[String]) -> Result<PathBuf> {
         &root().join("target/cxxbridge/rust/cxx.h"),
         &prefix.join("include/rust/cxx.h"),
     )?;
-    copy(
-        &release.join("libflagcx_cxx.a"),
-        &prefix.join("lib/libflagcx_cxx.a"),
-    )?;
+    copy(cxx_a, &prefix.join("lib/libflagcx_cxx.a"))?;
     let mut private = String::from("-lpthread -ldl -lm -lrt -lutil -lgcc_s");
     if vendors.iter().any(|v| v == "hip") {
         private.push_str(" -lamdhip64");
