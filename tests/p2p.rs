@@ -3042,7 +3042,12 @@ fn stream_ordered_pairs() {
         job(2, &v, "streamed", env);
         if host {
             job(3, &v, "enqueued", env);
-            job(4, &v, "random", env);
+            // Messages up to 16 MiB mix with the small stream-ordered ones: those past the
+            // staged ring (32 MiB) are `random_sizes_4_ranks_staged`'s, and 64 MiB here took
+            // 12 s a job on 2 cores against 2 s.
+            let mut random = env.to_vec();
+            random.push(("FLAGCX_TEST_MAX", "16777216"));
+            job(4, &v, "random", &random);
         }
     }
     job(2, &v, "mismatch", &[on[0], on[2]]);
@@ -3382,16 +3387,21 @@ fn direct_path_between_host_ranks() {
 /// algorithm forced, the staged transport, and the vendor pair of `FLAGCX_P2P_TEST_VENDORS`.
 #[test]
 fn reductions_on_2_3_4_and_8_ranks() {
+    // The large calls cross the ring's 4 MiB slices where a rank's segment is longer: at 9 MiB
+    // on 2 ranks. On 3 and more ranks 9 MiB would still be one slice a segment, so those take
+    // 1 MiB (every rank computes the reference from every rank's input: 9 MiB on 4 ranks took
+    // 7 s a job on 2 cores).
     let max = ("FLAGCX_TEST_MAX", "9437187");
-    for n in [2, 3, 4] {
-        job(n, "host", "reductions", &[max]);
+    let small = ("FLAGCX_TEST_MAX", "1048583");
+    job(2, "host", "reductions", &[max]);
+    for n in [3, 4, 8] {
+        job(n, "host", "reductions", &[small]);
     }
-    job(8, "host", "reductions", &[("FLAGCX_TEST_MAX", "1048583")]);
     job(
         3,
         "host",
         "reductions",
-        &[max, ("FLAGCX_REDUCE_ALGO", "ring")],
+        &[small, ("FLAGCX_REDUCE_ALGO", "ring")],
     );
     job(
         2,

@@ -62,9 +62,10 @@ pub fn expected(
 }
 
 /// Every type × op × kind on small and odd counts, in place and out of place at unaligned
-/// addresses, and one large all-reduce per type family through the ring's slices; each result
-/// checked bit for bit on every rank; a type some rank cannot reduce must be refused with
-/// `Unsupported` on every rank. Returns the number of calls checked.
+/// addresses, and one large all-reduce and reduce-scatter per type (through several of the
+/// ring's slices where `big` makes a segment longer than one); each result checked bit for
+/// bit on every rank; a type some rank cannot reduce must be refused with `Unsupported` on
+/// every rank. Returns the number of calls checked.
 pub fn reductions(
     adaptor: &Adaptor,
     comm: &Comm<Adaptor>,
