@@ -49,7 +49,8 @@ pub(crate) fn capi(vendors: &[String]) -> Result<PathBuf> {
 }
 
 /// Installs the libraries the test suites' own build made (`cargo test` of the workspace
-/// builds both library crates, with the facade's vendor features of that selection), so the
+/// builds both library crates, with the facade's vendor features of that selection, because
+/// it builds their unit-test targets: with `test = false` nothing would build them), so the
 /// suites need no release build of their own; returns the prefix.
 pub(crate) fn capi_from_test_build() -> Result<PathBuf> {
     let deps = root().join("target/debug/deps");
