@@ -49,9 +49,10 @@ pub(crate) fn capi(vendors: &[String]) -> Result<PathBuf> {
 }
 
 /// Installs the libraries the test suites' own build made (`cargo test` of the workspace
-/// builds both library crates, with the facade's vendor features of that selection, because
-/// it builds their unit-test targets: with `test = false` nothing would build them), so the
-/// suites need no release build of their own; returns the prefix.
+/// builds both library crates as libraries, with the facade's vendor features of that
+/// selection, for their doc tests: with `--lib --tests` or `test = false` only their unit-test
+/// executables would be built), so the suites need no release build of their own; returns
+/// the prefix.
 pub(crate) fn capi_from_test_build() -> Result<PathBuf> {
     let deps = root().join("target/debug/deps");
     // The C++ crate's archive carries a hash in its name there; the newest is this build's.

@@ -264,7 +264,7 @@ fn test(vendors: &Option<Vec<String>>, strict_all: bool) -> Result {
         // took a minute of a fresh run.
         if (v == "host" || v == "opencl") && capi_prefix.is_none() {
             let mut build = cargo();
-            build.arg("test").args(SHARED).args(TARGETS).arg("--no-run");
+            build.arg("test").args(SHARED).arg("--no-run");
             run("building the test binaries and libflagcx", &mut build)?;
             capi_prefix = Some(capi::capi_from_test_build()?);
         }
@@ -424,13 +424,7 @@ fn vendor_commands(vendor: &str) -> Vec<Command> {
         "host" => {
             // Everything vendor-neutral plus the host vendor, and the facade on the host vendor.
             let mut c = cargo();
-            c.arg("test")
-                .args(SHARED)
-                .args(TARGETS)
-                .env("FLAGCX_VENDOR", "host");
-            cmds.push(c);
-            let mut c = cargo();
-            c.arg("test").args(SHARED).arg("--doc");
+            c.arg("test").args(SHARED).env("FLAGCX_VENDOR", "host");
             cmds.push(c);
             // Faults, aborts and lost peers again with frees that wait for every stream, as
             // CUDA's do: the library must not free while a stream waits for it on any of
@@ -502,12 +496,6 @@ const SHARED: [&str; 7] = [
     "--exclude",
     "flagcx-opencl",
 ];
-
-/// The host suite's targets: every test, but not the examples, which `cargo test` would
-/// link only to check that they build (26 s of a fresh run on 2 cores; clippy's
-/// `--all-targets` checks them in CI, and the GPU bundle builds them). Doc tests run in a
-/// command of their own.
-const TARGETS: [&str; 3] = ["--lib", "--bins", "--tests"];
 
 /// Runs a cargo test command, echoing its output and counting passed tests.
 fn run_counting(what: &str, cmd: &mut Command) -> Result<usize> {
