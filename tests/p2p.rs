@@ -35,13 +35,12 @@ fn splitmix(mut x: u64) -> u64 {
 /// The bytes rank `src` sends to `dst` in message `tag`.
 fn payload(src: usize, dst: usize, tag: u64, len: usize) -> Vec<u8> {
     let seed = splitmix(((src as u64) << 40) ^ ((dst as u64) << 20) ^ tag);
-    let mut v = Vec::with_capacity(len + 8);
-    let mut j = 0u64;
-    while v.len() < len {
-        v.extend_from_slice(&splitmix(seed ^ j).to_le_bytes());
-        j += 1;
+    // Word by word into a zeroed vector: growing it 8 bytes at a time took a tenth of a
+    // 4-rank random job's CPU time.
+    let mut v = vec![0u8; len];
+    for (j, c) in v.chunks_mut(8).enumerate() {
+        c.copy_from_slice(&splitmix(seed ^ j as u64).to_le_bytes()[..c.len()]);
     }
-    v.truncate(len);
     v
 }
 
@@ -153,6 +152,10 @@ impl Rank {
         let mut got = vec![0u8; len];
         buf.read(0, &mut got, stream).expect("read back");
         let want = payload(src, self.comm.rank(), tag, len);
+        // One memcmp; the byte-by-byte search only to name the first wrong byte.
+        if got == want {
+            return;
+        }
         if let Some(i) = got.iter().zip(&want).position(|(a, b)| a != b) {
             panic!(
                 "rank {} message {tag} from {src}: byte {i} of {len} is {:#x}, expected {:#x}",
