@@ -48,29 +48,38 @@ pub(crate) fn capi(vendors: &[String]) -> Result<PathBuf> {
     )
 }
 
-/// Installs the libraries the test suites' own build made (`cargo test` of the workspace
-/// builds both library crates as libraries, with the facade's vendor features of that
-/// selection, for their doc tests: with `--lib --tests` or `test = false` only their unit-test
-/// executables would be built), so the suites need no release build of their own; returns
-/// the prefix.
-pub(crate) fn capi_from_test_build() -> Result<PathBuf> {
-    let deps = root().join("target/debug/deps");
-    // The C++ crate's archive carries a hash in its name there; the newest is this build's.
-    let cxx = std::fs::read_dir(&deps)
-        .map_err(|e| format!("{}: {e}", deps.display()))?
-        .filter_map(|e| e.ok())
-        .filter(|e| {
-            let n = e.file_name();
-            let n = n.to_string_lossy();
-            n.starts_with("libflagcx_cxx-") && n.ends_with(".a")
-        })
-        .max_by_key(|e| e.metadata().and_then(|m| m.modified()).ok())
-        .map(|e| e.path())
-        .ok_or("the test build made no libflagcx_cxx archive")?;
+/// Installs the libraries the test suites' own build made, so the suites need no release
+/// build of their own; returns the prefix. `messages` is the stdout of that build run with
+/// `--message-format=json-render-diagnostics`: its artifact records name the very files (the
+/// C++ crate's archive carries a hash in its name, and archives of other feature sets may lie
+/// beside it). The default target selection builds both library crates as libraries; with
+/// `--lib --tests` or `test = false` cargo builds only their unit-test executables.
+pub(crate) fn capi_from_test_build(messages: &str) -> Result<PathBuf> {
+    let mut files: Vec<PathBuf> = Vec::new();
+    for line in messages.lines() {
+        let Ok(m) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let name = m["target"]["name"].as_str().unwrap_or_default();
+        if m["reason"] == "compiler-artifact" && (name == "flagcx_capi" || name == "flagcx_cxx") {
+            let names = m["filenames"].as_array().cloned().unwrap_or_default();
+            files.extend(names.iter().filter_map(|f| f.as_str().map(PathBuf::from)));
+        }
+    }
+    let find = |stem: &str, ext: &str| {
+        files
+            .iter()
+            .find(|f| {
+                let n = f.file_name().map(|n| n.to_string_lossy().to_string());
+                n.is_some_and(|n| n.starts_with(stem) && n.ends_with(ext))
+            })
+            .cloned()
+            .ok_or_else(|| format!("the test build reported no {stem}*{ext}"))
+    };
     install(
-        &deps.join("libflagcx_capi.so"),
-        &deps.join("libflagcx_capi.a"),
-        &cxx,
+        &find("libflagcx_capi", ".so")?,
+        &find("libflagcx_capi", ".a")?,
+        &find("libflagcx_cxx", ".a")?,
         &[],
     )
 }

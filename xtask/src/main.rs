@@ -264,9 +264,21 @@ fn test(vendors: &Option<Vec<String>>, strict_all: bool) -> Result {
         // took a minute of a fresh run.
         if (v == "host" || v == "opencl") && capi_prefix.is_none() {
             let mut build = cargo();
-            build.arg("test").args(SHARED).arg("--no-run");
-            run("building the test binaries and libflagcx", &mut build)?;
-            capi_prefix = Some(capi::capi_from_test_build()?);
+            build
+                .arg("test")
+                .args(SHARED)
+                .args(["--no-run", "--message-format=json-render-diagnostics"]);
+            eprintln!("xtask: building the test binaries and libflagcx: {build:?}");
+            let out = build
+                .stderr(Stdio::inherit())
+                .output()
+                .map_err(|e| format!("cargo test --no-run: {e}"))?;
+            if !out.status.success() {
+                return Err(format!("cargo test --no-run failed ({})", out.status));
+            }
+            capi_prefix = Some(capi::capi_from_test_build(&String::from_utf8_lossy(
+                &out.stdout,
+            ))?);
         }
         for mut cmd in vendor_commands(v) {
             cmd.env("FLAGCX_SKIP_LOG", &log);
