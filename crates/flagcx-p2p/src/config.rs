@@ -332,6 +332,17 @@ fn parse_bool(name: &str, v: &str) -> Result<bool> {
     }
 }
 
+/// `on`/`1` or `off`/`0` (case-insensitive, surrounding blanks ignored): the switches that
+/// take exactly those words.
+fn parse_on_off(name: &str, v: &str) -> Result<bool> {
+    parse_choice(
+        name,
+        v,
+        &[("on", true), ("1", true), ("off", false), ("0", false)],
+        "expected on or off",
+    )
+}
+
 /// One of the named `choices` (case-insensitive, surrounding blanks ignored).
 fn parse_choice<T: Copy>(name: &str, v: &str, choices: &[(&str, T)], expected: &str) -> Result<T> {
     let key = v.trim().to_ascii_lowercase();
@@ -436,12 +447,7 @@ impl Config {
             c.late_copy = parse_choice("FLAGCX_P2P_LATE_COPY", &v, &choices, what)?;
         }
         if let Some(v) = var("FLAGCX_P2P_LATE_NAMING") {
-            c.late_naming = parse_choice(
-                "FLAGCX_P2P_LATE_NAMING",
-                &v,
-                &[("on", true), ("1", true), ("off", false), ("0", false)],
-                "expected on or off",
-            )?;
+            c.late_naming = parse_on_off("FLAGCX_P2P_LATE_NAMING", &v)?;
         }
         if let Some(v) = var("FLAGCX_P2P_DEVICE_RING") {
             c.device_ring = parse_choice("FLAGCX_P2P_DEVICE_RING", &v, &choices, what)?;
@@ -487,12 +493,7 @@ impl Config {
             )?;
         }
         if let Some(v) = var("FLAGCX_P2P_IPC_CALLER") {
-            c.ipc_caller = parse_choice(
-                "FLAGCX_P2P_IPC_CALLER",
-                &v,
-                &[("on", true), ("1", true), ("off", false), ("0", false)],
-                "expected on or off",
-            )?;
+            c.ipc_caller = parse_on_off("FLAGCX_P2P_IPC_CALLER", &v)?;
         }
         if let Some(v) = var("FLAGCX_P2P_WAITER_PROGRESS") {
             c.waiter_progress = parse_choice(

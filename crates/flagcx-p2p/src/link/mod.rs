@@ -303,7 +303,7 @@ pub(crate) enum Progress {
 /// A buffer as a descriptor names it for the peer: the IPC handle of the allocation holding it
 /// (`None`: not exported), its offset in that allocation, where the allocation lies here, and
 /// the runtime's identifier of it where it was asked for (`DeviceAdaptor::mem_buffer_id`: a new
-/// allocation at a freed one's addresses can have the same handle bytes; only late naming asks,
+/// allocation at a freed one's addresses might have the same handle bytes; only late naming asks,
 /// `Comm::late_export`).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Exported {

@@ -38,9 +38,10 @@ pub(crate) const NAMED_MAX: usize = 1024;
 struct Rec {
     span: Span,
     handle: [u8; IpcMemHandle::WIRE_LEN],
-    /// The runtime's identifier of the allocation, where it has one: CUDA can give a new
-    /// allocation at a freed one's addresses the very same handle bytes, and then only this
-    /// tells them apart (a peer still mapping the old one would copy through that mapping).
+    /// The runtime's identifier of the allocation, where it has one: should the runtime give a
+    /// new allocation at a freed one's addresses the very same handle bytes (not seen on CUDA
+    /// so far, nor ruled out), only this tells them apart (a peer still mapping the old one
+    /// would copy through that mapping).
     id: Option<u64>,
     /// The record of the freed ring that says it was freed, once published.
     freed: Option<u64>,
@@ -56,9 +57,10 @@ pub(crate) struct Named {
 
 impl Named {
     /// Whether the allocation at `span` with `handle` (and the runtime's identifier `id`, where
-    /// it has one) may be named to the peer now (else the message takes a stand-in). `unmapped` is the peer's [`Counter::Unmapped`]; `publish`
-    /// puts record `n` in the freed ring, which has room for every record from `unmapped` to
-    /// `unmapped + FREED_RING`. A span of unknown length is always named (nothing to compare).
+    /// it has one) may be named to the peer now (else the message takes a stand-in).
+    /// `unmapped` is the peer's [`Counter::Unmapped`]; `publish` puts record `n` in the freed
+    /// ring, which has room for every record from `unmapped` to `unmapped + FREED_RING`. A span
+    /// of unknown length is always named (nothing to compare).
     ///
     /// [`Counter::Unmapped`]: crate::channel::Counter::Unmapped
     pub(crate) fn name(

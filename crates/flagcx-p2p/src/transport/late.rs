@@ -280,14 +280,13 @@ impl<A: DeviceAdaptor> Comm<A> {
         }
         let first = ch.claim(k, sender);
         tracing::debug!(
-            "rank {}: late {:?} {k} with rank {}: {} bytes at {} named as {:#x}+{:#x} \
-             (allocation {:#x}, {} bytes{}), claimed {}",
+            "rank {}: late {:?} {k} with rank {}: {} bytes at {} named as offset {:#x} of \
+             allocation {:#x} ({} bytes{}), claimed {}",
             self.rank,
             op.dir,
             op.peer,
             bytes,
             op.ptr,
-            e.span.base,
             e.offset,
             e.span.base,
             e.span.len,
