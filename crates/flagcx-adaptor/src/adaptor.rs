@@ -75,8 +75,9 @@ pub trait DeviceAdaptor: Clone + Send + Sync + 'static {
 
     /// An identifier of the allocation holding `ptr` that no other allocation of this process
     /// ever has, even at the same address (CUDA's `CU_POINTER_ATTRIBUTE_BUFFER_ID`); `None`
-    /// where the runtime has none. A new allocation at a freed one's addresses can get the very
-    /// same IPC handle bytes; this tells them apart.
+    /// where the runtime has none. Should a new allocation at a freed one's addresses get the
+    /// very same IPC handle bytes, this tells them apart. Conformance:
+    /// `buffer_ids_tell_allocations_apart`.
     fn mem_buffer_id(&self, _ptr: DevicePtr) -> Result<Option<u64>> {
         Ok(None)
     }

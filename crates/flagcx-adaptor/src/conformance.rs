@@ -443,6 +443,47 @@ pub fn null_and_foreign_pointers<A: DeviceAdaptor>(a: &A) {
         .expect("the stream survives refused operations");
 }
 
+/// `mem_buffer_id`: where the runtime has identifiers, an allocation gives the same one at
+/// every offset, another live allocation a different one, and an allocation made after the
+/// first was freed (often at its addresses) a new one. Where it has none, every allocation
+/// says `None`.
+pub fn buffer_ids_tell_allocations_apart<A: DeviceAdaptor>(a: &A) {
+    const LEN: usize = 1 << 20;
+    let id = |b: &DeviceBuffer<A>, off: usize| {
+        a.mem_buffer_id(b.ptr().checked_add(off).expect("inside"))
+            .expect("buffer id")
+    };
+    let x = DeviceBuffer::new(a, LEN).expect("alloc");
+    let y = DeviceBuffer::new(a, LEN).expect("alloc");
+    let (xid, yid) = (id(&x, 0), id(&y, 0));
+    let Some(first) = xid else {
+        assert_eq!(yid, None, "identifiers for some allocations only");
+        println!("buffer ids: the runtime has none");
+        return;
+    };
+    assert_eq!(id(&x, 4097), xid, "the same allocation at another offset");
+    assert!(
+        yid.is_some() && yid != xid,
+        "two live allocations: {xid:?}, {yid:?}"
+    );
+    let at = x.ptr();
+    drop(x);
+    let z = DeviceBuffer::new(a, LEN).expect("alloc");
+    let zid = id(&z, 0);
+    assert!(
+        zid.is_some() && zid != xid && zid != yid,
+        "an allocation after a free: {zid:?} against {first} and {yid:?}"
+    );
+    println!(
+        "buffer ids: {first}, {yid:?}, then {zid:?} ({} address)",
+        if z.ptr() == at {
+            "the freed one's"
+        } else {
+            "another"
+        }
+    );
+}
+
 /// The range query finds the allocation containing an interior pointer.
 pub fn allocation_range<A: DeviceAdaptor>(a: &A) {
     let d = DeviceBuffer::new(a, 10_000).expect("alloc");
@@ -1691,6 +1732,7 @@ macro_rules! conformance_tests {
             $crate::conformance_tests!(@cases $open;
                 device_properties, memory_round_trip_odd_sizes, pinned_host_copies,
                 zero_and_huge_sizes, null_and_foreign_pointers, allocation_range,
+                buffer_ids_tell_allocations_apart,
                 invalid_handles, stream_ordering_many_ops, large_copies_keep_stream_order, events, host_functions, events_follow_earlier_work, stream_gates,
                 host_addressable_memory, host_register_shared_mapping, host_pin_shared_mapping,
                 stream_memory_ops, stream_value_writes_in_device_memory,
