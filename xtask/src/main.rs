@@ -444,7 +444,10 @@ fn vendor_commands(vendor: &str) -> Vec<Command> {
             let mut c = cargo();
             c.arg("test")
                 .args(SHARED)
-                .args(["--test", "reliability"])
+                .args(["--test", "reliability", "--"])
+                // Bootstrap, launcher and id tests free no device memory: the first run is
+                // theirs (6 s of this run's 28 s on 2 cores).
+                .args(FREE_SYNC_SKIPS.iter().flat_map(|t| ["--skip", t]))
                 .env("FLAGCX_VENDOR", "host")
                 .env("FLAGCX_HOST_FREE_SYNC", "1");
             cmds.push(c);
@@ -495,6 +498,20 @@ fn vendor_commands(vendor: &str) -> Vec<Command> {
     }
     cmds
 }
+
+/// Reliability tests that free no device memory, left out of the host suite's second run
+/// (frees that wait for every stream).
+const FREE_SYNC_SKIPS: [&str; 9] = [
+    "forged_secret_is_refused_and_logged",
+    "silent_peer_times_out_a_bootstrap_exchange",
+    "garbage_and_strangers_do_not_stop_the_job",
+    "tcp_bootstrap_drops_garbage_and_wrong_secrets",
+    "launcher_",
+    "ranks_die_with_a_killed_launcher",
+    "truncated_unique_id_is_a_config_error",
+    "unique_id_carries_a_root_address",
+    "ranks_with_different_ring_settings_refuse_each_other",
+];
 
 /// The package selection of the host suite, which every other suite's facade tests reuse (the
 /// same selection resolves the same features, so one build serves all of them; `flagcx-py`

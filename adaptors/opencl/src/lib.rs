@@ -61,6 +61,18 @@ const VA_BASE: u64 = 0xC100_0000_0000_0000;
 /// Gap between buffers, so running off one never lands in the next.
 const VA_GUARD: u64 = 1 << 20;
 const CL_COMPLETE: cl_int = 0;
+/// The largest fill enqueued as one command. On NVIDIA's platform (H100, the GPU bundle's
+/// conformance run of 2026-12-07) one fill of 2 GiB + 5 B ended in -9999, and every context
+/// the process created after it failed with the same code. Larger fills go in parts of this
+/// size, in order on the stream's queue (whether that is enough there waits for a GPU run).
+const FILL_PART: usize = 1 << 30;
+
+/// `(offset, length)` of the parts of an `n`-byte fill, in order, none longer than `part`.
+fn fill_parts(n: usize, part: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..n)
+        .step_by(part.max(1))
+        .map(move |at| (at, (n - at).min(part)))
+}
 
 fn cl_error(op: &'static str, code: cl_int) -> AdaptorError {
     AdaptorError::Vendor {
@@ -1054,19 +1066,25 @@ impl DeviceAdaptor for OpenClAdaptor {
             return Ok(());
         }
         let (mem, off) = self.resolve(OP, dst, n)?;
-        // SAFETY: a one-byte pattern the runtime copies at enqueue time; checked range.
-        self.enqueued(OP, stream, unsafe {
-            cl3::command_queue::enqueue_fill_buffer(
-                q,
-                mem,
-                (&value as *const u8).cast(),
-                1,
-                off,
-                n,
-                0,
-                std::ptr::null(),
-            )
-        })
+        // One part after another on the stream's queue (an in-order queue: the last part's
+        // event stands for the whole fill).
+        for (at, len) in fill_parts(n, FILL_PART) {
+            // SAFETY: a one-byte pattern the runtime copies at enqueue time; `at + len <= n`
+            // and the whole range was checked against a live buffer.
+            self.enqueued(OP, stream, unsafe {
+                cl3::command_queue::enqueue_fill_buffer(
+                    q,
+                    mem,
+                    (&value as *const u8).cast(),
+                    1,
+                    off + at,
+                    len,
+                    0,
+                    std::ptr::null(),
+                )
+            })?;
+        }
+        Ok(())
     }
 
     fn stream_create(&self) -> Result<StreamHandle> {
@@ -1413,6 +1431,18 @@ fn event_complete(ev: cl_event) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::SyncMode;
+
+    #[test]
+    fn fills_split_into_parts_that_cover_the_range_once() {
+        let parts = |n| super::fill_parts(n, 8).collect::<Vec<_>>();
+        assert_eq!(parts(0), []);
+        assert_eq!(parts(8), [(0, 8)]);
+        assert_eq!(parts(13), [(0, 8), (8, 5)]);
+        assert_eq!(parts(24), [(0, 8), (8, 8), (16, 8)]);
+        // 2 GiB + 5 B, the fill NVIDIA's platform failed whole: three parts.
+        let big: Vec<_> = super::fill_parts((1 << 31) + 5, super::FILL_PART).collect();
+        assert_eq!(big, [(0, 1 << 30), (1 << 30, 1 << 30), (1 << 31, 5)]);
+    }
 
     #[test]
     fn sync_mode_parses_and_polls_only_off_the_cpu() {
