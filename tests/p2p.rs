@@ -2289,8 +2289,9 @@ fn job_under(
     .env_remove("FLAGCX_SKIP_LOG");
     // The ranks build and check payloads in fresh vectors of up to 64 MiB. glibc's defaults
     // give each large one back to the kernel when freed and fault it in page by page the next
-    // time: a third of a random job's CPU time went to page faults, an eighth to anonymous ones. Keeping freed
-    // memory in the heap took the suite from 139 s to 119 s on 2 cores (a user's setting wins).
+    // time: in perf, 44% of a 4-rank random job's CPU time was page faults, 12% of it
+    // anonymous ones. Keeping freed memory in the heap took this suite from 139 s to 120 s
+    // on 2 cores (a user's own GLIBC_TUNABLES wins).
     if std::env::var_os("GLIBC_TUNABLES").is_none() {
         cmd.env(
             "GLIBC_TUNABLES",
