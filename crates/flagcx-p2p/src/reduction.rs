@@ -20,8 +20,9 @@
 //! - *ring* otherwise: a reduce-scatter around the ring (`n − 1` steps, each rank receiving a
 //!   segment from the previous rank and combining it with its own), then for all-reduce an
 //!   all-gather around the ring, for reduce a gather to the root. Segment `j` is combined in
-//!   the order `x(j+1) ∘ x(j+2) ∘ … ∘ x(j)` (ranks modulo `n`). Each segment moves in slices of
-//!   at most [`SCRATCH_BYTES`]` / 2`, one ring pass per slice.
+//!   the order `x(j+1) ∘ x(j+2) ∘ … ∘ x(j)` (ranks modulo `n`). The reduce-scatter moves each
+//!   segment in slices of [`ring_slice`] bytes, one ring pass per slice; an all-reduce's
+//!   all-gather then moves whole segments (`n − 1` exchanges).
 //!
 //! **The same bits on every rank**: a value is combined once, on one rank, in the order above,
 //! and then only copied, so every rank ends with identical bits whatever its vendor (every
@@ -31,7 +32,9 @@
 //! after the sum, not to each input as NCCL does, so a sum that overflows stays infinite).
 //!
 //! **Scratch**: [`SCRATCH_BYTES`] of device memory per communicator, allocated at its first
-//! reduction and freed with it (`crate::scratch`); calls on different streams take turns.
+//! reduction and freed with it (`crate::scratch`); calls on different streams take turns. In a
+//! job with a device rank, a ring whose slices need more grows it, once, to at most
+//! [`DEVICE_SCRATCH_BYTES`].
 //!
 //! Inside a group ([`Comm::group_begin`]) a reduction is checked when posted and enqueued at
 //! the group's end, after the group's point-to-point operations; its failure is the
@@ -87,7 +90,25 @@ pub fn split_point(dtype: DataType, op: ReduceOp, bytes: usize) -> Option<usize>
 /// them to every rank costs less than those steps' latencies.
 pub const DIRECT_MAX_BYTES: usize = 64 << 10;
 
-const SLICE_BYTES: usize = SCRATCH_BYTES / 2;
+/// The most scratch a reduction of a job with a device rank (a rank whose memory the host
+/// cannot address: CUDA, HIP, OpenCL) grows to: its ring moves in slices of half of it, or of
+/// all of it on two ranks (one ring step per slice, so one buffer). See [`ring_slice`].
+pub const DEVICE_SCRATCH_BYTES: usize = 64 << 20;
+
+/// The bytes of each segment one ring pass moves (the same on every rank: it depends on what
+/// every rank knows alike). Every pass costs `n − 1` dependent exchanges, and between device
+/// ranks an exchange is a hand-off between the ranks' streams (~45 µs between two CUDA ranks
+/// on one H100, run `2026-12-07-h100-mps-late`: a 128 MiB all-reduce in 4 MiB slices spent
+/// 1.45 ms where its memory traffic takes 0.3 ms), so device jobs take large slices. Jobs whose
+/// every rank is host memory keep [`SCRATCH_BYTES`]` / 2`: the received slice is still in the
+/// CPU's cache when it is combined, and a hand-off there costs a microsecond or two.
+pub fn ring_slice(nranks: usize, device_rank: bool) -> usize {
+    match (device_rank, nranks) {
+        (false, _) => SCRATCH_BYTES / 2,
+        (true, 2) => DEVICE_SCRATCH_BYTES,
+        (true, _) => DEVICE_SCRATCH_BYTES / 2,
+    }
+}
 
 pub use crate::config::Algorithm;
 
@@ -227,6 +248,8 @@ pub(crate) struct Shape {
     pub(crate) op: ReduceOp,
     pub(crate) algo: Algorithm,
     pub(crate) in_place: bool,
+    /// The ring's slice in bytes ([`ring_slice`]).
+    pub(crate) slice: usize,
 }
 
 impl Shape {
@@ -340,10 +363,11 @@ fn ring(sh: &Shape) -> Vec<Step> {
     let (r, n, sz) = (sh.rank, sh.nranks, sh.dtype.size());
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
     let seg = |j: usize| sh.segment(j % n);
-    let chunk = (SLICE_BYTES / sz).max(1);
+    let chunk = (sh.slice / sz).max(1);
     let longest = (0..n).map(|j| seg(j).1).max().unwrap_or(0);
     let rounds = longest.div_ceil(chunk);
-    let bufs = [At(Buf::Scratch, 0), At(Buf::Scratch, SLICE_BYTES)];
+    // Two ranks use only the first (one ring step per slice).
+    let bufs = [At(Buf::Scratch, 0), At(Buf::Scratch, chunk * sz)];
     // Modulo n without underflow: ranks and steps are below n.
     let back = |k: usize| (r + 2 * n - k) % n;
     let mut steps = Vec::new();
@@ -398,37 +422,39 @@ fn ring(sh: &Shape) -> Vec<Step> {
                 step: f,
             });
         }
-        match sh.kind {
-            Kind::AllReduce => {
-                for s in 0..n - 1 {
-                    let (sj, rj) = (back(s), back(s + 1));
-                    let mut ex = Vec::new();
-                    if part(sj).1 > 0 {
-                        ex.push((next, true, in_recv(sj), part(sj).1 * sz));
-                    }
-                    if part(rj).1 > 0 {
-                        ex.push((prev, false, in_recv(rj), part(rj).1 * sz));
-                    }
-                    if !ex.is_empty() {
-                        steps.push(Step::Exchange(ex));
-                    }
-                }
+        if let Kind::Reduce { root } = sh.kind {
+            let ex: Vec<_> = if r == root {
+                (0..n)
+                    .filter(|&q| q != r && part(q).1 > 0)
+                    .map(|q| (q, false, in_recv(q), part(q).1 * sz))
+                    .collect()
+            } else if part(r).1 > 0 {
+                vec![(root, true, fin, part(r).1 * sz)]
+            } else {
+                vec![]
+            };
+            if !ex.is_empty() {
+                steps.push(Step::Exchange(ex));
             }
-            Kind::ReduceScatter => {}
-            Kind::Reduce { root } => {
-                let ex: Vec<_> = if r == root {
-                    (0..n)
-                        .filter(|&q| q != r && part(q).1 > 0)
-                        .map(|q| (q, false, in_recv(q), part(q).1 * sz))
-                        .collect()
-                } else if part(r).1 > 0 {
-                    vec![(root, true, fin, part(r).1 * sz)]
-                } else {
-                    vec![]
-                };
-                if !ex.is_empty() {
-                    steps.push(Step::Exchange(ex));
-                }
+        }
+    }
+    // All-reduce: the all-gather moves whole segments from receive buffer to receive buffer,
+    // once every slice is combined: n − 1 dependent exchanges instead of n − 1 per slice (each
+    // exchange costs a hand-off between the ranks' streams, ~45 µs between two CUDA ranks on
+    // one H100, which 4 MiB slices of a 128 MiB all-reduce paid 32 times).
+    if sh.kind == Kind::AllReduce {
+        let whole = |j: usize| At(Buf::Recv, seg(j).0 * sz);
+        for s in 0..n - 1 {
+            let (sj, rj) = (back(s), back(s + 1));
+            let mut ex = Vec::new();
+            if seg(sj).1 > 0 {
+                ex.push((next, true, whole(sj), seg(sj).1 * sz));
+            }
+            if seg(rj).1 > 0 {
+                ex.push((prev, false, whole(rj), seg(rj).1 * sz));
+            }
+            if !ex.is_empty() {
+                steps.push(Step::Exchange(ex));
             }
         }
     }
@@ -625,6 +651,10 @@ impl<A: DeviceAdaptor> Comm<A> {
             op,
             algo,
             in_place,
+            slice: ring_slice(
+                self.nranks(),
+                self.infos.iter().any(|i| !i.caps.host_addressable),
+            ),
         };
         let steps = plan(&shape);
         // From here on a failure is this rank's alone (the scratch, a post, a reduction step
@@ -664,10 +694,12 @@ impl<A: DeviceAdaptor> Comm<A> {
         (send, recv): (DevicePtr, DevicePtr),
         stream: StreamHandle,
     ) -> Result<Collective> {
-        let needs_scratch = steps.iter().any(|s| s.touches(Buf::Scratch));
+        let extent = scratch_extent(steps, dtype.size());
+        let needs_scratch = extent > 0;
         let mut scratch = lock(&self.scratch);
         let scratch_ptr = if needs_scratch {
-            scratch.take(self.adaptor(), SCRATCH_BYTES, stream)?
+            // At least SCRATCH_BYTES, so a communicator's small calls share one allocation.
+            scratch.take(self.adaptor(), extent.max(SCRATCH_BYTES), stream)?
         } else {
             DevicePtr(0)
         };
@@ -745,14 +777,28 @@ impl<A: DeviceAdaptor> Comm<A> {
     }
 }
 
-impl Step {
-    fn touches(&self, buf: Buf) -> bool {
-        match self {
-            Step::Exchange(ex) => ex.iter().any(|&(_, _, At(b, _), _)| b == buf),
-            Step::Reduce { dst, a, b, .. } => [dst, a, b].iter().any(|At(x, _)| *x == buf),
-            Step::Copy { dst, src, .. } => dst.0 == buf || src.0 == buf,
-        }
-    }
+/// The scratch bytes `steps` reach (0 where none names the scratch); `sz` is the element size.
+pub(crate) fn scratch_extent(steps: &[Step], sz: usize) -> usize {
+    let end = |at: At, len: usize| if at.0 == Buf::Scratch { at.1 + len } else { 0 };
+    steps
+        .iter()
+        .map(|s| match s {
+            Step::Exchange(ex) => ex
+                .iter()
+                .map(|&(_, _, at, b)| end(at, b))
+                .max()
+                .unwrap_or(0),
+            &Step::Reduce {
+                dst, a, b, count, ..
+            } => [dst, a, b]
+                .iter()
+                .map(|&x| end(x, count * sz))
+                .max()
+                .unwrap_or(0),
+            &Step::Copy { dst, src, bytes } => end(dst, bytes).max(end(src, bytes)),
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 mod slots;

@@ -2,7 +2,9 @@
 //! collectives which need room of their own (the reductions: received blocks before they are
 //! combined) reuse call after call. Calls on one stream are ordered by the stream; a call on
 //! another stream first waits for an event recorded after the previous user's last step, so
-//! two streams never use it at once. Freed with the communicator, once the last user passed.
+//! two streams never use it at once. A call that needs more grows it: a new allocation, the
+//! outgrown one freed once its last user's stream passed it (never a host wait for a stream
+//! while a call enqueues). Freed with the communicator, once the last user passed.
 
 use std::time::{Duration, Instant};
 
@@ -14,6 +16,8 @@ use crate::error::Result;
 #[derive(Default)]
 pub(crate) struct Scratch {
     held: Option<Held>,
+    /// Outgrown allocations, freed once their last user's stream passed them.
+    retired: Vec<Held>,
 }
 
 struct Held {
@@ -34,6 +38,7 @@ impl Scratch {
         len: usize,
         stream: StreamHandle,
     ) -> Result<DevicePtr> {
+        self.reap(a);
         if let Some(h) = &self.held {
             if h.len >= len {
                 if h.last != stream {
@@ -42,9 +47,9 @@ impl Scratch {
                 return Ok(h.ptr);
             }
         }
-        // Growing: the old allocation is freed once its last user passed it.
-        let timeout = Duration::from_secs(30);
-        self.release(a, timeout);
+        // Growing: a new allocation (no ordering needed: no call used it), and the old one is
+        // freed by a later call or the release once its last user's stream passed it; the
+        // host never waits for a stream here.
         let ptr = a.mem_alloc(len)?;
         let done = match a.event_create(false) {
             Ok(e) => e,
@@ -54,13 +59,27 @@ impl Scratch {
                 return Err(e.into());
             }
         };
-        self.held = Some(Held {
+        let old = self.held.replace(Held {
             ptr,
             len,
             done,
             last: stream,
         });
+        self.retired.extend(old);
         Ok(ptr)
+    }
+
+    /// Frees the outgrown allocations whose last user's stream passed them.
+    fn reap<A: DeviceAdaptor>(&mut self, a: &A) {
+        self.retired.retain(|h| {
+            if !a.event_query(h.done).unwrap_or(false) {
+                return true;
+            }
+            let _ = a.event_destroy(h.done);
+            // SAFETY: ours, and its last user's stream passed it.
+            let _ = unsafe { a.mem_free(h.ptr) };
+            false
+        });
     }
 
     /// The call that took the scratch on `stream` enqueued its last step that touches it.
@@ -76,8 +95,13 @@ impl Scratch {
     /// past it (a stream held by something that never comes) the memory is left allocated
     /// rather than freed under a stream that may still write it.
     pub(crate) fn release<A: DeviceAdaptor>(&mut self, a: &A, timeout: Duration) {
-        let Some(h) = self.held.take() else { return };
         let t0 = Instant::now();
+        for h in self.retired.drain(..).chain(self.held.take()) {
+            Self::free_when_passed(a, h, t0, timeout);
+        }
+    }
+
+    fn free_when_passed<A: DeviceAdaptor>(a: &A, h: Held, t0: Instant, timeout: Duration) {
         while !a.event_query(h.done).unwrap_or(true) {
             if t0.elapsed() > timeout {
                 tracing::warn!(

@@ -6,7 +6,10 @@ use std::collections::{HashMap, VecDeque};
 
 use flagcx_adaptor::reduce::{reduce_slices, DataType, ReduceOp, ReduceStep};
 
-use super::{choose, plan, Algorithm, At, Buf, Kind, Shape, Step, SCRATCH_BYTES};
+use super::{
+    choose, plan, ring_slice, scratch_extent, Algorithm, At, Buf, Kind, Shape, Step,
+    DEVICE_SCRATCH_BYTES, SCRATCH_BYTES,
+};
 
 /// A rank's buffers.
 struct Mem {
@@ -45,30 +48,11 @@ fn write(m: &mut Mem, at: At, data: &[u8], ip: Option<usize>) {
     m.buf(b, ip)[off..off + data.len()].copy_from_slice(data);
 }
 
-/// The scratch bytes a plan reaches (at most [`SCRATCH_BYTES`], asserted).
+/// The scratch bytes a plan reaches (at most [`DEVICE_SCRATCH_BYTES`], asserted).
 fn scratch_needed(steps: &[Step], sz: usize) -> usize {
-    let end = |at: At, len: usize| if at.0 == Buf::Scratch { at.1 + len } else { 0 };
-    let need = steps
-        .iter()
-        .map(|s| match s {
-            Step::Exchange(ex) => ex
-                .iter()
-                .map(|&(_, _, at, b)| end(at, b))
-                .max()
-                .unwrap_or(0),
-            &Step::Reduce {
-                dst, a, b, count, ..
-            } => [dst, a, b]
-                .iter()
-                .map(|&x| end(x, count * sz))
-                .max()
-                .unwrap_or(0),
-            &Step::Copy { dst, src, bytes } => end(dst, bytes).max(end(src, bytes)),
-        })
-        .max()
-        .unwrap_or(0);
+    let need = scratch_extent(steps, sz);
     assert!(
-        need <= SCRATCH_BYTES,
+        need <= DEVICE_SCRATCH_BYTES,
         "a plan reaches {need} bytes of scratch"
     );
     need
@@ -196,6 +180,7 @@ fn reference(
 }
 
 /// One call on `n` simulated ranks, checked against the reference in the algorithm's order.
+#[allow(clippy::too_many_arguments)]
 fn check(
     kind: Kind,
     n: usize,
@@ -204,6 +189,7 @@ fn check(
     op: ReduceOp,
     algo: Algorithm,
     ip: bool,
+    slice: usize,
 ) {
     let sz = dtype.size();
     let (send_elems, recv_elems) = match kind {
@@ -227,6 +213,7 @@ fn check(
                     Kind::Reduce { root } => rank == root,
                     _ => true,
                 },
+            slice,
         })
         .collect();
     let in_place: Vec<Option<usize>> = shapes
@@ -246,7 +233,8 @@ fn check(
         })
         .collect();
     let mut mems = simulate(&shapes, mems, &in_place);
-    let what = format!("{kind:?} n={n} count={count} {dtype} {op} {algo:?} in_place={ip}");
+    let what =
+        format!("{kind:?} n={n} count={count} {dtype} {op} {algo:?} in_place={ip} slice={slice}");
     // The order segment j is combined in, and the elements it covers.
     let order = |j: usize| -> Vec<usize> {
         match algo {
@@ -316,7 +304,11 @@ fn every_plan_gives_the_reference_on_every_rank() {
                             Kind::Reduce { root: 0 },
                             Kind::Reduce { root: n - 1 },
                         ] {
-                            check(kind, n, count, dtype, op, algo, ip);
+                            // The host slice (one pass at these counts), and slices of a few
+                            // elements: many passes, the last one short.
+                            for slice in [ring_slice(n, false), 8, 24] {
+                                check(kind, n, count, dtype, op, algo, ip, slice);
+                            }
                         }
                     }
                 }
@@ -338,6 +330,7 @@ fn the_ring_slices_long_segments() {
             ReduceOp::Sum,
             Algorithm::Ring,
             false,
+            ring_slice(2, false),
         );
     }
     check(
@@ -348,7 +341,37 @@ fn the_ring_slices_long_segments() {
         ReduceOp::Min,
         Algorithm::Ring,
         true,
+        ring_slice(3, false),
     );
+}
+
+/// The exchanges a 128 MiB float32 all-reduce's plan makes on two ranks: one per slice of the
+/// reduce-scatter, then one for the whole all-gather; device jobs take 64 MiB slices.
+#[test]
+fn device_rings_take_few_dependent_steps() {
+    let exchanges = |nranks: usize, device: bool| {
+        let sh = Shape {
+            kind: Kind::AllReduce,
+            rank: 0,
+            nranks,
+            count: 32 << 20,
+            dtype: DataType::F32,
+            op: ReduceOp::Sum,
+            algo: Algorithm::Ring,
+            in_place: false,
+            slice: ring_slice(nranks, device),
+        };
+        let steps = plan(&sh);
+        let n = steps
+            .iter()
+            .filter(|s| matches!(s, Step::Exchange(_)))
+            .count();
+        (n, scratch_extent(&steps, 4))
+    };
+    assert_eq!(exchanges(2, false), (16 + 1, SCRATCH_BYTES / 2));
+    assert_eq!(exchanges(2, true), (1 + 1, DEVICE_SCRATCH_BYTES));
+    // Four ranks: 32 MiB segments in 32 MiB slices, two buffers; three steps each way.
+    assert_eq!(exchanges(4, true), (3 + 3, DEVICE_SCRATCH_BYTES));
 }
 
 #[test]
