@@ -33,7 +33,7 @@
 //!
 //! **Scratch**: [`SCRATCH_BYTES`] of device memory per communicator, allocated at its first
 //! reduction and freed with it (`crate::scratch`); calls on different streams take turns. In a
-//! job with a device rank, a ring whose slices need more grows it, once, to at most
+//! job with a CUDA or HIP rank, a ring whose slices need more grows it, once, to at most
 //! [`DEVICE_SCRATCH_BYTES`].
 //!
 //! Inside a group ([`Comm::group_begin`]) a reduction is checked when posted and enqueued at
@@ -59,7 +59,7 @@
 //! Out of scope: user-defined and pre-multiplied-sum ops, float8.
 
 use flagcx_adaptor::reduce::{DataType, ReduceOp, ReduceStep};
-use flagcx_adaptor::{AdaptorError, DeviceAdaptor, DevicePtr, StreamHandle};
+use flagcx_adaptor::{AdaptorError, DeviceAdaptor, DevicePtr, StreamHandle, Vendor};
 
 use crate::collectives::{Block, Collective};
 use crate::comm::Comm;
@@ -90,20 +90,24 @@ pub fn split_point(dtype: DataType, op: ReduceOp, bytes: usize) -> Option<usize>
 /// them to every rank costs less than those steps' latencies.
 pub const DIRECT_MAX_BYTES: usize = 64 << 10;
 
-/// The most scratch a reduction of a job with a device rank (a rank whose memory the host
-/// cannot address: CUDA, HIP, OpenCL) grows to: its ring moves in slices of half of it, or of
-/// all of it on two ranks (one ring step per slice, so one buffer). See [`ring_slice`].
+/// The most scratch a reduction of a job with a GPU rank (CUDA or HIP) grows to: its ring
+/// moves in slices of half of it, or of all of it on two ranks (one ring step per slice, so one
+/// buffer). See [`ring_slice`].
 pub const DEVICE_SCRATCH_BYTES: usize = 64 << 20;
 
 /// The bytes of each segment one ring pass moves (the same on every rank: it depends on what
-/// every rank knows alike). Every pass costs `n − 1` dependent exchanges, and between device
-/// ranks an exchange is a hand-off between the ranks' streams (~45 µs between two CUDA ranks
-/// on one H100, run `2026-12-07-h100-mps-late`: a 128 MiB all-reduce in 4 MiB slices spent
-/// 1.45 ms where its memory traffic takes 0.3 ms), so device jobs take large slices. Jobs whose
-/// every rank is host memory keep [`SCRATCH_BYTES`]` / 2`: the received slice is still in the
-/// CPU's cache when it is combined, and a hand-off there costs a microsecond or two.
-pub fn ring_slice(nranks: usize, device_rank: bool) -> usize {
-    match (device_rank, nranks) {
+/// every rank knows alike, `gpu_rank` being whether some rank's vendor is CUDA or HIP). Every
+/// pass costs `n − 1` dependent exchanges, and between GPU ranks an exchange is a hand-off
+/// between the ranks' streams (~45 µs between two CUDA ranks on one H100, run
+/// `2026-12-07-h100-mps-late`: a 128 MiB all-reduce in 4 MiB slices spent 1.45 ms where its
+/// memory traffic takes 0.3 ms), so jobs with a GPU rank take large slices. Jobs of CPU memory
+/// keep [`SCRATCH_BYTES`]` / 2`: the received slice is still in the cache when it is combined.
+/// That holds for an OpenCL rank on a CPU device too: a host rank and a PoCL rank took 131–145
+/// ms for a 64 MiB all-reduce in 64 MiB slices against 69–78 ms in 4 MiB slices (the same
+/// 2-core VM, alternating). An OpenCL rank on a GPU (whose device type the peers do not learn)
+/// keeps the small slices unless a CUDA or HIP rank is in the job.
+pub fn ring_slice(nranks: usize, gpu_rank: bool) -> usize {
+    match (gpu_rank, nranks) {
         (false, _) => SCRATCH_BYTES / 2,
         (true, 2) => DEVICE_SCRATCH_BYTES,
         (true, _) => DEVICE_SCRATCH_BYTES / 2,
@@ -653,7 +657,9 @@ impl<A: DeviceAdaptor> Comm<A> {
             in_place,
             slice: ring_slice(
                 self.nranks(),
-                self.infos.iter().any(|i| !i.caps.host_addressable),
+                self.infos
+                    .iter()
+                    .any(|i| matches!(i.vendor, Vendor::Cuda | Vendor::Hip)),
             ),
         };
         let steps = plan(&shape);

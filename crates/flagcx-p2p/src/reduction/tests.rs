@@ -346,7 +346,7 @@ fn the_ring_slices_long_segments() {
 }
 
 /// The exchanges a 128 MiB float32 all-reduce's plan makes on two ranks: one per slice of the
-/// reduce-scatter, then one for the whole all-gather; device jobs take 64 MiB slices.
+/// reduce-scatter, then one for the whole all-gather; jobs with a GPU rank take 64 MiB slices.
 #[test]
 fn device_rings_take_few_dependent_steps() {
     let exchanges = |nranks: usize, device: bool| {
