@@ -61,17 +61,18 @@ const VA_BASE: u64 = 0xC100_0000_0000_0000;
 /// Gap between buffers, so running off one never lands in the next.
 const VA_GUARD: u64 = 1 << 20;
 const CL_COMPLETE: cl_int = 0;
-/// The largest fill enqueued as one command. On NVIDIA's platform (H100, the GPU bundle's
-/// conformance run of 2026-12-07) one fill of 2 GiB + 5 B ended in -9999, and every context
-/// the process created after it failed with the same code. Larger fills go in parts of this
-/// size, in order on the stream's queue (whether that is enough there waits for a GPU run).
-const FILL_PART: usize = 1 << 30;
+/// Where in a buffer the runtime's fill stops and the adaptor's own kernel (64-bit offsets)
+/// takes over. On NVIDIA's platform (H100, the GPU bundle's conformance runs of 2026-12-07) a
+/// fill reaching past 2 GiB broke the context: one fill of 2 GiB + 5 B ended in -9999, and the
+/// same bytes in 1 GiB parts in `CL_INVALID_COMMAND_QUEUE`; every context the process created
+/// after either failed with -9999. The runtime keeps the first gibibyte of every buffer (all of
+/// PoCL's in CI, which then never builds the kernel for a fill).
+const FILL_RUNTIME_END: usize = 1 << 30;
 
-/// `(offset, length)` of the parts of an `n`-byte fill, in order, none longer than `part`.
-fn fill_parts(n: usize, part: usize) -> impl Iterator<Item = (usize, usize)> {
-    (0..n)
-        .step_by(part.max(1))
-        .map(move |at| (at, (n - at).min(part)))
+/// How many of the `n` bytes at offset `off` of a buffer the runtime's fill writes (those
+/// below [`FILL_RUNTIME_END`]); the kernel writes the rest.
+fn runtime_fill_len(off: usize, n: usize) -> usize {
+    FILL_RUNTIME_END.saturating_sub(off).min(n)
 }
 
 fn cl_error(op: &'static str, code: cl_int) -> AdaptorError {
@@ -1066,23 +1067,36 @@ impl DeviceAdaptor for OpenClAdaptor {
             return Ok(());
         }
         let (mem, off) = self.resolve(OP, dst, n)?;
-        // One part after another on the stream's queue (an in-order queue: the last part's
-        // event stands for the whole fill).
-        for (at, len) in fill_parts(n, FILL_PART) {
-            // SAFETY: a one-byte pattern the runtime copies at enqueue time; `at + len <= n`
-            // and the whole range was checked against a live buffer.
+        let head = runtime_fill_len(off, n);
+        if head > 0 {
+            // SAFETY: a one-byte pattern the runtime copies at enqueue time; `head <= n` and
+            // the whole range was checked against a live buffer.
             self.enqueued(OP, stream, unsafe {
                 cl3::command_queue::enqueue_fill_buffer(
                     q,
                     mem,
                     (&value as *const u8).cast(),
                     1,
-                    off + at,
-                    len,
+                    off,
+                    head,
                     0,
                     std::ptr::null(),
                 )
             })?;
+        }
+        if head < n {
+            // SAFETY: as above; the queue is in order, so this follows the part before.
+            let r = unsafe {
+                self.inner.reducer.enqueue_fill(
+                    self.inner.context.0,
+                    self.inner.id.0,
+                    q,
+                    (mem, off + head),
+                    n - head,
+                    value,
+                )
+            };
+            self.enqueued("clEnqueueNDRangeKernel", stream, Ok(r?))?;
         }
         Ok(())
     }
@@ -1433,15 +1447,15 @@ mod tests {
     use super::SyncMode;
 
     #[test]
-    fn fills_split_into_parts_that_cover_the_range_once() {
-        let parts = |n| super::fill_parts(n, 8).collect::<Vec<_>>();
-        assert_eq!(parts(0), []);
-        assert_eq!(parts(8), [(0, 8)]);
-        assert_eq!(parts(13), [(0, 8), (8, 5)]);
-        assert_eq!(parts(24), [(0, 8), (8, 8), (16, 8)]);
-        // 2 GiB + 5 B, the fill NVIDIA's platform failed whole: three parts.
-        let big: Vec<_> = super::fill_parts((1 << 31) + 5, super::FILL_PART).collect();
-        assert_eq!(big, [(0, 1 << 30), (1 << 30, 1 << 30), (1 << 31, 5)]);
+    fn fills_past_the_first_gibibyte_go_to_the_kernel() {
+        use super::{runtime_fill_len, FILL_RUNTIME_END as END};
+        assert_eq!(runtime_fill_len(0, 13), 13);
+        assert_eq!(runtime_fill_len(END - 8, 8), 8);
+        // 2 GiB + 5 B from the start, the fill NVIDIA's platform failed: the first GiB.
+        assert_eq!(runtime_fill_len(0, (1 << 31) + 5), END);
+        assert_eq!(runtime_fill_len(END - 8, 24), 8);
+        assert_eq!(runtime_fill_len(END, 24), 0);
+        assert_eq!(runtime_fill_len(3 << 30, 1), 0);
     }
 
     #[test]

@@ -164,6 +164,11 @@ __kernel void flagcx_reduce(__global uchar *dst, ulong dst_off, __global const u
     store_bits(d + o, r, size, aligned);
   }
 }
+
+/* A fill with 64-bit offsets, for the bytes of a buffer past `FILL_RUNTIME_END`. */
+__kernel void flagcx_fill(__global uchar *dst, ulong off, ulong n, uchar v) {
+  for (ulong i = get_global_id(0); i < n; i += get_global_size(0)) dst[off + i] = v;
+}
 "#;
 
 /// The element types this device reduces exactly (a `Capabilities::reduce_types` mask).
@@ -242,6 +247,7 @@ impl Failed {
 struct Built {
     program: Raw<cl_program>,
     kernel: Raw<cl_kernel>,
+    fill: Raw<cl_kernel>,
 }
 
 impl Drop for Built {
@@ -250,6 +256,7 @@ impl Drop for Built {
         // adaptor's queues were finished before its objects are dropped).
         unsafe {
             let _ = cl3::kernel::release_kernel(self.kernel.0);
+            let _ = cl3::kernel::release_kernel(self.fill.0);
             let _ = cl3::program::release_program(self.program.0);
         }
     }
@@ -259,6 +266,42 @@ impl Drop for Built {
 pub(crate) type Operand = (cl_mem, usize);
 
 impl Reducer {
+    /// Runs `f` on the built program (built at the first use) under the lock, which covers
+    /// setting a kernel's arguments and enqueueing it.
+    fn with_built<R>(
+        &self,
+        context: cl3::types::cl_context,
+        dev: cl_device_id,
+        f: impl FnOnce(&Built) -> Result<R>,
+    ) -> Result<R> {
+        let mut g = self.built.lock().unwrap_or_else(|e| e.into_inner());
+        match g.get_or_insert_with(|| build(context, dev).map_err(Failed::from)) {
+            Ok(b) => f(b),
+            Err(failed) => Err(failed.error()),
+        }
+    }
+
+    /// Enqueues a fill of `n` bytes at `dst` with `value` on `queue` by the program's own
+    /// kernel (64-bit offsets). Returns the kernel's event.
+    ///
+    /// # Safety
+    /// `dst` lies in a live buffer of this context with `n` bytes after it, valid until the
+    /// command completes.
+    pub(crate) unsafe fn enqueue_fill(
+        &self,
+        context: cl3::types::cl_context,
+        dev: cl_device_id,
+        queue: cl3::types::cl_command_queue,
+        dst: Operand,
+        n: usize,
+        value: u8,
+    ) -> Result<cl3::types::cl_event> {
+        self.with_built(context, dev, |b| {
+            // SAFETY: the caller's contract.
+            unsafe { fill_with(b.fill.0, queue, dst, n, value) }
+        })
+    }
+
     /// Enqueues the step on `queue`: `dst = a op b` over `count` elements (`b` is read only
     /// for a combine step). Returns the kernel's event.
     ///
@@ -277,62 +320,102 @@ impl Reducer {
         step: ReduceStep,
     ) -> Result<cl3::types::cl_event> {
         const OP: &str = "clEnqueueNDRangeKernel";
-        let mut g = self.built.lock().unwrap_or_else(|e| e.into_inner());
-        let built = match g.get_or_insert_with(|| build(context, dev).map_err(Failed::from)) {
-            Ok(b) => b,
-            Err(f) => return Err(f.error()),
-        };
-        let k = built.kernel.0;
-        let (code, n, s) = match step {
-            ReduceStep::Combine(op) => (op as i32, 1u32, 0.0f64),
-            ReduceStep::Average { n } => (
-                4,
-                n,
-                flagcx_adaptor::reduce::average_scale(dtype, n).unwrap_or(0.0),
-            ),
-        };
-        let (s32, s64) = (s as f32, s.to_bits());
-        let (count, dt) = (count as u64, dtype as i32);
-        let offs = [dst.1 as u64, a.1 as u64, b.1 as u64];
-        let mems = [dst.0, a.0, b.0];
-        // Arguments in the kernel's order: (buffer, offset) x3, count, dtype, step, n, s32, s64.
-        let set = |i: u32, size: usize, p: *const std::ffi::c_void| {
-            // SAFETY: `p` points at a value of the kernel parameter's size for this call.
-            unsafe { cl3::kernel::set_kernel_arg(k, i, size, p) }
-                .map_err(|c| cl_error("clSetKernelArg", c))
-        };
-        for j in 0..3 {
-            set(
-                2 * j as u32,
-                std::mem::size_of::<cl_mem>(),
-                (&mems[j] as *const cl_mem).cast(),
-            )?;
-            set(2 * j as u32 + 1, 8, (&offs[j] as *const u64).cast())?;
-        }
-        set(6, 8, (&count as *const u64).cast())?;
-        set(7, 4, (&dt as *const i32).cast())?;
-        set(8, 4, (&code as *const i32).cast())?;
-        set(9, 4, (&n as *const u32).cast())?;
-        set(10, 4, (&s32 as *const f32).cast())?;
-        set(11, 8, (&s64 as *const u64).cast())?;
-        // Enough work-items to fill the device several times over; a strided loop covers
-        // the rest.
-        let global: usize = count.clamp(1, 1 << 16) as usize;
-        // SAFETY: the kernel's arguments are set; the caller's contract covers the memory.
-        unsafe {
-            cl3::command_queue::enqueue_nd_range_kernel(
-                queue,
-                k,
-                1,
-                std::ptr::null(),
-                &global,
-                std::ptr::null(),
-                0,
-                std::ptr::null(),
-            )
-        }
-        .map_err(|c| cl_error(OP, c))
+        self.with_built(context, dev, |built| {
+            let k = built.kernel.0;
+            let (code, n, s) = match step {
+                ReduceStep::Combine(op) => (op as i32, 1u32, 0.0f64),
+                ReduceStep::Average { n } => (
+                    4,
+                    n,
+                    flagcx_adaptor::reduce::average_scale(dtype, n).unwrap_or(0.0),
+                ),
+            };
+            let (s32, s64) = (s as f32, s.to_bits());
+            let (count, dt) = (count as u64, dtype as i32);
+            let offs = [dst.1 as u64, a.1 as u64, b.1 as u64];
+            let mems = [dst.0, a.0, b.0];
+            // Arguments in the kernel's order: (buffer, offset) x3, count, dtype, step, n, s32, s64.
+            let set = |i: u32, size: usize, p: *const std::ffi::c_void| {
+                // SAFETY: `p` points at a value of the kernel parameter's size for this call.
+                unsafe { cl3::kernel::set_kernel_arg(k, i, size, p) }
+                    .map_err(|c| cl_error("clSetKernelArg", c))
+            };
+            for j in 0..3 {
+                set(
+                    2 * j as u32,
+                    std::mem::size_of::<cl_mem>(),
+                    (&mems[j] as *const cl_mem).cast(),
+                )?;
+                set(2 * j as u32 + 1, 8, (&offs[j] as *const u64).cast())?;
+            }
+            set(6, 8, (&count as *const u64).cast())?;
+            set(7, 4, (&dt as *const i32).cast())?;
+            set(8, 4, (&code as *const i32).cast())?;
+            set(9, 4, (&n as *const u32).cast())?;
+            set(10, 4, (&s32 as *const f32).cast())?;
+            set(11, 8, (&s64 as *const u64).cast())?;
+            // Enough work-items to fill the device several times over; a strided loop covers
+            // the rest.
+            let global: usize = count.clamp(1, 1 << 16) as usize;
+            // SAFETY: the kernel's arguments are set; the caller's contract covers the memory.
+            unsafe {
+                cl3::command_queue::enqueue_nd_range_kernel(
+                    queue,
+                    k,
+                    1,
+                    std::ptr::null(),
+                    &global,
+                    std::ptr::null(),
+                    0,
+                    std::ptr::null(),
+                )
+            }
+            .map_err(|c| cl_error(OP, c))
+        })
     }
+}
+
+/// Enqueues the fill kernel `k`: `n` bytes at `dst` set to `value`.
+///
+/// # Safety
+/// As [`Reducer::enqueue_fill`]; the caller holds the program's lock.
+unsafe fn fill_with(
+    k: cl_kernel,
+    queue: cl3::types::cl_command_queue,
+    dst: Operand,
+    n: usize,
+    value: u8,
+) -> Result<cl3::types::cl_event> {
+    let (off, len) = (dst.1 as u64, n as u64);
+    let set = |i: u32, size: usize, p: *const std::ffi::c_void| {
+        // SAFETY: `p` points at a value of the kernel parameter's size for this call.
+        unsafe { cl3::kernel::set_kernel_arg(k, i, size, p) }
+            .map_err(|c| cl_error("clSetKernelArg", c))
+    };
+    set(
+        0,
+        std::mem::size_of::<cl_mem>(),
+        (&dst.0 as *const cl_mem).cast(),
+    )?;
+    set(1, 8, (&off as *const u64).cast())?;
+    set(2, 8, (&len as *const u64).cast())?;
+    set(3, 1, (&value as *const u8).cast())?;
+    let global: usize = n.clamp(1, 1 << 16);
+    // SAFETY: the kernel's arguments are set (under the lock, held until it is enqueued);
+    // the caller's contract covers the memory.
+    unsafe {
+        cl3::command_queue::enqueue_nd_range_kernel(
+            queue,
+            k,
+            1,
+            std::ptr::null(),
+            &global,
+            std::ptr::null(),
+            0,
+            std::ptr::null(),
+        )
+    }
+    .map_err(|c| cl_error("clEnqueueNDRangeKernel", c))
 }
 
 /// Builds the program for `dev` and makes its kernel; the build log is kept in the error.
@@ -366,10 +449,21 @@ fn build(context: cl3::types::cl_context, dev: cl_device_id) -> Result<Built> {
             ),
         });
     }
-    match cl3::kernel::create_kernel(program, c"flagcx_reduce") {
-        Ok(kernel) => Ok(Built {
+    let kernels = cl3::kernel::create_kernel(program, c"flagcx_reduce").and_then(|k| {
+        cl3::kernel::create_kernel(program, c"flagcx_fill")
+            .inspect_err(|_| {
+                // SAFETY: made just above, used by nothing else.
+                unsafe {
+                    let _ = cl3::kernel::release_kernel(k);
+                }
+            })
+            .map(|f| (k, f))
+    });
+    match kernels {
+        Ok((kernel, fill)) => Ok(Built {
             program: Raw(program),
             kernel: Raw(kernel),
+            fill: Raw(fill),
         }),
         Err(c) => {
             // SAFETY: as above.

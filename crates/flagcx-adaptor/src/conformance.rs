@@ -351,6 +351,46 @@ pub fn zero_and_huge_sizes<A: DeviceAdaptor>(a: &A) {
     d.write(0, &[1; 8], &s).expect("write");
 }
 
+/// A fill of a buffer past one gibibyte, and one straddling the gibibyte at an odd offset,
+/// write every byte they cover and none past (NVIDIA's OpenCL broke its context on a fill
+/// reaching past 2 GiB; the OpenCL adaptor fills past the first gibibyte with its own kernel).
+/// Skipped (counted) where the device has less than 2 GiB or refuses the buffer.
+pub fn fills_past_one_gibibyte<A: DeviceAdaptor>(a: &A) {
+    const TEST: &str = "fills_past_one_gibibyte";
+    const GIB: usize = 1 << 30;
+    let len = GIB + 8192;
+    let vendor = a.vendor().name();
+    let room = a.properties(a.device()).map_or(0, |p| p.total_memory);
+    if room < 2 * GIB as u64 {
+        report_skip_reason(TEST, vendor, "less than 2 GiB of device memory");
+        return;
+    }
+    let d = match DeviceBuffer::new(a, len) {
+        Ok(d) => d,
+        Err(e) => {
+            report_skip_reason(TEST, vendor, &format!("a 1 GiB + 8 KiB buffer: {e}"));
+            return;
+        }
+    };
+    let s = Stream::new(a).expect("stream");
+    d.fill(7, &s).expect("fill of 1 GiB + 8 KiB");
+    let (from, n) = (GIB - 3, 4099);
+    // SAFETY: `from..from + n` lies inside `d`, which outlives the synchronizing reads below.
+    unsafe { a.memset_async(DevicePtr(d.ptr().0 + from as u64), 9, n, s.handle()) }
+        .expect("fill straddling the gibibyte");
+    let window = GIB - 4096..len;
+    let mut got = vec![0u8; window.len()];
+    d.read(window.start, &mut got, &s).expect("read");
+    let want: Vec<u8> = window
+        .clone()
+        .map(|p| if (from..from + n).contains(&p) { 9 } else { 7 })
+        .collect();
+    assert_same("bytes around the gibibyte and to the end", &got, &want);
+    let mut head = [0u8; 64];
+    d.read(0, &mut head, &s).expect("read the start");
+    assert_eq!(head, [7u8; 64], "the first bytes");
+}
+
 /// Null and foreign pointers and handles are refused with typed errors, never a crash.
 pub fn null_and_foreign_pointers<A: DeviceAdaptor>(a: &A) {
     let foreign = DevicePtr(0x7eed_0000_1000);
@@ -1731,7 +1771,7 @@ macro_rules! conformance_tests {
 
             $crate::conformance_tests!(@cases $open;
                 device_properties, memory_round_trip_odd_sizes, pinned_host_copies,
-                zero_and_huge_sizes, null_and_foreign_pointers, allocation_range,
+                zero_and_huge_sizes, fills_past_one_gibibyte, null_and_foreign_pointers, allocation_range,
                 buffer_ids_tell_allocations_apart,
                 invalid_handles, stream_ordering_many_ops, large_copies_keep_stream_order, events, host_functions, events_follow_earlier_work, stream_gates,
                 host_addressable_memory, host_register_shared_mapping, host_pin_shared_mapping,

@@ -33,8 +33,8 @@
 //!
 //! **Scratch**: [`SCRATCH_BYTES`] of device memory per communicator, allocated at its first
 //! reduction and freed with it (`crate::scratch`); calls on different streams take turns. In a
-//! job with a CUDA or HIP rank, a ring whose slices need more grows it, once, to at most
-//! [`DEVICE_SCRATCH_BYTES`].
+//! job with a CUDA or HIP rank, a ring whose slices need more grows it, once, to
+//! [`DEVICE_SCRATCH_BYTES`] (the 8 MiB kept too until the communicator is destroyed).
 //!
 //! Inside a group ([`Comm::group_begin`]) a reduction is checked when posted and enqueued at
 //! the group's end, after the group's point-to-point operations; its failure is the
@@ -704,8 +704,13 @@ impl<A: DeviceAdaptor> Comm<A> {
         let needs_scratch = extent > 0;
         let mut scratch = lock(&self.scratch);
         let scratch_ptr = if needs_scratch {
-            // At least SCRATCH_BYTES, so a communicator's small calls share one allocation.
-            scratch.take(self.adaptor(), extent.max(SCRATCH_BYTES), stream)?
+            // SCRATCH_BYTES, or at once the most a ring's slices take: a communicator grows
+            // its scratch at most once (the outgrown allocation is kept until it is destroyed).
+            let want = match extent {
+                e if e <= SCRATCH_BYTES => SCRATCH_BYTES,
+                e => e.max(DEVICE_SCRATCH_BYTES),
+            };
+            scratch.take(self.adaptor(), want, stream)?
         } else {
             DevicePtr(0)
         };

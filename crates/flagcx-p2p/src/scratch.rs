@@ -3,8 +3,10 @@
 //! combined) reuse call after call. Calls on one stream are ordered by the stream; a call on
 //! another stream first waits for an event recorded after the previous user's last step, so
 //! two streams never use it at once. A call that needs more grows it: a new allocation, the
-//! outgrown one freed once its last user's stream passed it (never a host wait for a stream
-//! while a call enqueues). Freed with the communicator, once the last user passed.
+//! outgrown one kept until the communicator is destroyed — never a host wait for a stream while
+//! a call enqueues, and no free while the job runs: CUDA's free may wait for the whole device,
+//! whose streams may wait for copies the proxy has yet to issue (the direct path's hazard,
+//! `link/hostmap.rs`). Freed with the communicator, once the last user passed.
 
 use std::time::{Duration, Instant};
 
@@ -16,7 +18,7 @@ use crate::error::Result;
 #[derive(Default)]
 pub(crate) struct Scratch {
     held: Option<Held>,
-    /// Outgrown allocations, freed once their last user's stream passed them.
+    /// Outgrown allocations, freed with the rest by [`Scratch::release`].
     retired: Vec<Held>,
 }
 
@@ -38,7 +40,6 @@ impl Scratch {
         len: usize,
         stream: StreamHandle,
     ) -> Result<DevicePtr> {
-        self.reap(a);
         if let Some(h) = &self.held {
             if h.len >= len {
                 if h.last != stream {
@@ -47,9 +48,8 @@ impl Scratch {
                 return Ok(h.ptr);
             }
         }
-        // Growing: a new allocation (no ordering needed: no call used it), and the old one is
-        // freed by a later call or the release once its last user's stream passed it; the
-        // host never waits for a stream here.
+        // Growing: a new allocation (no ordering needed: no call used it); the old one is kept
+        // for the release (see the module doc).
         let ptr = a.mem_alloc(len)?;
         let done = match a.event_create(false) {
             Ok(e) => e,
@@ -67,19 +67,6 @@ impl Scratch {
         });
         self.retired.extend(old);
         Ok(ptr)
-    }
-
-    /// Frees the outgrown allocations whose last user's stream passed them.
-    fn reap<A: DeviceAdaptor>(&mut self, a: &A) {
-        self.retired.retain(|h| {
-            if !a.event_query(h.done).unwrap_or(false) {
-                return true;
-            }
-            let _ = a.event_destroy(h.done);
-            // SAFETY: ours, and its last user's stream passed it.
-            let _ = unsafe { a.mem_free(h.ptr) };
-            false
-        });
     }
 
     /// The call that took the scratch on `stream` enqueued its last step that touches it.

@@ -218,3 +218,50 @@ pub(crate) fn ceiling(
     };
     Ok(secs)
 }
+
+/// A reduction row's other bound, in seconds: this rank's own reduction steps of what a ring
+/// combines on each rank — `(n − 1) / n` of the row's `size` bytes, as one combining step
+/// (`dst = a ∘ b`, reading two buffers and writing a third) on `stream`. Where it exceeds
+/// the pair's transfers, the rank's device bounds the all-reduce, not the transport.
+pub(crate) fn reduce_time(
+    a: &Adaptor,
+    stream: &Stream<Adaptor>,
+    size: usize,
+    n: usize,
+    red: crate::collective::Red,
+    iters: usize,
+) -> Result<f64, Error> {
+    let count = size / n * (n - 1) / red.dtype.size();
+    let bytes = (count * red.dtype.size()).max(1);
+    let bufs = [
+        DeviceBuffer::new(a, bytes)?,
+        DeviceBuffer::new(a, bytes)?,
+        DeviceBuffer::new(a, bytes)?,
+    ];
+    // Written memory, as in `ceiling` (a never-written buffer can read as the zero page).
+    for (i, b) in bufs.iter().enumerate() {
+        b.fill(0x31 + i as u8, stream)?;
+    }
+    let step = flagcx::ReduceStep::combining(red.op);
+    // SAFETY: the three buffers hold `count` elements each and outlive the synchronize below.
+    let one = || unsafe {
+        a.reduce_async(
+            bufs[2].ptr(),
+            bufs[0].ptr(),
+            bufs[1].ptr(),
+            count,
+            red.dtype,
+            step,
+            stream.handle(),
+        )
+    };
+    one()?;
+    stream.synchronize()?;
+    let iters = iters.max(3);
+    let t = Instant::now();
+    for _ in 0..iters {
+        one()?;
+    }
+    stream.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() / iters as f64)
+}

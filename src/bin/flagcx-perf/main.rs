@@ -17,7 +17,9 @@
 //! copy into the other rank's buffer, the placement the header names; the slower of pinned
 //! device→host and host→device for staging; a memcpy for the host vendor; every rank copying
 //! at once for `sendrecv` and `pairs`, one copy at a time for `pingpong`) — with our
-//! bandwidth as a fraction of it.
+//! bandwidth as a fraction of it. Reduction rows add `reduce_us`: the slowest rank's own
+//! combining of the `(n − 1) / n` of the bytes a ring combines on each rank, in one step on its
+//! device (the other bound of a pair whose device combines slower than the pair moves data).
 
 // tidy: long file: the perf tool's options and its one timed loop over every traffic pattern; the patterns' own logic lives in collective.rs, ceiling.rs and nccl.rs.
 
@@ -51,7 +53,8 @@ type Error = Box<dyn std::error::Error>;
 /// under a launcher (flagcx-run, torchrun, mpirun) each process is one rank. Rank 0 prints one
 /// row per size: bytes, time (µs), algorithm and bus bandwidth (GB/s), wrong bytes (with -c),
 /// the ceiling — the vendor's bare copy of that size, measured just before in the same traffic
-/// pattern — and our bus bandwidth as a fraction of it, and the path the bytes took.
+/// pattern — and our bus bandwidth as a fraction of it, and the path the bytes took; reduction
+/// rows add reduce_us, the slowest rank's own combining of its share of the bytes on its device.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "flagcx-perf", after_help = AFTER_HELP)]
 struct Opts {
@@ -307,6 +310,8 @@ struct Row {
     wrong: usize,
     ceil_us: f64,
     ceil_bw: f64,
+    /// Reductions: the slowest rank's own combining of its share (`ceiling::reduce_time`), µs.
+    reduce_us: Option<f64>,
     /// Which path the timed iterations' bytes took (this rank's view).
     path: String,
 }
@@ -409,6 +414,9 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         if nccl.is_some() {
             print!(" {:>11} {:>10} {:>8}", "nccl_us", "nccl_gbs", "vs_nccl");
         }
+        if collective::is_reduction(&o.test) {
+            print!(" {:>11}", "reduce_us");
+        }
         println!();
     }
     let mut json_file = match (&o.json_file, me) {
@@ -503,6 +511,13 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
         }
         let secs = ceiling::slowest(&comm, &stream, mine)?;
         let (ceil_us, ceil_bw) = (secs * 1e6, size as f64 / secs / 1e9);
+        let reduce_us = match collective::is_reduction(&o.test) && n > 1 && size > 0 {
+            true => {
+                let own = ceiling::reduce_time(&adaptor, &stream, size, n, red, o.iters as usize)?;
+                Some(ceiling::slowest(&comm, &stream, own)? * 1e6)
+            }
+            false => None,
+        };
         barrier(&comm, &stream, next, prev)?;
         let mut start = Instant::now();
         let mut before = comm.stats();
@@ -666,6 +681,7 @@ fn rank_main(o: &Opts) -> Result<(), Error> {
             wrong,
             ceil_us,
             ceil_bw,
+            reduce_us,
             path,
         };
         if me == 0 {
@@ -757,6 +773,11 @@ struct JsonRow<'a> {
     wrong: usize,
     ceiling_us: f64,
     ceiling_gbs: f64,
+    /// Reductions: the slowest rank's time to combine its share of the row once —
+    /// `(n − 1) / n` of the bytes in one step reading two buffers and writing a third — on its
+    /// own device (what bounds a ring where the device combines slower than the pair moves).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reduce_us: Option<f64>,
     ratio: f64,
     path: &'a str,
     /// `--in-place`.
@@ -785,6 +806,7 @@ impl<'a> JsonRow<'a> {
             wrong: r.wrong,
             ceiling_us: r.ceil_us,
             ceiling_gbs: r.ceil_bw,
+            reduce_us: r.reduce_us,
             ratio: if r.ceil_bw > 0.0 {
                 r.busbw / r.ceil_bw
             } else {
@@ -816,6 +838,9 @@ fn print_row(r: &Row, json: &JsonRow<'_>, o: &Opts) {
             (false, ..) => {}
             (true, Some((us, gbs)), Some(v)) => print!(" {us:>11.2} {gbs:>10.2} {v:>8.3}"),
             (true, ..) => print!(" {:>11} {:>10} {:>8}", "n/a", "n/a", "n/a"),
+        }
+        if let Some(us) = r.reduce_us {
+            print!(" {us:>11.2}");
         }
         println!();
     }
