@@ -355,6 +355,27 @@ fn reduction_tests_run_checked() {
             assert_eq!(rows(&t), 3, "{test} {place:?}:\n{t}");
         }
     }
+    // The JSON rows carry the slowest rank's own combining time, a positive number of µs.
+    let j = perf(&[
+        "-t",
+        "allreduce",
+        "-N",
+        "2",
+        "-b",
+        "64K",
+        "-e",
+        "64K",
+        "-n",
+        "2",
+        "-w",
+        "1",
+        "--json",
+    ]);
+    let row: serde_json::Value = serde_json::from_str(j.lines().next().unwrap_or("")).expect(&j);
+    assert!(
+        row["reduce_us"].as_f64().is_some_and(|us| us > 0.0),
+        "{row}"
+    );
 }
 
 /// Every collective test of the perf tool, 3 ranks, every byte checked.
