@@ -129,16 +129,69 @@ ushort f32_to_bf16_bits(float f) {
   return (ushort)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* The elements work-item `get_global_id(0)` takes: strided across the grid (neighbouring
+   work-items on neighbouring elements: coalesced on a GPU), or one contiguous block each
+   (`blocks`, for CPU devices, which run a work-item's loop on one core). */
+void span(ulong count, int blocks, ulong *first, ulong *end, ulong *stride) {
+  ulong g = get_global_id(0), n = get_global_size(0);
+  if (blocks) {
+    ulong per = (count + n - 1) / n;
+    *first = min(count, g * per);
+    *end = min(count, *first + per);
+    *stride = 1;
+  } else {
+    *first = g;
+    *end = count;
+    *stride = n;
+  }
+}
+
 __kernel void flagcx_reduce(__global uchar *dst, ulong dst_off, __global const uchar *a,
                             ulong a_off, __global const uchar *b, ulong b_off, ulong count,
-                            int dtype, int step, uint n, float s32, ulong s64_bits) {
+                            int dtype, int step, uint n, float s32, ulong s64_bits, int blocks) {
   const int sizes[10] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2};
   int size = sizes[dtype];
   __global uchar *d = dst + dst_off;
   __global const uchar *x = a + a_off;
   __global const uchar *y = b + b_off;
   int aligned = ((dst_off | a_off | b_off) & (ulong)(size - 1)) == 0;
-  for (ulong i = get_global_id(0); i < count; i += get_global_size(0)) {
+  ulong first, end, stride;
+  span(count, blocks, &first, &end, &stride);
+  if (aligned) {
+    /* Typed loops, one per type: the same steps as the byte-wise loop below, without a
+       per-element dispatch (PoCL runs these 4-5 x faster on a CPU device). */
+#define TYPED(T, EXPR)                                                                  \
+  {                                                                                     \
+    __global T *dd = (__global T *)d;                                                   \
+    __global const T *xx = (__global const T *)x, *yy = (__global const T *)y;         \
+    for (ulong i = first; i < end; i += stride) {                                       \
+      T va = xx[i];                                                                     \
+      T vb = step == AVG ? va : yy[i];                                                  \
+      dd[i] = (EXPR);                                                                   \
+    }                                                                                   \
+    return;                                                                             \
+  }
+#define INT(T, SIGNED) TYPED(T, (T)int_step((ulong)va, (ulong)vb, step, n, sizeof(T), SIGNED))
+    switch (dtype) {
+      case I8: INT(char, 1)
+      case U8: INT(uchar, 0)
+      case I32: INT(int, 1)
+      case U32: INT(uint, 0)
+      case I64: INT(long, 1)
+      case U64: INT(ulong, 0)
+      case F32: TYPED(uint, as_uint(f32_step(as_float(va), as_float(vb), step, s32)))
+      case F16:
+        TYPED(ushort, f32_to_half_bits(f32_step(half_bits_to_f32(va), half_bits_to_f32(vb),
+                                                step, s32)))
+      case BF16:
+        TYPED(ushort, f32_to_bf16_bits(f32_step(as_float((uint)va << 16),
+                                                as_float((uint)vb << 16), step, s32)))
+      default: break;
+    }
+#undef INT
+#undef TYPED
+  }
+  for (ulong i = first; i < end; i += stride) {
     ulong o = i * (ulong)size;
     ulong va = load_bits(x + o, size, aligned);
     ulong vb = step == AVG ? va : load_bits(y + o, size, aligned);
@@ -166,8 +219,10 @@ __kernel void flagcx_reduce(__global uchar *dst, ulong dst_off, __global const u
 }
 
 /* A fill with 64-bit offsets, for the bytes of a buffer past `FILL_RUNTIME_END`. */
-__kernel void flagcx_fill(__global uchar *dst, ulong off, ulong n, uchar v) {
-  for (ulong i = get_global_id(0); i < n; i += get_global_size(0)) dst[off + i] = v;
+__kernel void flagcx_fill(__global uchar *dst, ulong off, ulong n, uchar v, int blocks) {
+  ulong first, end, stride;
+  span(n, blocks, &first, &end, &stride);
+  for (ulong i = first; i < end; i += stride) dst[off + i] = v;
 }
 "#;
 
@@ -195,6 +250,13 @@ pub(crate) fn claimed_types(dev: cl_device_id) -> u16 {
         mask |= DataType::F64.bit();
     }
     mask
+}
+
+fn cpu_device(dev: cl_device_id) -> bool {
+    cl3::device::get_device_info(dev, cl3::device::CL_DEVICE_TYPE).is_ok_and(|v| match v {
+        cl3::info_type::InfoType::Ulong(t) => t & cl3::device::CL_DEVICE_TYPE_CPU != 0,
+        _ => false,
+    })
 }
 
 fn fp64(dev: cl_device_id) -> bool {
@@ -248,6 +310,10 @@ struct Built {
     program: Raw<cl_program>,
     kernel: Raw<cl_kernel>,
     fill: Raw<cl_kernel>,
+    /// A CPU device: each work-item takes one contiguous block (the kernels' `blocks`).
+    /// Strided across the grid, a PoCL work-item's loop stepped 256 KiB at a time: a 32 MiB
+    /// float32 sum took 101–108 ms on the 2-core VM.
+    blocks: i32,
 }
 
 impl Drop for Built {
@@ -298,7 +364,7 @@ impl Reducer {
     ) -> Result<cl3::types::cl_event> {
         self.with_built(context, dev, |b| {
             // SAFETY: the caller's contract.
-            unsafe { fill_with(b.fill.0, queue, dst, n, value) }
+            unsafe { fill_with(b.fill.0, queue, dst, n, value, b.blocks) }
         })
     }
 
@@ -334,7 +400,8 @@ impl Reducer {
             let (count, dt) = (count as u64, dtype as i32);
             let offs = [dst.1 as u64, a.1 as u64, b.1 as u64];
             let mems = [dst.0, a.0, b.0];
-            // Arguments in the kernel's order: (buffer, offset) x3, count, dtype, step, n, s32, s64.
+            // Arguments in the kernel's order: (buffer, offset) x3, count, dtype, step, n, s32, s64,
+            // blocks.
             let set = |i: u32, size: usize, p: *const std::ffi::c_void| {
                 // SAFETY: `p` points at a value of the kernel parameter's size for this call.
                 unsafe { cl3::kernel::set_kernel_arg(k, i, size, p) }
@@ -354,6 +421,7 @@ impl Reducer {
             set(9, 4, (&n as *const u32).cast())?;
             set(10, 4, (&s32 as *const f32).cast())?;
             set(11, 8, (&s64 as *const u64).cast())?;
+            set(12, 4, (&built.blocks as *const i32).cast())?;
             // Enough work-items to fill the device several times over; a strided loop covers
             // the rest.
             let global: usize = count.clamp(1, 1 << 16) as usize;
@@ -385,6 +453,7 @@ unsafe fn fill_with(
     dst: Operand,
     n: usize,
     value: u8,
+    blocks: i32,
 ) -> Result<cl3::types::cl_event> {
     let (off, len) = (dst.1 as u64, n as u64);
     let set = |i: u32, size: usize, p: *const std::ffi::c_void| {
@@ -400,6 +469,7 @@ unsafe fn fill_with(
     set(1, 8, (&off as *const u64).cast())?;
     set(2, 8, (&len as *const u64).cast())?;
     set(3, 1, (&value as *const u8).cast())?;
+    set(4, 4, (&blocks as *const i32).cast())?;
     let global: usize = n.clamp(1, 1 << 16);
     // SAFETY: the kernel's arguments are set (under the lock, held until it is enqueued);
     // the caller's contract covers the memory.
@@ -464,6 +534,7 @@ fn build(context: cl3::types::cl_context, dev: cl_device_id) -> Result<Built> {
             program: Raw(program),
             kernel: Raw(kernel),
             fill: Raw(fill),
+            blocks: i32::from(cpu_device(dev)),
         }),
         Err(c) => {
             // SAFETY: as above.
