@@ -3408,7 +3408,9 @@ fn reductions_on_2_3_4_and_8_ranks() {
     // The large calls cross the ring's 4 MiB slices where a rank's segment is longer: at 9 MiB
     // on 2 ranks. On 3 and more ranks 9 MiB would still be one slice a segment, so those take
     // 1 MiB (every rank computes the reference from every rank's input: 9 MiB on 4 ranks took
-    // 7 s a job on 2 cores).
+    // 7 s a job on 2 cores). Jobs with a CUDA rank (the GPU bundle) take 64 MiB slices, so
+    // there these calls are one slice each; the plan simulator (`reduction/tests.rs`) runs
+    // every shape in many slices.
     let max = ("FLAGCX_TEST_MAX", "9437187");
     let small = ("FLAGCX_TEST_MAX", "1048583");
     job(2, "host", "reductions", &[max]);
