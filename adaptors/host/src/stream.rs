@@ -525,16 +525,7 @@ fn run(op: Op, stop: &AtomicBool) -> Option<String> {
             // SAFETY: the adaptor checked the ranges (inside live allocations, `dst` equal to
             // or disjoint from each input) and the step when the op was enqueued; the caller's
             // contract keeps them valid until the op completes.
-            unsafe {
-                flagcx_adaptor::reduce::reduce_raw(
-                    dst as *mut u8,
-                    a as *const u8,
-                    b as *const u8,
-                    count,
-                    dtype,
-                    step,
-                )
-            }
+            unsafe { crate::copy::reduce_split(dst, a, b, count, dtype, step) }
         }
         Op::HostFn(f) => {
             if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
