@@ -66,9 +66,9 @@ const CL_COMPLETE: cl_int = 0;
 /// fill reaching past 2 GiB broke the context: one fill of 2 GiB + 5 B ended in -9999, and the
 /// same bytes in 1 GiB parts in `CL_INVALID_COMMAND_QUEUE`; every context the process created
 /// after either failed with -9999. The runtime keeps the first gibibyte of every buffer (all of
-/// every buffer CI's jobs fill, but for the conformance case that crosses it). With the kernel past it, the
-/// same H100's OpenCL conformance run passed every case, the 2^31-element reduction and
-/// `fills_past_one_gibibyte` among them (2026-12-08, `1285fa9`).
+/// every buffer CI's jobs fill, but for the conformance case that crosses it). With the kernel
+/// past it, the same H100's OpenCL conformance run passed every case, the 2^31-element
+/// reduction and `fills_past_one_gibibyte` among them (2026-12-08, `1285fa9`).
 const FILL_RUNTIME_END: usize = 1 << 30;
 
 /// How many of the `n` bytes at offset `off` of a buffer the runtime's fill writes (those
