@@ -385,7 +385,6 @@ impl Reducer {
         dtype: DataType,
         step: ReduceStep,
     ) -> Result<cl3::types::cl_event> {
-        const OP: &str = "clEnqueueNDRangeKernel";
         self.with_built(context, dev, |built| {
             let k = built.kernel.0;
             let (code, n, s) = match step {
@@ -422,23 +421,8 @@ impl Reducer {
             set(10, 4, (&s32 as *const f32).cast())?;
             set(11, 8, (&s64 as *const u64).cast())?;
             set(12, 4, (&built.blocks as *const i32).cast())?;
-            // Enough work-items to fill the device several times over; a strided loop covers
-            // the rest.
-            let global: usize = count.clamp(1, 1 << 16) as usize;
             // SAFETY: the kernel's arguments are set; the caller's contract covers the memory.
-            unsafe {
-                cl3::command_queue::enqueue_nd_range_kernel(
-                    queue,
-                    k,
-                    1,
-                    std::ptr::null(),
-                    &global,
-                    std::ptr::null(),
-                    0,
-                    std::ptr::null(),
-                )
-            }
-            .map_err(|c| cl_error(OP, c))
+            unsafe { launch(queue, k, count as usize) }
         })
     }
 }
@@ -470,9 +454,23 @@ unsafe fn fill_with(
     set(2, 8, (&len as *const u64).cast())?;
     set(3, 1, (&value as *const u8).cast())?;
     set(4, 4, (&blocks as *const i32).cast())?;
-    let global: usize = n.clamp(1, 1 << 16);
     // SAFETY: the kernel's arguments are set (under the lock, held until it is enqueued);
     // the caller's contract covers the memory.
+    unsafe { launch(queue, k, n) }
+}
+
+/// Enqueues kernel `k` over `items` elements: enough work-items to fill the device several
+/// times over (at most 2^16), the kernels' loops covering the rest.
+///
+/// # Safety
+/// `k`'s arguments are set, under the program's lock, and name memory valid until it ran.
+unsafe fn launch(
+    queue: cl3::types::cl_command_queue,
+    k: cl_kernel,
+    items: usize,
+) -> Result<cl3::types::cl_event> {
+    let global = items.clamp(1, 1 << 16);
+    // SAFETY: the caller's contract.
     unsafe {
         cl3::command_queue::enqueue_nd_range_kernel(
             queue,
