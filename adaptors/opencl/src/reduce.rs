@@ -186,6 +186,10 @@ __kernel void flagcx_reduce(__global uchar *dst, ulong dst_off, __global const u
       case BF16:
         TYPED(ushort, f32_to_bf16_bits(f32_step(as_float((uint)va << 16),
                                                 as_float((uint)vb << 16), step, s32)))
+#ifdef FLAGCX_FP64
+      case F64:
+        TYPED(ulong, as_ulong(f64_step(as_double(va), as_double(vb), step, as_double(s64_bits))))
+#endif
       default: break;
     }
 #undef INT
