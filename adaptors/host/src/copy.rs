@@ -80,9 +80,44 @@ fn copy_pool() -> Option<&'static rayon::ThreadPool> {
 /// # Safety
 /// Both ranges are valid for `n` bytes for the whole call.
 pub(crate) unsafe fn copy_bytes(dst: u64, src: u64, n: usize) {
-    let pool = if n >= PAR_MIN { copy_pool() } else { None };
     // SAFETY: the caller's contract.
-    unsafe { copy_on(pool, dst, src, n, n >= streaming_min()) }
+    unsafe { copy_on(pool_for(n), dst, src, n, n >= streaming_min()) }
+}
+
+/// The copy pool for work of `bytes` bytes: none below [`PAR_MIN`].
+fn pool_for(bytes: usize) -> Option<&'static rayon::ThreadPool> {
+    if bytes >= PAR_MIN {
+        copy_pool()
+    } else {
+        None
+    }
+}
+
+/// Runs `piece(first, len)` over `0..units` (units of `unit_bytes` bytes) in disjoint pieces
+/// that cover it once, and returns when every piece finished: on `pool` in up to one piece per
+/// thread, each at least [`PAR_PIECE`] bytes where the work allows and a multiple of 64 units
+/// but the last; on this thread in one piece without a pool or below 128 units.
+fn split(
+    pool: Option<&rayon::ThreadPool>,
+    units: usize,
+    unit_bytes: usize,
+    piece: impl Fn(usize, usize) + Sync,
+) {
+    let Some(pool) = pool.filter(|_| units >= 2 * 64) else {
+        piece(0, units);
+        return;
+    };
+    let pieces = (units * unit_bytes / PAR_PIECE).clamp(2, pool.current_num_threads().max(2));
+    let step = units.div_ceil(pieces).next_multiple_of(64);
+    use rayon::prelude::*;
+    pool.install(|| {
+        (0..pieces).into_par_iter().for_each(|i| {
+            let first = i * step;
+            if first < units {
+                piece(first, step.min(units - first))
+            }
+        })
+    });
 }
 
 /// [`copy_bytes`] on a given pool (`None`: one thread), with streaming stores or not (only
@@ -110,25 +145,10 @@ unsafe fn copy_on(pool: Option<&rayon::ThreadPool>, dst: u64, src: u64, n: usize
         unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) };
         return;
     }
-    let Some(pool) = pool.filter(|_| n >= 2 * 64) else {
-        piece(0, n);
-        return;
-    };
-    let pieces = (n / PAR_PIECE).clamp(2, pool.current_num_threads().max(2));
-    let step = n.div_ceil(pieces).next_multiple_of(64);
-    use rayon::prelude::*;
-    pool.install(|| {
-        (0..pieces).into_par_iter().for_each(|i| {
-            let off = i * step;
-            if off < n {
-                let len = step.min(n - off);
-                // `off + len <= n`, so each piece lies inside both ranges, the pieces are
-                // disjoint, and the ranges do not overlap (checked above); the call does not
-                // return before every piece finished, so the ranges stay valid throughout.
-                piece(off, len)
-            }
-        })
-    });
+    // Each piece lies inside both ranges, the pieces are disjoint, and the ranges do not
+    // overlap (checked above); `split` returns only after every piece finished, so the ranges
+    // stay valid throughout.
+    split(pool, n, 1, piece);
 }
 
 /// A reduction step over `count` elements (`dst[i] = a[i] op b[i]`), split across the copy
@@ -146,11 +166,7 @@ pub(crate) unsafe fn reduce_split(
     dtype: flagcx_adaptor::DataType,
     step: flagcx_adaptor::ReduceStep,
 ) {
-    let pool = if count.saturating_mul(dtype.size()) >= PAR_MIN {
-        copy_pool()
-    } else {
-        None
-    };
+    let pool = pool_for(count.saturating_mul(dtype.size()));
     // SAFETY: the caller's contract.
     unsafe { reduce_on(pool, dst, a, b, count, dtype, step) }
 }
@@ -176,24 +192,9 @@ unsafe fn reduce_on(
         // input or is disjoint from it, and so is each piece from the others' pieces.
         unsafe { flagcx_adaptor::reduce::reduce_raw(at(dst), at(a), at(b), n, dtype, step) }
     };
-    let Some(pool) = pool.filter(|_| count >= 2) else {
-        piece(0, count);
-        return;
-    };
-    let pieces = (count * sz / PAR_PIECE).clamp(2, pool.current_num_threads().max(2));
-    // Whole cache lines of every element size (1, 2, 4, 8 bytes) per piece.
-    let step_elems = count.div_ceil(pieces).next_multiple_of(64);
-    use rayon::prelude::*;
-    pool.install(|| {
-        (0..pieces).into_par_iter().for_each(|i| {
-            let first = i * step_elems;
-            if first < count {
-                // Disjoint pieces, together the whole range; the call returns only after every
-                // piece finished, so the operands stay valid throughout.
-                piece(first, step_elems.min(count - first))
-            }
-        })
-    });
+    // Disjoint pieces, together the whole range; `split` returns only after every piece
+    // finished, so the operands stay valid throughout.
+    split(pool, count, sz, piece);
 }
 
 /// Sets the size from which host-vendor copies use streaming stores: a byte count (`512K`,
@@ -350,7 +351,7 @@ mod tests {
             (DataType::I8, ReduceStep::Combine(ReduceOp::Prod)),
             (DataType::F64, ReduceStep::Average { n: 3 }),
         ] {
-            for count in [1usize, 2, 63, 64, 65, 1000, (1 << 20) + 3] {
+            for count in [1usize, 2, 63, 64, 65, 129, 1000, (1 << 20) + 3] {
                 let n = count * dtype.size();
                 let (a, b) = (bytes(n), bytes(n));
                 let (mut one, mut split, mut inplace) = (vec![0u8; n], vec![0u8; n], a.clone());
