@@ -403,28 +403,22 @@ impl Reducer {
             let (count, dt) = (count as u64, dtype as i32);
             let offs = [dst.1 as u64, a.1 as u64, b.1 as u64];
             let mems = [dst.0, a.0, b.0];
-            // Arguments in the kernel's order: (buffer, offset) x3, count, dtype, step, n, s32, s64,
-            // blocks.
-            let set = |i: u32, size: usize, p: *const std::ffi::c_void| {
-                // SAFETY: `p` points at a value of the kernel parameter's size for this call.
-                unsafe { cl3::kernel::set_kernel_arg(k, i, size, p) }
-                    .map_err(|c| cl_error("clSetKernelArg", c))
-            };
-            for j in 0..3 {
-                set(
-                    2 * j as u32,
-                    std::mem::size_of::<cl_mem>(),
-                    (&mems[j] as *const cl_mem).cast(),
-                )?;
-                set(2 * j as u32 + 1, 8, (&offs[j] as *const u64).cast())?;
+            // Arguments in the kernel's order: (buffer, offset) x3, count, dtype, step, n, s32,
+            // s64, blocks; each value's type has the size of the kernel parameter.
+            // SAFETY: `k` is this program's `flagcx_reduce`, whose parameters these are.
+            unsafe {
+                for j in 0..3 {
+                    arg(k, 2 * j as u32, &mems[j])?;
+                    arg(k, 2 * j as u32 + 1, &offs[j])?;
+                }
+                arg(k, 6, &count)?;
+                arg(k, 7, &dt)?;
+                arg(k, 8, &code)?;
+                arg(k, 9, &n)?;
+                arg(k, 10, &s32)?;
+                arg(k, 11, &s64)?;
+                arg(k, 12, &built.blocks)?;
             }
-            set(6, 8, (&count as *const u64).cast())?;
-            set(7, 4, (&dt as *const i32).cast())?;
-            set(8, 4, (&code as *const i32).cast())?;
-            set(9, 4, (&n as *const u32).cast())?;
-            set(10, 4, (&s32 as *const f32).cast())?;
-            set(11, 8, (&s64 as *const u64).cast())?;
-            set(12, 4, (&built.blocks as *const i32).cast())?;
             // SAFETY: the kernel's arguments are set; the caller's contract covers the memory.
             unsafe { launch(queue, k, count as usize) }
         })
@@ -444,23 +438,28 @@ unsafe fn fill_with(
     blocks: i32,
 ) -> Result<cl3::types::cl_event> {
     let (off, len) = (dst.1 as u64, n as u64);
-    let set = |i: u32, size: usize, p: *const std::ffi::c_void| {
-        // SAFETY: `p` points at a value of the kernel parameter's size for this call.
-        unsafe { cl3::kernel::set_kernel_arg(k, i, size, p) }
-            .map_err(|c| cl_error("clSetKernelArg", c))
-    };
-    set(
-        0,
-        std::mem::size_of::<cl_mem>(),
-        (&dst.0 as *const cl_mem).cast(),
-    )?;
-    set(1, 8, (&off as *const u64).cast())?;
-    set(2, 8, (&len as *const u64).cast())?;
-    set(3, 1, (&value as *const u8).cast())?;
-    set(4, 4, (&blocks as *const i32).cast())?;
+    // SAFETY: `k` is this program's `flagcx_fill`, whose parameters these are, in order.
+    unsafe {
+        arg(k, 0, &dst.0)?;
+        arg(k, 1, &off)?;
+        arg(k, 2, &len)?;
+        arg(k, 3, &value)?;
+        arg(k, 4, &blocks)?;
+    }
     // SAFETY: the kernel's arguments are set (under the lock, held until it is enqueued);
     // the caller's contract covers the memory.
     unsafe { launch(queue, k, n) }
+}
+
+/// Sets kernel `k`'s parameter `i` to `v`.
+///
+/// # Safety
+/// Parameter `i` of `k` has the size of `T` (a `cl_mem` for a buffer); the caller holds the
+/// program's lock, as a kernel's arguments are not thread safe.
+unsafe fn arg<T>(k: cl_kernel, i: u32, v: &T) -> Result<()> {
+    // SAFETY: `v` points at a `T`, which the caller's contract makes the parameter's size.
+    unsafe { cl3::kernel::set_kernel_arg(k, i, std::mem::size_of::<T>(), (v as *const T).cast()) }
+        .map_err(|c| cl_error("clSetKernelArg", c))
 }
 
 /// Enqueues kernel `k` over `items` elements: enough work-items to fill the device several
