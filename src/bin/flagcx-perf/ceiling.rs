@@ -150,19 +150,11 @@ pub(crate) fn ceiling(
 ) -> Result<f64, Error> {
     let iters = o.iters.max(5);
     let other = Stream::new(a)?;
-    let time = |f: &dyn Fn() -> flagcx::Result<()>| -> Result<f64, Error> {
-        let sync = || -> flagcx::Result<()> {
+    let time = |f: &dyn Fn() -> flagcx::Result<()>| {
+        timed(iters as usize, f, &|| {
             stream.synchronize()?;
             other.synchronize()
-        };
-        f()?;
-        sync()?;
-        let t = Instant::now();
-        for _ in 0..iters {
-            f()?;
-        }
-        sync()?;
-        Ok(t.elapsed().as_secs_f64() / iters as f64)
+        })
     };
     let (s1, s2) = (stream.handle(), other.handle());
     let src = DeviceBuffer::new(a, size)?;
@@ -255,13 +247,21 @@ pub(crate) fn reduce_time(
             stream.handle(),
         )
     };
-    one()?;
-    stream.synchronize()?;
-    let iters = iters.max(3);
+    timed(iters.max(3), &one, &|| stream.synchronize())
+}
+
+/// Seconds per call of `f`, over `iters` calls after one untimed, each batch closed by `sync`.
+fn timed(
+    iters: usize,
+    f: &dyn Fn() -> flagcx::Result<()>,
+    sync: &dyn Fn() -> flagcx::Result<()>,
+) -> Result<f64, Error> {
+    f()?;
+    sync()?;
     let t = Instant::now();
     for _ in 0..iters {
-        one()?;
+        f()?;
     }
-    stream.synchronize()?;
+    sync()?;
     Ok(t.elapsed().as_secs_f64() / iters as f64)
 }
