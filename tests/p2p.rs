@@ -3405,17 +3405,22 @@ fn direct_path_between_host_ranks() {
 /// algorithm forced, the staged transport, and the vendor pair of `FLAGCX_P2P_TEST_VENDORS`.
 #[test]
 fn reductions_on_2_3_4_and_8_ranks() {
-    // The large calls cross the ring's 4 MiB slices where a rank's segment is longer: at 9 MiB
-    // on 2 ranks. On 3 and more ranks 9 MiB would still be one slice a segment, so those take
-    // 1 MiB (every rank computes the reference from every rank's input: 9 MiB on 4 ranks took
-    // 7 s a job on 2 cores). Jobs with a CUDA rank (the GPU bundle) take 64 MiB slices, so
-    // there these calls are one slice each; the plan simulator (`reduction/tests.rs`) runs
-    // every shape in many slices.
+    // The large calls (9 MiB on 2 ranks, 1 MiB from 3: every rank computes the reference from
+    // every rank's input, and 9 MiB on 4 ranks took 7 s a job on 2 cores) move in forced
+    // slices of 1 MiB and 96 KiB: several passes, each combined while the next one moves
+    // (by default a 2-rank job takes segments up to 8 MiB in one pass). The plan simulator
+    // (`reduction/tests.rs`) runs every shape in many slices.
     let max = ("FLAGCX_TEST_MAX", "9437187");
     let small = ("FLAGCX_TEST_MAX", "1048583");
-    job(2, "host", "reductions", &[max]);
+    let slices = ("FLAGCX_REDUCE_SLICE", "1048576");
+    job(2, "host", "reductions", &[max, slices]);
     for n in [3, 4, 8] {
-        job(n, "host", "reductions", &[small]);
+        job(
+            n,
+            "host",
+            "reductions",
+            &[small, ("FLAGCX_REDUCE_SLICE", "98304")],
+        );
     }
     job(
         3,
@@ -3432,7 +3437,7 @@ fn reductions_on_2_3_4_and_8_ranks() {
     job(3, "host", "reductions", &[max, ("FLAGCX_P2P_DISABLE", "1")]);
     let v = vendors("FLAGCX_P2P_TEST_VENDORS");
     if v != "host" {
-        job(2, &v, "reductions", &[max]);
+        job(2, &v, "reductions", &[max, slices]);
     }
 }
 
@@ -3456,7 +3461,12 @@ fn reductions_across_vendors_give_the_same_bits() {
         );
         return;
     }
-    job(2, "host,opencl", "reductions", &[max]);
+    job(
+        2,
+        "host,opencl",
+        "reductions",
+        &[max, ("FLAGCX_REDUCE_SLICE", "1048576")],
+    );
     job(
         3,
         "opencl,host",

@@ -303,14 +303,32 @@ impl<A: DeviceAdaptor> Comm<A> {
         stream: StreamHandle,
         local: Option<(DevicePtr, DevicePtr, usize)>,
     ) -> Result<Collective> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.post_group_beside(ops, stream, |c| match local {
+                Some((dst, src, n)) => self.local_copy(c, dst, src, n, stream),
+                None => Ok(()),
+            })
+        }
+    }
+
+    /// [`Comm::post_group`] with any work beside the transfers: `beside` enqueues it on
+    /// `stream` after the group is handed over and before the stream waits for the group
+    /// (where the proxy moves the messages, it runs while they move; where they are on the
+    /// stream itself, after them). It must touch no byte the group's messages read or write.
+    ///
+    /// # Safety
+    /// As [`Comm::send_raw`] and [`Comm::recv_raw`] for every operation; `beside`'s work
+    /// touches nothing the messages do.
+    pub(crate) unsafe fn post_group_beside(
+        &self,
+        ops: &[Block],
+        stream: StreamHandle,
+        beside: impl FnOnce(&mut Collective) -> Result<()>,
+    ) -> Result<Collective> {
         let mut c = Collective::default();
-        let copy = |c: &mut Collective| match local {
-            // SAFETY: the caller's contract.
-            Some((dst, src, n)) => unsafe { self.local_copy(c, dst, src, n, stream) },
-            None => Ok(()),
-        };
         if ops.is_empty() {
-            copy(&mut c)?;
+            beside(&mut c)?;
             return Ok(c);
         }
         // SAFETY: the caller's contract.
@@ -320,7 +338,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             None => (ops, false),
         };
         if ops.is_empty() {
-            copy(&mut c)?;
+            beside(&mut c)?;
             return Ok(c);
         }
         self.group_begin()?;
@@ -339,7 +357,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             .collect::<Result<Vec<_>>>();
         let ok = posted.is_ok();
         // What was posted is handed over even where a later post failed, as `Comm::group` does.
-        let submitted = self.group_end_then(!tried, || if ok { copy(&mut c) } else { Ok(()) });
+        let submitted = self.group_end_then(!tried, || if ok { beside(&mut c) } else { Ok(()) });
         c.requests.extend(posted?);
         submitted?;
         Ok(c)

@@ -250,6 +250,11 @@ pub struct Config {
     /// on every rank): one cache line each way for the smallest, with the call's signature
     /// checked for free (`crate::reduction` module docs, `slots`). Off: eager messages.
     pub reduce_slots: bool,
+    /// The reductions' ring slice in bytes, forced (`FLAGCX_REDUCE_SLICE`, default: from the
+    /// job's vendors and the call, [`crate::reduction::ring_slice`], which also caps it so the
+    /// scratch stays within [`crate::reduction::DEVICE_SCRATCH_BYTES`]). Must be set alike on
+    /// every rank.
+    pub reduce_slice: Option<usize>,
 }
 
 /// Defaults, documented in the README's environment table.
@@ -298,6 +303,7 @@ impl Default for Config {
             profile: false,
             net_staging: false,
             reduce_algo: None,
+            reduce_slice: None,
             reduce_check: true,
             reduce_slots: true,
         }
@@ -480,6 +486,14 @@ impl Config {
         }
         if let Some(v) = var("FLAGCX_REDUCE_CHECK") {
             c.reduce_check = parse_bool("FLAGCX_REDUCE_CHECK", &v)?;
+        }
+        if let Some(v) = var("FLAGCX_REDUCE_SLICE") {
+            c.reduce_slice = Some(parse_size("FLAGCX_REDUCE_SLICE", &v)?)
+                .filter(|&s| s > 0)
+                .map(Some)
+                .ok_or_else(|| {
+                    CommError::config("FLAGCX_REDUCE_SLICE", &v, "expected a byte count above 0")
+                })?;
         }
         if let Some(v) = var("FLAGCX_REDUCE_SLOTS") {
             c.reduce_slots = parse_bool("FLAGCX_REDUCE_SLOTS", &v)?;

@@ -21,8 +21,11 @@
 //!   segment from the previous rank and combining it with its own), then for all-reduce an
 //!   all-gather around the ring, for reduce a gather to the root. Segment `j` is combined in
 //!   the order `x(j+1) ∘ x(j+2) ∘ … ∘ x(j)` (ranks modulo `n`). The reduce-scatter moves each
-//!   segment in slices of [`ring_slice`] bytes, one ring pass per slice; an all-reduce's
-//!   all-gather then moves whole segments (`n − 1` exchanges).
+//!   segment in slices of [`ring_slice`] bytes, one ring pass per slice, and consecutive
+//!   passes overlap: a pass's slice is combined while the next pass's slice moves (the plan's
+//!   local steps run beside the next exchange, `plan::overlap`). On two ranks an all-reduce
+//!   sends each combined slice back with the exchange two passes later; from three, its
+//!   all-gather moves whole segments at the end (`n − 1` exchanges).
 //!
 //! **The same bits on every rank**: a value is combined once, on one rank, in the order above,
 //! and then only copied, so every rank ends with identical bits whatever its vendor (every
@@ -33,8 +36,9 @@
 //!
 //! **Scratch**: [`SCRATCH_BYTES`] of device memory per communicator, allocated at its first
 //! reduction and freed with it (`crate::scratch`); calls on different streams take turns. In a
-//! job with a CUDA or HIP rank, a ring whose slices need more grows it, once, to
-//! [`DEVICE_SCRATCH_BYTES`] (the 8 MiB kept too until the communicator is destroyed).
+//! job with a CUDA or HIP rank, or with `FLAGCX_REDUCE_SLICE` set, a ring whose slices need
+//! more grows it, once, to at most [`DEVICE_SCRATCH_BYTES`] (the 8 MiB kept too until the
+//! communicator is destroyed).
 //!
 //! Inside a group ([`Comm::group_begin`]) a reduction is checked when posted and enqueued at
 //! the group's end, after the group's point-to-point operations; its failure is the
@@ -90,27 +94,55 @@ pub fn split_point(dtype: DataType, op: ReduceOp, bytes: usize) -> Option<usize>
 /// them to every rank costs less than those steps' latencies.
 pub const DIRECT_MAX_BYTES: usize = 64 << 10;
 
-/// The most scratch a reduction of a job with a GPU rank (CUDA or HIP) grows to: its ring
-/// moves in slices of half of it, or of all of it on two ranks (one ring step per slice, so one
-/// buffer). See [`ring_slice`].
+/// The most scratch a reduction of a job of GPU ranks (CUDA or HIP) grows to, and the most a
+/// forced slice ([`ring_slice`]) may reach.
 pub const DEVICE_SCRATCH_BYTES: usize = 64 << 20;
 
-/// The bytes of each segment one ring pass moves (the same on every rank: it depends on what
-/// every rank knows alike, `gpu_rank` being whether some rank's vendor is CUDA or HIP). Every
-/// pass costs `n − 1` dependent exchanges, and between GPU ranks an exchange is a hand-off
-/// between the ranks' streams (~45 µs between two CUDA ranks on one H100, run
-/// `2026-12-07-h100-mps-late`: a 128 MiB all-reduce in 4 MiB slices spent 1.45 ms where its
-/// memory traffic takes 0.3 ms), so jobs with a GPU rank take large slices. Jobs of CPU memory
-/// keep [`SCRATCH_BYTES`]` / 2`: the received slice is still in the cache when it is combined.
-/// That holds for an OpenCL rank on a CPU device too: a host rank and a PoCL rank took 131–145
-/// ms for a 64 MiB all-reduce in 64 MiB slices against 69–78 ms in 4 MiB slices (the same
-/// 2-core VM, alternating). An OpenCL rank on a GPU (whose device type the peers do not learn)
-/// keeps the small slices unless a CUDA or HIP rank is in the job.
-pub fn ring_slice(nranks: usize, gpu_rank: bool) -> usize {
-    match (gpu_rank, nranks) {
-        (false, _) => SCRATCH_BYTES / 2,
-        (true, 2) => DEVICE_SCRATCH_BYTES,
-        (true, _) => DEVICE_SCRATCH_BYTES / 2,
+/// The ring slice of jobs that mix GPU ranks (CUDA or HIP) with others: see [`ring_slice`].
+pub const MIXED_SLICE_BYTES: usize = 16 << 20;
+
+/// The bytes of each segment one ring pass moves (the same on every rank: it depends only on
+/// what every rank knows alike). `gpu_ranks` is how many of the `nranks` ranks' vendors are
+/// CUDA or HIP, `longest` the call's longest segment in bytes, and `forced` the slice
+/// `FLAGCX_REDUCE_SLICE` sets (which must then be set alike on every rank).
+///
+/// A call whose segments fit one pass takes one pass; a longer one takes passes in two lanes
+/// of buffers, so that one pass is combined while the next one moves (`plan::overlap`). A
+/// pass takes one buffer on two ranks and two from three (`plan::ring_buffers`); the scratch
+/// a call reaches is at most [`SCRATCH_BYTES`], or [`DEVICE_SCRATCH_BYTES`] in jobs with a
+/// GPU rank or a forced slice.
+///
+/// - *Every rank a GPU rank*: one pass up to [`DEVICE_SCRATCH_BYTES`] a pass's buffers. Two
+///   CUDA ranks copy with their own streams (late copies, `transport::late`), so nothing
+///   moves while the stream combines, and each pass costs `n − 1` hand-offs between the
+///   ranks' streams (~45 µs between two CUDA ranks on one H100, run
+///   `2026-12-07-h100-mps-late`: a 128 MiB all-reduce in 4 MiB slices spent 1.45 ms where its
+///   memory traffic takes 0.3 ms; in one 64 MiB pass, 0.48 ms).
+/// - *GPU ranks beside others*: [`MIXED_SLICE_BYTES`]. The proxy moves these pairs' messages,
+///   so passes overlap; the slice keeps a 128 MiB all-reduce to four passes, since each costs
+///   the GPU rank's stream a hand-off. Not yet measured on a GPU against other slices
+///   (`FLAGCX_REDUCE_SLICE` tries them).
+/// - *No GPU rank*: [`SCRATCH_BYTES`] a lane (4 MiB slices on two ranks, 2 MiB from three):
+///   a slice is still in the CPU's cache when it is combined (a host rank and a PoCL rank took
+///   131–145 ms for a 64 MiB all-reduce in 64 MiB slices against 69–78 ms in 4 MiB slices,
+///   the same 2-core VM, before passes overlapped). On 2 cores the overlap gains nothing
+///   (the copies and the combining share the CPUs); see `docs/performance.md`.
+pub fn ring_slice(nranks: usize, gpu_ranks: usize, longest: usize, forced: Option<usize>) -> usize {
+    let per = plan::ring_buffers(nranks);
+    // The slice of one pass, and of passes in two lanes, within a budget of scratch.
+    let within = |slice: usize, budget: usize| {
+        let one = slice.min(budget / per);
+        if longest <= one {
+            one
+        } else {
+            slice.min(budget / (2 * per)).max(1)
+        }
+    };
+    match (forced, gpu_ranks) {
+        (Some(s), _) => within(s.max(1), DEVICE_SCRATCH_BYTES),
+        (None, 0) => within(usize::MAX, SCRATCH_BYTES),
+        (None, g) if g == nranks => within(usize::MAX, DEVICE_SCRATCH_BYTES),
+        (None, _) => within(MIXED_SLICE_BYTES, DEVICE_SCRATCH_BYTES),
     }
 }
 
@@ -406,7 +438,13 @@ impl<A: DeviceAdaptor> Comm<A> {
                 self.nranks(),
                 self.infos
                     .iter()
-                    .any(|i| matches!(i.vendor, Vendor::Cuda | Vendor::Hip)),
+                    .filter(|i| matches!(i.vendor, Vendor::Cuda | Vendor::Hip))
+                    .count(),
+                match kind {
+                    Kind::ReduceScatter => bytes,
+                    _ => count.div_ceil(self.nranks()) * dtype.size(),
+                },
+                self.config.reduce_slice,
             ),
         };
         let steps = plan(&shape);
@@ -474,56 +512,37 @@ impl<A: DeviceAdaptor> Comm<A> {
         // Which (peer, direction) pairs carried their first message of the call yet.
         let mut signed = std::collections::HashSet::new();
         for step in steps {
-            match step {
-                Step::Exchange(ex) => {
-                    let mut blocks: Vec<Block> = Vec::with_capacity(2 * ex.len());
-                    for &(q, s, w, b) in ex {
-                        let p = at(w);
-                        // The call's first message to or from each peer carries its signature
-                        // in where it splits (see the module doc): the same message on both
-                        // ends, whatever steps come before it on either.
-                        let first = self.config.reduce_check && b > 0 && signed.insert((q, s));
-                        match split_point(dtype, op, b).filter(|_| first) {
-                            Some(k) => blocks
-                                .extend([(q, s, p, k), (q, s, DevicePtr(p.0 + k as u64), b - k)]),
-                            None => blocks.push((q, s, p, b)),
-                        }
+            let Step::Exchange { msgs, beside } = step else {
+                // SAFETY: as below.
+                unsafe { self.enqueue_local(step, &at, dtype, stream) }?;
+                tail = true;
+                continue;
+            };
+            let mut blocks: Vec<Block> = Vec::with_capacity(2 * msgs.len());
+            for &(q, s, w, b) in msgs {
+                let p = at(w);
+                // The call's first message to or from each peer carries its signature in
+                // where it splits (see the module doc): the same message on both ends,
+                // whatever steps come before it on either.
+                let first = self.config.reduce_check && b > 0 && signed.insert((q, s));
+                match split_point(dtype, op, b).filter(|_| first) {
+                    Some(k) => {
+                        blocks.extend([(q, s, p, k), (q, s, DevicePtr(p.0 + k as u64), b - k)])
                     }
-                    // SAFETY: every block lies in the caller's buffers (its contract) or in the
-                    // scratch, which this call holds until the stream passes it.
-                    c.absorb(unsafe { self.post_group(&blocks, stream, None) }?);
-                    tail = false;
-                }
-                &Step::Reduce {
-                    dst,
-                    a,
-                    b,
-                    count,
-                    step,
-                } => {
-                    // SAFETY: as above.
-                    unsafe {
-                        self.adaptor().reduce_async(
-                            at(dst),
-                            at(a),
-                            at(b),
-                            count,
-                            dtype,
-                            step,
-                            stream,
-                        )
-                    }?;
-                    tail = true;
-                }
-                &Step::Copy { dst, src, bytes } => {
-                    // SAFETY: as above.
-                    unsafe {
-                        self.adaptor()
-                            .memcpy_d2d_async(at(dst), at(src), bytes, stream)
-                    }?;
-                    tail = true;
+                    None => blocks.push((q, s, p, b)),
                 }
             }
+            // SAFETY: every block lies in the caller's buffers (its contract) or in the
+            // scratch, which this call holds until the stream passes it; the plan's steps
+            // beside the messages touch none of their bytes (`plan::overlap`).
+            c.absorb(unsafe {
+                self.post_group_beside(&blocks, stream, |_| {
+                    beside
+                        .iter()
+                        .try_for_each(|l| self.enqueue_local(l, &at, dtype, stream))
+                })
+            }?);
+            tail = !beside.is_empty();
         }
         if needs_scratch {
             scratch.used(self.adaptor(), stream)?;
@@ -532,6 +551,48 @@ impl<A: DeviceAdaptor> Comm<A> {
             self.track_stream_end(&mut c, stream)?;
         }
         Ok(c)
+    }
+
+    /// Enqueues one local step (a reduction step or a copy) of a plan on `stream`; `at` turns
+    /// its places into pointers.
+    ///
+    /// # Safety
+    /// As the public calls; the step's places lie in the call's buffers or its scratch.
+    unsafe fn enqueue_local(
+        &self,
+        step: &Step,
+        at: &impl Fn(At) -> DevicePtr,
+        dtype: DataType,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        match *step {
+            Step::Reduce {
+                dst,
+                a,
+                b,
+                count,
+                step,
+            } => {
+                // SAFETY: the caller's contract.
+                unsafe {
+                    self.adaptor()
+                        .reduce_async(at(dst), at(a), at(b), count, dtype, step, stream)
+                }?
+            }
+            Step::Copy { dst, src, bytes } => {
+                // SAFETY: the caller's contract.
+                unsafe {
+                    self.adaptor()
+                        .memcpy_d2d_async(at(dst), at(src), bytes, stream)
+                }?
+            }
+            Step::Exchange { .. } => {
+                return Err(CommError::InvalidArgument(
+                    "a plan's exchange is not a local step".into(),
+                ))
+            }
+        }
+        Ok(())
     }
 }
 

@@ -313,6 +313,17 @@ fn reduce_check_is_on_unless_turned_off() {
 }
 
 #[test]
+fn a_reduce_slice_is_a_byte_count_above_zero() {
+    assert_eq!(Config::from_lookup(lookup(&[])).unwrap().reduce_slice, None);
+    let c = Config::from_lookup(lookup(&[("FLAGCX_REDUCE_SLICE", "1M")])).unwrap();
+    assert_eq!(c.reduce_slice, Some(1 << 20));
+    for bad in ["0", "big"] {
+        let e = Config::from_lookup(lookup(&[("FLAGCX_REDUCE_SLICE", bad)])).unwrap_err();
+        assert!(e.to_string().contains("FLAGCX_REDUCE_SLICE"), "{e}");
+    }
+}
+
+#[test]
 fn a_process_is_launched_when_any_launchers_rank_and_size_are_set() {
     assert!(!RankEnv::launched_by(lookup(&[])));
     assert!(!RankEnv::launched_by(lookup(&[(

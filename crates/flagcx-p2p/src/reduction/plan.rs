@@ -1,6 +1,12 @@
 //! A reduction's plan: the steps of one call on one rank — exchanges, reduction steps, local
 //! copies — as a pure function of its [`Shape`] (see the parent module for the algorithms and
 //! the order they combine in), and the scratch a plan reaches.
+//!
+//! A plan is written as a serial list, each step after the one before, and then [`overlap`]
+//! moves each run of local steps that touches nothing the next exchange touches beside that
+//! exchange: they are enqueued after its messages are handed over and before the stream waits
+//! for them, so a slice is combined while the next one moves. The ring lays its buffers out so
+//! that this is so for its long runs (consecutive slices in different buffers).
 
 use flagcx_adaptor::reduce::{DataType, ReduceOp, ReduceStep};
 
@@ -18,11 +24,15 @@ pub(crate) enum Buf {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct At(pub(crate) Buf, pub(crate) usize);
 
+/// One message of an exchange: (peer, send?, where, bytes).
+pub(crate) type Msg = (usize, bool, At, usize);
+
 /// One step of a plan.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Step {
-    /// One group: (peer, send?, where, bytes).
-    Exchange(Vec<(usize, bool, At, usize)>),
+    /// One group of messages, and the local steps that run while they move (see [`overlap`]):
+    /// none of them touches a byte the messages read or write.
+    Exchange { msgs: Vec<Msg>, beside: Vec<Step> },
     /// A reduction step over `count` elements.
     Reduce {
         dst: At,
@@ -83,10 +93,79 @@ pub(crate) fn plan(sh: &Shape) -> Vec<Step> {
             }],
         };
     }
-    match sh.algo {
+    let serial = match sh.algo {
         Algorithm::Direct => direct(sh),
         Algorithm::Ring => ring(sh),
+    };
+    overlap(serial, sh)
+}
+
+/// A plan's serial steps with each run of local steps that ends right before an exchange, as
+/// far back as its steps touch nothing the exchange's messages touch, moved beside that
+/// exchange. Their order among themselves is kept, and the exchange's sends read what they
+/// would have read after them (the steps write none of it).
+fn overlap(serial: Vec<Step>, sh: &Shape) -> Vec<Step> {
+    let mut out: Vec<Step> = Vec::with_capacity(serial.len());
+    for step in serial {
+        let Step::Exchange { msgs, beside } = step else {
+            out.push(step);
+            continue;
+        };
+        let mut from = out.len();
+        while from > 0 && apart(&out[from - 1], &msgs, sh) {
+            from -= 1;
+        }
+        let mut moved = out.split_off(from);
+        moved.extend(beside);
+        out.push(Step::Exchange {
+            msgs,
+            beside: moved,
+        });
     }
+    out
+}
+
+/// A byte range of one memory: the scratch, the user's buffers (the send buffer, and the
+/// receive buffer where the call is in place), or the receive buffer.
+type Span = (u8, std::ops::Range<usize>);
+
+/// Where `at` lies for `len` bytes; in place, the receive buffer is the send buffer at the
+/// rank's offset (reduce-scatter) or at 0.
+fn span(sh: &Shape, at: At, len: usize) -> Span {
+    let (mem, off) = match (at.0, sh.in_place) {
+        (Buf::Scratch, _) => (0, at.1),
+        (Buf::Send, _) => (1, at.1),
+        (Buf::Recv, true) => match sh.kind {
+            Kind::ReduceScatter => (1, at.1 + sh.rank * sh.count * sh.dtype.size()),
+            _ => (1, at.1),
+        },
+        (Buf::Recv, false) => (2, at.1),
+    };
+    (mem, off..off + len)
+}
+
+fn meet(x: &Span, y: &Span) -> bool {
+    x.0 == y.0 && x.1.start < y.1.end && y.1.start < x.1.end
+}
+
+/// Whether the local step `step` touches no byte that `msgs` read (sends) or write (receives),
+/// and writes nothing they read: then it may run while they move. An exchange is never apart.
+fn apart(step: &Step, msgs: &[Msg], sh: &Shape) -> bool {
+    let sz = sh.dtype.size();
+    let (reads, writes): (Vec<Span>, Span) = match *step {
+        Step::Exchange { .. } => return false,
+        Step::Reduce {
+            dst, a, b, count, ..
+        } => (
+            vec![span(sh, a, count * sz), span(sh, b, count * sz)],
+            span(sh, dst, count * sz),
+        ),
+        Step::Copy { dst, src, bytes } => (vec![span(sh, src, bytes)], span(sh, dst, bytes)),
+    };
+    msgs.iter().all(|&(_, send, at, bytes)| {
+        let m = span(sh, at, bytes);
+        !meet(&m, &writes) && (send || !reads.iter().any(|r| meet(&m, r)))
+    })
 }
 
 fn direct(sh: &Shape) -> Vec<Step> {
@@ -118,7 +197,7 @@ fn direct(sh: &Shape) -> Vec<Step> {
             ex.push((q, false, slot(q), bytes));
         }
     }
-    steps.push(Step::Exchange(ex));
+    steps.push(exchange(ex));
     if !gets {
         return steps;
     }
@@ -157,6 +236,24 @@ fn direct(sh: &Shape) -> Vec<Step> {
     steps
 }
 
+fn exchange(msgs: Vec<Msg>) -> Step {
+    Step::Exchange {
+        msgs,
+        beside: Vec::new(),
+    }
+}
+
+/// The ring's buffers per pass: one on two ranks (a pass is one step: the received slice is
+/// combined straight into its place), else two (step `s` receives into one while the slice
+/// combined in the other at step `s − 1` is sent on).
+pub(crate) fn ring_buffers(nranks: usize) -> usize {
+    if nranks == 2 {
+        1
+    } else {
+        2
+    }
+}
+
 fn ring(sh: &Shape) -> Vec<Step> {
     let (r, n, sz) = (sh.rank, sh.nranks, sh.dtype.size());
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
@@ -164,83 +261,129 @@ fn ring(sh: &Shape) -> Vec<Step> {
     let chunk = (sh.slice / sz).max(1);
     let longest = (0..n).map(|j| seg(j).1).max().unwrap_or(0);
     let rounds = longest.div_ceil(chunk);
-    // Two ranks use only the first (one ring step per slice).
-    let bufs = [At(Buf::Scratch, 0), At(Buf::Scratch, chunk * sz)];
+    // Consecutive passes take turns between two lanes of buffers, so that one pass's slice is
+    // combined while the next one's moves ([`overlap`]).
+    let per = ring_buffers(n);
+    let buf = |round: usize, s: usize| At(Buf::Scratch, ((round % 2) * per + s % per) * chunk * sz);
     // Modulo n without underflow: ranks and steps are below n.
     let back = |k: usize| (r + 2 * n - k) % n;
-    let mut steps = Vec::new();
-    for round in 0..rounds {
-        // This round's slice of segment j: (first element, elements).
-        let part = |j: usize| {
-            let (first, len) = seg(j);
-            let from = (round * chunk).min(len);
-            (first + from, (len - from).min(chunk))
+    // Pass `round`'s slice of segment j: (first element, elements).
+    let part = |round: usize, j: usize| {
+        let (first, len) = seg(j);
+        let from = (round * chunk).min(len);
+        (first + from, (len - from).min(chunk))
+    };
+    let in_send = |round: usize, j: usize| At(Buf::Send, part(round, j).0 * sz);
+    let in_recv = |round: usize, j: usize| At(Buf::Recv, part(round, j).0 * sz);
+    // Where pass `round` leaves this rank's combined slice.
+    let fin = |round: usize| match sh.kind {
+        Kind::AllReduce => in_recv(round, r),
+        Kind::ReduceScatter => At(Buf::Recv, (part(round, r).0 - seg(r).0) * sz),
+        Kind::Reduce { root } if root == r => in_recv(round, r),
+        Kind::Reduce { .. } => buf(round, n - 2),
+    };
+    // Step `s` of pass `round`: its exchange, its combining, and after the last its average.
+    let ring_step = |round: usize, s: usize, steps: &mut Vec<Step>, extra: Vec<Msg>| {
+        let (sj, rj) = (back(s + 1), back(s + 2));
+        let (out, got) = (part(round, sj).1, part(round, rj).1);
+        let src = if s == 0 {
+            in_send(round, sj)
+        } else {
+            buf(round, s - 1)
         };
-        let in_send = |j: usize| At(Buf::Send, part(j).0 * sz);
-        let in_recv = |j: usize| At(Buf::Recv, part(j).0 * sz);
-        let fin = match sh.kind {
-            Kind::AllReduce => in_recv(r),
-            Kind::ReduceScatter => At(Buf::Recv, (part(r).0 - seg(r).0) * sz),
-            Kind::Reduce { root } if root == r => in_recv(r),
-            Kind::Reduce { .. } => bufs[(n - 2) % 2],
-        };
-        for s in 0..n - 1 {
-            let (sj, rj) = (back(s + 1), back(s + 2));
-            let src = if s == 0 {
-                in_send(sj)
-            } else {
-                bufs[(s - 1) % 2]
-            };
-            let mut ex = Vec::new();
-            if part(sj).1 > 0 {
-                ex.push((next, true, src, part(sj).1 * sz));
-            }
-            if part(rj).1 > 0 {
-                ex.push((prev, false, bufs[s % 2], part(rj).1 * sz));
-            }
-            if !ex.is_empty() {
-                steps.push(Step::Exchange(ex));
-            }
-            if part(rj).1 > 0 {
-                steps.push(Step::Reduce {
-                    dst: if s == n - 2 { fin } else { bufs[s % 2] },
-                    a: bufs[s % 2],
-                    b: in_send(rj),
-                    count: part(rj).1,
-                    step: sh.combine(),
-                });
-            }
+        let mut ex = Vec::new();
+        if out > 0 {
+            ex.push((next, true, src, out * sz));
         }
-        if let (Some(f), true) = (sh.finish(), part(r).1 > 0) {
+        if got > 0 {
+            ex.push((prev, false, buf(round, s), got * sz));
+        }
+        ex.extend(extra);
+        if !ex.is_empty() {
+            steps.push(exchange(ex));
+        }
+        if got > 0 {
             steps.push(Step::Reduce {
-                dst: fin,
-                a: fin,
-                b: fin,
-                count: part(r).1,
+                dst: if s == n - 2 {
+                    fin(round)
+                } else {
+                    buf(round, s)
+                },
+                a: buf(round, s),
+                b: in_send(round, rj),
+                count: got,
+                step: sh.combine(),
+            });
+        }
+        if let (Some(f), true, true) = (sh.finish(), s == n - 2, part(round, r).1 > 0) {
+            steps.push(Step::Reduce {
+                dst: fin(round),
+                a: fin(round),
+                b: fin(round),
+                count: part(round, r).1,
                 step: f,
             });
         }
+    };
+    // Two ranks' all-reduce sends each combined slice back two passes later, with that pass's
+    // exchange (no exchange of its own; by then the slice is combined and its buffer's turn is
+    // over); more ranks' all-gather moves whole segments at the end (`n − 1` exchanges).
+    let gather_slices = n == 2 && sh.kind == Kind::AllReduce;
+    let gather = |round: usize| -> Vec<Msg> {
+        let (mine, theirs) = (part(round, r), part(round, back(1)));
+        let mut ex = Vec::new();
+        if mine.1 > 0 {
+            ex.push((next, true, fin(round), mine.1 * sz));
+        }
+        if theirs.1 > 0 {
+            ex.push((prev, false, in_recv(round, back(1)), theirs.1 * sz));
+        }
+        ex
+    };
+    let mut steps = Vec::new();
+    // Passes go in pairs, one step of each in turn (the pair's lanes differ), so that a
+    // step's combining of one pass runs while the other pass's next step moves.
+    for pair in (0..rounds).step_by(2) {
+        let pass = pair..(pair + 2).min(rounds);
+        for s in 0..n - 1 {
+            for round in pass.clone() {
+                let extra = match round.checked_sub(2) {
+                    Some(old) if gather_slices => gather(old),
+                    _ => Vec::new(),
+                };
+                ring_step(round, s, &mut steps, extra);
+            }
+        }
         if let Kind::Reduce { root } = sh.kind {
-            let ex: Vec<_> = if r == root {
-                (0..n)
-                    .filter(|&q| q != r && part(q).1 > 0)
-                    .map(|q| (q, false, in_recv(q), part(q).1 * sz))
-                    .collect()
-            } else if part(r).1 > 0 {
-                vec![(root, true, fin, part(r).1 * sz)]
-            } else {
-                vec![]
-            };
-            if !ex.is_empty() {
-                steps.push(Step::Exchange(ex));
+            for round in pass {
+                let ex: Vec<_> = if r == root {
+                    (0..n)
+                        .filter(|&q| q != r && part(round, q).1 > 0)
+                        .map(|q| (q, false, in_recv(round, q), part(round, q).1 * sz))
+                        .collect()
+                } else if part(round, r).1 > 0 {
+                    vec![(root, true, fin(round), part(round, r).1 * sz)]
+                } else {
+                    vec![]
+                };
+                if !ex.is_empty() {
+                    steps.push(exchange(ex));
+                }
             }
         }
     }
-    // All-reduce: the all-gather moves whole segments from receive buffer to receive buffer,
-    // once every slice is combined: n − 1 dependent exchanges instead of n − 1 per slice (each
-    // exchange costs a hand-off between the ranks' streams, ~45 µs between two CUDA ranks on
-    // one H100, which 4 MiB slices of a 128 MiB all-reduce paid 32 times).
-    if sh.kind == Kind::AllReduce {
+    if gather_slices {
+        for round in rounds.saturating_sub(2)..rounds {
+            let ex = gather(round);
+            if !ex.is_empty() {
+                steps.push(exchange(ex));
+            }
+        }
+    } else if sh.kind == Kind::AllReduce {
+        // All-reduce: the all-gather moves whole segments from receive buffer to receive
+        // buffer once every slice is combined: n − 1 dependent exchanges instead of n − 1 per
+        // slice (each exchange costs a hand-off between the ranks' streams, ~45 µs between two
+        // CUDA ranks on one H100, which 4 MiB slices of a 128 MiB all-reduce paid 32 times).
         let whole = |j: usize| At(Buf::Recv, seg(j).0 * sz);
         for s in 0..n - 1 {
             let (sj, rj) = (back(s), back(s + 1));
@@ -252,7 +395,7 @@ fn ring(sh: &Shape) -> Vec<Step> {
                 ex.push((prev, false, whole(rj), seg(rj).1 * sz));
             }
             if !ex.is_empty() {
-                steps.push(Step::Exchange(ex));
+                steps.push(exchange(ex));
             }
         }
     }
@@ -265,11 +408,12 @@ pub(crate) fn scratch_extent(steps: &[Step], sz: usize) -> usize {
     steps
         .iter()
         .map(|s| match s {
-            Step::Exchange(ex) => ex
+            Step::Exchange { msgs, beside } => msgs
                 .iter()
                 .map(|&(_, _, at, b)| end(at, b))
                 .max()
-                .unwrap_or(0),
+                .unwrap_or(0)
+                .max(scratch_extent(beside, sz)),
             &Step::Reduce {
                 dst, a, b, count, ..
             } => [dst, a, b]

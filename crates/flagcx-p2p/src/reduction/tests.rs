@@ -8,7 +8,7 @@ use flagcx_adaptor::reduce::{reduce_slices, DataType, ReduceOp, ReduceStep};
 
 use super::{
     choose, plan, ring_slice, scratch_extent, Algorithm, At, Buf, Kind, Shape, Step,
-    DEVICE_SCRATCH_BYTES, SCRATCH_BYTES,
+    DEVICE_SCRATCH_BYTES, MIXED_SLICE_BYTES, SCRATCH_BYTES,
 };
 
 /// A rank's buffers.
@@ -58,8 +58,40 @@ fn scratch_needed(steps: &[Step], sz: usize) -> usize {
     need
 }
 
-/// Runs every rank's plan to the end; returns each rank's memory.
-fn simulate(shapes: &[Shape], mut mems: Vec<Mem>, in_place: &[Option<usize>]) -> Vec<Mem> {
+/// Runs one local step on a rank's memory.
+fn run_local(m: &mut Mem, step: &Step, dtype: DataType, ip: Option<usize>) {
+    let sz = dtype.size();
+    match *step {
+        Step::Reduce {
+            dst,
+            a,
+            b,
+            count,
+            step,
+        } => {
+            let x = read(m, a, count * sz, ip);
+            let y = read(m, b, count * sz, ip);
+            let mut out = vec![0u8; count * sz];
+            reduce_slices(&mut out, &x, &y, dtype, step);
+            write(m, dst, &out, ip);
+        }
+        Step::Copy { dst, src, bytes } => {
+            let x = read(m, src, bytes, ip);
+            write(m, dst, &x, ip);
+        }
+        Step::Exchange { .. } => panic!("an exchange beside an exchange"),
+    }
+}
+
+/// Runs every rank's plan to the end; returns each rank's memory. The local steps beside an
+/// exchange run before its sends are read (`beside_first`) or after its receives landed: a
+/// step that touched the messages' bytes would make the two differ.
+fn simulate(
+    shapes: &[Shape],
+    mut mems: Vec<Mem>,
+    in_place: &[Option<usize>],
+    beside_first: bool,
+) -> Vec<Mem> {
     let n = shapes.len();
     let plans: Vec<Vec<Step>> = shapes.iter().map(plan).collect();
     let mut pc = vec![0usize; n];
@@ -69,12 +101,17 @@ fn simulate(shapes: &[Shape], mut mems: Vec<Mem>, in_place: &[Option<usize>]) ->
         let mut moved = false;
         for r in 0..n {
             while pc[r] < plans[r].len() {
-                let sz = shapes[r].dtype.size();
+                let dtype = shapes[r].dtype;
                 let ip = in_place[r];
                 match &plans[r][pc[r]] {
-                    Step::Exchange(ex) => {
+                    Step::Exchange { msgs, beside } => {
                         if !sent[r] {
-                            for &(q, s, at, bytes) in ex {
+                            if beside_first {
+                                beside
+                                    .iter()
+                                    .for_each(|l| run_local(&mut mems[r], l, dtype, ip));
+                            }
+                            for &(q, s, at, bytes) in msgs {
                                 if s {
                                     let data = read(&mut mems[r], at, bytes, ip);
                                     queues.entry((r, q)).or_default().push_back(data);
@@ -82,43 +119,32 @@ fn simulate(shapes: &[Shape], mut mems: Vec<Mem>, in_place: &[Option<usize>]) ->
                             }
                             sent[r] = true;
                         }
-                        let ready = ex.iter().filter(|e| !e.1).all(|&(q, _, _, bytes)| {
-                            queues
-                                .get(&(q, r))
-                                .and_then(|v| v.front())
-                                .is_some_and(|m| {
-                                    assert_eq!(m.len(), bytes, "rank {r}: size from {q}");
-                                    true
-                                })
+                        // A pair's messages match in the order they were posted.
+                        let mut nth: HashMap<usize, usize> = HashMap::new();
+                        let ready = msgs.iter().filter(|e| !e.1).all(|&(q, _, _, bytes)| {
+                            let i = *nth.entry(q).and_modify(|i| *i += 1).or_insert(0);
+                            queues.get(&(q, r)).and_then(|v| v.get(i)).is_some_and(|m| {
+                                assert_eq!(m.len(), bytes, "rank {r}: size from {q}");
+                                true
+                            })
                         });
                         if !ready {
                             break;
                         }
-                        for &(q, s, at, _) in ex {
+                        for &(q, s, at, _) in msgs {
                             if !s {
                                 let m = queues.get_mut(&(q, r)).unwrap().pop_front().unwrap();
                                 write(&mut mems[r], at, &m, ip);
                             }
                         }
+                        if !beside_first {
+                            beside
+                                .iter()
+                                .for_each(|l| run_local(&mut mems[r], l, dtype, ip));
+                        }
                         sent[r] = false;
                     }
-                    &Step::Reduce {
-                        dst,
-                        a,
-                        b,
-                        count,
-                        step,
-                    } => {
-                        let x = read(&mut mems[r], a, count * sz, ip);
-                        let y = read(&mut mems[r], b, count * sz, ip);
-                        let mut out = vec![0u8; count * sz];
-                        reduce_slices(&mut out, &x, &y, shapes[r].dtype, step);
-                        write(&mut mems[r], dst, &out, ip);
-                    }
-                    &Step::Copy { dst, src, bytes } => {
-                        let x = read(&mut mems[r], src, bytes, ip);
-                        write(&mut mems[r], dst, &x, ip);
-                    }
+                    local => run_local(&mut mems[r], local, dtype, ip),
                 }
                 pc[r] += 1;
                 moved = true;
@@ -225,16 +251,41 @@ fn check(
             })
         })
         .collect();
-    let mems = (0..n)
-        .map(|r| Mem {
-            send: inputs[r].clone(),
-            recv: vec![0xEE; recv_elems * sz],
-            scratch: vec![0xDD; scratch_needed(&plan(&shapes[r]), sz)],
-        })
-        .collect();
-    let mut mems = simulate(&shapes, mems, &in_place);
-    let what =
-        format!("{kind:?} n={n} count={count} {dtype} {op} {algo:?} in_place={ip} slice={slice}");
+    for beside_first in [false, true] {
+        let mems = (0..n)
+            .map(|r| Mem {
+                send: inputs[r].clone(),
+                recv: vec![0xEE; recv_elems * sz],
+                scratch: vec![0xDD; scratch_needed(&plan(&shapes[r]), sz)],
+            })
+            .collect();
+        let mems = simulate(&shapes, mems, &in_place, beside_first);
+        let what = format!(
+            "{kind:?} n={n} count={count} {dtype} {op} {algo:?} in_place={ip} slice={slice} \
+             beside_first={beside_first}"
+        );
+        compare(&shapes, &inputs, mems, &in_place, algo, &what);
+    }
+}
+
+/// Every rank's result in `mems` against the reference in the algorithm's order.
+fn compare(
+    shapes: &[Shape],
+    inputs: &[Vec<u8>],
+    mut mems: Vec<Mem>,
+    in_place: &[Option<usize>],
+    algo: Algorithm,
+    what: &str,
+) {
+    let (n, kind, count, dtype, op) = (
+        shapes.len(),
+        shapes[0].kind,
+        shapes[0].count,
+        shapes[0].dtype,
+        shapes[0].op,
+    );
+    let sz = dtype.size();
+    let recv_elems = count;
     // The order segment j is combined in, and the elements it covers.
     let order = |j: usize| -> Vec<usize> {
         match algo {
@@ -259,7 +310,7 @@ fn check(
         }
         let want: Vec<u8> = match kind {
             Kind::ReduceScatter => {
-                reference(&inputs, r * count..(r + 1) * count, &order(r), dtype, op)
+                reference(inputs, r * count..(r + 1) * count, &order(r), dtype, op)
             }
             _ => {
                 let sh = &shapes[r];
@@ -271,7 +322,7 @@ fn check(
                     } else {
                         order(j)
                     };
-                    all.extend(reference(&inputs, first..first + len, &o, dtype, op));
+                    all.extend(reference(inputs, first..first + len, &o, dtype, op));
                 }
                 all
             }
@@ -306,7 +357,7 @@ fn every_plan_gives_the_reference_on_every_rank() {
                         ] {
                             // The host slice (one pass at these counts), and slices of a few
                             // elements: many passes, the last one short.
-                            for slice in [ring_slice(n, false), 8, 24] {
+                            for slice in [ring_slice(n, 0, 0, None), 8, 24] {
                                 check(kind, n, count, dtype, op, algo, ip, slice);
                             }
                         }
@@ -330,7 +381,7 @@ fn the_ring_slices_long_segments() {
             ReduceOp::Sum,
             Algorithm::Ring,
             false,
-            ring_slice(2, false),
+            ring_slice(2, 0, 4 * count, None),
         );
     }
     check(
@@ -341,37 +392,75 @@ fn the_ring_slices_long_segments() {
         ReduceOp::Min,
         Algorithm::Ring,
         true,
-        ring_slice(3, false),
+        ring_slice(3, 0, 4 * count, None),
     );
 }
 
-/// The exchanges a 128 MiB float32 all-reduce's plan makes on two ranks: one per slice of the
-/// reduce-scatter, then one for the whole all-gather; jobs with a GPU rank take 64 MiB slices.
+/// A 128 MiB float32 all-reduce's plan on rank 0 of `nranks`, `gpus` of them CUDA or HIP
+/// ranks.
+fn big_all_reduce(nranks: usize, gpus: usize) -> Vec<Step> {
+    let count = 32 << 20;
+    plan(&Shape {
+        kind: Kind::AllReduce,
+        rank: 0,
+        nranks,
+        count,
+        dtype: DataType::F32,
+        op: ReduceOp::Sum,
+        algo: Algorithm::Ring,
+        in_place: false,
+        slice: ring_slice(nranks, gpus, 4 * count.div_ceil(nranks), None),
+    })
+}
+
+/// The exchanges a 128 MiB float32 all-reduce's plan makes, and its scratch: jobs of GPU ranks
+/// take one pass of the whole segment (two exchanges on two ranks); mixed ones 16 MiB slices,
+/// others 4 MiB, in two lanes of buffers (on two ranks the all-gather rides on later passes'
+/// exchanges).
 #[test]
 fn device_rings_take_few_dependent_steps() {
-    let exchanges = |nranks: usize, device: bool| {
-        let sh = Shape {
-            kind: Kind::AllReduce,
-            rank: 0,
-            nranks,
-            count: 32 << 20,
-            dtype: DataType::F32,
-            op: ReduceOp::Sum,
-            algo: Algorithm::Ring,
-            in_place: false,
-            slice: ring_slice(nranks, device),
-        };
-        let steps = plan(&sh);
+    let exchanges = |nranks: usize, gpus: usize| {
+        let steps = big_all_reduce(nranks, gpus);
         let n = steps
             .iter()
-            .filter(|s| matches!(s, Step::Exchange(_)))
+            .filter(|s| matches!(s, Step::Exchange { .. }))
             .count();
         (n, scratch_extent(&steps, 4))
     };
-    assert_eq!(exchanges(2, false), (16 + 1, SCRATCH_BYTES / 2));
-    assert_eq!(exchanges(2, true), (1 + 1, DEVICE_SCRATCH_BYTES));
-    // Four ranks: 32 MiB segments in 32 MiB slices, two buffers; three steps each way.
-    assert_eq!(exchanges(4, true), (3 + 3, DEVICE_SCRATCH_BYTES));
+    assert_eq!(exchanges(2, 0), (16 + 2, SCRATCH_BYTES));
+    assert_eq!(exchanges(2, 2), (1 + 1, DEVICE_SCRATCH_BYTES));
+    assert_eq!(exchanges(2, 1), (4 + 2, 2 * MIXED_SLICE_BYTES));
+    // Four ranks: 32 MiB segments in one 32 MiB pass, two buffers; three steps each way.
+    assert_eq!(exchanges(4, 4), (3 + 3, DEVICE_SCRATCH_BYTES));
+    // Four host ranks: 2 MiB slices, two lanes of two buffers.
+    assert_eq!(exchanges(4, 0), (16 * 3 + 3, SCRATCH_BYTES));
+    assert_eq!(exchanges(4, 1), (2 * 3 + 3, 4 * MIXED_SLICE_BYTES));
+}
+
+/// Where a ring takes several passes, each slice is combined while the next one moves: every
+/// reduction step but the last pass's last (and its average) is beside an exchange, and no
+/// exchange's messages touch what runs beside them (the simulator checks the results).
+#[test]
+fn long_rings_combine_while_the_next_slice_moves() {
+    for nranks in [2, 3, 4] {
+        let steps = big_all_reduce(nranks, 0);
+        let alone = steps
+            .iter()
+            .filter(|s| !matches!(s, Step::Exchange { .. }))
+            .count();
+        let beside: usize = steps
+            .iter()
+            .map(|s| match s {
+                Step::Exchange { beside, .. } => beside.len(),
+                _ => 0,
+            })
+            .sum();
+        let most = if nranks == 2 { 0 } else { 1 };
+        assert!(
+            alone <= most && beside > 0,
+            "{nranks} ranks: {alone} local steps alone, {beside} beside exchanges"
+        );
+    }
 }
 
 #[test]
@@ -393,4 +482,22 @@ fn the_choice_depends_only_on_its_inputs() {
         choose(2, 16, DataType::I8, Some(Algorithm::Ring)),
         Algorithm::Ring
     );
+}
+
+/// A forced slice is taken as it is, except that a call's scratch stays within
+/// [`DEVICE_SCRATCH_BYTES`]: one pass of a pass's buffers, or two lanes of them.
+#[test]
+fn forced_slices_keep_the_scratch_bounded() {
+    let mib = 1 << 20;
+    assert_eq!(ring_slice(2, 0, 9 * mib, Some(mib)), mib);
+    assert_eq!(ring_slice(3, 2, 9 * mib, Some(mib)), mib);
+    // One pass of 40 MiB fits on two ranks (one buffer), not from three (two).
+    assert_eq!(ring_slice(2, 0, 40 * mib, Some(40 * mib)), 40 * mib);
+    assert_eq!(ring_slice(3, 0, 40 * mib, Some(40 * mib)), 16 * mib);
+    assert_eq!(ring_slice(2, 0, 1 << 30, Some(1 << 30)), 32 * mib);
+    for (n, longest, forced) in [(2, 1 << 30, 1 << 30), (5, 100 * mib, 48 * mib)] {
+        let slice = ring_slice(n, 0, longest, Some(forced));
+        let lanes = if longest <= slice { 1 } else { 2 };
+        assert!(lanes * super::plan::ring_buffers(n) * slice <= DEVICE_SCRATCH_BYTES);
+    }
 }
