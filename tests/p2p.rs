@@ -3422,11 +3422,16 @@ fn reductions_on_2_3_4_and_8_ranks() {
             &[small, ("FLAGCX_REDUCE_SLICE", "98304")],
         );
     }
+    // From three ranks the large all-reduce scatters by default; here the ring, in passes.
     job(
         3,
         "host",
         "reductions",
-        &[small, ("FLAGCX_REDUCE_ALGO", "ring")],
+        &[
+            small,
+            ("FLAGCX_REDUCE_ALGO", "ring"),
+            ("FLAGCX_REDUCE_SLICE", "98304"),
+        ],
     );
     job(
         2,

@@ -236,7 +236,7 @@ pub struct Config {
     /// (`FLAGCX_NET_STAGING=auto|always`, default auto: only where neither holds). For
     /// testing the staging path.
     pub net_staging: bool,
-    /// The reductions' algorithm, forced (`FLAGCX_REDUCE_ALGO=auto|ring|direct`, default auto:
+    /// The reductions' algorithm, forced (`FLAGCX_REDUCE_ALGO=auto|ring|direct|scatter`, default auto:
     /// [`crate::reduction::choose`] decides from the ranks, count and type). Must be set alike
     /// on every rank.
     pub reduce_algo: Option<Algorithm>,
@@ -480,8 +480,9 @@ impl Config {
                     ("auto", None),
                     ("ring", Some(Algorithm::Ring)),
                     ("direct", Some(Algorithm::Direct)),
+                    ("scatter", Some(Algorithm::Scatter)),
                 ],
-                "expected auto, ring or direct",
+                "expected auto, ring, direct or scatter",
             )?;
         }
         if let Some(v) = var("FLAGCX_REDUCE_CHECK") {
@@ -767,6 +768,10 @@ pub enum Algorithm {
     Ring,
     /// Every block to every rank that needs it at once, combined in rank order.
     Direct,
+    /// Each rank's segment from every rank at once, combined in rank order on its owner, then
+    /// every combined segment to every rank (or to the root) at once: two dependent exchanges
+    /// instead of the ring's `2(n − 1)`, and the ring's traffic.
+    Scatter,
 }
 
 impl std::str::FromStr for Algorithm {
@@ -775,7 +780,8 @@ impl std::str::FromStr for Algorithm {
         match s {
             "ring" => Ok(Algorithm::Ring),
             "direct" => Ok(Algorithm::Direct),
-            _ => Err(format!("expected ring or direct, got {s:?}")),
+            "scatter" => Ok(Algorithm::Scatter),
+            _ => Err(format!("expected ring, direct or scatter, got {s:?}")),
         }
     }
 }

@@ -9,7 +9,8 @@
 //! a call enqueues and returns; the stream sees the result when it reaches that point.
 //!
 //! **Algorithms** ([`choose`], a pure function, so every rank picks the same one;
-//! `FLAGCX_REDUCE_ALGO=ring|direct` forces one, and must then be set alike on every rank):
+//! `FLAGCX_REDUCE_ALGO=ring|direct|scatter` forces one, and must then be set alike on every
+//! rank):
 //! - *direct*, where a rank's block is at most [`DIRECT_MAX_BYTES`] and `ranks × block` fits the
 //!   scratch: every rank sends its block to every rank that needs it in one exchange, and each
 //!   receiver combines the blocks in rank order `((x0 ∘ x1) ∘ x2) ∘ …` — one round trip;
@@ -17,6 +18,12 @@
 //!   all-reduce of up to 4 KiB (`crate::slots::SLOTS_MAX`) moves through two slots in each pair's
 //!   channel instead of messages (`slots`; `FLAGCX_REDUCE_SLOTS=0` turns it off): the same
 //!   order, so the same bits, and the call's signature rides in the slot;
+//! - *scatter*, for larger blocks that fit the scratch (`ranks × block`) on three ranks or
+//!   more, whose segments exceed [`SCATTER_MIN_SEGMENT`]: every rank sends segment `j` of its data to rank `j` in one exchange, each rank
+//!   combines its segment in rank order, and a second exchange sends every combined segment to
+//!   every rank (all-reduce) or to the root (reduce); a reduce-scatter is the direct
+//!   algorithm's one exchange. Two dependent exchanges where the ring takes `2(n − 1)`, for
+//!   the ring's traffic (four host ranks on 2 cores, 512 KiB: see `docs/performance.md`);
 //! - *ring* otherwise: a reduce-scatter around the ring (`n − 1` steps, each rank receiving a
 //!   segment from the previous rank and combining it with its own), then for all-reduce an
 //!   all-gather around the ring, for reduce a gather to the root. Segment `j` is combined in
@@ -159,9 +166,21 @@ pub(crate) enum Kind {
     },
 }
 
-/// The algorithm for a call: `forced` where given (direct only where its blocks fit the
-/// scratch), else direct for blocks up to [`DIRECT_MAX_BYTES`], else the ring. `count` is the
-/// element count of the call (for reduce-scatter, each rank's received count).
+/// The segment (a rank's share of a block) above which three ranks or more scatter rather than
+/// run the ring, where the blocks fit the scratch. Host ranks on 2 cores, all-reduce of float32
+/// (`flagcx-perf --blocking`, ring against scatter forced, alternating): 3 ranks, scatter
+/// faster from 128 KiB (43 KiB segments; 131 against 178–214 µs); 4 ranks, ring faster at
+/// 128 KiB (32 KiB segments; 60–69 against 70–90 µs), scatter from 512 KiB (271–278 against
+/// 385–392 µs); 8 ranks, ring faster up to 256 KiB (32 KiB segments; 287–330 against 420–437
+/// µs), scatter from 512 KiB (810–826 against 1582–1592 µs). Small segments go eagerly, where
+/// the ring's few messages at a time beat `n − 1` at once.
+pub const SCATTER_MIN_SEGMENT: usize = 32 << 10;
+
+/// The algorithm for a call: `forced` where given (direct and scatter only where their blocks
+/// fit the scratch), else direct for blocks up to [`DIRECT_MAX_BYTES`], scatter on three ranks
+/// or more for blocks that fit and whose segments exceed [`SCATTER_MIN_SEGMENT`], else the
+/// ring. `count` is the element count of the
+/// call (for reduce-scatter, each rank's received count).
 pub fn choose(
     nranks: usize,
     count: usize,
@@ -171,19 +190,22 @@ pub fn choose(
     let block = count.saturating_mul(dtype.size());
     let fits = nranks.saturating_mul(block) <= SCRATCH_BYTES;
     match forced {
-        Some(Algorithm::Direct) if fits => Algorithm::Direct,
+        Some(a @ (Algorithm::Direct | Algorithm::Scatter)) if fits => a,
         Some(_) => Algorithm::Ring,
         None if fits && block <= DIRECT_MAX_BYTES => Algorithm::Direct,
+        None if fits && nranks >= 3 && block > nranks.saturating_mul(SCATTER_MIN_SEGMENT) => {
+            Algorithm::Scatter
+        }
         None => Algorithm::Ring,
     }
 }
 
 /// The ranks in the order their contributions to segment `j` are combined: rank order for the
-/// direct algorithm, `j + 1, j + 2, …, j` (modulo the ranks) around the ring. What a reference
-/// implementation follows to get the same bits.
+/// direct and scatter algorithms, `j + 1, j + 2, …, j` (modulo the ranks) around the ring.
+/// What a reference implementation follows to get the same bits.
 pub fn combine_order(algo: Algorithm, nranks: usize, j: usize) -> Vec<usize> {
     match algo {
-        Algorithm::Direct => (0..nranks).collect(),
+        Algorithm::Direct | Algorithm::Scatter => (0..nranks).collect(),
         Algorithm::Ring => (1..=nranks).map(|k| (j + k) % nranks).collect(),
     }
 }

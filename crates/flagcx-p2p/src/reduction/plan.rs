@@ -95,6 +95,8 @@ pub(crate) fn plan(sh: &Shape) -> Vec<Step> {
     }
     let serial = match sh.algo {
         Algorithm::Direct => direct(sh),
+        Algorithm::Scatter if sh.kind == Kind::ReduceScatter => direct(sh),
+        Algorithm::Scatter => scatter(sh),
         Algorithm::Ring => ring(sh),
     };
     overlap(serial, sh)
@@ -232,6 +234,93 @@ fn direct(sh: &Shape) -> Vec<Step> {
             count,
             step: f,
         });
+    }
+    steps
+}
+
+/// The scatter algorithm of an all-reduce or reduce: segment `q` of every rank's data to rank
+/// `q`, combined there in rank order, then every combined segment to every rank (all-reduce)
+/// or to the root (reduce).
+fn scatter(sh: &Shape) -> Vec<Step> {
+    let (r, n, sz) = (sh.rank, sh.nranks, sh.dtype.size());
+    let seg = |j: usize| sh.segment(j);
+    let len = seg(r).1;
+    let bytes = len * sz;
+    let slot_bytes = seg(0).1 * sz;
+    // Scratch: the other ranks' pieces of this rank's segment, then room for the own piece
+    // copied aside (in place) and for a reduce's combined segment off the root.
+    let slot = |q: usize| At(Buf::Scratch, if q < r { q } else { q - 1 } * slot_bytes);
+    let spare = |k: usize| At(Buf::Scratch, (n - 1 + k) * slot_bytes);
+    let in_send = |j: usize| At(Buf::Send, seg(j).0 * sz);
+    let in_recv = |j: usize| At(Buf::Recv, seg(j).0 * sz);
+    let root = match sh.kind {
+        Kind::Reduce { root } => Some(root),
+        _ => None,
+    };
+    let fin = match root {
+        Some(root) if root != r => spare(1),
+        _ => in_recv(r),
+    };
+    let mut steps = Vec::new();
+    let mut ex = Vec::new();
+    for q in (0..n).filter(|&q| q != r) {
+        if seg(q).1 > 0 {
+            ex.push((q, true, in_send(q), seg(q).1 * sz));
+        }
+        if len > 0 {
+            ex.push((q, false, slot(q), bytes));
+        }
+    }
+    if !ex.is_empty() {
+        steps.push(exchange(ex));
+    }
+    if len > 0 {
+        // In place the own piece is the result's place, which the chain's first step
+        // overwrites: from rank 2 on it is needed after that, so it is copied aside.
+        let mut own = in_send(r);
+        if sh.in_place && r >= 2 && fin == in_recv(r) {
+            steps.push(Step::Copy {
+                dst: spare(0),
+                src: own,
+                bytes,
+            });
+            own = spare(0);
+        }
+        let x = |q: usize| if q == r { own } else { slot(q) };
+        for k in 1..n {
+            steps.push(Step::Reduce {
+                dst: fin,
+                a: if k == 1 { x(0) } else { fin },
+                b: x(k),
+                count: len,
+                step: sh.combine(),
+            });
+        }
+        if let Some(f) = sh.finish() {
+            steps.push(Step::Reduce {
+                dst: fin,
+                a: fin,
+                b: fin,
+                count: len,
+                step: f,
+            });
+        }
+    }
+    let mut ex = Vec::new();
+    for q in (0..n).filter(|&q| q != r) {
+        let (to_q, from_q) = match root {
+            None => (true, true),
+            Some(root) => (q == root, r == root),
+        };
+        if to_q && len > 0 {
+            ex.push((q, true, fin, bytes));
+        }
+        if from_q && seg(q).1 > 0 {
+            ex.push((q, false, in_recv(q), seg(q).1 * sz));
+        }
+    }
+    if !ex.is_empty() {
+        steps.push(exchange(ex));
     }
     steps
 }

@@ -289,7 +289,7 @@ fn compare(
     // The order segment j is combined in, and the elements it covers.
     let order = |j: usize| -> Vec<usize> {
         match algo {
-            Algorithm::Direct => (0..n).collect(),
+            Algorithm::Direct | Algorithm::Scatter => (0..n).collect(),
             Algorithm::Ring => (1..=n).map(|k| (j + k) % n).collect(),
         }
     };
@@ -317,7 +317,7 @@ fn compare(
                 let mut all = Vec::new();
                 for j in 0..n {
                     let (first, len) = sh.segment(j);
-                    let o = if algo == Algorithm::Direct || n == 1 {
+                    let o = if algo != Algorithm::Ring || n == 1 {
                         order(0)
                     } else {
                         order(j)
@@ -340,7 +340,7 @@ fn compare(
 fn every_plan_gives_the_reference_on_every_rank() {
     for n in 1..=5 {
         for count in [1usize, 2, 7, 13, 64] {
-            for algo in [Algorithm::Ring, Algorithm::Direct] {
+            for algo in [Algorithm::Ring, Algorithm::Direct, Algorithm::Scatter] {
                 for ip in [false, true] {
                     for (dtype, op) in [
                         (DataType::F32, ReduceOp::Sum),
@@ -467,9 +467,31 @@ fn long_rings_combine_while_the_next_slice_moves() {
 fn the_choice_depends_only_on_its_inputs() {
     assert_eq!(choose(2, 16, DataType::F32, None), Algorithm::Direct);
     assert_eq!(choose(2, 1 << 20, DataType::F32, None), Algorithm::Ring);
+    // Past the direct algorithm's blocks, three ranks and more scatter while the blocks fit
+    // and their segments are large.
+    assert_eq!(choose(4, 1 << 15, DataType::F32, None), Algorithm::Ring);
+    assert_eq!(
+        choose(4, (1 << 15) + 1, DataType::F32, None),
+        Algorithm::Scatter
+    );
+    assert_eq!(choose(3, 1 << 15, DataType::F32, None), Algorithm::Scatter);
+    assert_eq!(choose(4, 1 << 19, DataType::F32, None), Algorithm::Scatter);
+    assert_eq!(
+        choose(4, (1 << 19) + 1, DataType::F32, None),
+        Algorithm::Ring
+    );
+    assert_eq!(
+        choose(2, 16, DataType::F32, Some(Algorithm::Scatter)),
+        Algorithm::Scatter
+    );
     assert_eq!(choose(8, 1 << 14, DataType::F32, None), Algorithm::Direct);
     assert_eq!(
         choose(8, (1 << 14) + 1, DataType::F32, None),
+        Algorithm::Ring
+    );
+    assert_eq!(choose(8, 1 << 17, DataType::F32, None), Algorithm::Scatter);
+    assert_eq!(
+        choose(8, (1 << 18) + 1, DataType::F32, None),
         Algorithm::Ring
     );
     // Forced direct where the blocks do not fit the scratch: the ring.
