@@ -306,8 +306,8 @@ impl<A: DeviceAdaptor> Comm<A> {
         // SAFETY: the caller's contract.
         unsafe {
             self.post_group_beside(ops, stream, |c| match local {
-                Some((dst, src, n)) => self.local_copy(c, dst, src, n, stream),
-                None => Ok(()),
+                Some((dst, src, n)) => self.local_copy(c, dst, src, n, stream).map(|()| true),
+                None => Ok(false),
             })
         }
     }
@@ -315,7 +315,8 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// [`Comm::post_group`] with any work beside the transfers: `beside` enqueues it on
     /// `stream` after the group is handed over and before the stream waits for the group
     /// (where the proxy moves the messages, it runs while they move; where they are on the
-    /// stream itself, after them). It must touch no byte the group's messages read or write.
+    /// stream itself, after them). It must touch no byte the group's messages read or write,
+    /// and returns whether it enqueued anything.
     ///
     /// # Safety
     /// As [`Comm::send_raw`] and [`Comm::recv_raw`] for every operation; `beside`'s work
@@ -324,7 +325,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         &self,
         ops: &[Block],
         stream: StreamHandle,
-        beside: impl FnOnce(&mut Collective) -> Result<()>,
+        beside: impl FnOnce(&mut Collective) -> Result<bool>,
     ) -> Result<Collective> {
         let mut c = Collective::default();
         if ops.is_empty() {
@@ -357,7 +358,7 @@ impl<A: DeviceAdaptor> Comm<A> {
             .collect::<Result<Vec<_>>>();
         let ok = posted.is_ok();
         // What was posted is handed over even where a later post failed, as `Comm::group` does.
-        let submitted = self.group_end_then(!tried, || if ok { beside(&mut c) } else { Ok(()) });
+        let submitted = self.group_end_then(!tried, || if ok { beside(&mut c) } else { Ok(false) });
         c.requests.extend(posted?);
         submitted?;
         Ok(c)

@@ -49,7 +49,7 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// are enqueued now, after its point-to-point operations, in the order they were posted;
     /// the first failure of any of them is the result.
     pub fn group_end(&self) -> Result<()> {
-        let ended = self.group_end_then(true, || Ok(()));
+        let ended = self.group_end_then(true, || Ok(false));
         let later = lock(&self.deferred)
             .remove(&crate::posting::thread_number())
             .unwrap_or_default();
@@ -81,7 +81,7 @@ impl<A: DeviceAdaptor> Comm<A> {
     pub(crate) fn group_end_then(
         &self,
         eager: bool,
-        before_join: impl FnOnce() -> Result<()>,
+        before_join: impl FnOnce() -> Result<bool>,
     ) -> Result<()> {
         let ops = lock(&self.group)
             .remove(&crate::posting::thread_number())
@@ -92,19 +92,21 @@ impl<A: DeviceAdaptor> Comm<A> {
 
     /// Hands operations to the proxy, then makes each stream wait for its last one.
     pub(crate) fn submit(&self, ops: Vec<(Op, StreamHandle)>) -> Result<()> {
-        self.submit_then(ops, || Ok(()))
+        self.submit_then(ops, || Ok(false))
     }
 
     /// [`Comm::submit`], running `before_join` after the hand-over and before the streams are
     /// made to wait: work it enqueues on those streams runs beside the operations instead of
-    /// after them (a collective's local copy). Its failure is returned after the joins.
+    /// after them (a collective's local copy, a reduction step). It returns whether it
+    /// enqueued any (then no later post starts behind these joins without a start event:
+    /// [`Joined::clean`](crate::watermark::Joined)). Its failure is returned after the joins.
     pub(crate) fn submit_then(
         &self,
         mut ops: Vec<(Op, StreamHandle)>,
-        before_join: impl FnOnce() -> Result<()>,
+        before_join: impl FnOnce() -> Result<bool>,
     ) -> Result<()> {
         if ops.is_empty() {
-            return before_join();
+            return before_join().map(|_| ());
         }
         // Per stream: the last operation to join, and whether none waits for a start event
         // there (then a closed gate may be held for longer, see `join_stream`).
@@ -214,8 +216,10 @@ impl<A: DeviceAdaptor> Comm<A> {
         self.shared.posted.fetch_add(1, Ordering::Release);
         self.shared.wake_for_work();
         let between = before_join();
+        // A failed `before_join` may have enqueued part of its work.
+        let clean = matches!(between, Ok(false));
         for (stream, (seq, extend)) in last {
-            self.join_stream(StreamHandle(stream), seq, extend)?;
+            self.join_stream(StreamHandle(stream), seq, extend, clean)?;
         }
         // Their results stay in the slots for the requests; a slot settled by a verdict
         // (abort, stall guard) leaves the rest to their requests too.
@@ -225,6 +229,6 @@ impl<A: DeviceAdaptor> Comm<A> {
                 break;
             }
         }
-        between
+        between.map(|_| ())
     }
 }

@@ -207,10 +207,14 @@ impl<A: DeviceAdaptor> Comm<A> {
     }
 
     /// Where all `stream` still holds is this communicator's closed gate (nothing was enqueued
-    /// behind it), the operation that gate waits for: an operation posted now may start once
-    /// that one finished, without a start event, and the gate can then wait for it too
-    /// ([`Self::join_stream`] with `extend`) instead of a second gate. One command per stream
-    /// however many operations are posted back to back while the first is still running.
+    /// behind it) and nothing was enqueued in front of it after its operation was posted
+    /// ([`Joined::clean`]), the operation that gate waits for: an operation posted now may
+    /// start once that one finished, without a start event, and the gate can then wait for it
+    /// too ([`Self::join_stream`] with `extend`) instead of a second gate. One command per
+    /// stream however many operations are posted back to back while the first is still
+    /// running. A gate with work in front of it that its operation does not cover (a
+    /// reduction step of the slice before, running beside the messages) does not: that work
+    /// may still run when the operation finishes, and the next post takes a start event.
     pub(crate) fn behind_own_gate(&self, stream: StreamHandle) -> Result<Option<u64>> {
         if !self.joins_at_gates() {
             return Ok(None);
@@ -219,7 +223,11 @@ impl<A: DeviceAdaptor> Comm<A> {
             return Ok(None);
         };
         match j.gate {
-            Some(g) if *lock(&self.shared.watermark) < j.seq && self.adaptor.gate_is_last(g)? => {
+            Some(g)
+                if j.clean
+                    && *lock(&self.shared.watermark) < j.seq
+                    && self.adaptor.gate_is_last(g)? =>
+            {
                 Ok(Some(j.seq))
             }
             _ => Ok(None),
@@ -234,16 +242,32 @@ impl<A: DeviceAdaptor> Comm<A> {
     /// fails to enqueue the join, the stream would run on while they still use its buffers, so
     /// the communicator is failed with that error, as [`Comm::abort`] fails it: every pending
     /// operation and `async_error` report it, later posts fail with `Aborted`.
-    pub(crate) fn join_stream(&self, stream: StreamHandle, seq: u64, extend: bool) -> Result<()> {
-        self.try_join_stream(stream, seq, extend).inspect_err(|e| {
-            tracing::warn!("a caller's stream could not join operation {seq}: {e}");
-            self.shared.record_error(e);
-            self.shared.verdict.give(e.clone());
-            self.abort();
-        })
+    ///
+    /// `clean`: nothing was enqueued on `stream` since the operations were posted
+    /// ([`Joined::clean`]).
+    pub(crate) fn join_stream(
+        &self,
+        stream: StreamHandle,
+        seq: u64,
+        extend: bool,
+        clean: bool,
+    ) -> Result<()> {
+        self.try_join_stream(stream, seq, extend, clean)
+            .inspect_err(|e| {
+                tracing::warn!("a caller's stream could not join operation {seq}: {e}");
+                self.shared.record_error(e);
+                self.shared.verdict.give(e.clone());
+                self.abort();
+            })
     }
 
-    fn try_join_stream(&self, stream: StreamHandle, seq: u64, extend: bool) -> Result<()> {
+    fn try_join_stream(
+        &self,
+        stream: StreamHandle,
+        seq: u64,
+        extend: bool,
+        mut clean: bool,
+    ) -> Result<()> {
         let join = self.config.join;
         if join == StreamJoin::None {
             return Ok(());
@@ -272,11 +296,13 @@ impl<A: DeviceAdaptor> Comm<A> {
                     Some(Joined {
                         gate: Some(g),
                         held,
+                        clean: was,
                         ..
                     }) if extend
                         && self.adaptor.gate_is_last(g)?
                         && self.shared.gate_extend(g, seq) =>
                     {
+                        clean &= was;
                         (Some(g), held + 1)
                     }
                     _ => (self.shared.gate_until(&self.adaptor, stream, seq)?, 0),
@@ -307,6 +333,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                 seq,
                 gate,
                 held,
+                clean,
                 rejoin_at,
             },
         );

@@ -562,6 +562,7 @@ impl<A: DeviceAdaptor> Comm<A> {
                     beside
                         .iter()
                         .try_for_each(|l| self.enqueue_local(l, &at, dtype, stream))
+                        .map(|()| !beside.is_empty())
                 })
             }?);
             tail = !beside.is_empty();

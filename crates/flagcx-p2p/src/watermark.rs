@@ -60,6 +60,12 @@ pub(crate) struct Joined {
     pub(crate) gate: Option<GateHandle>,
     /// How many later joins that gate was made to wait for (0: it waits for its first).
     pub(crate) held: u32,
+    /// Whether nothing was enqueued on the stream between the posting of the operations it
+    /// joins and the join itself (no work beside them, `Comm::submit_then`): then whatever the
+    /// stream holds in front of the join is done once the operation is, since the operation
+    /// started after it. Only such a gate lets a later post start behind it without a start
+    /// event (`Comm::behind_own_gate`).
+    pub(crate) clean: bool,
     /// From when a post may wait for this join's operation to go eagerly
     /// (`Comm::idle_or_soon`): a join made while the one before had not passed inherits it,
     /// and a post that waits moves it [`REJOIN_PAUSE_FACTOR`] waits ahead, so that behind a

@@ -138,7 +138,7 @@ impl<A: DeviceAdaptor> Comm<A> {
         let (seq, slot) =
             self.caller_hand_over(&m, start, resume, self.slot(m.peer, m.bytes), keep);
         if join {
-            self.join_stream(stream, seq, false)?;
+            self.join_stream(stream, seq, false, true)?;
         }
         Ok(Some(Request {
             state: State::Pending(slot),
