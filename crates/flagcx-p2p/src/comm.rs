@@ -719,3 +719,10 @@ impl<A: DeviceAdaptor> Comm<A> {
         crate::op::Slot::new(help, self.shared.verdict.clone())
     }
 }
+
+mod eager;
+mod eager_group;
+mod ipc;
+mod late;
+mod net;
+mod streamed;

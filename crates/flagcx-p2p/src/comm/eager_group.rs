@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 use flagcx_adaptor::tracking::lock;
 use flagcx_adaptor::{DeviceAdaptor, StreamHandle};
 
-use super::{Arrival, EagerLink};
 use crate::comm::Comm;
 use crate::error::Result;
 use crate::link::eager::group::*;
+use crate::link::eager::{Arrival, EagerLink};
 use crate::op::{Declined, Dir, Op};
 
 impl<A: DeviceAdaptor> Comm<A> {
