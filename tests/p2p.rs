@@ -242,6 +242,9 @@ fn rank_worker() {
     if scenario == "pool" {
         return pool_client(adaptor);
     }
+    if scenario == "overlap_at_gates" {
+        return overlap_at_gates(adaptor);
+    }
     let comm = Comm::from_env(adaptor.clone()).expect("communicator");
     let stream = Stream::new(&adaptor).expect("stream");
     let r = Rank {
@@ -3540,6 +3543,86 @@ fn pool_client(adaptor: Adaptor) {
     let (me, n) = (comm.rank(), comm.nranks());
     println!("pool: rank {me} holds {held} bytes of stand-ins");
     println!("worker ok: rank {me} of {n}, client pattern through stand-ins");
+}
+
+/// Reduction steps beside the next slice's messages that are still running when those
+/// messages are done, on streams that join at gates (emulated on host ranks: each step and
+/// device copy first waits on its stream, `FaultyAdaptor::slow_at_gates`): a later slice's
+/// receive must not land in the buffer a step before it still has to read. Two 1 MiB float32
+/// all-reduces in 128 KiB slices (`FLAGCX_REDUCE_SLICE`), every element checked.
+fn overlap_at_gates(adaptor: Adaptor) {
+    use flagcx::{DataType, ReduceOp};
+    use flagcx_adaptor::testing::FaultyAdaptor;
+    let a = FaultyAdaptor::slow_at_gates(adaptor, Duration::from_millis(30));
+    let comm = Comm::from_env(a.clone()).expect("communicator");
+    let stream = Stream::new(&a).expect("stream");
+    let (me, n) = (comm.rank(), comm.nranks());
+    const COUNT: usize = 1 << 18;
+    // Small integers: the sum is exact in any order.
+    let value = |q: usize, i: usize| ((i * 7 + q * 13) % 1000) as f32;
+    let mine: Vec<u8> = (0..COUNT)
+        .flat_map(|i| value(me, i).to_ne_bytes())
+        .collect();
+    let want: Vec<u8> = (0..COUNT)
+        .flat_map(|i| (0..n).map(|q| value(q, i)).sum::<f32>().to_ne_bytes())
+        .collect();
+    let send = DeviceBuffer::new(&a, mine.len()).expect("alloc");
+    let recv = DeviceBuffer::new(&a, mine.len()).expect("alloc");
+    for round in 0..2 {
+        send.write(0, &mine, &stream).expect("write the input");
+        recv.write(0, &vec![0xEE; mine.len()], &stream)
+            .expect("clear");
+        // SAFETY: both buffers hold COUNT floats and outlive the wait below.
+        let c = unsafe {
+            comm.all_reduce_raw(
+                send.ptr(),
+                recv.ptr(),
+                COUNT,
+                DataType::F32,
+                ReduceOp::Sum,
+                stream.handle(),
+            )
+        }
+        .expect("post the all-reduce");
+        c.wait().expect("the all-reduce");
+        let mut got = vec![0u8; want.len()];
+        recv.read(0, &mut got, &stream).expect("read the result");
+        if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+            panic!(
+                "rank {me}, round {round}: byte {i} is {:#04x}, want {:#04x}",
+                got[i], want[i]
+            );
+        }
+    }
+    // What makes the case: messages moved by the proxy (not by the posting thread on the
+    // caller's stream), posts that do not wait for them.
+    let st = comm.stats();
+    assert!(
+        st.ipc_bytes > 0 && st.caller_ops == 0 && !comm.posts_wait(),
+        "rank {me}: the messages did not go through the proxy: {st:?}"
+    );
+    println!("worker ok: rank {me} of {n}, overlapped reductions at gates");
+}
+
+/// Where streams join at gates (OpenCL's), a reduction step beside the next slice's messages
+/// may still run when they are done: the slice after must wait for it (found as a wrong
+/// float16 result of a host + PoCL reduce-scatter under load; here deterministic, with gates
+/// and slow steps emulated on host ranks).
+#[test]
+fn overlapped_reductions_wait_for_steps_in_front_of_a_gate() {
+    if host_only("overlapped_reductions_wait_for_steps_in_front_of_a_gate") {
+        job(
+            2,
+            "host",
+            "overlap_at_gates",
+            &[
+                ("FLAGCX_REDUCE_SLICE", "131072"),
+                // Every message through the proxy: the posting thread's own IPC path would
+                // copy on the caller's stream, in order behind the step.
+                ("FLAGCX_P2P_IPC_CALLER", "off"),
+            ],
+        );
+    }
 }
 
 /// Memory without IPC handles (a `cudaMallocAsync` pool's) on IPC pairs: the client pattern

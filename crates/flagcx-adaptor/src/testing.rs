@@ -51,6 +51,13 @@ pub enum FaultOp {
     /// this wrapper, as CUDA refuses `cudaMallocAsync` pool memory (`CUDA_ERROR_INVALID_VALUE`)
     /// — allocate a client's buffers through the wrapped adaptor to model such memory.
     ForeignNoHandle,
+    /// Not a failing call ([`FaultyAdaptor::slow_at_gates`]): streams join at gates, emulated
+    /// with host functions that block until opened (the capabilities claim `host_gates` and no
+    /// stream memory operations, as OpenCL's), and every reduction step and device-to-device
+    /// copy first waits on its stream — the step for the stall, the copy for a sixth of it. A
+    /// gate is last on its stream while it is closed and nothing but events was enqueued
+    /// through the wrapper behind it.
+    SlowAtGates,
 }
 
 impl std::str::FromStr for FaultOp {
@@ -70,12 +77,13 @@ impl std::str::FromStr for FaultOp {
             "reduce" => Ok(FaultOp::Reduce),
             "no_reduce" => Ok(FaultOp::NoReduce),
             "foreign_no_handle" => Ok(FaultOp::ForeignNoHandle),
+            "slow_at_gates" => Ok(FaultOp::SlowAtGates),
             _ => Err(AdaptorError::invalid(
                 "FaultOp",
                 format!(
                     "{s:?}: expected h2d, d2h, d2d, register, event_query, stream_write, \
                      stream_wait, ipc_open_mapped, alloc_shareable, ipc_import_fd, reduce, \
-                     no_reduce or foreign_no_handle"
+                     no_reduce, foreign_no_handle or slow_at_gates"
                 ),
             )),
         }
@@ -97,6 +105,51 @@ pub struct FaultyAdaptor<A: DeviceAdaptor> {
     /// Bases of the allocations made through this wrapper (and its clones), for
     /// [`FaultOp::ForeignNoHandle`].
     own: Arc<std::sync::Mutex<std::collections::HashSet<u64>>>,
+    /// The emulated gates of [`FaultOp::SlowAtGates`] (shared by clones).
+    gates: Arc<Gates>,
+}
+
+/// Gates emulated with host functions ([`FaultOp::SlowAtGates`]).
+#[derive(Debug, Default)]
+struct Gates {
+    state: std::sync::Mutex<GateState>,
+    opened: std::sync::Condvar,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    next: u64,
+    open: std::collections::HashSet<u64>,
+    /// Per gate: its stream and that stream's count of enqueued commands right after it.
+    at: std::collections::HashMap<u64, (u64, u64)>,
+    /// Per stream: the commands enqueued through the wrapper.
+    enqueued: std::collections::HashMap<u64, u64>,
+}
+
+/// How long an emulated gate's host function waits to be opened at most: a test that never
+/// opens one fails with its stream released instead of hanging.
+const GATE_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(60);
+
+impl Gates {
+    /// Counts a command enqueued on `stream`; returns the count.
+    fn enqueued(&self, stream: StreamHandle) -> u64 {
+        let mut st = crate::tracking::lock(&self.state);
+        let c = st.enqueued.entry(stream.0).or_default();
+        *c += 1;
+        *c
+    }
+
+    /// Blocks (a host function on the gate's stream) until gate `id` is opened.
+    fn wait_open(&self, id: u64) {
+        let t0 = std::time::Instant::now();
+        let mut st = crate::tracking::lock(&self.state);
+        while !st.open.contains(&id) && t0.elapsed() < GATE_WAIT_MAX {
+            st = match self.opened.wait_timeout(st, GATE_WAIT_MAX) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+    }
 }
 
 impl<A: DeviceAdaptor> FaultyAdaptor<A> {
@@ -108,7 +161,39 @@ impl<A: DeviceAdaptor> FaultyAdaptor<A> {
             left: Arc::new(AtomicIsize::new(after as isize)),
             stall: None,
             own: Arc::default(),
+            gates: Arc::default(),
         }
+    }
+
+    /// Wraps `inner` with [`FaultOp::SlowAtGates`]: streams join at emulated gates, and each
+    /// reduction step waits `stall` on its stream before it runs (each device-to-device copy a
+    /// sixth of it) — work beside a message that is still running when the message is done.
+    pub fn slow_at_gates(inner: A, stall: std::time::Duration) -> Self {
+        FaultyAdaptor {
+            stall: Some(stall),
+            ..FaultyAdaptor::new(inner, FaultOp::SlowAtGates, 0)
+        }
+    }
+
+    /// Whether this wrapper emulates gates.
+    fn gated(&self) -> bool {
+        self.op == FaultOp::SlowAtGates
+    }
+
+    /// Counts a command enqueued on `stream` (for [`DeviceAdaptor::gate_is_last`]).
+    fn enqueue(&self, stream: StreamHandle) {
+        if self.gated() {
+            self.gates.enqueued(stream);
+        }
+    }
+
+    /// Where gated, makes `stream` wait `d` before its next command.
+    fn delay(&self, stream: StreamHandle, d: std::time::Duration) -> Result<()> {
+        if self.gated() {
+            self.inner
+                .launch_host_func(stream, Box::new(move || std::thread::sleep(d)))?;
+        }
+        Ok(())
     }
 
     /// Wraps `inner`; the `after + 1`-th `op` call blocks for `stall` and then goes through.
@@ -180,6 +265,11 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         if self.op == FaultOp::NoReduce {
             c.reduce_types = 0;
         }
+        if self.gated() {
+            c.host_gates = true;
+            c.stream_mem_ops = false;
+            c.stream_mem_ops_64 = false;
+        }
         c
     }
     fn mem_alloc(&self, size: usize) -> Result<DevicePtr> {
@@ -235,6 +325,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         n: usize,
         stream: StreamHandle,
     ) -> Result<()> {
+        self.enqueue(stream);
         self.check(FaultOp::CopyH2D, "memcpy_h2d_async")?;
         // SAFETY: forwarded contract.
         unsafe { self.inner.memcpy_h2d_async(dst, src, n, stream) }
@@ -246,6 +337,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         n: usize,
         stream: StreamHandle,
     ) -> Result<()> {
+        self.enqueue(stream);
         self.check(FaultOp::CopyD2H, "memcpy_d2h_async")?;
         // SAFETY: forwarded contract.
         unsafe { self.inner.memcpy_d2h_async(dst, src, n, stream) }
@@ -257,6 +349,10 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         n: usize,
         stream: StreamHandle,
     ) -> Result<()> {
+        self.enqueue(stream);
+        if let Some(d) = self.stall.filter(|_| self.gated()) {
+            self.delay(stream, d / 6)?;
+        }
         self.check(FaultOp::CopyD2D, "memcpy_d2d_async")?;
         // SAFETY: forwarded contract.
         unsafe { self.inner.memcpy_d2d_async(dst, src, n, stream) }
@@ -269,6 +365,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         cap: usize,
         stream: StreamHandle,
     ) -> Result<()> {
+        self.enqueue(stream);
         self.check(FaultOp::CopyH2D, "memcpy_sized_async")?;
         // SAFETY: forwarded contract.
         unsafe { self.inner.memcpy_sized_async(dst, src, len_at, cap, stream) }
@@ -280,6 +377,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         n: usize,
         stream: StreamHandle,
     ) -> Result<()> {
+        self.enqueue(stream);
         // SAFETY: forwarded contract.
         unsafe { self.inner.memset_async(dst, value, n, stream) }
     }
@@ -293,6 +391,10 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         step: crate::reduce::ReduceStep,
         stream: StreamHandle,
     ) -> Result<()> {
+        self.enqueue(stream);
+        if let Some(d) = self.stall.filter(|_| self.gated()) {
+            self.delay(stream, d)?;
+        }
         if self.op == FaultOp::NoReduce {
             return Err(AdaptorError::Unsupported {
                 vendor: self.inner.vendor(),
@@ -317,6 +419,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         unsafe { self.inner.stream_adopt(native) }
     }
     fn stream_release(&self, stream: StreamHandle) -> Result<()> {
+        self.enqueue(stream);
         self.inner.stream_release(stream)
     }
     fn stream_synchronize(&self, stream: StreamHandle) -> Result<()> {
@@ -326,6 +429,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         self.inner.stream_query(stream)
     }
     fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> Result<()> {
+        self.enqueue(stream);
         self.inner.stream_wait_event(stream, event)
     }
     fn event_create(&self, timing: bool) -> Result<EventHandle> {
@@ -335,6 +439,8 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         self.inner.event_destroy(event)
     }
     fn event_record(&self, event: EventHandle, stream: StreamHandle) -> Result<()> {
+        // Not counted: where streams have gates an event enqueues nothing behind them
+        // (`gate_is_last`).
         self.inner.event_record(event, stream)
     }
     fn event_query(&self, event: EventHandle) -> Result<bool> {
@@ -386,16 +492,46 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         self.inner.exchange_capture_mode(mode)
     }
     fn launch_host_func(&self, stream: StreamHandle, f: HostFn) -> Result<()> {
+        self.enqueue(stream);
         self.inner.launch_host_func(stream, f)
     }
     fn stream_gate(&self, stream: StreamHandle) -> Result<GateHandle> {
-        self.inner.stream_gate(stream)
+        if !self.gated() {
+            return self.inner.stream_gate(stream);
+        }
+        let id = {
+            let mut st = crate::tracking::lock(&self.gates.state);
+            st.next += 1;
+            st.next
+        };
+        let gates = self.gates.clone();
+        self.inner
+            .launch_host_func(stream, Box::new(move || gates.wait_open(id)))?;
+        let c = self.gates.enqueued(stream);
+        crate::tracking::lock(&self.gates.state)
+            .at
+            .insert(id, (stream.0, c));
+        Ok(GateHandle(id))
     }
     fn gate_open(&self, gate: GateHandle) -> Result<()> {
-        self.inner.gate_open(gate)
+        if !self.gated() {
+            return self.inner.gate_open(gate);
+        }
+        crate::tracking::lock(&self.gates.state).open.insert(gate.0);
+        self.gates.opened.notify_all();
+        Ok(())
     }
     fn gate_is_last(&self, gate: GateHandle) -> Result<bool> {
-        self.inner.gate_is_last(gate)
+        if !self.gated() {
+            return self.inner.gate_is_last(gate);
+        }
+        let st = crate::tracking::lock(&self.gates.state);
+        Ok(match st.at.get(&gate.0) {
+            Some(&(stream, c)) => {
+                !st.open.contains(&gate.0) && st.enqueued.get(&stream) == Some(&c)
+            }
+            None => false,
+        })
     }
     unsafe fn stream_wait_value32(
         &self,
@@ -404,6 +540,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         value: u32,
         cond: WaitCondition,
     ) -> Result<()> {
+        self.enqueue(stream);
         self.check(FaultOp::StreamWait, "stream_wait_value32")?;
         // SAFETY: forwarded contract.
         unsafe { self.inner.stream_wait_value32(stream, addr, value, cond) }
@@ -415,6 +552,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         value: u64,
         cond: WaitCondition,
     ) -> Result<()> {
+        self.enqueue(stream);
         self.check(FaultOp::StreamWait, "stream_wait_value64")?;
         // SAFETY: forwarded contract.
         unsafe { self.inner.stream_wait_value64(stream, addr, value, cond) }
@@ -425,6 +563,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         addr: DevicePtr,
         value: u32,
     ) -> Result<()> {
+        self.enqueue(stream);
         self.check(FaultOp::StreamWrite, "stream_write_value32")?;
         // SAFETY: forwarded contract.
         unsafe { self.inner.stream_write_value32(stream, addr, value) }
@@ -439,6 +578,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         addr: DevicePtr,
         value: u64,
     ) -> Result<()> {
+        self.enqueue(stream);
         self.check(FaultOp::StreamWrite, "stream_write_value64")?;
         // SAFETY: forwarded contract.
         unsafe { self.inner.stream_write_value64(stream, addr, value) }
@@ -448,6 +588,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         stream: StreamHandle,
         writes: &[(DevicePtr, u64)],
     ) -> Result<()> {
+        self.enqueue(stream);
         self.check(FaultOp::StreamWrite, "stream_write_values64")?;
         // SAFETY: forwarded contract.
         unsafe { self.inner.stream_write_values64(stream, writes) }
@@ -457,6 +598,7 @@ impl<A: DeviceAdaptor> DeviceAdaptor for FaultyAdaptor<A> {
         stream: StreamHandle,
         steps: &[crate::SlotStep],
     ) -> Result<()> {
+        self.enqueue(stream);
         // The faults of the operations a call stands for: waits, a put's copy and writes.
         const OP: &str = "stream_slot_steps";
         for step in steps {
