@@ -203,21 +203,46 @@ fn direct(sh: &Shape) -> Vec<Step> {
     if !gets {
         return steps;
     }
-    // In place, this rank's own block is the result buffer, which the chain's first step
-    // overwrites: from rank 2 on, the block is needed after that, so it is copied aside.
-    let mut own = mine_in(r);
-    if sh.in_place && r >= 2 {
-        let aside = At(Buf::Scratch, (n - 1) * bytes);
+    // In place, this rank's own block is the result buffer.
+    let own = mine_in(r);
+    let aside = At(Buf::Scratch, (n - 1) * bytes);
+    combine_in_rank_order(
+        sh,
+        &mut steps,
+        (At(Buf::Recv, 0), count),
+        own,
+        sh.in_place,
+        aside,
+        slot,
+    );
+    steps
+}
+
+/// Combines the ranks' pieces of `count` elements into `out` in rank order,
+/// `((x0 ∘ x1) ∘ x2) ∘ …`, then averages where the operator does: `x(q)` is this rank's own
+/// piece `own` for `q == rank`, else `slot(q)`. Where the own piece lies at `out` (`at_out`:
+/// in place), the chain's first step overwrites it, which from rank 2 on is before it is used:
+/// it is copied to `aside` first.
+fn combine_in_rank_order(
+    sh: &Shape,
+    steps: &mut Vec<Step>,
+    (out, count): (At, usize),
+    mut own: At,
+    at_out: bool,
+    aside: At,
+    slot: impl Fn(usize) -> At,
+) {
+    let r = sh.rank;
+    if at_out && r >= 2 {
         steps.push(Step::Copy {
             dst: aside,
             src: own,
-            bytes,
+            bytes: count * sh.dtype.size(),
         });
         own = aside;
     }
     let x = |q: usize| if q == r { own } else { slot(q) };
-    let out = At(Buf::Recv, 0);
-    for k in 1..n {
+    for k in 1..sh.nranks {
         steps.push(Step::Reduce {
             dst: out,
             a: if k == 1 { x(0) } else { out },
@@ -235,7 +260,6 @@ fn direct(sh: &Shape) -> Vec<Step> {
             step: f,
         });
     }
-    steps
 }
 
 /// The scatter algorithm of an all-reduce or reduce: segment `q` of every rank's data to rank
@@ -275,36 +299,17 @@ fn scatter(sh: &Shape) -> Vec<Step> {
         steps.push(exchange(ex));
     }
     if len > 0 {
-        // In place the own piece is the result's place, which the chain's first step
-        // overwrites: from rank 2 on it is needed after that, so it is copied aside.
-        let mut own = in_send(r);
-        if sh.in_place && r >= 2 && fin == in_recv(r) {
-            steps.push(Step::Copy {
-                dst: spare(0),
-                src: own,
-                bytes,
-            });
-            own = spare(0);
-        }
-        let x = |q: usize| if q == r { own } else { slot(q) };
-        for k in 1..n {
-            steps.push(Step::Reduce {
-                dst: fin,
-                a: if k == 1 { x(0) } else { fin },
-                b: x(k),
-                count: len,
-                step: sh.combine(),
-            });
-        }
-        if let Some(f) = sh.finish() {
-            steps.push(Step::Reduce {
-                dst: fin,
-                a: fin,
-                b: fin,
-                count: len,
-                step: f,
-            });
-        }
+        // In place (off a reduce's other ranks) the own piece is the result's place.
+        let at_out = sh.in_place && fin == in_recv(r);
+        combine_in_rank_order(
+            sh,
+            &mut steps,
+            (fin, len),
+            in_send(r),
+            at_out,
+            spare(0),
+            slot,
+        );
     }
     let mut ex = Vec::new();
     for q in (0..n).filter(|&q| q != r) {
